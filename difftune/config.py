@@ -1,0 +1,308 @@
+"""The run configuration: pydantic models for every section, and `load_config`.
+
+A run is one TOML file with the sections `model`, `precision`, `adapter`, `[[datasets]]`,
+`cache`, `train`, `sample` and `save`. Everything is validated here, before anything heavy
+loads: unknown keys are rejected, every problem is reported at once with its dotted field and
+a fix, and cross-field conflicts are resolved or refused now rather than discovered mid-run.
+Relative paths are taken relative to the config file's folder.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from difftune.config_errors import format_validation_error, parse_override
+from difftune.errors import ConfigError
+
+DType = Literal["fp32", "fp16", "bf16"]
+
+
+class _Section(BaseModel):
+    """Base of every section: unknown keys are an error, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which base model to fine-tune and where its files are (local files only)."""
+
+    family: Literal["flux"] = Field("flux", description="Model family.")
+    flavor: Literal["tiny"] | None = Field(
+        None, description='"tiny" builds the built-in tiny model that needs no files.'
+    )
+    path: Path | None = Field(
+        None, description="A diffusers-format folder (the FLUX.1-dev / schnell layout)."
+    )
+    transformer: Path | None = Field(
+        None, description="Single-file transformer (.safetensors, BFL or diffusers layout)."
+    )
+    vae: Path | None = Field(None, description="Single-file autoencoder (ae.safetensors).")
+    clip_l: Path | None = Field(None, description="Single-file CLIP-L text encoder.")
+    t5: Path | None = Field(None, description="Single-file T5-XXL text encoder.")
+    name: str | None = Field(
+        None, description="Base model name written into LoRA metadata (default: derived)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        files = {k: getattr(self, k) for k in ("transformer", "vae", "clip_l", "t5")}
+        if self.flavor == "tiny":
+            given = [k for k, v in files.items() if v is not None] + (["path"] if self.path else [])
+            if given:
+                raise ValueError(
+                    f'flavor = "tiny" needs no files, but {", ".join(given)} given; '
+                    "remove them or remove flavor"
+                )
+            return self
+        missing = [k for k, v in files.items() if v is None]
+        if self.path is None and missing:
+            raise ValueError(
+                "no model given: set flavor = \"tiny\", or path = a diffusers folder, or all of "
+                f"transformer, vae, clip_l, t5 as single files (missing: {', '.join(missing)})"
+            )
+        return self
+
+
+class PrecisionConfig(_Section):
+    """Compute and storage dtypes."""
+
+    mixed: Literal["no", "fp16", "bf16"] = Field(
+        "no", description="Autocast dtype for the forward pass; trainable weights stay fp32."
+    )
+    denoiser: DType = Field("fp32", description="Storage dtype of the frozen transformer.")
+    text_encoders: DType = Field("fp32", description="Storage dtype of the text encoders.")
+    vae: DType = Field("fp32", description="Storage dtype of the autoencoder.")
+
+
+class AdapterConfig(_Section):
+    """The LoRA to train."""
+
+    type: Literal["lora"] = "lora"
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank.")
+    alpha: float | None = Field(None, gt=0, description="LoRA alpha (default: the rank).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    targets: Literal["attention", "attention_mlp", "all_linear"] = Field(
+        "attention", description="Preset of layers that get a LoRA."
+    )
+    target_modules: list[str] | None = Field(
+        None, description="Explicit module-name suffixes; overrides `targets` when set."
+    )
+
+    @property
+    def scale_alpha(self) -> float:
+        """The alpha actually used (the rank when unset)."""
+        return float(self.alpha if self.alpha is not None else self.rank)
+
+
+class SubsetConfig(_Section):
+    """One folder of images with same-stem caption files."""
+
+    path: Path = Field(..., description="Folder of png/jpg/webp images (searched recursively).")
+    repeats: int = Field(1, ge=1, description="How many times each image appears per epoch.")
+    caption_ext: str = Field(".txt", description="Caption file extension.")
+    default_caption: str = Field("", description="Caption for images with no caption file.")
+    recursive: bool = Field(True, description="Search sub-folders too.")
+    flip: bool = Field(False, description="Random horizontal flip (per sample).")
+    crop: Literal["center", "random"] = Field(
+        "center", description="Where to crop after resizing to the bucket."
+    )
+
+
+class DatasetConfig(_Section):
+    """A dataset: bucketing parameters and one or more subsets.
+
+    For a single folder, give its fields (`path`, `repeats`, ...) directly; they become one subset.
+    """
+
+    resolution: int = Field(1024, ge=64, description="Target side: buckets hold ~resolution² px.")
+    min_side: int = Field(256, ge=16, description="Smallest bucket side.")
+    max_side: int = Field(2048, ge=16, description="Largest bucket side.")
+    bucket_step: int | None = Field(
+        None, ge=8, description="Bucket side granularity (default: the family's, 16 for flux)."
+    )
+    buckets: bool = Field(True, description="Aspect-ratio bucketing; off = square crops.")
+    subsets: list[SubsetConfig] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "path" in data:
+            data = dict(data)
+            own = set(cls.model_fields) - {"subsets"}
+            subset = {k: data.pop(k) for k in list(data) if k not in own and k != "subsets"}
+            if data.get("subsets"):
+                raise ValueError("give either `path` (one folder) or `subsets`, not both")
+            data["subsets"] = [subset]
+        return data
+
+    @model_validator(mode="after")
+    def _sides(self) -> "DatasetConfig":
+        if not self.subsets:
+            raise ValueError("no images: set `path` or add [[datasets.subsets]] with a path")
+        if self.min_side > self.max_side:
+            raise ValueError(f"min_side ({self.min_side}) is larger than max_side ({self.max_side})")
+        if not self.min_side <= self.resolution <= self.max_side:
+            raise ValueError(
+                f"resolution ({self.resolution}) must lie between min_side ({self.min_side}) "
+                f"and max_side ({self.max_side})"
+            )
+        return self
+
+
+class CacheConfig(_Section):
+    """What is computed once before training instead of every step."""
+
+    latents: Literal["memory", "none"] = Field("memory", description="Cache VAE latents.")
+    text: Literal["memory", "none"] = Field("memory", description="Cache text-encoder outputs.")
+    offload: bool = Field(
+        True, description="Move the VAE and frozen text encoders off the accelerator once cached."
+    )
+
+
+class TrainConfig(_Section):
+    """The optimisation recipe."""
+
+    steps: int = Field(1000, ge=1, description="Optimizer steps to run.")
+    batch_size: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    optimizer: Literal["adamw"] = "adamw"
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip gradients (unset: off).")
+    gradient_checkpointing: bool = False
+    seed: int = 42
+    timesteps: Literal["uniform", "sigmoid", "shift", "flux_shift"] = Field(
+        "sigmoid", description="How training timesteps are drawn."
+    )
+    sigmoid_mean: float = Field(0.0, description="Logit-normal mean (sigmoid, shift).")
+    sigmoid_std: float = Field(1.0, gt=0, description="Logit-normal std (sigmoid, shift).")
+    shift: float = Field(3.0, gt=0, description="Fixed shift for timesteps = \"shift\".")
+    guidance: float = Field(1.0, ge=0, description="Guidance input for guidance-distilled models.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+
+    @model_validator(mode="after")
+    def _warmup(self) -> "TrainConfig":
+        if self.warmup_steps >= self.steps and self.warmup_steps > 0:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})"
+            )
+        return self
+
+
+class SampleConfig(_Section):
+    """Sample images during training, from a prompt file."""
+
+    prompts: Path | None = Field(None, description="Prompt file (one prompt a line).")
+    every_n_steps: int | None = Field(None, ge=1)
+    at_start: bool = Field(False, description="Sample before the first step (a baseline).")
+    at_end: bool = Field(True, description="Sample after the last step (needs prompts).")
+    width: int | None = Field(None, ge=16, description="Default width (default: resolution).")
+    height: int | None = Field(None, ge=16, description="Default height (default: resolution).")
+    steps: int = Field(20, ge=1, description="Default denoising steps.")
+    guidance: float = Field(3.5, ge=0, description="Default distilled guidance.")
+    cfg: float = Field(1.0, ge=1.0, description="Default true-CFG scale (1 = off).")
+    seed: int = Field(0, description="Default seed.")
+
+    @model_validator(mode="after")
+    def _needs_prompts(self) -> "SampleConfig":
+        if self.prompts is None and (self.every_n_steps or self.at_start):
+            raise ValueError("sampling is scheduled but `prompts` is not set; set sample.prompts")
+        return self
+
+
+class SaveConfig(_Section):
+    """Where and how the LoRA is written."""
+
+    dir: Path = Field(..., description="Output folder.")
+    name: str = Field("lora", pattern=r"^[A-Za-z0-9_.-]+$", description="File name stem.")
+    every_n_steps: int | None = Field(None, ge=1)
+    format: Literal["diffusers", "kohya"] = Field(
+        "diffusers", description="diffusers/PEFT keys, or kohya/ComfyUI keys."
+    )
+    dtype: DType = Field("bf16", description="dtype of the saved LoRA tensors.")
+    overwrite: bool = Field(False, description="Allow writing into a folder holding a LoRA.")
+
+
+class RunConfig(_Section):
+    """The whole run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    datasets: list[DatasetConfig] = Field(..., min_length=1)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    sample: SampleConfig = Field(default_factory=SampleConfig)
+    save: SaveConfig
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RunConfig":
+        problems = []
+        p = self.precision
+        low = [f"precision.{k} = \"{getattr(p, k)}\"" for k in ("denoiser", "text_encoders", "vae")
+               if getattr(p, k) != "fp32"]
+        if p.mixed == "no" and low:
+            problems.append(
+                f"{', '.join(low)} needs precision.mixed = \"bf16\" or \"fp16\" (fp32 compute "
+                "on low-precision weights fails); set precision.mixed or keep those at fp32"
+            )
+        every = self.save.every_n_steps
+        if every is not None and every > self.train.steps:
+            problems.append(
+                f"save.every_n_steps ({every}) is larger than train.steps ({self.train.steps}); "
+                "lower it or leave it unset (the end of the run is always saved)"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def _resolve_paths(node: Any, base: Path) -> None:
+    """Make every Path field of `node` (recursively) absolute, relative to `base`."""
+    if isinstance(node, list):
+        for item in node:
+            _resolve_paths(item, base)
+        return
+    if not isinstance(node, BaseModel):
+        return
+    for name in type(node).model_fields:
+        value = getattr(node, name)
+        if isinstance(value, Path) and not value.is_absolute():
+            object.__setattr__(node, name, (base / value.expanduser()).resolve())
+        elif isinstance(value, Path):
+            object.__setattr__(node, name, value.expanduser())
+        else:
+            _resolve_paths(value, base)
+
+
+def parse_config(data: dict[str, Any], base: Path, source: str = "config") -> RunConfig:
+    """Validate a config mapping; relative paths are resolved against `base`."""
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+    _resolve_paths(cfg, base)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML run file, apply `a.b=value` overrides, and validate everything at once."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass the path of a .toml run file")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}; fix the syntax at that place") from None
+    for item in overrides or []:
+        parse_override(data, item)
+    return parse_config(data, path.resolve().parent, str(path))

@@ -1,0 +1,132 @@
+"""The Family protocol and the plain data passed between the parts of a run.
+
+Core code (data, cache, train, sample) talks to a model family only through `Family`. A family
+never branches on another family's name and core code never branches on a family's name: what
+differs between families is declared here (text-encoder specs, bucket step, LoRA presets, key
+layouts) or implemented behind these methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+    from difftune.config import ModelConfig
+    from difftune.precision import PrecisionPolicy
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    """What a family needs from one text encoder, declared rather than sniffed.
+
+    `kind` picks the transformers model class; `hidden` says which hidden state the denoiser
+    reads ("last", "penultimate", or "none" when only the pooled output is used); `pooled` whether
+    the pooled/projected output is used; `mask` whether the attention mask is applied.
+    """
+
+    name: str
+    kind: Literal["clip", "clip_projection", "t5"]
+    max_length: int
+    hidden: Literal["last", "penultimate", "none"]
+    pooled: bool
+    mask: bool = False
+
+
+@dataclass
+class TextEmbeds:
+    """Text-encoder outputs for a batch: named tensors with the batch as first dimension.
+
+    Names are the family's own (e.g. "prompt_embeds", "pooled_prompt_embeds"); the cache stores
+    one item per entry (batch of 1) and batches are rebuilt with `cat`.
+    """
+
+    tensors: dict[str, torch.Tensor]
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "TextEmbeds":
+        """Move (and optionally cast floating tensors) to a device."""
+        out = {}
+        for k, v in self.tensors.items():
+            cast = dtype if (dtype is not None and v.is_floating_point()) else None
+            out[k] = v.to(device=device, dtype=cast)
+        return TextEmbeds(out)
+
+    def item(self, i: int) -> "TextEmbeds":
+        """The i-th sample as a batch of one."""
+        return TextEmbeds({k: v[i : i + 1] for k, v in self.tensors.items()})
+
+    @staticmethod
+    def cat(items: list["TextEmbeds"]) -> "TextEmbeds":
+        """Concatenate batches along the first dimension."""
+        keys = items[0].tensors.keys()
+        return TextEmbeds({k: torch.cat([it.tensors[k] for it in items]) for k in keys})
+
+
+@dataclass
+class Components:
+    """The loaded parts of a base model.
+
+    `text_encoders` and `tokenizers` are keyed by `TextEncoderSpec.name`. `fingerprint` identifies
+    the weights (file identity or flavor + seed) so cache keys change when the model does.
+    """
+
+    denoiser: torch.nn.Module
+    vae: torch.nn.Module
+    text_encoders: dict[str, torch.nn.Module]
+    tokenizers: dict[str, Any]
+    scheduler: Any
+    name: str
+    fingerprint: str
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Family(Protocol):
+    """A model family: everything that differs between FLUX.1, SD3 and SDXL."""
+
+    name: str
+    text_encoders: tuple[TextEncoderSpec, ...]
+    bucket_step: int
+    guidance_input: bool
+
+    def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
+        """Load (or build, for the tiny flavor) all components from local files."""
+        ...
+
+    def encode_text(self, c: Components, texts: list[str]) -> TextEmbeds:
+        """Run the text encoders on a batch of captions (no grad)."""
+        ...
+
+    def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1], (B, 3, H, W) -> normalized latents (B, C, h, w)."""
+        ...
+
+    def predict(
+        self,
+        c: Components,
+        noisy: torch.Tensor,
+        embeds: TextEmbeds,
+        t: torch.Tensor,
+        guidance: float,
+    ) -> torch.Tensor:
+        """Denoiser output for noisy latents at times t in [0, 1], in the latent layout."""
+        ...
+
+    def lora_targets(self, preset: str) -> list[str]:
+        """Module-name suffixes of the denoiser that get a LoRA for a preset."""
+        ...
+
+    def pipeline(self, c: Components) -> "DiffusionPipeline":
+        """A diffusers pipeline over the loaded components, for sampling."""
+        ...
+
+    def pipeline_embeds(self, embeds: TextEmbeds) -> dict[str, torch.Tensor]:
+        """Pipeline keyword arguments that pass precomputed prompt embeddings."""
+        ...
+
+    def lora_to_format(self, state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+        """Convert a diffusers-named LoRA state dict ("transformer.<module>.lora_A.weight")."""
+        ...
