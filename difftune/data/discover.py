@@ -1,0 +1,208 @@
+"""Finding the training images and captions, checking them, and assigning buckets.
+
+`build(datasets, bucket_step)` turns the `[[datasets]]` config into a `DataSet`: one `Item` per
+usable image, in a deterministic order (dataset, subset, then path), plus what was skipped and
+why. Unusable images are skipped with a warning rather than crashing an hour later; a folder that
+does not exist, or a dataset left with no usable image, is a `DataError` now.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from difftune.config import DatasetConfig, SubsetConfig
+from difftune.data.buckets import Bucket, assign_bucket, make_buckets, square_bucket
+from difftune.data.images import probe_image
+from difftune.errors import DataError
+
+log = logging.getLogger("difftune.data")
+
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp"})
+
+
+@dataclass(frozen=True)
+class Item:
+    """One usable training image and how it is prepared.
+
+    `size` is the upright (EXIF-rotated) original (width, height); `bucket` the (width, height)
+    it is trained at; `dataset`/`subset` index the config lists; `repeats`, `flip` and `crop`
+    come from its subset.
+    """
+
+    path: Path
+    caption: str
+    size: tuple[int, int]
+    bucket: tuple[int, int]
+    dataset: int
+    subset: int
+    repeats: int
+    flip: bool
+    crop: str
+
+
+@dataclass
+class DataSet:
+    """All items of a run, and the files that were left out (for `difftune check`)."""
+
+    items: list[Item]
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    missing_captions: list[Path] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for reports: images, skipped, captions missing, per bucket, per subset.
+
+        Buckets are keyed "WxH", subsets by their config name "datasets[i].subsets[j]";
+        `samples_per_epoch` counts repeats; `upscaled` counts images smaller than their bucket.
+        """
+        buckets = Counter(f"{it.bucket[0]}x{it.bucket[1]}" for it in self.items)
+        subsets = Counter(f"datasets[{it.dataset}].subsets[{it.subset}]" for it in self.items)
+        upscaled = sum(
+            1 for it in self.items if it.size[0] < it.bucket[0] or it.size[1] < it.bucket[1]
+        )
+        return {
+            "images": len(self.items),
+            "samples_per_epoch": sum(it.repeats for it in self.items),
+            "skipped": len(self.skipped),
+            "captions_missing": len(self.missing_captions),
+            "upscaled": upscaled,
+            "buckets": dict(sorted(buckets.items())),
+            "subsets": dict(sorted(subsets.items())),
+        }
+
+
+def list_images(folder: Path, recursive: bool) -> list[Path]:
+    """Image files under `folder` (extension case-insensitive), sorted by relative path.
+
+    Hidden files and folders (name starting with ".", e.g. macOS "._x.jpg" resource forks or
+    ".ipynb_checkpoints") are ignored: they are never training data.
+    """
+    candidates = folder.rglob("*") if recursive else folder.iterdir()
+    found = []
+    for path in candidates:
+        rel = path.relative_to(folder)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file():
+            found.append(path)
+    return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def read_caption(image: Path, caption_ext: str) -> str | None:
+    """The stripped UTF-8 text of `image`'s same-stem caption file, or None when there is none.
+
+    A byte-order mark is tolerated (utf-8-sig). An existing but empty file is an intentional
+    empty caption and is returned as "". A file that is not UTF-8 is a `DataError`.
+    """
+    ext = caption_ext if caption_ext.startswith(".") else f".{caption_ext}"
+    path = image.with_suffix(ext)
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8-sig").strip()
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"caption file {path} is not UTF-8 ({err.reason} at byte {err.start}); "
+            "re-save it as UTF-8"
+        ) from None
+
+
+def _probe_all(paths: list[Path]) -> list[tuple[int, int] | str]:
+    """Probe images in parallel (decoding releases the GIL); a size, or the reason it failed."""
+
+    def one(path: Path) -> tuple[int, int] | str:
+        try:
+            return probe_image(path)
+        except (ValueError, OSError) as err:
+            return str(err)
+
+    if len(paths) < 8:
+        return [one(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(one, paths))
+
+
+def _subset_items(
+    sub: SubsetConfig, d: int, s: int, buckets: list[Bucket], out: DataSet
+) -> list[Item]:
+    """Items of one subset; skipped files and missing captions are recorded in `out`."""
+    where = f"datasets[{d}].subsets[{s}].path"
+    if not sub.path.exists():
+        raise DataError(f"{where}: folder {sub.path} does not exist; fix the path in the config")
+    if not sub.path.is_dir():
+        raise DataError(f"{where}: {sub.path} is not a folder; point it at a folder of images")
+    paths = list_images(sub.path, sub.recursive)
+    items = []
+    for path, probed in zip(paths, _probe_all(paths), strict=True):
+        if isinstance(probed, str):
+            log.warning("skipping image %s: %s", path, probed)
+            out.skipped.append((path, probed))
+            continue
+        caption = read_caption(path, sub.caption_ext)
+        if caption is None:
+            log.warning(
+                "no caption file for %s; using the default caption %r", path, sub.default_caption
+            )
+            out.missing_captions.append(path)
+            caption = sub.default_caption
+        bucket = assign_bucket(probed, buckets)
+        items.append(
+            Item(
+                path=path,
+                caption=caption,
+                size=probed,
+                bucket=bucket,
+                dataset=d,
+                subset=s,
+                repeats=sub.repeats,
+                flip=sub.flip,
+                crop=sub.crop,
+            )
+        )
+    if not items:
+        log.warning("%s: no usable image in %s", where, sub.path)
+    return items
+
+
+def dataset_buckets(ds: DatasetConfig, bucket_step: int) -> list[Bucket]:
+    """The candidate buckets of one dataset (one square bucket when bucketing is off)."""
+    step = ds.bucket_step or bucket_step
+    if not ds.buckets:
+        return [square_bucket(ds.resolution, step)]
+    return make_buckets(ds.resolution, ds.min_side, ds.max_side, step)
+
+
+def build(datasets: list[DatasetConfig], bucket_step: int) -> DataSet:
+    """Discover, check and bucket every image of every dataset.
+
+    `bucket_step` is the model family's default side granularity, used where a dataset leaves
+    `bucket_step` unset. Raises `DataError` for a missing folder or a dataset with no usable
+    image; everything else (unreadable files, missing captions) is a logged warning and is
+    recorded in the result.
+    """
+    out = DataSet(items=[])
+    for d, ds in enumerate(datasets):
+        buckets = dataset_buckets(ds, bucket_step)
+        found = []
+        for s, sub in enumerate(ds.subsets):
+            found += _subset_items(sub, d, s, buckets, out)
+        if not found:
+            folders = ", ".join(str(sub.path) for sub in ds.subsets)
+            skipped = [f"{p.name}: {why}" for p, why in out.skipped if _under(p, ds)]
+            detail = f" (skipped: {'; '.join(skipped[:5])})" if skipped else ""
+            raise DataError(
+                f"datasets[{d}] has no usable image in {folders}{detail}; add "
+                f"{'/'.join(sorted(e[1:] for e in IMAGE_EXTENSIONS))} images there or fix the path"
+            )
+        out.items += found
+    return out
+
+
+def _under(path: Path, ds: DatasetConfig) -> bool:
+    """Whether `path` lies inside one of the dataset's subset folders."""
+    return any(path.is_relative_to(sub.path) for sub in ds.subsets)

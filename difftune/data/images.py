@@ -1,0 +1,138 @@
+"""Reading image files: a cheap but real validity probe, crop boxes, and pixel tensors.
+
+Decoding is strict: a truncated file is an error, never a silently grey-padded image, whatever
+another library may have set `PIL.ImageFile.LOAD_TRUNCATED_IMAGES` to. Pixels are produced the
+same way every time (EXIF orientation applied, alpha composited on white, LANCZOS resize to cover
+the bucket, crop, optional mirror), so a cached latent and a freshly computed one agree.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from PIL import Image, ImageFile, ImageOps
+
+from difftune.data.buckets import Bucket, cover_size
+
+# EXIF orientations 5-8 rotate by 90 degrees, so width and height swap (exif_transpose semantics).
+_ORIENTATION_TAG = 0x0112
+_SWAPS_SIDES = {5, 6, 7, 8}
+_strict_lock = threading.RLock()
+_strict_depth = 0
+_saved_flag = False
+
+
+@contextmanager
+def strict_decoding() -> Iterator[None]:
+    """Turn PIL's LOAD_TRUNCATED_IMAGES off for the duration, restoring the caller's value.
+
+    The flag is process-global; a depth counter under a lock lets several threads probe at once
+    while the outermost exit restores whatever value was there before.
+    """
+    global _strict_depth, _saved_flag
+    with _strict_lock:
+        if _strict_depth == 0:
+            _saved_flag = ImageFile.LOAD_TRUNCATED_IMAGES
+        _strict_depth += 1
+        ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        yield
+    finally:
+        with _strict_lock:
+            _strict_depth -= 1
+            if _strict_depth == 0:
+                ImageFile.LOAD_TRUNCATED_IMAGES = _saved_flag
+
+
+def probe_image(path: Path) -> tuple[int, int]:
+    """Check that `path` is a complete, decodable image and return its upright (width, height).
+
+    Raises `ValueError` with a short reason when it is not. Two passes: `verify()` (header and,
+    for PNG, chunk checksums) and a real decode, which is what catches truncated JPEG/WebP data.
+    JPEGs are decoded in draft mode (DCT scaling, up to 8x smaller) which still reads the whole
+    entropy-coded stream, so truncation is caught at a fraction of the full decode cost.
+    """
+    if path.stat().st_size == 0:
+        raise ValueError("empty file (0 bytes)")
+    try:
+        with strict_decoding(), Image.open(path) as img:
+            img.verify()
+        with strict_decoding(), Image.open(path) as img:
+            w, h = img.size
+            orientation = img.getexif().get(_ORIENTATION_TAG)
+            if img.format == "JPEG":
+                img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
+            img.load()
+    except Image.DecompressionBombError as err:
+        raise ValueError(f"too large to load safely ({err})") from None
+    except Image.UnidentifiedImageError:
+        raise ValueError("not a readable image (unknown or corrupt format)") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as err:
+        raise ValueError(f"corrupt or truncated image ({err})") from None
+    if w <= 0 or h <= 0:
+        raise ValueError(f"image has no pixels ({w}x{h})")
+    return (h, w) if orientation in _SWAPS_SIDES else (w, h)
+
+
+def crop_box(
+    size: tuple[int, int],
+    bucket: Bucket,
+    mode: Literal["center", "random"],
+    rng: random.Random,
+) -> tuple[int, int, int, int]:
+    """The (left, top, right, bottom) crop of the bucket, in the resized image's coordinates.
+
+    `size` is the original upright size; the image is first resized to `cover_size(size,
+    bucket)`. "center" ignores `rng`; "random" draws the offset from it (one draw per axis, in
+    x-then-y order, so the box is reproducible from the rng's state).
+    """
+    rw, rh = cover_size(size, bucket)
+    bw, bh = bucket
+    if mode == "center":
+        left, top = (rw - bw) // 2, (rh - bh) // 2
+    elif mode == "random":
+        left, top = rng.randint(0, rw - bw), rng.randint(0, rh - bh)
+    else:
+        raise ValueError(f'crop mode must be "center" or "random", got {mode!r}')
+    return (left, top, left + bw, top + bh)
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """RGB version of `img`; any transparency is composited over white (not black)."""
+    has_alpha = img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
+    if not has_alpha:
+        return img.convert("RGB")
+    rgba = img.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
+def load_pixels(
+    path: Path, bucket: Bucket, box: tuple[int, int, int, int], flip: bool
+) -> torch.Tensor:
+    """Decode `path` into a (3, H, W) float32 tensor in [-1, 1] for `bucket` = (W, H).
+
+    Steps: EXIF orientation, RGB (alpha over white), LANCZOS resize to cover the bucket
+    (`reducing_gap` first shrinks large images by integer factors, which is much faster and
+    visually equivalent), crop `box` (from `crop_box`), mirror left-right when `flip`.
+    """
+    with strict_decoding(), Image.open(path) as raw:
+        img = _to_rgb(ImageOps.exif_transpose(raw))
+    target = cover_size(img.size, bucket)
+    if img.size != target:
+        img = img.resize(target, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    img = img.crop(box)
+    if img.size != tuple(bucket):
+        raise ValueError(f"crop box {box} does not give bucket {bucket} for {path}")
+    if flip:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    array = np.asarray(img, dtype=np.uint8)  # (H, W, 3)
+    pixels = torch.from_numpy(array.copy()).permute(2, 0, 1).float()
+    return pixels / 127.5 - 1.0
