@@ -90,7 +90,6 @@ class Family(Protocol):
     name: str
     text_encoders: tuple[TextEncoderSpec, ...]
     bucket_step: int
-    guidance_input: bool
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Load (or build, for the tiny flavor) all components from local files."""
@@ -123,10 +122,13 @@ class Family(Protocol):
         """A diffusers pipeline over the loaded components, for sampling."""
         ...
 
-    def pipeline_embeds(self, embeds: TextEmbeds) -> dict[str, torch.Tensor]:
-        """Pipeline keyword arguments that pass precomputed prompt embeddings."""
+    def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
+                        guidance: float, cfg: float) -> dict[str, Any]:
+        """Pipeline keyword arguments: precomputed (negative) embeddings, guidance, CFG scale."""
         ...
 
-    def lora_to_format(self, state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
-        """Convert a diffusers-named LoRA state dict ("transformer.<module>.lora_A.weight")."""
+    def lora_to_format(
+        self, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
+    ) -> dict[str, torch.Tensor]:
+        """Convert a diffusers-named LoRA ("transformer.<module>.lora_A.weight") to `fmt`."""
         ...

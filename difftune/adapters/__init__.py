@@ -1,0 +1,1 @@
+"""Trainable adapters (LoRA) and their file formats."""

@@ -1,0 +1,57 @@
+"""Cache keys: a hash of everything that decides an entry's value.
+
+A key covers the family, the weights' fingerprint, the dtype, the preprocessing parameters and
+the content itself (image bytes, exact caption text). Editing an image or a caption, changing the
+bucket, crop, flip, max length or the model gives a new key by construction, so a stale entry
+can never be read; no step number or dataloader position is ever part of a key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+
+def entry_key(fields: dict[str, Any]) -> str:
+    """The key of an entry: sha256 of the canonical JSON of its input fields (sorted keys)."""
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+@functools.lru_cache(maxsize=65536)
+def _file_hash(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file's bytes; memoized on (path, size, mtime) so each file is read once."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_hash(path: Path) -> str:
+    """Content hash of a file (re-read when its size or mtime changes)."""
+    st = path.stat()
+    return _file_hash(str(path), st.st_size, st.st_mtime_ns)
+
+
+def latent_fields(
+    family: str, fingerprint: str, dtype: str, image: Path,
+    bucket: tuple[int, int], box: tuple[int, int, int, int], flip: bool,
+) -> dict[str, Any]:
+    """The inputs that decide a latent entry (also stored as the entry's metadata)."""
+    return {
+        "kind": "latent", "family": family, "model": fingerprint, "dtype": dtype,
+        "image_sha256": file_hash(image), "bucket": list(bucket), "box": list(box),
+        "flip": flip,
+    }
+
+
+def text_fields(
+    family: str, fingerprint: str, dtype: str, caption: str, encoders: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The inputs that decide a text entry: exact caption and each encoder's declared settings."""
+    return {"kind": "text", "family": family, "model": fingerprint, "dtype": dtype,
+            "caption": caption, "encoders": encoders}

@@ -1,0 +1,113 @@
+"""Latents and text embeddings for a batch, served from a store or computed on a miss.
+
+Batches ask by item and variant (flip, crop box) or by exact caption text, never by step: the
+key is derived from content, so the same request always gets the same entry. `fill_*` computes
+every entry a run will need up front, with progress, so training never waits on the VAE or the
+text encoders when caching is on.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+from typing import Callable, Iterable
+
+import torch
+
+from difftune.cache.keys import entry_key, latent_fields, text_fields
+from difftune.cache.store import Store
+from difftune.data.discover import Item
+from difftune.data.images import crop_box, load_pixels
+from difftune.families.base import Components, Family, TextEmbeds
+
+Progress = Callable[[Iterable, str, int], Iterable]
+
+
+def _no_progress(it: Iterable, desc: str, total: int) -> Iterable:
+    return it
+
+
+class LatentSource:
+    """VAE latents of dataset items, by (item index, flip)."""
+
+    def __init__(self, family: Family, comps: Components, items: list[Item], store: Store,
+                 seed: int) -> None:
+        self.family, self.comps, self.items, self.store = family, comps, items, store
+        self.seed = seed
+        self.dtype = str(comps.vae.dtype).removeprefix("torch.")
+
+    def box(self, index: int) -> tuple[int, int, int, int]:
+        """The item's crop box; a "random" crop is drawn once per item from the run seed."""
+        item = self.items[index]
+        rng = random.Random(f"{self.seed}:{index}")
+        return crop_box(item.size, item.bucket, item.crop, rng)
+
+    def _fields(self, index: int, flip: bool) -> dict[str, object]:
+        item = self.items[index]
+        return latent_fields(family=self.family.name, fingerprint=self.comps.fingerprint,
+                             dtype=self.dtype, image=item.path, bucket=item.bucket,
+                             box=self.box(index), flip=flip)
+
+    def get(self, index: int, flip: bool) -> torch.Tensor:
+        """Latent (C, h, w) of item `index`, horizontally flipped or not."""
+        fields = self._fields(index, flip)
+        key = entry_key(fields)
+        hit = self.store.get(key)
+        if hit is not None:
+            return hit["latent"]
+        item = self.items[index]
+        pixels = load_pixels(item.path, item.bucket, self.box(index), flip)
+        latent = self.family.encode_images(self.comps, pixels[None])[0].float().cpu()
+        self.store.put(key, {"latent": latent}, {k: str(v) for k, v in fields.items()})
+        return latent
+
+    def fill(self, progress: Progress = _no_progress) -> None:
+        """Compute every variant the run can ask for (both flips where flip is on)."""
+        wanted = [(i, f) for i, it in enumerate(self.items)
+                  for f in ((False, True) if it.flip else (False,))]
+        for i, f in progress(wanted, "caching latents", len(wanted)):
+            self.get(i, f)
+
+
+class TextSource:
+    """Text-encoder outputs by exact caption text."""
+
+    def __init__(self, family: Family, comps: Components, store: Store) -> None:
+        self.family, self.comps, self.store = family, comps, store
+        encoder = next(iter(comps.text_encoders.values()))
+        self.dtype = str(encoder.dtype).removeprefix("torch.")
+        lengths = comps.extras.get("max_length", {})
+        self.encoders = [dict(asdict(s), max_length=lengths.get(s.name, s.max_length))
+                         for s in family.text_encoders]
+
+    def _key(self, caption: str) -> tuple[str, dict[str, object]]:
+        fields = text_fields(family=self.family.name, fingerprint=self.comps.fingerprint,
+                             dtype=self.dtype, caption=caption, encoders=self.encoders)
+        return entry_key(fields), fields
+
+    def get(self, captions: list[str]) -> TextEmbeds:
+        """Embeddings for a batch of captions (CPU tensors), encoding only the misses."""
+        found: dict[str, TextEmbeds] = {}
+        missing: list[str] = []
+        for cap in dict.fromkeys(captions):
+            hit = self.store.get(self._key(cap)[0])
+            if hit is None:
+                missing.append(cap)
+            else:
+                found[cap] = TextEmbeds(hit)
+        if missing:
+            fresh = self.family.encode_text(self.comps, missing).to("cpu")
+            for i, cap in enumerate(missing):
+                one = fresh.item(i)
+                key, fields = self._key(cap)
+                self.store.put(key, one.tensors, {k: str(v) for k, v in fields.items()})
+                found[cap] = one
+        return TextEmbeds.cat([found[c] for c in captions])
+
+    def fill(self, captions: list[str], batch: int = 8,
+             progress: Progress = _no_progress) -> None:
+        """Encode every distinct caption not yet stored, `batch` at a time."""
+        todo = [c for c in dict.fromkeys(captions) if self._key(c)[0] not in self.store]
+        chunks = [todo[i : i + batch] for i in range(0, len(todo), batch)]
+        for chunk in progress(chunks, "caching text embeddings", len(chunks)):
+            self.get(chunk)

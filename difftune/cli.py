@@ -1,0 +1,101 @@
+"""The `difftune` command line: parse, call, map errors to exit codes.
+
+Exit codes: 0 success; 2 a user-fixable problem (config, data, model files, environment), shown
+as one message without a traceback; 1 an internal error (traceback in the run log); 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from difftune import __version__
+from difftune.errors import DifftuneError
+from difftune.logs import current_run_log, setup_console
+
+log = logging.getLogger("difftune")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="difftune", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"difftune {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug messages")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for name, text in (("train", "train a LoRA from a TOML run file"),
+                       ("check", "verify a run in seconds: config, data, model, one step, one sample")):
+        p = verbs.add_parser(name, help=text, description=text)
+        p.add_argument("config", type=Path, help="the run's TOML file")
+        p.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="override a config field, e.g. train.lr=2e-4")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
+    demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
+    demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from difftune.commands import run_train
+    from difftune.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    result = run_train(cfg, show_progress=not args.no_progress)
+    print(f"LoRA written to {result.lora}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from difftune.commands import run_check
+    from difftune.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    for line in run_check(cfg):
+        print(f"ok  {line}")
+    print("check passed: this run should start and train")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from difftune.demo import run_demo
+
+    report = run_demo(args.out, steps=args.steps)
+    print(report)
+    return 0
+
+
+VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": _train, "check": _check, "demo": _demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script and `python -m difftune`."""
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
+    setup_console(args.verbose)
+    try:
+        return VERBS[args.verb](args)
+    except DifftuneError as err:
+        log.debug("user-fixable error:\n%s", traceback.format_exc())
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        where = current_run_log()
+        log.debug("internal error:\n%s", traceback.format_exc())
+        if where is None:
+            traceback.print_exc()
+        print(f"internal error: {type(err).__name__}: {err}"
+              + (f" (traceback in {where})" if where else ""), file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""What the CLI verbs do, as plain functions (the CLI only parses and maps errors to exit codes)."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from difftune.config import RunConfig
+from difftune.logs import attach_run_log
+from difftune.report import Reporter
+from difftune.sample import SampleRunner, read_prompts
+from difftune.train.checkpoint import CheckpointManager, refuse_overwrite
+from difftune.train.loop import Hooks, Result, train
+from difftune.train.setup import Run, batch_loss, fill_caches, load_data, prepare
+
+log = logging.getLogger("difftune")
+
+
+def _sampler(run: Run, reporter: Reporter | None, out: Path) -> SampleRunner:
+    res = run.cfg.datasets[0].resolution
+    return SampleRunner(run.family, run.comps, run.texts, run.cfg.sample, out, (res, res),
+                        run.policy, reporter)
+
+
+def _sample_prompts(runner: SampleRunner) -> list[str]:
+    """Prompt and negative texts of the sample file now, so they are cached with the captions."""
+    specs = runner.prompts()
+    return [s.prompt for s in specs] + [s.negative for s in specs if s.cfg > 1.0]
+
+
+def run_train(cfg: RunConfig, show_progress: bool = True) -> Result:
+    """`difftune train`: the whole run, from config to LoRA file."""
+    refuse_overwrite(cfg)
+    cfg.save.dir.mkdir(parents=True, exist_ok=True)
+    attach_run_log(cfg.save.dir / "difftune.log")
+    started = time.perf_counter()
+    run = prepare(cfg, show_progress=show_progress)
+    ckpt = CheckpointManager(cfg, run.family, run.comps.name, run.targets, run.data.summary())
+    ckpt.write_config()
+    sampler = _sampler(run, None, cfg.save.dir / "samples") if cfg.sample.prompts else None
+    fill_caches(run, _sample_prompts(sampler) if sampler else [], show_progress)
+    reporter = Reporter(cfg.save.dir, cfg.train.steps, bar=show_progress)
+    if sampler:
+        sampler.reporter = reporter
+    try:
+        result = train(run, Hooks(reporter, ckpt, sampler))
+    finally:
+        reporter.close()
+    log.info("done in %.1f s: %s", time.perf_counter() - started, result.lora)
+    return result
+
+
+def _describe_data(run_data: object) -> list[str]:
+    s = run_data.summary()  # type: ignore[attr-defined]
+    lines = [f"dataset: {s['images']} images, {s['skipped']} skipped, "
+             f"{s['captions_missing']} without caption"]
+    lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
+    lines += [f"  skipped {p}: {why}" for p, why in run_data.skipped]  # type: ignore[attr-defined]
+    return lines
+
+
+def run_check(cfg: RunConfig) -> list[str]:
+    """`difftune check`: everything a run does, once, at the smallest size; returns the report."""
+    report = ["config: valid"]
+    refuse_overwrite(cfg)
+    report.append(f"output folder: {cfg.save.dir} (nothing would be overwritten)")
+    from difftune import families
+
+    data = load_data(cfg, families.get(cfg.model.family))
+    report += _describe_data(data)
+    run = prepare(cfg, dataset=data, show_progress=False)
+    report.append(f"model: {run.comps.name} loaded on {run.policy.device}; LoRA rank "
+                  f"{cfg.adapter.rank} on {len(run.targets)} layers")
+    areas = [it.bucket[0] * it.bucket[1] for it in data.items]
+    smallest = areas.index(min(areas))
+    gen = torch.Generator("cpu").manual_seed(cfg.train.seed)
+    run.comps.denoiser.train()
+    loss = batch_loss(run, [smallest], [False], gen)
+    loss.backward()
+    grads = [p.grad for p in run.comps.denoiser.parameters() if p.requires_grad]
+    if not torch.isfinite(loss) or not any(g is not None for g in grads):
+        raise RuntimeError(f"the check step gave loss {float(loss)} and no LoRA gradient")
+    report.append(f"training step: loss {float(loss):.4f}, LoRA gradients flow")
+    report += _check_sample(run)
+    return report
+
+
+def _check_sample(run: Run) -> list[str]:
+    if run.cfg.sample.prompts is None:
+        return ["sampling: no prompt file configured (sample.prompts); skipped"]
+    runner = _sampler(run, None, Path())
+    specs = runner.prompts()
+    step = run.family.bucket_step * 2
+    probe = [replace(s, width=step, height=step, steps=1) for s in specs[:1]]
+    if not probe:
+        return [f"sampling: {run.cfg.sample.prompts} holds no usable prompt"]
+    with tempfile.TemporaryDirectory() as tmp:
+        images = runner.run(0, probe, Path(tmp))
+    if not images:
+        return ["sampling: FAILED (see the warning above); training would go on without samples"]
+    return [f"sampling: {len(specs)} prompt(s) read; a 1-step {step}x{step} sample works"]
+
+
+__all__ = ["read_prompts", "run_check", "run_train"]

@@ -1,0 +1,49 @@
+"""Logging: short messages on the console, everything (with tracebacks) in the run's log file."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+LOGGER = "difftune"
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_console(verbose: bool = False) -> None:
+    """Console handler for the difftune logger: INFO (or DEBUG) and up, message only."""
+    logger = logging.getLogger(LOGGER)
+    logger.setLevel(logging.DEBUG)
+    if any(getattr(h, "_difftune_console", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.DEBUG if verbose else logging.INFO)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    handler._difftune_console = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    # Library chatter (e.g. transformers' optional-backend notices) stays out of the console.
+    for noisy in ("transformers", "diffusers", "peft", "accelerate"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def attach_run_log(path: Path) -> Path:
+    """Append every difftune record, DEBUG and up, to the run's log file."""
+    logger = logging.getLogger(LOGGER)
+    logger.setLevel(logging.DEBUG)
+    target = str(path.resolve())
+    for h in logger.handlers:
+        if isinstance(h, logging.FileHandler) and h.baseFilename == target:
+            return path
+    handler = logging.FileHandler(target, encoding="utf-8")
+    handler.setLevel(logging.DEBUG)
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    logger.addHandler(handler)
+    return path
+
+
+def current_run_log() -> Path | None:
+    """The most recently attached run log, if any."""
+    for h in reversed(logging.getLogger(LOGGER).handlers):
+        if isinstance(h, logging.FileHandler):
+            return Path(h.baseFilename)
+    return None

@@ -1,0 +1,87 @@
+"""Progress bar, metrics.jsonl and TensorBoard scalars.
+
+Reporting must never stop training: every write is guarded, and the first failure of each
+sink is logged once as a warning, after which that sink is switched off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+log = logging.getLogger("difftune")
+
+
+class Reporter:
+    """Per-step reporting to the console bar, metrics.jsonl and TensorBoard."""
+
+    def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = True, bar: bool = True) -> None:
+        self.metrics_path = out_dir / "metrics.jsonl"
+        self.smoothed: float | None = None
+        self.start_time = time.perf_counter()
+        self.start_step = start_step
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                        dynamic_ncols=True, disable=not bar)
+        self.writer = self._tensorboard(out_dir / "tensorboard") if tensorboard else None
+        self._broken: set[str] = set()
+
+    def _tensorboard(self, path: Path) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            return SummaryWriter(log_dir=str(path))
+        except Exception as err:  # reporting never stops training
+            log.warning("TensorBoard logging is off: %s", err)
+            return None
+
+    def _guard(self, sink: str, fn: Any, *args: Any) -> None:
+        if sink in self._broken:
+            return
+        try:
+            fn(*args)
+        except Exception as err:  # reporting never stops training
+            self._broken.add(sink)
+            log.warning("%s reporting failed and is now off (training goes on): %s", sink, err)
+
+    def step(self, step: int, loss: float, lr: float, extra: dict[str, float] | None = None) -> None:
+        """Record optimizer step `step` (1-based) with its loss and learning rate."""
+        # Exponential moving average so the bar shows a readable trend, not per-step noise.
+        self.smoothed = loss if self.smoothed is None else 0.9 * self.smoothed + 0.1 * loss
+        elapsed = time.perf_counter() - self.start_time
+        rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
+        row = {"step": step, "loss": loss, "loss_smoothed": self.smoothed, "lr": lr,
+               "it_per_s": rate, "time": elapsed, **(extra or {})}
+        self._guard("metrics.jsonl", self._write_jsonl, row)
+        if self.writer is not None:
+            self._guard("tensorboard", self._write_tb, row)
+        self._guard("progress", self._update_bar, row)
+
+    def _write_jsonl(self, row: dict[str, float]) -> None:
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _write_tb(self, row: dict[str, float]) -> None:
+        for key in ("loss", "loss_smoothed", "lr", "it_per_s"):
+            self.writer.add_scalar(f"train/{key}", row[key], row["step"])
+
+    def _update_bar(self, row: dict[str, float]) -> None:
+        self.bar.set_postfix(loss=f"{row['loss_smoothed']:.4f}", lr=f"{row['lr']:.2e}",
+                             refresh=False)
+        self.bar.update(1)
+
+    def image(self, tag: str, array: Any, step: int) -> None:
+        """Add an HWC uint8 image to TensorBoard."""
+        if self.writer is not None:
+            self._guard("tensorboard", self.writer.add_image, tag, array, step, None, "HWC")
+
+    def close(self) -> None:
+        """Flush and close every sink."""
+        self.bar.close()
+        if self.writer is not None:
+            self._guard("tensorboard", self.writer.close)

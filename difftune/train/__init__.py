@@ -1,0 +1,1 @@
+"""The training recipe: objective, optimizer, loop, checkpoints."""

@@ -1,0 +1,58 @@
+"""Flow-matching objective: timestep sampling, noising and the loss.
+
+Convention (as FLUX.1 and SD3): x_t = (1 - t) * x_0 + t * noise with t in [0, 1] (1 = pure
+noise), and the model predicts the velocity noise - x_0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from difftune.config import TrainConfig
+
+# FLUX.1's resolution-dependent shift: mu grows linearly with the image token count from
+# base_shift at 256 tokens to max_shift at 4096 tokens (the FLUX.1-dev scheduler settings).
+BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT = 256, 4096, 0.5, 1.15
+
+
+def flux_mu(image_tokens: int) -> float:
+    """The flux_shift mu for an image of `image_tokens` packed latent tokens."""
+    slope = (MAX_SHIFT - BASE_SHIFT) / (MAX_SEQ - BASE_SEQ)
+    return BASE_SHIFT + slope * (image_tokens - BASE_SEQ)
+
+
+def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """Shift t towards noise: shift * t / (1 + (shift - 1) * t) (the SD3 shift)."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def sample_timesteps(
+    cfg: TrainConfig, batch: int, image_tokens: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Draw a batch of t in (0, 1) by the configured method (on the CPU, from `generator`)."""
+    if cfg.timesteps == "uniform":
+        t = torch.rand(batch, generator=generator)
+    else:
+        normal = torch.randn(batch, generator=generator) * cfg.sigmoid_std + cfg.sigmoid_mean
+        t = torch.sigmoid(normal)
+        if cfg.timesteps == "shift":
+            t = shift_time(t, cfg.shift)
+        elif cfg.timesteps == "flux_shift":
+            t = shift_time(t, math.exp(flux_mu(image_tokens)))
+    # Keep away from the exact ends, where x_t carries no signal or no noise.
+    return t.clamp(1e-5, 1 - 1e-5)
+
+
+def noisy_and_target(
+    latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_t and the velocity target for latents x_0, noise and times t (one per sample)."""
+    tt = t.view(-1, *([1] * (latents.dim() - 1))).to(latents.dtype)
+    return (1 - tt) * latents + tt * noise, noise - latents
+
+
+def loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error, computed in fp32 whatever the autocast dtype."""
+    return torch.nn.functional.mse_loss(pred.float(), target.float())

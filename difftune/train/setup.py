@@ -1,0 +1,110 @@
+"""Everything a run needs before its first step, shared by `train`, `check` and the benchmarks.
+
+Order matters for the promise "fail in seconds, not hours": cheap checks (output folder, data
+discovery) run before the model loads, and the model loads before any caching starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from tqdm import tqdm
+
+from difftune import data, families
+from difftune.adapters.lora import add_lora, suffix_patterns
+from difftune.cache import make_store
+from difftune.cache.sources import LatentSource, TextSource
+from difftune.config import RunConfig
+from difftune.data.discover import DataSet
+from difftune.families.base import Components, Family
+from difftune.precision import PrecisionPolicy, resolve_device
+from difftune.train import objectives
+
+log = logging.getLogger("difftune")
+
+
+@dataclass
+class Run:
+    """The loaded parts of a run."""
+
+    cfg: RunConfig
+    family: Family
+    policy: PrecisionPolicy
+    data: DataSet
+    comps: Components
+    latents: LatentSource
+    texts: TextSource
+    targets: list[str]
+
+    @property
+    def out(self) -> Path:
+        """The output folder."""
+        return self.cfg.save.dir
+
+
+def progress(show: bool) -> Any:
+    """A progress wrapper for cache filling (tqdm when shown)."""
+    def wrap(it: Iterable, desc: str, total: int) -> Iterable:
+        return tqdm(it, desc=desc, total=total, disable=not show, leave=False)
+    return wrap
+
+
+def load_data(cfg: RunConfig, family: Family) -> DataSet:
+    """Discover the datasets (cheap: no model needed); warns about every skipped file."""
+    return data.build(cfg.datasets, family.bucket_step)
+
+
+def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool = True) -> Run:
+    """Load the model, add the LoRA and set up the caches (not yet filled)."""
+    family = families.get(cfg.model.family)
+    dataset = dataset or load_data(cfg, family)
+    policy = PrecisionPolicy.from_config(cfg.precision, resolve_device(cfg.train.device))
+    log.info("loading %s model (%s)", family.name, cfg.model.flavor or cfg.model.path or "files")
+    comps = family.load(cfg.model, policy)
+    a = cfg.adapter
+    patterns = (suffix_patterns(a.target_modules) if a.target_modules
+                else family.lora_targets(a.targets))
+    targets = add_lora(comps.denoiser, patterns, a.rank, a.scale_alpha, a.dropout, cfg.train.seed)
+    if cfg.train.gradient_checkpointing:
+        comps.denoiser.enable_gradient_checkpointing()
+    latents = LatentSource(family, comps, dataset.items, make_store(cfg.cache.latents),
+                           cfg.train.seed)
+    texts = TextSource(family, comps, make_store(cfg.cache.text))
+    return Run(cfg, family, policy, dataset, comps, latents, texts, targets)
+
+
+def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) -> None:
+    """Compute cached latents and text embeddings, then move the encoders off the accelerator."""
+    cache = run.cfg.cache
+    wrap = progress(show_progress)
+    if cache.latents != "none":
+        run.latents.fill(wrap)
+    if cache.text != "none":
+        captions = [it.caption for it in run.data.items] + extra_texts
+        run.texts.fill(captions, progress=wrap)
+    if cache.offload and run.policy.device.type != "cpu":
+        if cache.latents != "none":
+            run.comps.vae.to("cpu")
+        if cache.text != "none":
+            for encoder in run.comps.text_encoders.values():
+                encoder.to("cpu")
+        torch.cuda.empty_cache()
+
+
+def batch_loss(run: Run, indices: list[int], flips: list[bool],
+               generator: torch.Generator) -> torch.Tensor:
+    """The flow-matching loss of one batch (forward only; the caller runs backward)."""
+    device = run.policy.device
+    latents = torch.stack([run.latents.get(i, f) for i, f in zip(indices, flips)]).to(device)
+    embeds = run.texts.get([run.data.items[i].caption for i in indices]).to(device)
+    noise = torch.randn(latents.shape, generator=generator).to(device)
+    tokens = latents.shape[-1] * latents.shape[-2] // 4
+    t = objectives.sample_timesteps(run.cfg.train, latents.shape[0], tokens, generator)
+    noisy, target = objectives.noisy_and_target(latents, noise, t.to(device))
+    with run.policy.autocast():
+        pred = run.family.predict(run.comps, noisy, embeds, t.to(device), run.cfg.train.guidance)
+    return objectives.loss(pred, target)
