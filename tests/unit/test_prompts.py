@@ -1,0 +1,55 @@
+"""Prompt-file parsing (kohya option syntax) and its warnings."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from difftune.sample import PromptSpec, parse_line, read_prompts
+
+DEFAULT = PromptSpec("", "", 512, 512, 20, 0, 3.5, 1.0)
+
+
+def test_all_options() -> None:
+    spec = parse_line("a cat on a mat --n blurry, low quality --w 768 --h 512 --s 12 --d 7 "
+                      "--g 4.5 --l 2.5", DEFAULT)
+    assert spec == PromptSpec("a cat on a mat", "blurry, low quality", 768, 512, 12, 7, 4.5, 2.5)
+
+
+def test_defaults_fill_missing_options() -> None:
+    assert parse_line("just a prompt", DEFAULT) == PromptSpec("just a prompt", "", 512, 512, 20,
+                                                             0, 3.5, 1.0)
+
+
+def test_hyphenated_words_are_not_options() -> None:
+    assert parse_line("a well-known--style photo --s 3", DEFAULT).prompt == "a well-known--style photo"
+
+
+@pytest.mark.parametrize("line, message", [
+    ("cat --x 3", "unknown option --x"),
+    ("cat --w wide", "--w needs a int"),
+    ("--w 64", "empty prompt"),
+])
+def test_bad_lines(line: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_line(line, DEFAULT)
+
+
+def test_file_skips_bad_lines_with_file_and_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("# comment\nfirst --d 1\n\nsecond --w nope\nthird # trailing comment\n")
+    with caplog.at_level(logging.WARNING, logger="difftune"):
+        specs = read_prompts(path, DEFAULT)
+    assert [s.prompt for s in specs] == ["first", "third"]
+    assert f"{path}:4" in caplog.text
+
+
+def test_missing_or_empty_file_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing\n")
+    with caplog.at_level(logging.WARNING, logger="difftune"):
+        assert read_prompts(tmp_path / "missing.txt", DEFAULT) == []
+        assert read_prompts(empty, DEFAULT) == []
+    assert "does not exist" in caplog.text and "holds no prompts" in caplog.text
