@@ -35,6 +35,9 @@ class LatentSource:
         self.family, self.comps, self.items, self.store = family, comps, items, store
         self.seed = seed
         self.dtype = str(comps.vae.dtype).removeprefix("torch.")
+        # Keys are derived once per (item, flip): hashing image bytes every step would cost
+        # more than the cache saves on small models.
+        self._keys: dict[tuple[int, bool], tuple[str, dict[str, object]]] = {}
 
     def box(self, index: int) -> tuple[int, int, int, int]:
         """The item's crop box; a "random" crop is drawn once per item from the run seed."""
@@ -48,10 +51,15 @@ class LatentSource:
                              dtype=self.dtype, image=item.path, bucket=item.bucket,
                              box=self.box(index), flip=flip)
 
+    def _key(self, index: int, flip: bool) -> tuple[str, dict[str, object]]:
+        if (index, flip) not in self._keys:
+            fields = self._fields(index, flip)
+            self._keys[index, flip] = entry_key(fields), fields
+        return self._keys[index, flip]
+
     def get(self, index: int, flip: bool) -> torch.Tensor:
         """Latent (C, h, w) of item `index`, horizontally flipped or not."""
-        fields = self._fields(index, flip)
-        key = entry_key(fields)
+        key, fields = self._key(index, flip)
         hit = self.store.get(key)
         if hit is not None:
             return hit["latent"]
@@ -79,11 +87,14 @@ class TextSource:
         lengths = comps.extras.get("max_length", {})
         self.encoders = [dict(asdict(s), max_length=lengths.get(s.name, s.max_length))
                          for s in family.text_encoders]
+        self._keys: dict[str, tuple[str, dict[str, object]]] = {}
 
     def _key(self, caption: str) -> tuple[str, dict[str, object]]:
-        fields = text_fields(family=self.family.name, fingerprint=self.comps.fingerprint,
-                             dtype=self.dtype, caption=caption, encoders=self.encoders)
-        return entry_key(fields), fields
+        if caption not in self._keys:
+            fields = text_fields(family=self.family.name, fingerprint=self.comps.fingerprint,
+                                 dtype=self.dtype, caption=caption, encoders=self.encoders)
+            self._keys[caption] = entry_key(fields), fields
+        return self._keys[caption]
 
     def get(self, captions: list[str]) -> TextEmbeds:
         """Embeddings for a batch of captions (CPU tensors), encoding only the misses."""
