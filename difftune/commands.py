@@ -83,9 +83,10 @@ def run_check(cfg: RunConfig) -> list[str]:
     loss = batch_loss(run, [smallest], [False], gen)
     loss.backward()
     grads = [p.grad for p in run.comps.denoiser.parameters() if p.requires_grad]
+    value = float(loss.detach())
     if not torch.isfinite(loss) or not any(g is not None for g in grads):
-        raise RuntimeError(f"the check step gave loss {float(loss)} and no LoRA gradient")
-    report.append(f"training step: loss {float(loss):.4f}, LoRA gradients flow")
+        raise RuntimeError(f"the check step gave loss {value} and no LoRA gradient")
+    report.append(f"training step: loss {value:.4f}, LoRA gradients flow")
     report += _check_sample(run)
     return report
 

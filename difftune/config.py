@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from difftune.config_errors import format_validation_error, parse_override
-from difftune.errors import ConfigError
+from difftune.errors import ConfigError, ModelFileError
 
 DType = Literal["fp32", "fp16", "bf16"]
 
@@ -284,13 +284,46 @@ def _resolve_paths(node: Any, base: Path) -> None:
             _resolve_paths(value, base)
 
 
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
+
+
+def model_file_problems(model: ModelConfig) -> list[str]:
+    """Cheap checks of the model paths (exist, right kind, not pickle), all reported at once."""
+    problems = []
+    if model.path is not None and not model.path.is_dir():
+        problems.append(f"model.path: {model.path} is not a folder; expected a diffusers-format "
+                        "model folder (with model_index.json)")
+    for name in ("transformer", "vae", "clip_l", "t5"):
+        path = getattr(model, name)
+        if path is None:
+            continue
+        if path.suffix.lower() in PICKLE_SUFFIXES:
+            problems.append(
+                f"model.{name}: {path} is a pickle file; loading one can run arbitrary code, so "
+                "difftune reads only .safetensors. Convert it once where you trust it: "
+                "safetensors.torch.save_file(torch.load(path, weights_only=True), "
+                "'model.safetensors')")
+        elif not path.is_file():
+            problems.append(f"model.{name}: {path} does not exist; expected a .safetensors file")
+        elif path.suffix.lower() != ".safetensors":
+            problems.append(f"model.{name}: {path} is not a .safetensors file")
+    return problems
+
+
 def parse_config(data: dict[str, Any], base: Path, source: str = "config") -> RunConfig:
-    """Validate a config mapping; relative paths are resolved against `base`."""
+    """Validate a config mapping; relative paths are resolved against `base`.
+
+    Also checks the model paths (cheap: existence and kind), so a wrong file is reported in
+    seconds rather than after the data has been scanned.
+    """
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source)) from None
     _resolve_paths(cfg, base)
+    problems = model_file_problems(cfg.model)
+    if problems:
+        raise ModelFileError(f"{source}: model files:\n  - " + "\n  - ".join(problems))
     return cfg
 
 

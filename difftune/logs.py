@@ -10,13 +10,21 @@ LOGGER = "difftune"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever sys.stderr is at the time of the record (it may be replaced)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def setup_console(verbose: bool = False) -> None:
     """Console handler for the difftune logger: INFO (or DEBUG) and up, message only."""
     logger = logging.getLogger(LOGGER)
     logger.setLevel(logging.DEBUG)
     if any(getattr(h, "_difftune_console", False) for h in logger.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setLevel(logging.DEBUG if verbose else logging.INFO)
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
     handler._difftune_console = True  # type: ignore[attr-defined]
@@ -27,13 +35,16 @@ def setup_console(verbose: bool = False) -> None:
 
 
 def attach_run_log(path: Path) -> Path:
-    """Append every difftune record, DEBUG and up, to the run's log file."""
+    """Append every difftune record, DEBUG and up, to the run's log file (one run log at a time)."""
     logger = logging.getLogger(LOGGER)
     logger.setLevel(logging.DEBUG)
     target = str(path.resolve())
-    for h in logger.handlers:
-        if isinstance(h, logging.FileHandler) and h.baseFilename == target:
-            return path
+    for h in list(logger.handlers):
+        if isinstance(h, logging.FileHandler):
+            if h.baseFilename == target:
+                return path
+            logger.removeHandler(h)
+            h.close()
     handler = logging.FileHandler(target, encoding="utf-8")
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter(_FORMAT))

@@ -31,12 +31,14 @@ TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
     "in_channels": 64,  # 16 latent channels packed 2x2, as FLUX.1 does
     "num_layers": 2,
     "num_single_layers": 2,
-    "attention_head_dim": 16,
-    "num_attention_heads": 2,
+    # Width 4 x 64 = 256: the output projection must be able to express the 64 packed latent
+    # features per token (a width of 32 could not), and the demo needs enough capacity to learn.
+    "attention_head_dim": 64,
+    "num_attention_heads": 4,
     "joint_attention_dim": TEXT_WIDTH,
     "pooled_projection_dim": TEXT_WIDTH,
     "guidance_embeds": True,
-    "axes_dims_rope": (4, 6, 6),  # sums to attention_head_dim
+    "axes_dims_rope": (8, 28, 28),  # sums to attention_head_dim; the rule FLUX.1 follows at 128
 }
 
 # The autoencoder's architecture; scaling/shift factors are measured on its latents by
