@@ -95,7 +95,7 @@ def baseline_step_time(cfg: RunConfig, warmup: int) -> float:
         torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)  # difftune reads the loss every step too
+        float(loss.detach())  # difftune reads the loss every step too
     return (time.perf_counter() - start) / (cfg.train.steps - warmup)
 
 

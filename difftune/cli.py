@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and `python -m difftune`."""
     args = _parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
+    # The libraries configure their own loggers on import; these keep their notices (e.g. about
+    # optional backends) off the console. Set them to "warning" to see those notices.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     setup_console(args.verbose)
     try:
         return VERBS[args.verb](args)

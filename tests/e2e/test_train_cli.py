@@ -135,3 +135,24 @@ def test_same_config_and_seed_give_identical_lora(trained_kohya: Path, images: P
     other = train(tmp_path / "other", images, DOUBLE_BLOCKS, "train.seed=4", fmt="kohya")
     c = load_file(str(other / "lora.safetensors"))
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_cache_settings_do_not_change_training(trained_kohya: Path, images: Path,
+                                               tmp_path: Path) -> None:
+    """Live encoding every step and cached encoding give bitwise the same run."""
+    live = train(tmp_path / "live", images, DOUBLE_BLOCKS, 'cache.latents="none"',
+                 'cache.text="none"', fmt="kohya")
+    a, b = load_file(str(trained_kohya / "lora.safetensors")), load_file(str(live / "lora.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_accumulation_checkpointing_bf16_flip_and_schedules(images: Path, tmp_path: Path) -> None:
+    out = train(tmp_path / "mixed", images, "train.grad_accum=2", "train.gradient_checkpointing=true",
+                'precision.mixed="bf16"', 'train.scheduler="cosine"', "train.warmup_steps=1",
+                'train.timesteps="flux_shift"', "datasets.0.flip=true", 'datasets.0.crop="random"',
+                'adapter.targets="attention"', "adapter.dropout=0.1", steps=3)
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(0 < r["loss"] < 100 for r in rows)
+    assert rows[0]["lr"] < rows[1]["lr"]  # warm-up
+    state = load_file(str(out / "lora.safetensors"))
+    assert state and all(".attn." in k for k in state)
