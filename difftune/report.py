@@ -23,6 +23,9 @@ class Reporter:
     def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0,
                  tensorboard: bool = True, bar: bool = True) -> None:
         self.metrics_path = out_dir / "metrics.jsonl"
+        # Kept open (line-buffered) for the run: reopening it every step costs more than the
+        # write itself on small models.
+        self._metrics = self._open_metrics()
         self.smoothed: float | None = None
         self.start_time = time.perf_counter()
         self.start_step = start_step
@@ -30,6 +33,14 @@ class Reporter:
                         dynamic_ncols=True, disable=not bar)
         self.writer = self._tensorboard(out_dir / "tensorboard") if tensorboard else None
         self._broken: set[str] = set()
+
+    def _open_metrics(self) -> Any:
+        try:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            return open(self.metrics_path, "a", encoding="utf-8", buffering=1)
+        except OSError as err:  # reporting never stops training
+            log.warning("metrics.jsonl is off: %s", err)
+            return None
 
     def _tensorboard(self, path: Path) -> Any:
         try:
@@ -57,14 +68,14 @@ class Reporter:
         rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
         row = {"step": step, "loss": loss, "loss_smoothed": self.smoothed, "lr": lr,
                "it_per_s": rate, "time": elapsed, **(extra or {})}
-        self._guard("metrics.jsonl", self._write_jsonl, row)
+        if self._metrics is not None:
+            self._guard("metrics.jsonl", self._write_jsonl, row)
         if self.writer is not None:
             self._guard("tensorboard", self._write_tb, row)
         self._guard("progress", self._update_bar, row)
 
     def _write_jsonl(self, row: dict[str, float]) -> None:
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        self._metrics.write(json.dumps(row) + "\n")
 
     def _write_tb(self, row: dict[str, float]) -> None:
         for key in ("loss", "loss_smoothed", "lr", "it_per_s"):
@@ -83,5 +94,7 @@ class Reporter:
     def close(self) -> None:
         """Flush and close every sink."""
         self.bar.close()
+        if self._metrics is not None:
+            self._guard("metrics.jsonl", self._metrics.close)
         if self.writer is not None:
             self._guard("tensorboard", self.writer.close)

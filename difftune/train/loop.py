@@ -62,12 +62,14 @@ def train(run: Run, hooks: Hooks) -> Result:
         hooks.sampler.run(0)
     model.train()
     for step in range(1, cfg.train.steps + 1):
-        total = torch.zeros((), device=run.policy.device)
-        for _ in range(cfg.train.grad_accum):
+        accum = cfg.train.grad_accum
+        total = 0.0
+        for _ in range(accum):
             batch = next(batches)
             loss = batch_loss(run, list(batch.indices), list(batch.flips), generator)
-            scaler.scale(loss / cfg.train.grad_accum).backward()
-            total += loss.detach() / cfg.train.grad_accum
+            scaled = loss / accum if accum > 1 else loss
+            (scaler.scale(scaled) if scaler.is_enabled() else scaled).backward()
+            total = total + scaled.detach()
         if cfg.train.max_grad_norm is not None:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
