@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from difftune.config_errors import format_validation_error, parse_override
 from difftune.errors import ConfigError, ModelFileError
+from difftune.safefiles import is_pickle, pickle_refusal
 
 DType = Literal["fp32", "fp16", "bf16"]
 
@@ -284,9 +285,6 @@ def _resolve_paths(node: Any, base: Path) -> None:
             _resolve_paths(value, base)
 
 
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
-
-
 def model_file_problems(model: ModelConfig) -> list[str]:
     """Cheap checks of the model paths (exist, right kind, not pickle), all reported at once."""
     problems = []
@@ -297,12 +295,8 @@ def model_file_problems(model: ModelConfig) -> list[str]:
         path = getattr(model, name)
         if path is None:
             continue
-        if path.suffix.lower() in PICKLE_SUFFIXES:
-            problems.append(
-                f"model.{name}: {path} is a pickle file; loading one can run arbitrary code, so "
-                "difftune reads only .safetensors. Convert it once where you trust it: "
-                "safetensors.torch.save_file(torch.load(path, weights_only=True), "
-                "'model.safetensors')")
+        if is_pickle(path):
+            problems.append(f"model.{name}: {pickle_refusal(path)}")
         elif not path.is_file():
             problems.append(f"model.{name}: {path} does not exist; expected a .safetensors file")
         elif path.suffix.lower() != ".safetensors":

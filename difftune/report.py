@@ -21,11 +21,11 @@ class Reporter:
     """Per-step reporting to the console bar, metrics.jsonl and TensorBoard."""
 
     def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, bar: bool = True) -> None:
+                 tensorboard: bool = True, bar: bool = True, append: bool = False) -> None:
         self.metrics_path = out_dir / "metrics.jsonl"
         # Kept open (line-buffered) for the run: reopening it every step costs more than the
         # write itself on small models.
-        self._metrics = self._open_metrics()
+        self._metrics = self._open_metrics("a" if append else "w")
         self.smoothed: float | None = None
         self.start_time = time.perf_counter()
         self.start_step = start_step
@@ -34,10 +34,11 @@ class Reporter:
         self.writer = self._tensorboard(out_dir / "tensorboard") if tensorboard else None
         self._broken: set[str] = set()
 
-    def _open_metrics(self) -> Any:
+    def _open_metrics(self, mode: str) -> Any:
+        """metrics.jsonl: a new run starts it afresh ("w"), a resumed one appends ("a")."""
         try:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            return open(self.metrics_path, "a", encoding="utf-8", buffering=1)
+            return open(self.metrics_path, mode, encoding="utf-8", buffering=1)
         except OSError as err:  # reporting never stops training
             log.warning("metrics.jsonl is off: %s", err)
             return None

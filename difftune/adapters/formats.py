@@ -27,13 +27,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from difftune.errors import CheckpointError
+from difftune.safefiles import is_pickle, pickle_refusal
 
 LORA_A = "lora_A.weight"
 LORA_B = "lora_B.weight"
 # diffusers reads the LoraConfig kwargs of each component from this safetensors metadata entry
 # (diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY), keys prefixed with the component name.
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 # Prefixes peft puts in front of module names when a model is wrapped with `get_peft_model`.
 _PEFT_WRAPPER_PREFIXES = ("base_model.model.",)
 
@@ -206,14 +206,8 @@ def load_lora_file(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor
     with instructions to convert them once, in a trusted environment.
     """
     path = Path(path)
-    if path.suffix.lower() in PICKLE_SUFFIXES:
-        raise CheckpointError(
-            f"{path} is a pickle file ({path.suffix}); loading it could run arbitrary code, so difftune "
-            "reads LoRAs only as .safetensors. If you trust the file, convert it once with: "
-            "python -c \"import torch, safetensors.torch as s; "
-            f"s.save_file(torch.load('{path}', map_location='cpu', weights_only=True), "
-            f"'{path.with_suffix('.safetensors')}')\""
-        )
+    if is_pickle(path):
+        raise CheckpointError(pickle_refusal(path))
     if not path.is_file():
         raise CheckpointError(f"LoRA file {path} does not exist or is not a file.")
     try:
