@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 
 from difftune.config import RunConfig
+from difftune.data.discover import DataSet
 from difftune.logs import attach_run_log
 from difftune.report import Reporter
-from difftune.sample import SampleRunner, read_prompts
+from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager, refuse_overwrite
 from difftune.train.loop import Hooks, Result, train
 from difftune.train.setup import Run, batch_loss, fill_caches, load_data, prepare
@@ -22,6 +23,7 @@ log = logging.getLogger("difftune")
 
 
 def _sampler(run: Run, reporter: Reporter | None, out: Path) -> SampleRunner:
+    """A sample runner whose default size is the first dataset's resolution."""
     res = run.cfg.datasets[0].resolution
     return SampleRunner(run.family, run.comps, run.texts, run.cfg.sample, out, (res, res),
                         run.policy, reporter)
@@ -55,12 +57,13 @@ def run_train(cfg: RunConfig, show_progress: bool = True) -> Result:
     return result
 
 
-def _describe_data(run_data: object) -> list[str]:
-    s = run_data.summary()  # type: ignore[attr-defined]
+def _describe_data(data: DataSet) -> list[str]:
+    """The dataset summary lines `check` prints: counts, buckets, each skipped file and why."""
+    s = data.summary()
     lines = [f"dataset: {s['images']} images, {s['skipped']} skipped, "
              f"{s['captions_missing']} without caption"]
     lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
-    lines += [f"  skipped {p}: {why}" for p, why in run_data.skipped]  # type: ignore[attr-defined]
+    lines += [f"  skipped {p}: {why}" for p, why in data.skipped]
     return lines
 
 
@@ -105,6 +108,3 @@ def _check_sample(run: Run) -> list[str]:
     if not images:
         return ["sampling: FAILED (see the warning above); training would go on without samples"]
     return [f"sampling: {len(specs)} prompt(s) read; a 1-step {step}x{step} sample works"]
-
-
-__all__ = ["read_prompts", "run_check", "run_train"]

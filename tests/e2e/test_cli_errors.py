@@ -92,3 +92,20 @@ def test_check_passes_and_says_what_it_verified(tmp_path: Path, images: Path, pr
                  "training step: loss", "sampling: 2 prompt(s) read", "check passed"):
         assert part in out
     assert not (tmp_path / "out" / "samples").exists()
+
+
+def test_sampling_failure_never_stops_training(tmp_path: Path, images: Path, prompts: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    from difftune.families.flux import FluxFamily
+
+    def broken(self: FluxFamily, comps: object) -> object:
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(FluxFamily, "pipeline", broken)
+    cfg = run_toml(tmp_path, images, prompts=prompts)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    assert (tmp_path / "out" / "lora.safetensors").is_file()
+    assert "sampling at step 2 failed" in caplog.text and "training goes on" in caplog.text
+    log_file = (tmp_path / "out" / "difftune.log").read_text()
+    assert "Traceback" in log_file and "out of memory (simulated)" in log_file
