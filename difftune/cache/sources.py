@@ -31,16 +31,17 @@ class LatentSource:
     """VAE latents of dataset items, by (item index, flip)."""
 
     def __init__(self, family: Family, comps: Components, items: list[Item], store: Store,
-                 seed: int) -> None:
+                 seed: int, fresh_crops: bool = False) -> None:
+        """`fresh_crops`: draw a new random crop for every occurrence (only when not caching)."""
         self.family, self.comps, self.items, self.store = family, comps, items, store
-        self.seed = seed
+        self.seed, self.fresh_crops = seed, fresh_crops
         self.dtype = str(comps.vae.dtype).removeprefix("torch.")
         # Keys are derived once per (item, flip): hashing image bytes every step would cost
         # more than the cache saves on small models.
         self._keys: dict[tuple[int, bool], tuple[str, dict[str, object]]] = {}
 
     def box(self, index: int) -> tuple[int, int, int, int]:
-        """The item's crop box; a "random" crop is drawn once per item from the run seed."""
+        """The item's cached crop box; a "random" crop is drawn once per item from the run seed."""
         item = self.items[index]
         rng = random.Random(f"{self.seed}:{index}")
         return crop_box(item.size, item.bucket, item.crop, rng)
@@ -57,17 +58,27 @@ class LatentSource:
             self._keys[index, flip] = entry_key(fields), fields
         return self._keys[index, flip]
 
-    def get(self, index: int, flip: bool) -> torch.Tensor:
-        """Latent (C, h, w) of item `index`, horizontally flipped or not."""
+    def get(self, index: int, flip: bool, sample_seed: int | None = None) -> torch.Tensor:
+        """Latent (C, h, w) of item `index`, horizontally flipped or not.
+
+        With `fresh_crops`, a random-crop item gets a crop drawn from `sample_seed` (the
+        sampler's per-occurrence seed) and is encoded live, never cached.
+        """
+        item = self.items[index]
+        if self.fresh_crops and item.crop == "random" and sample_seed is not None:
+            box = crop_box(item.size, item.bucket, "random", random.Random(sample_seed))
+            return self._encode(item, box, flip)
         key, fields = self._key(index, flip)
         hit = self.store.get(key)
         if hit is not None:
             return hit["latent"]
-        item = self.items[index]
-        pixels = load_pixels(item.path, item.bucket, self.box(index), flip)
-        latent = self.family.encode_images(self.comps, pixels[None])[0].float().cpu()
+        latent = self._encode(item, self.box(index), flip)
         self.store.put(key, {"latent": latent}, {k: str(v) for k, v in fields.items()})
         return latent
+
+    def _encode(self, item: Item, box: tuple[int, int, int, int], flip: bool) -> torch.Tensor:
+        pixels = load_pixels(item.path, item.bucket, box, flip)
+        return self.family.encode_images(self.comps, pixels[None])[0].float().cpu()
 
     def fill(self, progress: Progress = _no_progress) -> None:
         """Compute every variant the run can ask for (both flips where flip is on)."""

@@ -66,7 +66,8 @@ def train(run: Run, hooks: Hooks) -> Result:
         total = 0.0
         for _ in range(accum):
             batch = next(batches)
-            loss = batch_loss(run, list(batch.indices), list(batch.flips), generator)
+            loss = batch_loss(run, list(batch.indices), list(batch.flips), generator,
+                              list(batch.seeds))
             scaled = loss / accum if accum > 1 else loss
             (scaler.scale(scaled) if scaler.is_enabled() else scaled).backward()
             total = total + scaled.detach()

@@ -72,7 +72,7 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     if cfg.train.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
     latents = LatentSource(family, comps, dataset.items, make_store(cfg.cache.latents),
-                           cfg.train.seed)
+                           cfg.train.seed, fresh_crops=cfg.cache.latents == "none")
     texts = TextSource(family, comps, make_store(cfg.cache.text))
     return Run(cfg, family, policy, dataset, comps, latents, texts, targets)
 
@@ -95,11 +95,16 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
         torch.cuda.empty_cache()
 
 
-def batch_loss(run: Run, indices: list[int], flips: list[bool],
-               generator: torch.Generator) -> torch.Tensor:
-    """The flow-matching loss of one batch (forward only; the caller runs backward)."""
+def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch.Generator,
+               seeds: list[int | None] | None = None) -> torch.Tensor:
+    """The flow-matching loss of one batch (forward only; the caller runs backward).
+
+    `flips` and `seeds` are the sampler's per-occurrence augmentation decisions.
+    """
     device = run.policy.device
-    latents = torch.stack([run.latents.get(i, f) for i, f in zip(indices, flips)]).to(device)
+    per_sample = seeds if seeds is not None else [None] * len(indices)
+    latents = torch.stack([run.latents.get(i, f, s)
+                           for i, f, s in zip(indices, flips, per_sample)]).to(device)
     embeds = run.texts.get([run.data.items[i].caption for i in indices]).to(device)
     noise = torch.randn(latents.shape, generator=generator).to(device)
     tokens = latents.shape[-1] * latents.shape[-2] // 4
