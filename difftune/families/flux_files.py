@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from difftune.families.component_files import (
     strip_prefix,
 )
 from difftune.safefiles import is_pickle
+
+if TYPE_CHECKING:
+    from difftune.config import ModelConfig
 
 SUBFOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2",
               "scheduler")
@@ -251,7 +254,7 @@ def _component(folder: Path | None, file: Path | None, sub: str, cls: Any,
     return _from_folder(cls, folder, sub, dtype), _folder_files(folder, [sub])
 
 
-def load_flux_files(cfg: Any, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+def load_flux_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
     """Load every FLUX.1 component from local files (see the module docstring for sources).
 
     `dtypes` has the keys "transformer", "text_encoders" and "vae". Returns FluxPipeline's
