@@ -109,3 +109,15 @@ def test_sampling_failure_never_stops_training(tmp_path: Path, images: Path, pro
     assert "sampling at step 2 failed" in caplog.text and "training goes on" in caplog.text
     log_file = (tmp_path / "out" / "difftune.log").read_text()
     assert "Traceback" in log_file and "out of memory (simulated)" in log_file
+
+
+def test_console_script_and_module_agree() -> None:
+    import shutil
+
+    from difftune import __version__
+
+    script = shutil.which("difftune", path=str(Path(sys.executable).parent))
+    assert script, "the `difftune` console script is not installed beside this Python"
+    for cmd in ([script, "--version"], [sys.executable, "-m", "difftune", "--version"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip() == f"difftune {__version__}"
