@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from difftune.adapters.lora import lora_parameters
-from difftune.data.sampler import BucketBatchSampler
+from difftune.data.sampler import Batch, BucketBatchSampler
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
@@ -54,40 +55,54 @@ def train(run: Run, hooks: Hooks) -> Result:
     opt = make_optimizer(params, cfg.train)
     sched = make_scheduler(opt, cfg.train)
     scaler = torch.amp.GradScaler(run.policy.device.type, enabled=cfg.precision.mixed == "fp16")
-    sampler = BucketBatchSampler(run.data, cfg.train.batch_size, cfg.train.seed)
-    batches = sampler.batches()
+    batches = BucketBatchSampler(run.data, cfg.train.batch_size, cfg.train.seed).batches()
     generator = torch.Generator("cpu").manual_seed(cfg.train.seed)
     result = Result()
     if cfg.sample.at_start and hooks.sampler:
         hooks.sampler.run(0)
     model.train()
     for step in range(1, cfg.train.steps + 1):
-        accum = cfg.train.grad_accum
-        total = 0.0
-        for _ in range(accum):
-            batch = next(batches)
-            loss = batch_loss(run, list(batch.indices), list(batch.flips), generator,
-                              list(batch.seeds))
-            scaled = loss / accum if accum > 1 else loss
-            (scaler.scale(scaled) if scaler.is_enabled() else scaled).backward()
-            total = total + scaled.detach()
-        if cfg.train.max_grad_norm is not None:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
-        scaler.step(opt)
-        scaler.update()
-        lr = sched.get_last_lr()[0]
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        value = float(total)
-        result.losses.append(value)
-        hooks.reporter.step(step, value, lr, {"epoch": batch.epoch})
+        loss, epoch = _accumulate(run, batches, generator, scaler)
+        lr = _optimizer_step(opt, sched, scaler, params, cfg.train.max_grad_norm)
+        result.losses.append(loss)
+        hooks.reporter.step(step, loss, lr, {"epoch": epoch})
         _between_steps(run, hooks, step)
     model.eval()
     result.lora = hooks.checkpoints.save_lora(model, cfg.train.steps, final=True)
     if cfg.sample.at_end and hooks.sampler:
         hooks.sampler.run(cfg.train.steps)
     return result
+
+
+def _accumulate(run: Run, batches: Iterator[Batch], generator: torch.Generator,
+                scaler: torch.amp.GradScaler) -> tuple[float, int]:
+    """Forward and backward over `grad_accum` micro-batches; returns (mean loss, epoch)."""
+    accum = run.cfg.train.grad_accum
+    total: torch.Tensor | float = 0.0
+    for _ in range(accum):
+        batch = next(batches)
+        loss = batch_loss(run, list(batch.indices), list(batch.flips), generator,
+                          list(batch.seeds))
+        # Skipping the no-op division and scaling keeps the common case free of extra kernels.
+        scaled = loss / accum if accum > 1 else loss
+        (scaler.scale(scaled) if scaler.is_enabled() else scaled).backward()
+        total = total + scaled.detach()
+    return float(total), batch.epoch
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+                    scaler: torch.amp.GradScaler, params: list[torch.nn.Parameter],
+                    max_norm: float | None) -> float:
+    """Clip, step, advance the schedule and clear gradients; returns the lr that was used."""
+    if max_norm is not None:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+    scaler.step(opt)
+    scaler.update()
+    lr = sched.get_last_lr()[0]
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return lr
 
 
 def _between_steps(run: Run, hooks: Hooks, step: int) -> None:
