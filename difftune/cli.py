@@ -55,7 +55,8 @@ def _check(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     for line in run_check(cfg):
-        print(f"ok  {line}")
+        # Detail lines (indented) belong to the check above them.
+        print(f"    {line.strip()}" if line.startswith(" ") else f"ok  {line}")
     print("check passed: this run should start and train")
     return 0
 
