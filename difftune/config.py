@@ -133,8 +133,9 @@ class DatasetConfig(_Section):
     def _shorthand(cls, data: Any) -> Any:
         if isinstance(data, dict) and "path" in data:
             data = dict(data)
-            own = set(cls.model_fields) - {"subsets"}
-            subset = {k: data.pop(k) for k in list(data) if k not in own and k != "subsets"}
+            # Only subset fields move into the subset, so an unknown key is reported where the
+            # user wrote it (datasets[0].key), not inside a subset they never wrote.
+            subset = {k: data.pop(k) for k in list(data) if k in SubsetConfig.model_fields}
             if data.get("subsets"):
                 raise ValueError("give either `path` (one folder) or `subsets`, not both")
             data["subsets"] = [subset]

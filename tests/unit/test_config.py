@@ -42,12 +42,12 @@ def test_valid_config_resolves_relative_paths(tmp_path: Path) -> None:
 
 def test_every_problem_reported_at_once_with_dotted_fields(tmp_path: Path) -> None:
     text = GOOD.replace("steps = 10", "steps = 0\nlr = -1\ntimesteps = \"nope\"\nbogus = 1")
-    text = text.replace('path = "images"', 'path = "images"\nrepeats = 0')
+    text = text.replace('path = "images"', 'path = "images"\nrepeats = 0\nflipp = true')
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, text))
     msg = str(err.value)
     for field in ("train.steps", "train.lr", "train.timesteps", "train.bogus",
-                  "datasets[0].subsets[0].repeats"):
+                  "datasets[0].subsets[0].repeats", "datasets[0].flipp"):
         assert field in msg, (field, msg)
     assert "unknown key" in msg
     assert "'uniform', 'sigmoid', 'shift' or 'flux_shift'" in msg
