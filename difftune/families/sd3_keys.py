@@ -1,0 +1,235 @@
+"""SD3 / SD3.5 LoRA key table: diffusers module names <-> kohya / ComfyUI names in the MMDiT layout.
+
+kohya sd-scripts (networks/lora_sd3.py) and ComfyUI name SD3 LoRAs after Stability's original
+MMDiT (`mmditx.py`) modules with dots turned into underscores:
+`lora_unet_joint_blocks_0_x_block_attn_qkv`. Where diffusers splits a module the kohya one is
+fused: `x_block.attn.qkv` is `attn.to_q/to_k/to_v`, `context_block.attn.qkv` is
+`attn.add_q_proj/add_k_proj/add_v_proj` and SD3.5's `x_block.attn2.qkv` is `attn2.to_q/k/v`
+(row order q, k, v, each as wide as the input). Fusing and splitting is done by
+`difftune.adapters.formats`.
+
+Output orderings (as `convert_sd3_transformer_checkpoint_to_diffusers` in diffusers'
+single_file_utils treats the base weights): a block's `adaLN_modulation.1` emits the same chunks
+as diffusers' `norm1.linear` / `norm1_context.linear`, except in the last block, whose context
+block is "pre-only" and emits (shift, scale) where diffusers' `AdaLayerNormContinuous` emits
+(scale, shift); the final layer's `adaLN_modulation.1` is swapped the same way against
+`norm_out.linear`. Those up factors get their row halves swapped both ways. The last block's
+context block has no `attn.proj` and no `mlp`, so the table leaves them out.
+
+Not mapped (a LoRA on them raises `CheckpointError`): the patch embedding `x_embedder.proj`
+(diffusers `pos_embed.proj`, a conv) and norm layers.
+
+diffusers 0.42 has no reader for SD3 kohya/sd-scripts LoRAs: `SD3LoraLoaderMixin.lora_state_dict`
+passes keys through unconverted and `lora_conversion_utils` has no SD3 converter, so these files
+are for ComfyUI / Forge / sd-scripts; difftune reads them back with `kohya_to_diffusers`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from difftune.adapters.formats import (
+    LoraPair,
+    fuse_loras,
+    group_modules,
+    is_zero,
+    pairs_to_diffusers,
+    split_fused_lora,
+    zero_lora,
+)
+from difftune.errors import CheckpointError
+
+KOHYA_PREFIX = "lora_unet_"
+DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
+
+# (MMDiT name inside joint_blocks.N, diffusers modules inside transformer_blocks.N).
+BLOCK: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("x_block_attn_qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+    ("x_block_attn_proj", ("attn.to_out.0",)),
+    ("x_block_attn2_qkv", ("attn2.to_q", "attn2.to_k", "attn2.to_v")),
+    ("x_block_attn2_proj", ("attn2.to_out.0",)),
+    ("x_block_mlp_fc1", ("ff.net.0.proj",)),
+    ("x_block_mlp_fc2", ("ff.net.2",)),
+    ("x_block_adaLN_modulation_1", ("norm1.linear",)),
+    ("context_block_attn_qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+    ("context_block_attn_proj", ("attn.to_add_out",)),
+    ("context_block_mlp_fc1", ("ff_context.net.0.proj",)),
+    ("context_block_mlp_fc2", ("ff_context.net.2",)),
+    ("context_block_adaLN_modulation_1", ("norm1_context.linear",)),
+)
+NON_BLOCK: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("context_embedder", ("context_embedder",)),
+    ("t_embedder_mlp_0", ("time_text_embed.timestep_embedder.linear_1",)),
+    ("t_embedder_mlp_2", ("time_text_embed.timestep_embedder.linear_2",)),
+    ("y_embedder_mlp_0", ("time_text_embed.text_embedder.linear_1",)),
+    ("y_embedder_mlp_2", ("time_text_embed.text_embedder.linear_2",)),
+    ("final_layer_linear", ("proj_out",)),
+    ("final_layer_adaLN_modulation_1", ("norm_out.linear",)),
+)
+_BLOCK_RE = re.compile(r"^transformer_blocks\.(\d+)\.")
+_KOHYA_BLOCK_RE = re.compile(r"^joint_blocks_(\d+)_")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One MMDiT module, the diffusers modules that make it up (row order) and its row swap."""
+
+    kohya: str
+    modules: tuple[str, ...]
+    swap: bool = False
+
+
+def _entries(blocks: set[int], last: int) -> list[Entry]:
+    """The table for the given block indices; `last` is the pre-only (last) block's index."""
+    if blocks and max(blocks) > last:
+        raise CheckpointError(
+            f"the LoRA has block {max(blocks)} but the SD3 transformer has {last + 1} blocks; "
+            "it was made for a different model."
+        )
+    out: list[Entry] = []
+    for i in sorted(blocks):
+        for name, modules in BLOCK:
+            pre_only_swap = i == last and name == "context_block_adaLN_modulation_1"
+            out.append(Entry(f"joint_blocks_{i}_{name}", tuple(f"transformer_blocks.{i}.{m}" for m in modules), pre_only_swap))
+    return out + [Entry(k, m, k == "final_layer_adaLN_modulation_1") for k, m in NON_BLOCK]
+
+
+def swap_scale_shift(up: torch.Tensor) -> torch.Tensor:
+    """Swap the two row halves of an up factor: (shift, scale) <-> (scale, shift)."""
+    first, second = up.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+# ---------------------------------------------------------------- diffusers -> kohya
+
+
+def diffusers_to_kohya(
+    state: dict[str, torch.Tensor], alpha: float | dict[str, float], rank: int, num_layers: int,
+    prefix: str = "transformer",
+) -> dict[str, torch.Tensor]:
+    """Convert a diffusers-named SD3 LoRA (`transformer.<module>.lora_A.weight`) to kohya names.
+
+    `num_layers` is the transformer's block count (`config.num_layers`): the last block is
+    pre-only and its context modulation is row-swapped. Fused MMDiT modules get
+    down = cat(A_i), up = block-diag(B_i) and alpha * k (same scale); untrained parts of a fused
+    module are zero-filled. A module with no MMDiT name raises `CheckpointError`.
+    """
+    pairs = _strip_prefix(group_modules(state, alpha), prefix)
+    for module, pair in pairs.items():
+        if pair.rank != rank:
+            raise CheckpointError(f"LoRA module {module!r} has rank {pair.rank}, expected {rank}.")
+    blocks = {int(m.group(1)) for k in pairs if (m := _BLOCK_RE.match(k))}
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for entry in _entries(blocks, num_layers - 1):
+        if not any(m in pairs for m in entry.modules):
+            continue
+        used.update(m for m in entry.modules if m in pairs)
+        out.update(_kohya_tensors(entry.kohya, _fuse_entry(entry, pairs, rank)))
+    unmapped = sorted(set(pairs) - used)
+    if unmapped:
+        raise CheckpointError(
+            f"these LoRA modules have no kohya/ComfyUI (MMDiT) name: {unmapped}; save in the diffusers "
+            "format instead, or leave them out of the LoRA targets."
+        )
+    return out
+
+
+def _strip_prefix(pairs: dict[str, LoraPair], prefix: str) -> dict[str, LoraPair]:
+    """Drop `<prefix>.` from every module name; a module without it is an error."""
+    wrong = sorted(k for k in pairs if not k.startswith(f"{prefix}."))
+    if wrong:
+        raise CheckpointError(f"LoRA modules outside '{prefix}.' cannot be written as an SD3 kohya LoRA: {wrong}")
+    return {k.removeprefix(f"{prefix}."): v for k, v in pairs.items()}
+
+
+def _fuse_entry(entry: Entry, pairs: dict[str, LoraPair], rank: int) -> LoraPair:
+    """The single LoRA of one MMDiT module: fused (q, k, v rows) and row-swapped as needed."""
+    present = [pairs[m] for m in entry.modules if m in pairs]
+    if len(entry.modules) == 1:
+        fused = present[0]
+    else:
+        # q, k and v all map the same input to equally many rows: fill untrained ones with zeros
+        like, rows, alpha = present[0].down, present[0].up.shape[0], present[0].alpha
+        fused = fuse_loras([pairs.get(m) or zero_lora(rank, like.shape[1], rows, like, alpha) for m in entry.modules])
+    if entry.swap:
+        fused = LoraPair(fused.down, swap_scale_shift(fused.up), fused.alpha)
+    return fused
+
+
+def _kohya_tensors(name: str, pair: LoraPair) -> dict[str, torch.Tensor]:
+    """The three tensors kohya stores per module; alpha as a float32 scalar."""
+    base = KOHYA_PREFIX + name
+    return {
+        f"{base}.{DOWN}": pair.down.contiguous(),
+        f"{base}.{UP}": pair.up.contiguous(),
+        f"{base}.{ALPHA}": torch.tensor(float(pair.alpha), dtype=torch.float32),
+    }
+
+
+# ---------------------------------------------------------------- kohya -> diffusers
+
+
+def kohya_to_diffusers(
+    state: dict[str, torch.Tensor], num_layers: int, prefix: str = "transformer"
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Read a kohya/ComfyUI SD3 LoRA back into diffusers names.
+
+    Returns the diffusers tensors and each module's alpha (`<prefix>.<module>` -> alpha; a
+    missing kohya alpha means alpha = rank). Fused modules are split exactly
+    (`formats.split_fused_lora`); all-zero parts (padding) are left out. Any other key
+    (text-encoder LoRAs, unknown layers) raises `CheckpointError`.
+    """
+    fused = _group_kohya(state)
+    blocks = {int(m.group(1)) for k in fused if (m := _KOHYA_BLOCK_RE.match(k))}
+    table = {e.kohya: e for e in _entries(blocks, num_layers - 1)}
+    unknown = sorted(KOHYA_PREFIX + k for k in fused if k not in table)
+    if unknown:
+        raise CheckpointError(f"these LoRA entries are not SD3 transformer modules difftune knows: {unknown}")
+    pairs: dict[str, LoraPair] = {}
+    for name, pair in fused.items():
+        for module, part in _split_entry(table[name], pair).items():
+            if not is_zero(part):
+                pairs[f"{prefix}.{module}"] = part
+    return pairs_to_diffusers(pairs)
+
+
+def _group_kohya(state: dict[str, torch.Tensor]) -> dict[str, LoraPair]:
+    """{MMDiT name without `lora_unet_`: LoraPair} from kohya keys; malformed keys are errors."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    bad: list[str] = []
+    for key, value in state.items():
+        base, _, kind = key.partition(".")
+        if not base.startswith(KOHYA_PREFIX) or kind not in (DOWN, UP, ALPHA):
+            bad.append(key)
+            continue
+        halves.setdefault(base.removeprefix(KOHYA_PREFIX), {})[kind] = value
+    if bad:
+        raise CheckpointError(
+            f"these keys are not kohya SD3 LoRA keys (lora_unet_*.lora_down/lora_up/alpha): {sorted(bad)}"
+        )
+    pairs: dict[str, LoraPair] = {}
+    for name, parts in halves.items():
+        if DOWN not in parts or UP not in parts:
+            raise CheckpointError(f"kohya LoRA entry {KOHYA_PREFIX}{name} lacks its lora_down or lora_up weight.")
+        down = parts[DOWN]
+        if down.ndim != 2:
+            raise CheckpointError(f"kohya LoRA entry {KOHYA_PREFIX}{name} is not a linear LoRA (shape {tuple(down.shape)}).")
+        alpha = float(parts[ALPHA].item()) if ALPHA in parts else float(down.shape[0])
+        pairs[name] = LoraPair(down, parts[UP], alpha)
+    return pairs
+
+
+def _split_entry(entry: Entry, pair: LoraPair) -> dict[str, LoraPair]:
+    """One MMDiT module's LoRA as diffusers modules, undoing the row swap where there is one."""
+    if entry.swap:
+        pair = LoraPair(pair.down, swap_scale_shift(pair.up), pair.alpha)
+    if len(entry.modules) == 1:
+        return {entry.modules[0]: pair}
+    if pair.up.shape[0] % len(entry.modules):
+        raise CheckpointError(f"fused LoRA {KOHYA_PREFIX}{entry.kohya} has {pair.up.shape[0]} rows, not 3 equal parts.")
+    width = pair.up.shape[0] // len(entry.modules)
+    return dict(zip(entry.modules, split_fused_lora(pair, [width] * len(entry.modules))))

@@ -1,0 +1,362 @@
+"""SDXL LoRA key table: diffusers module names <-> kohya / ComfyUI names in the original SGM layout.
+
+kohya sd-scripts trains SDXL on its own copy of Stability's SGM UNet, so its LoRA files (and the
+files ComfyUI, Forge and A1111 read) name UNet modules after that UNet, with dots turned into
+underscores: `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`. Text-encoder modules
+keep transformers' names behind `lora_te1_` (CLIP-L, diffusers `text_encoder`) and `lora_te2_`
+(CLIP-G, diffusers `text_encoder_2`).
+
+Every entry is a rename: no SDXL module is fused or split, so a conv LoRA (4-D `lora_down` /
+`lora_up`, as peft and kohya both store it) passes through unchanged, and alphas keep their
+meaning (scale = alpha / rank).
+
+Where a diffusers block sits in the SGM numbering depends on the UNet config, so the block table is
+derived from it (`UNetLayout.from_config`): SGM's `input_blocks` are conv_in, then per down block
+`layers_per_block` (resnet[, attention]) layers and a downsampler (all but the last block);
+`middle_block` is resnet, attention, resnet; `output_blocks` are per up block
+`layers_per_block + 1` (resnet[, attention]) layers, the upsampler sitting in the block's last
+layer after its resnet and attention. Inside a block the names differ only for resnets
+(`in_layers.2` = conv1, `emb_layers.1` = time_emb_proj, `out_layers.3` = conv2,
+`skip_connection` = conv_shortcut), downsamplers (`op` = conv) and the top-level layers; the
+transformer models (proj_in/out, transformer_blocks.N.attn1/attn2/ff) share diffusers' names.
+
+Text encoders: kohya always writes `lora_teN_text_model_encoder_layers_...`. transformers 5's
+CLIPTextModel has no `text_model.` level (CLIPTextModelWithProjection still has), so diffusers
+names from it lack the root; `diffusers_to_kohya` accepts both, and `kohya_to_diffusers` writes
+the root each model uses (`text_encoder_root`). diffusers' own loader strips `text_model.` itself
+when the encoder lacks it.
+
+Checked against diffusers 0.42: `StableDiffusionXLPipeline.lora_state_dict(..., unet_config=...)`
+reads every linear and conv layer of these files (attention, feed-forward, proj_in/out, resnets,
+down/upsamplers, time/add embeddings, conv_in/out, both CLIPs) with their alphas, warning-free.
+
+Known diffusers limitation (0.42): its SGM remapper (`_maybe_map_sgm_blocks_to_diffusers`) finds
+the keys of `input_blocks_1` by substring, so for UNets with 10 or more input/output blocks (not
+SDXL, which has 9) it would mix up blocks 1 and 10-19; it also needs an int `layers_per_block`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from difftune.adapters.formats import LORA_A, LORA_B, split_lora_key
+from difftune.errors import CheckpointError
+
+DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
+UNET_PREFIX = "unet"
+KOHYA_UNET = "lora_unet_"
+# diffusers component name -> kohya prefix for the two CLIP text encoders.
+TEXT_ENCODERS = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+
+# Inner names, (diffusers pattern, SGM pattern); "{n}" stands for a layer index.
+_ATTN_LINEARS = tuple(
+    f"transformer_blocks.{{n}}.{attn}.{proj}"
+    for attn in ("attn1", "attn2")
+    for proj in ("to_q", "to_k", "to_v", "to_out.0")
+) + ("transformer_blocks.{n}.ff.net.0.proj", "transformer_blocks.{n}.ff.net.2", "proj_in", "proj_out")
+INNER: dict[str, tuple[tuple[str, str], ...]] = {
+    "resnet": (
+        ("conv1", "in_layers.2"),
+        ("time_emb_proj", "emb_layers.1"),
+        ("conv2", "out_layers.3"),
+        ("conv_shortcut", "skip_connection"),
+    ),
+    "attention": tuple((p, p) for p in _ATTN_LINEARS),
+    "downsample": (("conv", "op"),),
+    "upsample": (("conv", "conv"),),
+}
+TOP_LEVEL: tuple[tuple[str, str], ...] = (
+    ("conv_in", "input_blocks.0.0"),
+    ("time_embedding.linear_1", "time_embed.0"),
+    ("time_embedding.linear_2", "time_embed.2"),
+    ("add_embedding.linear_1", "label_emb.0.0"),
+    ("add_embedding.linear_2", "label_emb.0.2"),
+    ("conv_out", "out.2"),
+)
+# CLIP modules inside the text transformer. kohya (and transformers 4) spell them under
+# `text_model.`; transformers 5's CLIPTextModel has them at its top level, so a diffusers name may
+# carry the root or not (`text_encoder_root` tells which a loaded model uses).
+TEXT_LAYERS: tuple[tuple[str, str], ...] = tuple(
+    (p, p)
+    for p in (
+        f"encoder.layers.{{n}}.{m}"
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
+    )
+)
+TEXT_ROOT = "text_model."
+# CLIPTextModelWithProjection's projection sits beside the text transformer, not under it.
+TEXT_PROJECTION = "text_projection"
+
+
+# ---------------------------------------------------------------- the block layout
+
+
+@dataclass(frozen=True)
+class Block:
+    """One diffusers sub-block (a resnet, attention model, down- or upsampler) and its SGM place."""
+
+    diffusers: str  # e.g. "down_blocks.1.attentions.0"
+    sgm: str  # e.g. "input_blocks.4.1"
+    kind: str  # a key of INNER
+
+
+@dataclass(frozen=True)
+class UNetLayout:
+    """Where every diffusers UNet sub-block sits in SGM's input/middle/output block numbering."""
+
+    blocks: tuple[Block, ...]
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | Any) -> UNetLayout:
+        """Derive the layout from a `UNet2DConditionModel` config (the model's `.config` or a dict).
+
+        Reads `down_block_types`, `up_block_types`, `layers_per_block` (int or per block) and
+        `mid_block_type`; a block "has attention" when its type name contains "CrossAttn", as in
+        diffusers' own block factory.
+        """
+        cfg = config if isinstance(config, Mapping) else dict(config)
+        down_types = tuple(cfg["down_block_types"])
+        up_types = tuple(cfg["up_block_types"])
+        lpb = cfg.get("layers_per_block", 2)
+        layers = [lpb] * len(down_types) if isinstance(lpb, int) else list(lpb)
+        blocks = _down_blocks(down_types, layers) + _mid_blocks(cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn"))
+        blocks += _up_blocks(up_types, list(reversed(layers)))
+        return cls(tuple(blocks))
+
+    def to_sgm(self, module: str) -> str:
+        """The SGM name of a diffusers UNet module (dotted), or CheckpointError if it has none."""
+        for diffusers, sgm in TOP_LEVEL:
+            if module == diffusers:
+                return sgm
+        for block in self.blocks:
+            if module.startswith(block.diffusers + "."):
+                inner = _translate(module[len(block.diffusers) + 1 :], INNER[block.kind], 0, 1, ".")
+                if inner is not None:
+                    return f"{block.sgm}.{inner}"
+        raise CheckpointError(f"UNet module {module!r} has no kohya/SGM name difftune knows.")
+
+    def from_kohya(self, name: str) -> str:
+        """The diffusers module of a kohya UNet name without `lora_unet_` (underscored SGM name)."""
+        for diffusers, sgm in TOP_LEVEL:
+            if name == sgm.replace(".", "_"):
+                return diffusers
+        for block in self.blocks:
+            head = block.sgm.replace(".", "_") + "_"
+            if name.startswith(head):
+                inner = _translate(name[len(head) :], INNER[block.kind], 1, 0, "_")
+                if inner is not None:
+                    return f"{block.diffusers}.{inner}"
+        raise CheckpointError(f"kohya UNet entry {KOHYA_UNET}{name} is not a module of this SDXL UNet.")
+
+
+def _has_attention(block_type: str | None) -> bool:
+    """diffusers' block types with cross-attention transformers all carry "CrossAttn" in the name."""
+    return block_type is not None and "CrossAttn" in block_type
+
+
+def _down_blocks(types: tuple[str, ...], layers: list[int]) -> list[Block]:
+    """input_blocks: 0 is conv_in; then each down block's layers, then its downsampler."""
+    out: list[Block] = []
+    index = 1
+    for b, (kind, n) in enumerate(zip(types, layers)):
+        for j in range(n):
+            out.append(Block(f"down_blocks.{b}.resnets.{j}", f"input_blocks.{index}.0", "resnet"))
+            if _has_attention(kind):
+                out.append(Block(f"down_blocks.{b}.attentions.{j}", f"input_blocks.{index}.1", "attention"))
+            index += 1
+        if b < len(types) - 1:  # diffusers: add_downsample = not is_final_block
+            out.append(Block(f"down_blocks.{b}.downsamplers.0", f"input_blocks.{index}.0", "downsample"))
+            index += 1
+    return out
+
+
+def _mid_blocks(mid_type: str | None) -> list[Block]:
+    """middle_block: resnet 0, attention, resnet 1 (UNetMidBlock2DCrossAttn, as in SDXL)."""
+    if mid_type is None:
+        return []
+    if not _has_attention(mid_type):
+        raise CheckpointError(f"mid block type {mid_type!r} has no SGM layout difftune knows (SDXL uses a CrossAttn one).")
+    return [
+        Block("mid_block.resnets.0", "middle_block.0", "resnet"),
+        Block("mid_block.attentions.0", "middle_block.1", "attention"),
+        Block("mid_block.resnets.1", "middle_block.2", "resnet"),
+    ]
+
+
+def _up_blocks(types: tuple[str, ...], layers: list[int]) -> list[Block]:
+    """output_blocks: each up block's layers + 1; the upsampler follows resnet (and attention)."""
+    out: list[Block] = []
+    index = 0
+    for b, (kind, n) in enumerate(zip(types, layers)):
+        attention = _has_attention(kind)
+        for j in range(n + 1):
+            out.append(Block(f"up_blocks.{b}.resnets.{j}", f"output_blocks.{index}.0", "resnet"))
+            if attention:
+                out.append(Block(f"up_blocks.{b}.attentions.{j}", f"output_blocks.{index}.1", "attention"))
+            if j == n and b < len(types) - 1:  # diffusers: add_upsample = not is_final_block
+                out.append(Block(f"up_blocks.{b}.upsamplers.0", f"output_blocks.{index}.{2 if attention else 1}", "upsample"))
+            index += 1
+    return out
+
+
+def _pattern(template: str, sep: str) -> re.Pattern[str]:
+    """A full-match regex of a dotted name template, written with `sep` between its parts."""
+    escaped = re.escape(template.replace(".", sep)).replace(re.escape("{n}"), r"(\d+)")
+    return re.compile(f"^{escaped}$")
+
+
+def _translate(name: str, table: tuple[tuple[str, str], ...], src: int, dst: int, sep: str) -> str | None:
+    """Map `name` (written with `sep`) from column `src` to the dotted form of column `dst`."""
+    for row in table:
+        match = _pattern(row[src], sep).match(name)
+        if match:
+            return row[dst].replace("{n}", "{}").format(*match.groups())
+    return None
+
+
+# ---------------------------------------------------------------- conversions
+
+
+def diffusers_to_kohya(
+    state: dict[str, torch.Tensor],
+    alpha: float | dict[str, float],
+    rank: int,
+    layout: UNetLayout | Mapping[str, Any],
+) -> dict[str, torch.Tensor]:
+    """Convert an SDXL diffusers LoRA (`unet.` / `text_encoder.` / `text_encoder_2.` keys) to kohya.
+
+    `alpha` is one value or a {`prefix.module`: alpha} dict; `layout` is a `UNetLayout` or the UNet
+    config it is derived from. Every module must have both factors of rank `rank`. A module with no
+    kohya name raises `CheckpointError` rather than being dropped.
+    """
+    layout = layout if isinstance(layout, UNetLayout) else UNetLayout.from_config(layout)
+    out: dict[str, torch.Tensor] = {}
+    for module, (down, up) in _pairs(state).items():
+        if down.shape[0] != rank:
+            raise CheckpointError(f"LoRA module {module!r} has rank {down.shape[0]}, expected {rank}.")
+        base = _kohya_name(module, layout)
+        module_alpha = alpha[module] if isinstance(alpha, dict) else alpha
+        out[f"{base}.{DOWN}"] = down.contiguous()
+        out[f"{base}.{UP}"] = up.contiguous()
+        out[f"{base}.{ALPHA}"] = torch.tensor(float(module_alpha), dtype=torch.float32)
+    return out
+
+
+def kohya_to_diffusers(
+    state: dict[str, torch.Tensor],
+    layout: UNetLayout | Mapping[str, Any],
+    text_roots: Mapping[str, str] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Read a kohya/ComfyUI SDXL LoRA back into diffusers names.
+
+    Returns the tensors (`<component>.<module>.lora_A/B.weight`) and each module's alpha
+    (`<component>.<module>` -> alpha; a missing kohya alpha means alpha = rank). Keys that are not
+    `lora_unet_` / `lora_te1_` / `lora_te2_` LoRA entries of this UNet and CLIP raise
+    `CheckpointError`. `text_roots` gives each text encoder's root (`text_encoder_root(model)`);
+    missing components get `text_model.`, the spelling of diffusers files made with transformers 4.
+    """
+    layout = layout if isinstance(layout, UNetLayout) else UNetLayout.from_config(layout)
+    tensors: dict[str, torch.Tensor] = {}
+    alphas: dict[str, float] = {}
+    for name, parts in _group_kohya(state).items():
+        module = _diffusers_name(name, layout, text_roots or {})
+        tensors[f"{module}.{LORA_A}"] = parts[DOWN]
+        tensors[f"{module}.{LORA_B}"] = parts[UP]
+        alphas[module] = float(parts[ALPHA].item()) if ALPHA in parts else float(parts[DOWN].shape[0])
+    return tensors, alphas
+
+
+def _pairs(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{`prefix.module`: (A, B)}; linear (2-D) and conv (4-D) factors alike, both required."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        module, suffix = split_lora_key(key)
+        halves.setdefault(module, {})[suffix] = value
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, parts in halves.items():
+        if set(parts) != {LORA_A, LORA_B}:
+            raise CheckpointError(f"LoRA module {module!r} lacks {({LORA_A, LORA_B} - set(parts)).pop()}.")
+        down, up = parts[LORA_A], parts[LORA_B]
+        if down.ndim != up.ndim or up.shape[1] != down.shape[0]:
+            raise CheckpointError(
+                f"LoRA module {module!r} has mismatched factors: A {tuple(down.shape)}, B {tuple(up.shape)}."
+            )
+        out[module] = (down, up)
+    return out
+
+
+def _kohya_name(module: str, layout: UNetLayout) -> str:
+    """The kohya name (without the `.lora_down.weight` suffix) of a prefixed diffusers module."""
+    component, _, inner = module.partition(".")
+    if component == UNET_PREFIX:
+        return KOHYA_UNET + layout.to_sgm(inner).replace(".", "_")
+    if component in TEXT_ENCODERS:
+        return TEXT_ENCODERS[component] + _kohya_text_name(module, inner)
+    raise CheckpointError(
+        f"LoRA module {module!r} belongs to no SDXL component (unet, text_encoder, text_encoder_2)."
+    )
+
+
+def _kohya_text_name(module: str, inner: str) -> str:
+    """The kohya spelling (after `lora_teN_`) of a CLIP module, with or without `text_model.`."""
+    if inner == TEXT_PROJECTION:
+        return TEXT_PROJECTION
+    if _translate(inner.removeprefix(TEXT_ROOT), TEXT_LAYERS, 0, 1, ".") is None:
+        raise CheckpointError(f"text-encoder module {module!r} has no kohya name difftune knows.")
+    return (TEXT_ROOT + inner.removeprefix(TEXT_ROOT)).replace(".", "_")
+
+
+def _diffusers_text_name(name: str, inner: str, root: str) -> str:
+    """The CLIP module (under `root`) of a kohya text-encoder name's part after `lora_teN_`."""
+    if inner == TEXT_PROJECTION:
+        return TEXT_PROJECTION
+    underscored_root = TEXT_ROOT.replace(".", "_")
+    layer = _translate(inner.removeprefix(underscored_root), TEXT_LAYERS, 0, 0, "_")
+    if not inner.startswith(underscored_root) or layer is None:
+        raise CheckpointError(f"kohya entry {name} is not a CLIP text-encoder module difftune knows.")
+    return root + layer
+
+
+def text_encoder_root(model: torch.nn.Module) -> str:
+    """`"text_model."` or `""`: where a CLIP model's layers sit in its module tree.
+
+    transformers 5 flattened CLIPTextModel (layers at `encoder.layers.N`) but not
+    CLIPTextModelWithProjection (`text_model.encoder.layers.N`). Found through the public
+    `get_input_embeddings()`: the root is whatever precedes its `embeddings.token_embedding`.
+    """
+    embeddings = model.get_input_embeddings()
+    name = next(n for n, m in model.named_modules() if m is embeddings)
+    return name.removesuffix("embeddings.token_embedding")
+
+
+def _diffusers_name(name: str, layout: UNetLayout, roots: Mapping[str, str]) -> str:
+    """The prefixed diffusers module of a kohya name (without the `.lora_down.weight` suffix)."""
+    if name.startswith(KOHYA_UNET):
+        return f"{UNET_PREFIX}.{layout.from_kohya(name.removeprefix(KOHYA_UNET))}"
+    for component, prefix in TEXT_ENCODERS.items():
+        if name.startswith(prefix):
+            return f"{component}.{_diffusers_text_name(name, name.removeprefix(prefix), roots.get(component, TEXT_ROOT))}"
+    raise CheckpointError(f"kohya entry {name} is not an SDXL LoRA module (lora_unet_, lora_te1_ or lora_te2_).")
+
+
+def _group_kohya(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """{kohya name: {lora_down/lora_up/alpha: tensor}}; malformed or half entries are errors."""
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    bad = []
+    for key, value in state.items():
+        base, _, kind = key.partition(".")
+        if kind not in (DOWN, UP, ALPHA):
+            bad.append(key)
+            continue
+        groups.setdefault(base, {})[kind] = value
+    if bad:
+        raise CheckpointError(f"these keys are not kohya LoRA keys (*.lora_down.weight/lora_up.weight/alpha): {sorted(bad)}")
+    for base, parts in groups.items():
+        if DOWN not in parts or UP not in parts:
+            raise CheckpointError(f"kohya LoRA entry {base} lacks its lora_down or lora_up weight.")
+    return groups
