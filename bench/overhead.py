@@ -53,7 +53,7 @@ def difftune_step_time(cfg: RunConfig, warmup: int) -> float:
     run = prepare(cfg, show_progress=False)
     fill_caches(run, [], show_progress=False)
     reporter = Reporter(cfg.save.dir, cfg.train.steps, bar=False)
-    ckpt = CheckpointManager(cfg, run.family, run.comps.name, run.targets, {})
+    ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, {})
     try:
         train(run, Hooks(reporter, ckpt, None))
     finally:

@@ -42,7 +42,7 @@ def run_train(cfg: RunConfig, show_progress: bool = True) -> Result:
     attach_run_log(cfg.save.dir / "difftune.log")
     started = time.perf_counter()
     run = prepare(cfg, show_progress=show_progress)
-    ckpt = CheckpointManager(cfg, run.family, run.comps.name, run.targets, run.data.summary())
+    ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, run.data.summary())
     ckpt.write_config()
     sampler = _sampler(run, None, cfg.save.dir / "samples") if cfg.sample.prompts else None
     fill_caches(run, _sample_prompts(sampler) if sampler else [], show_progress)

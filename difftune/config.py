@@ -211,7 +211,9 @@ class SampleConfig(_Section):
     height: int | None = Field(None, ge=16, description="Default height (default: resolution).")
     steps: int = Field(20, ge=1, description="Default denoising steps.")
     guidance: float = Field(3.5, ge=0, description="Default distilled guidance.")
-    cfg: float = Field(1.0, ge=1.0, description="Default true-CFG scale (1 = off).")
+    cfg: float | None = Field(
+        None, ge=1.0, description="Default CFG scale (1 = off; default: the family's)."
+    )
     seed: int = Field(0, description="Default seed.")
 
     @model_validator(mode="after")

@@ -127,8 +127,9 @@ class SampleRunner:
         self.family, self.comps, self.texts, self.cfg = family, comps, texts, cfg
         self.out_dir, self.policy, self.reporter = out_dir, policy, reporter
         w, h = default_size
+        scale = cfg.cfg if cfg.cfg is not None else family.default_cfg
         self.default = PromptSpec("", "", cfg.width or w, cfg.height or h, cfg.steps, cfg.seed,
-                                  cfg.guidance, cfg.cfg)
+                                  cfg.guidance, scale)
         self._pipe: Any = None
 
     def prompts(self) -> list[PromptSpec]:

@@ -58,6 +58,13 @@ class LatentSource:
             self._keys[index, flip] = entry_key(fields), fields
         return self._keys[index, flip]
 
+    def crop_for(self, index: int, sample_seed: int | None = None) -> tuple[int, int, int, int]:
+        """The crop box a sample of item `index` uses (fresh per sample only with `fresh_crops`)."""
+        item = self.items[index]
+        if self.fresh_crops and item.crop == "random" and sample_seed is not None:
+            return crop_box(item.size, item.bucket, "random", random.Random(sample_seed))
+        return self.box(index)
+
     def get(self, index: int, flip: bool, sample_seed: int | None = None) -> torch.Tensor:
         """Latent (C, h, w) of item `index`, horizontally flipped or not.
 
@@ -65,14 +72,14 @@ class LatentSource:
         sampler's per-occurrence seed) and is encoded live, never cached.
         """
         item = self.items[index]
-        if self.fresh_crops and item.crop == "random" and sample_seed is not None:
-            box = crop_box(item.size, item.bucket, "random", random.Random(sample_seed))
+        box = self.crop_for(index, sample_seed)
+        if box != self.box(index):
             return self._encode(item, box, flip)
         key, fields = self._key(index, flip)
         hit = self.store.get(key)
         if hit is not None:
             return hit["latent"]
-        latent = self._encode(item, self.box(index), flip)
+        latent = self._encode(item, box, flip)
         self.store.put(key, {"latent": latent}, {k: str(v) for k, v in fields.items()})
         return latent
 

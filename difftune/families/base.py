@@ -16,8 +16,9 @@ import torch
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
-    from difftune.config import ModelConfig
+    from difftune.config import ModelConfig, TrainConfig
     from difftune.precision import PrecisionPolicy
+    from difftune.train.objectives import Objective
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,20 @@ class TextEmbeds:
         return TextEmbeds({k: torch.cat([it.tensors[k] for it in items]) for k in keys})
 
 
+@dataclass(frozen=True)
+class Conditioning:
+    """Per-batch inputs besides latents, text and time, for the families that use them.
+
+    `guidance` is the distilled-guidance input (FLUX.1-dev); sizes are (height, width) and crops
+    (top, left), one per sample, for SDXL's micro-conditioning (`add_time_ids`).
+    """
+
+    guidance: float
+    original_sizes: list[tuple[int, int]]
+    crops: list[tuple[int, int]]
+    target_sizes: list[tuple[int, int]]
+
+
 @dataclass
 class Components:
     """The loaded parts of a base model.
@@ -90,6 +105,8 @@ class Family(Protocol):
     name: str
     text_encoders: tuple[TextEncoderSpec, ...]
     bucket_step: int
+    denoiser_prefix: str  # "transformer" or "unet": the LoRA key prefix diffusers expects
+    default_cfg: float  # CFG scale for samples whose prompt gives none
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Load (or build, for the tiny flavor) all components from local files."""
@@ -103,15 +120,19 @@ class Family(Protocol):
         """Pixels in [-1, 1], (B, 3, H, W) -> normalized latents (B, C, h, w)."""
         ...
 
+    def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":
+        """How this family is trained (noise, timesteps, target, weighting)."""
+        ...
+
     def predict(
         self,
         c: Components,
         noisy: torch.Tensor,
         embeds: TextEmbeds,
         t: torch.Tensor,
-        guidance: float,
+        cond: Conditioning,
     ) -> torch.Tensor:
-        """Denoiser output for noisy latents at times t in [0, 1], in the latent layout."""
+        """Denoiser output for noisy latents at times t (the objective's units), latent layout."""
         ...
 
     def lora_targets(self, preset: str) -> list[str]:
@@ -128,7 +149,7 @@ class Family(Protocol):
         ...
 
     def lora_to_format(
-        self, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
+        self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
     ) -> dict[str, torch.Tensor]:
         """Convert a diffusers-named LoRA ("transformer.<module>.lora_A.weight") to `fmt`."""
         ...

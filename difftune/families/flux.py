@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.families import text
-from difftune.families.base import Components, TextEmbeds, TextEncoderSpec
+from difftune.families.base import Components, Conditioning, TextEmbeds, TextEncoderSpec
+from difftune.train.objectives import FlowMatching
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
-    from difftune.config import ModelConfig
+    from difftune.config import ModelConfig, TrainConfig
     from difftune.precision import PrecisionPolicy
+    from difftune.train.objectives import Objective
 
 # Module-name patterns (full match against the transformer's module names) for LoRA presets.
 _BLOCK = r"(?:transformer_blocks|single_transformer_blocks)\.\d+\."
@@ -80,6 +82,12 @@ class FluxFamily:
     )
     # VAE downscale 8 x 2x2 packing: bucket sides must be multiples of 16.
     bucket_step = 16
+    denoiser_prefix = "transformer"
+    default_cfg = 1.0  # guidance-distilled: true CFG off unless a prompt asks for it
+
+    def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":
+        """Rectified flow with the configured timestep sampling."""
+        return FlowMatching(cfg)
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Build the tiny flavor or read FLUX.1 from local files, frozen, in the policy's dtypes."""
@@ -142,7 +150,7 @@ class FluxFamily:
         noisy: torch.Tensor,
         embeds: TextEmbeds,
         t: torch.Tensor,
-        guidance: float,
+        cond: Conditioning,
     ) -> torch.Tensor:
         """Velocity prediction for noisy latents at t in [0, 1] (1 = pure noise)."""
         model = c.denoiser
@@ -151,7 +159,7 @@ class FluxFamily:
         prompt = embeds.tensors["prompt_embeds"]
         kwargs: dict[str, Any] = {}
         if model.config.guidance_embeds:
-            kwargs["guidance"] = torch.full((b,), guidance, device=noisy.device, dtype=dtype)
+            kwargs["guidance"] = torch.full((b,), cond.guidance, device=noisy.device, dtype=dtype)
         out = model(
             hidden_states=pack(noisy),
             encoder_hidden_states=prompt,
@@ -199,7 +207,7 @@ class FluxFamily:
         return kwargs
 
     def lora_to_format(
-        self, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
+        self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
     ) -> dict[str, torch.Tensor]:
         """diffusers-named LoRA -> the requested key layout ("diffusers" or "kohya")."""
         if fmt == "diffusers":

@@ -19,7 +19,7 @@ from difftune.adapters.formats import diffusers_adapter_metadata, save_lora
 from difftune.adapters.lora import lora_state
 from difftune.config import RunConfig
 from difftune.errors import ConfigError
-from difftune.families.base import Family
+from difftune.families.base import Components, Family
 from difftune.precision import DTYPES
 
 log = logging.getLogger("difftune")
@@ -42,11 +42,11 @@ def refuse_overwrite(cfg: RunConfig) -> None:
 class CheckpointManager:
     """Writes the LoRA (every N steps and at the end) and the resolved config."""
 
-    def __init__(self, cfg: RunConfig, family: Family, base_name: str, targets: list[str],
+    def __init__(self, cfg: RunConfig, family: Family, comps: Components, targets: list[str],
                  dataset_summary: dict[str, Any]) -> None:
-        self.cfg, self.family = cfg, family
+        self.cfg, self.family, self.comps = cfg, family, comps
         self.out: Path = cfg.save.dir
-        self.base_name, self.targets = base_name, targets
+        self.base_name, self.targets = comps.name, targets
         self.dataset_summary = dataset_summary
 
     def write_config(self) -> Path:
@@ -81,11 +81,13 @@ class CheckpointManager:
     def save_lora(self, model: torch.nn.Module, step: int, final: bool = False) -> Path:
         """Export the LoRA of `model` in the configured format; returns the file."""
         a = self.cfg.adapter
-        state = lora_state(model)
+        prefix = self.family.denoiser_prefix
+        state = lora_state(model, prefix)
         meta = self.metadata(step)
         if self.cfg.save.format == "diffusers":
-            meta.update(diffusers_adapter_metadata(state, a.rank, a.scale_alpha))
-        tensors = self.family.lora_to_format(state, self.cfg.save.format, a.rank, a.scale_alpha)
+            meta.update(diffusers_adapter_metadata(state, a.rank, a.scale_alpha, prefix))
+        tensors = self.family.lora_to_format(self.comps, state, self.cfg.save.format, a.rank,
+                                             a.scale_alpha)
         path = save_lora(self.lora_path(step, final), tensors, meta, DTYPES[self.cfg.save.dtype])
         log.info("saved LoRA %s", path)
         return path

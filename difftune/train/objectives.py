@@ -7,10 +7,32 @@ noise), and the model predicts the velocity noise - x_0.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from difftune.config import TrainConfig
+from difftune.train.ddpm import weighted_mse
+
+
+@dataclass
+class Draw:
+    """One batch's noising: the denoiser's time input (in the objective's units), its noisy
+    input, the regression target and optional per-sample loss weights."""
+
+    t: torch.Tensor
+    noisy: torch.Tensor
+    target: torch.Tensor
+    weights: torch.Tensor | None = None
+
+
+class Objective(Protocol):
+    """How a family is trained: noise, timesteps, target and weighting for clean latents."""
+
+    def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
+        """Noise a batch of clean latents (randomness from `generator` only)."""
+        ...
 
 # FLUX.1's resolution-dependent shift: mu grows linearly with the image token count from
 # base_shift at 256 tokens to max_shift at 4096 tokens (the FLUX.1-dev scheduler settings).
@@ -53,6 +75,25 @@ def noisy_and_target(
     return (1 - tt) * latents + tt * noise, noise - latents
 
 
-def loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error, computed in fp32 whatever the autocast dtype."""
-    return torch.nn.functional.mse_loss(pred.float(), target.float())
+class FlowMatching:
+    """Rectified flow (FLUX.1, SD3): t in (0, 1), velocity target, no weighting."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+
+    def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
+        """Noise from `generator` (CPU, then moved), then t drawn by `train.timesteps`."""
+        noise = torch.randn(latents.shape, generator=generator).to(latents.device)
+        # Image tokens of 2x2 latent patches, as the flow transformers see them (flux_shift).
+        tokens = latents.shape[-1] * latents.shape[-2] // 4
+        t = sample_timesteps(self.cfg, latents.shape[0], tokens, generator).to(latents.device)
+        noisy, target = noisy_and_target(latents, noise, t)
+        return Draw(t, noisy, target)
+
+
+def loss(pred: torch.Tensor, target: torch.Tensor,
+         weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error in fp32 whatever the autocast dtype; per-sample weighted if given."""
+    if weights is None:
+        return torch.nn.functional.mse_loss(pred.float(), target.float())
+    return weighted_mse(pred, target, weights)

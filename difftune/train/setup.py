@@ -20,9 +20,10 @@ from difftune.cache import make_store
 from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
 from difftune.data.discover import DataSet
-from difftune.families.base import Components, Family
+from difftune.families.base import Components, Conditioning, Family
 from difftune.precision import PrecisionPolicy, resolve_device
 from difftune.train import objectives
+from difftune.train.objectives import Objective
 
 log = logging.getLogger("difftune")
 
@@ -39,6 +40,7 @@ class Run:
     latents: LatentSource
     texts: TextSource
     targets: list[str]
+    objective: Objective
 
     @property
     def out(self) -> Path:
@@ -74,7 +76,8 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     latents = LatentSource(family, comps, dataset.items, make_store(cfg.cache.latents),
                            cfg.train.seed, fresh_crops=cfg.cache.latents == "none")
     texts = TextSource(family, comps, make_store(cfg.cache.text))
-    return Run(cfg, family, policy, dataset, comps, latents, texts, targets)
+    objective = family.objective(comps, cfg.train)
+    return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective)
 
 
 def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) -> None:
@@ -97,7 +100,7 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
 
 def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch.Generator,
                seeds: list[int | None] | None = None) -> torch.Tensor:
-    """The flow-matching loss of one batch (forward only; the caller runs backward).
+    """The training loss of one batch (forward only; the caller runs backward).
 
     `flips` and `seeds` are the sampler's per-occurrence augmentation decisions.
     """
@@ -106,10 +109,20 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     latents = torch.stack([run.latents.get(i, f, s)
                            for i, f, s in zip(indices, flips, per_sample)]).to(device)
     embeds = run.texts.get([run.data.items[i].caption for i in indices]).to(device)
-    noise = torch.randn(latents.shape, generator=generator).to(device)
-    tokens = latents.shape[-1] * latents.shape[-2] // 4
-    t = objectives.sample_timesteps(run.cfg.train, latents.shape[0], tokens, generator)
-    noisy, target = objectives.noisy_and_target(latents, noise, t.to(device))
+    draw = run.objective.draw(latents, generator)
+    cond = conditioning(run, indices, per_sample)
     with run.policy.autocast():
-        pred = run.family.predict(run.comps, noisy, embeds, t.to(device), run.cfg.train.guidance)
-    return objectives.loss(pred, target)
+        pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
+    return objectives.loss(pred, draw.target, draw.weights)
+
+
+def conditioning(run: Run, indices: list[int], seeds: list[int | None]) -> Conditioning:
+    """Guidance and per-sample sizes and crops ((height, width), (top, left)) of a batch."""
+    items = [run.data.items[i] for i in indices]
+    boxes = [run.latents.crop_for(i, s) for i, s in zip(indices, seeds)]
+    return Conditioning(
+        guidance=run.cfg.train.guidance,
+        original_sizes=[(it.size[1], it.size[0]) for it in items],
+        crops=[(box[1], box[0]) for box in boxes],
+        target_sizes=[(it.bucket[1], it.bucket[0]) for it in items],
+    )
