@@ -188,8 +188,27 @@ class TrainConfig(_Section):
     sigmoid_std: float = Field(1.0, gt=0, description="Logit-normal std (sigmoid, shift).")
     shift: float = Field(3.0, gt=0, description="Fixed shift for timesteps = \"shift\".")
     guidance: float = Field(1.0, ge=0, description="Guidance input for guidance-distilled models.")
+    prediction: Literal["auto", "epsilon", "v_prediction"] = Field(
+        "auto", description="DDPM families: the target (auto: the model's scheduler config)."
+    )
+    zero_terminal_snr: bool = Field(
+        False, description="DDPM families: rescale the schedule to zero SNR at the last step."
+    )
+    noise_offset: float = Field(0.0, ge=0, description="DDPM families: noise offset strength.")
+    min_snr_gamma: float | None = Field(
+        None, gt=0, description="DDPM families: Min-SNR-gamma loss weighting (e.g. 5)."
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+
+    @model_validator(mode="after")
+    def _ddpm(self) -> "TrainConfig":
+        if self.zero_terminal_snr and self.prediction == "epsilon":
+            raise ValueError(
+                "zero_terminal_snr needs prediction = \"v_prediction\" (an epsilon target is "
+                "undefined at zero SNR); set train.prediction = \"v_prediction\""
+            )
+        return self
 
     @model_validator(mode="after")
     def _warmup(self) -> "TrainConfig":
@@ -259,6 +278,7 @@ class RunConfig(_Section):
                 f"{', '.join(low)} needs precision.mixed = \"bf16\" or \"fp16\" (fp32 compute "
                 "on low-precision weights fails); set precision.mixed or keep those at fp32"
             )
+        problems += objective_problems(self.model.family, self.train)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(
@@ -268,6 +288,23 @@ class RunConfig(_Section):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+# What each family is trained with; options of one objective are refused for the other.
+OBJECTIVES: dict[str, str] = {"flux": "flow", "sd3": "flow", "sdxl": "ddpm"}
+_DDPM_ONLY = {"prediction": "auto", "zero_terminal_snr": False, "noise_offset": 0.0,
+              "min_snr_gamma": None}
+_FLOW_ONLY = {"timesteps": "sigmoid", "sigmoid_mean": 0.0, "sigmoid_std": 1.0, "shift": 3.0}
+
+
+def objective_problems(family: str, train: TrainConfig) -> list[str]:
+    """Options set for the objective this family does not train with (never silently ignored)."""
+    kind = OBJECTIVES.get(family)
+    ignored = _DDPM_ONLY if kind == "flow" else _FLOW_ONLY if kind == "ddpm" else {}
+    set_here = [k for k, default in ignored.items()
+                if k in train.model_fields_set and getattr(train, k) != default]
+    return [f"train.{k} does not apply to model.family = \"{family}\" (trained with "
+            f"{'flow matching' if kind == 'flow' else 'DDPM'}); remove it" for k in set_here]
 
 
 def _resolve_paths(node: Any, base: Path) -> None:

@@ -111,3 +111,17 @@ def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[model\n"))
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_objective_options_are_never_silently_ignored(tmp_path: Path) -> None:
+    text = GOOD.replace("steps = 10", "steps = 10\nnoise_offset = 0.1\nmin_snr_gamma = 5")
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text))
+    assert 'train.noise_offset does not apply to model.family = "flux"' in str(err.value)
+    assert "train.min_snr_gamma does not apply" in str(err.value)
+
+
+def test_zero_terminal_snr_needs_v_prediction(tmp_path: Path) -> None:
+    text = GOOD.replace("steps = 10", 'steps = 10\nzero_terminal_snr = true\nprediction = "epsilon"')
+    with pytest.raises(ConfigError, match="zero_terminal_snr needs prediction"):
+        load_config(write(tmp_path, text))
