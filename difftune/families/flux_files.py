@@ -13,7 +13,6 @@ refused. Every missing, unsafe or wrong file raises `ModelFileError` naming the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +27,10 @@ from difftune.families.component_files import (
     load_clip_file,
     load_t5_file,
     load_vae_file,
-    pickle_error,
     read_safetensors,
     strip_prefix,
 )
-from difftune.safefiles import is_pickle
+from difftune.families.folders import check_folder, folder_files, from_folder
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -48,62 +46,6 @@ SCHNELL_SCHEDULER_CONFIG: dict[str, Any] = {
     "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
 }
 _BFL_PREFIXES = ("model.diffusion_model.",)
-
-# ---------------------------------------------------------------------------------------------
-# The diffusers folder
-
-
-def _check_folder(folder: Path) -> None:
-    """The folder exists and looks like a diffusers FLUX.1 folder."""
-    if not folder.is_dir():
-        raise ModelFileError(
-            f"{folder} is not a folder; model.path must be a diffusers-format folder in the "
-            "FLUX.1 layout (model_index.json, transformer/, vae/, text_encoder/, ...)")
-    if not (folder / "model_index.json").is_file():
-        raise ModelFileError(
-            f"{folder} has no model_index.json; model.path must be a diffusers-format FLUX.1 "
-            "folder (for single files set model.transformer / vae / clip_l / t5 instead)")
-
-
-def _check_subfolder(folder: Path, sub: str, weights: bool) -> Path:
-    """The component subfolder exists (with a config) and holds safetensors weights."""
-    path = folder / sub
-    if not path.is_dir():
-        raise ModelFileError(f"{path} is missing; expected the {sub} component of {folder}")
-    if weights:
-        if not (path / "config.json").is_file():
-            raise ModelFileError(f"{path}/config.json is missing; expected the {sub} config")
-        files = [p for p in path.iterdir() if p.is_file()]
-        if not any(p.name.endswith(".safetensors") for p in files):
-            pickles = [p for p in files if is_pickle(p)]
-            if pickles:
-                raise pickle_error(pickles[0])
-            raise ModelFileError(f"{path} holds no .safetensors weights; expected the {sub} "
-                                 "weights (diffusion_pytorch_model.safetensors or model.safetensors)")
-    return path
-
-
-def _from_folder(cls: Any, folder: Path, sub: str, dtype: torch.dtype | None) -> Any:
-    """One component via its class's from_pretrained, local files and safetensors only."""
-    _check_subfolder(folder, sub, weights=dtype is not None)
-    kwargs: dict[str, Any] = {"subfolder": sub, "local_files_only": True}
-    if dtype is not None:
-        kwargs.update(torch_dtype=dtype, use_safetensors=True)
-    try:
-        return cls.from_pretrained(str(folder), **kwargs)
-    except (OSError, ValueError, KeyError, RuntimeError, json.JSONDecodeError) as err:
-        raise ModelFileError(
-            f"{folder / sub} could not be loaded as the FLUX.1 {sub} ({type(err).__name__}: "
-            f"{err}); check that the folder is complete and in the diffusers layout") from None
-
-
-def _folder_files(folder: Path, subs: list[str]) -> list[Path]:
-    """Every file of the named component subfolders (for the fingerprint)."""
-    files = [folder / "model_index.json"]
-    for sub in subs:
-        files += [p for p in sorted((folder / sub).rglob("*")) if p.is_file()]
-    return files
-
 
 # ---------------------------------------------------------------------------------------------
 # Single-file transformer
@@ -197,8 +139,8 @@ def _tokenizers(folder: Path | None) -> tuple[Any, Any]:
     from transformers import CLIPTokenizer, T5TokenizerFast
 
     if folder is not None:
-        return (_from_folder(CLIPTokenizer, folder, "tokenizer", None),
-                _from_folder(T5TokenizerFast, folder, "tokenizer_2", None))
+        return (from_folder(CLIPTokenizer, folder, "tokenizer", None, "FLUX.1"),
+                from_folder(T5TokenizerFast, folder, "tokenizer_2", None, "FLUX.1"))
     clip_dir, t5_dir = _cached_repo(CLIP_TOKENIZER_REPO), _cached_repo(T5_TOKENIZER_REPO)
     if clip_dir is not None and t5_dir is not None:
         return (CLIPTokenizer.from_pretrained(str(clip_dir), local_files_only=True),
@@ -240,7 +182,7 @@ def _scheduler(folder: Path | None, dev: bool) -> Any:
     from difftune.families.tiny import FLUX_DEV_SCHEDULER_CONFIG
 
     if folder is not None and (folder / "scheduler").is_dir():
-        return _from_folder(FlowMatchEulerDiscreteScheduler, folder, "scheduler", None)
+        return from_folder(FlowMatchEulerDiscreteScheduler, folder, "scheduler", None, "FLUX.1")
     return FlowMatchEulerDiscreteScheduler(
         **(FLUX_DEV_SCHEDULER_CONFIG if dev else SCHNELL_SCHEDULER_CONFIG))
 
@@ -251,7 +193,7 @@ def _component(folder: Path | None, file: Path | None, sub: str, cls: Any,
     if file is not None:
         return load_file(Path(file), dtype), [Path(file)]
     assert folder is not None, "config validation guarantees a folder or every file"
-    return _from_folder(cls, folder, sub, dtype), _folder_files(folder, [sub])
+    return from_folder(cls, folder, sub, dtype, "FLUX.1"), folder_files(folder, [sub])
 
 
 def load_flux_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
@@ -266,7 +208,7 @@ def load_flux_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[
 
     folder = Path(cfg.path).expanduser() if cfg.path is not None else None
     if folder is not None:
-        _check_folder(folder)
+        check_folder(folder, "FLUX.1")
     clip_tok, t5_tok = _tokenizers(folder)
     transformer, f1 = _component(folder, cfg.transformer, "transformer", FluxTransformer2DModel,
                                  load_transformer_file, dtypes["transformer"])
