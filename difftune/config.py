@@ -31,7 +31,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Which base model to fine-tune and where its files are (local files only)."""
 
-    family: Literal["flux"] = Field("flux", description="Model family.")
+    family: Literal["flux", "sd3", "sdxl"] = Field("flux", description="Model family.")
     flavor: Literal["tiny"] | None = Field(
         None, description='"tiny" builds the built-in tiny model that needs no files.'
     )

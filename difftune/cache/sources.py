@@ -124,19 +124,17 @@ class TextSource:
                 missing.append(cap)
             else:
                 found[cap] = TextEmbeds(hit)
-        if missing:
-            fresh = self.family.encode_text(self.comps, missing).to("cpu")
-            for i, cap in enumerate(missing):
-                one = fresh.item(i)
-                key, fields = self._key(cap)
-                self.store.put(key, one.tensors, {k: str(v) for k, v in fields.items()})
-                found[cap] = one
+        for cap in missing:
+            # One caption at a time: batched kernels can differ in the last bits with the batch
+            # size, and an entry's value must depend on its key alone, not on its neighbours.
+            one = self.family.encode_text(self.comps, [cap]).to("cpu")
+            key, fields = self._key(cap)
+            self.store.put(key, one.tensors, {k: str(v) for k, v in fields.items()})
+            found[cap] = one
         return TextEmbeds.cat([found[c] for c in captions])
 
-    def fill(self, captions: list[str], batch: int = 8,
-             progress: Progress = _no_progress) -> None:
-        """Encode every distinct caption not yet stored, `batch` at a time."""
+    def fill(self, captions: list[str], progress: Progress = _no_progress) -> None:
+        """Encode every distinct caption not yet stored."""
         todo = [c for c in dict.fromkeys(captions) if self._key(c)[0] not in self.store]
-        chunks = [todo[i : i + batch] for i in range(0, len(todo), batch)]
-        for chunk in progress(chunks, "caching text embeddings", len(chunks)):
-            self.get(chunk)
+        for caption in progress(todo, "caching text embeddings", len(todo)):
+            self.get([caption])

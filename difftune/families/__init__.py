@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import importlib
+
 from difftune.errors import ConfigError
-from difftune.families.base import Components, Family, TextEmbeds, TextEncoderSpec
+from difftune.families.base import Components, Conditioning, Family, TextEmbeds, TextEncoderSpec
 
-
-def _registry() -> dict[str, Family]:
-    from difftune.families.flux import FluxFamily
-
-    return {"flux": FluxFamily()}
+# name -> (module, class); modules are imported only when their family is used.
+_FAMILIES: dict[str, tuple[str, str]] = {
+    "flux": ("difftune.families.flux", "FluxFamily"),
+    "sd3": ("difftune.families.sd3", "SD3Family"),
+    "sdxl": ("difftune.families.sdxl", "SDXLFamily"),
+}
 
 
 def get(name: str) -> Family:
     """The family registered under `name`."""
-    families = _registry()
-    if name not in families:
-        raise ConfigError(f"model.family = {name!r} is unknown; choose one of {sorted(families)}")
-    return families[name]
+    if name not in _FAMILIES:
+        raise ConfigError(f"model.family = {name!r} is unknown; choose one of {sorted(_FAMILIES)}")
+    module, cls = _FAMILIES[name]
+    return getattr(importlib.import_module(module), cls)()
 
 
-__all__ = ["Components", "Family", "TextEmbeds", "TextEncoderSpec", "get"]
+__all__ = ["Components", "Conditioning", "Family", "TextEmbeds", "TextEncoderSpec", "get"]

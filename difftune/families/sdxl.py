@@ -1,0 +1,257 @@
+"""SDXL (base 1.0 and its fine-tunes): a discrete-time DDPM UNet with two CLIP text encoders.
+
+The UNet reads the concatenated penultimate hidden states of CLIP-L and CLIP-G as its
+cross-attention context, and CLIP-G's projected pooled output plus six "time ids" (original
+size, crop top-left, target size) as its added conditioning. It is trained with epsilon or
+v-prediction on the scheduler's scaled-linear schedule (`difftune.train.ddpm`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from difftune.errors import ModelFileError
+from difftune.families import text
+from difftune.families.base import Components, Conditioning, TextEmbeds, TextEncoderSpec
+from difftune.families.flux import place
+from difftune.train.ddpm import DDPMObjective, DDPMSchedule
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+    from difftune.config import ModelConfig, TrainConfig
+    from difftune.precision import PrecisionPolicy
+    from difftune.train.objectives import Objective
+
+# Module-name patterns (full match against the UNet's module names) for LoRA presets.
+# Transformer blocks live in down/mid/up blocks' `attentions.N.transformer_blocks.M`.
+_ATTENTIONS = r"(?:down_blocks\.\d+|up_blocks\.\d+|mid_block)\.attentions\.\d+\."
+_TRANSFORMER = _ATTENTIONS + r"transformer_blocks\.\d+\."
+_ATTENTION = [_TRANSFORMER + r"(?:attn1|attn2)\.(?:to_q|to_k|to_v|to_out\.0)"]
+_MLP = [_TRANSFORMER + r"ff\.net\.(?:0\.proj|2)"]
+_OTHER = [
+    _ATTENTIONS + r"(?:proj_in|proj_out)",
+    r"(?:down_blocks\.\d+|up_blocks\.\d+|mid_block)\.resnets\.\d+\.time_emb_proj",
+]
+PRESETS: dict[str, list[str]] = {
+    "attention": _ATTENTION,
+    "attention_mlp": _ATTENTION + _MLP,
+    "all_linear": _ATTENTION + _MLP + _OTHER,
+}
+
+# stable-diffusion-xl-base-1.0 layout: (subfolder, class name, holds weights).
+_FOLDER_PARTS: tuple[tuple[str, str, bool], ...] = (
+    ("unet", "diffusers.UNet2DConditionModel", True),
+    ("vae", "diffusers.AutoencoderKL", True),
+    ("text_encoder", "transformers.CLIPTextModel", True),
+    ("text_encoder_2", "transformers.CLIPTextModelWithProjection", True),
+    ("tokenizer", "transformers.CLIPTokenizer", False),
+    ("tokenizer_2", "transformers.CLIPTokenizer", False),
+    ("scheduler", "diffusers.EulerDiscreteScheduler", False),
+)
+
+
+def _class(qualified: str) -> Any:
+    """The class named "module.Class" (imported lazily: diffusers/transformers are slow to load)."""
+    import importlib
+
+    module, name = qualified.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def load_sdxl_folder(folder: Path, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """All components of a diffusers SDXL folder, keyed as StableDiffusionXLPipeline names them.
+
+    `dtypes` maps "unet", "vae" and "text_encoders" to the dtype each is read in. Adds
+    "fingerprint" (path/size/mtime of every component file, so caches follow the files).
+    """
+    from difftune.families.component_files import fingerprint
+    from difftune.families.folders import check_folder, folder_files, from_folder
+
+    check_folder(folder, "SDXL")
+    parts: dict[str, Any] = {}
+    for sub, cls, weights in _FOLDER_PARTS:
+        dtype = dtypes.get(sub, dtypes["text_encoders"]) if weights else None
+        parts[sub] = from_folder(_class(cls), folder, sub, dtype, "SDXL")
+    parts["fingerprint"] = fingerprint(folder_files(folder, [p[0] for p in _FOLDER_PARTS]))
+    parts["name"] = folder.name
+    return parts
+
+
+def time_ids(cond: Conditioning, like: torch.Tensor) -> torch.Tensor:
+    """(B, 6) SDXL micro-conditioning: original (h, w), crop (top, left), target (h, w)."""
+    rows = [[*o, *c, *t] for o, c, t in zip(cond.original_sizes, cond.crops, cond.target_sizes)]
+    return torch.tensor(rows, device=like.device, dtype=like.dtype)
+
+
+class SDXLFamily:
+    """The SDXL family."""
+
+    name = "sdxl"
+    text_encoders = (
+        TextEncoderSpec("clip_l", "clip", max_length=77, hidden="penultimate", pooled=False),
+        TextEncoderSpec("clip_g", "clip_projection", max_length=77, hidden="penultimate",
+                        pooled=True),
+    )
+    # VAE downscale 8 x two UNet downsamplings need multiples of 32; SDXL was trained (and
+    # kohya buckets) in multiples of 64, which also keeps every UNet level's size even.
+    bucket_step = 64
+    denoiser_prefix = "unet"
+    default_cfg = 5.0  # SDXL base is not guidance-distilled: samples need CFG
+
+    def load(self, cfg: ModelConfig, policy: PrecisionPolicy) -> Components:
+        """Build the tiny flavor or read a diffusers SDXL folder, frozen, in the policy's dtypes."""
+        if cfg.flavor == "tiny":
+            from difftune.families.tiny_sd import build_tiny_sdxl
+
+            parts = build_tiny_sdxl()
+            parts.update(name="difftune/tiny-sdxl", fingerprint="tiny-sdxl-v1")
+        elif cfg.path is not None:
+            dtypes = {"unet": policy.denoiser, "vae": policy.vae,
+                      "text_encoders": policy.text_encoders}
+            parts = load_sdxl_folder(Path(cfg.path), dtypes)
+        else:
+            raise ModelFileError(
+                "single-file SDXL checkpoints (model.transformer/vae/clip_l/t5) are not supported "
+                "yet; set model.path to a diffusers-format SDXL folder (the layout of "
+                "stabilityai/stable-diffusion-xl-base-1.0) instead")
+        return self._components(parts, cfg, policy)
+
+    def _components(self, parts: dict[str, Any], cfg: ModelConfig,
+                    policy: PrecisionPolicy) -> Components:
+        """Place the loaded parts on the device in the policy's dtypes, frozen and in eval mode."""
+        dev = policy.device
+        comps = Components(
+            denoiser=place(parts["unet"], dev, policy.denoiser),
+            vae=place(parts["vae"], dev, policy.vae),
+            text_encoders={
+                "clip_l": place(parts["text_encoder"], dev, policy.text_encoders),
+                "clip_g": place(parts["text_encoder_2"], dev, policy.text_encoders),
+            },
+            tokenizers={"clip_l": parts["tokenizer"], "clip_g": parts["tokenizer_2"]},
+            scheduler=parts["scheduler"],
+            name=cfg.name or parts["name"],
+            fingerprint=parts["fingerprint"],
+        )
+        for module in (comps.denoiser, comps.vae, *comps.text_encoders.values()):
+            module.requires_grad_(False)
+            module.eval()
+        return comps
+
+    def encode_text(self, c: Components, texts: list[str]) -> TextEmbeds:
+        """As StableDiffusionXLPipeline.encode_prompt: both penultimate states side by side
+        (CLIP-L then CLIP-G, along the feature axis) and CLIP-G's projected pooled output."""
+        hidden: list[torch.Tensor] = []
+        out: dict[str, torch.Tensor] = {}
+        for spec in self.text_encoders:
+            enc = text.encode(spec, c.text_encoders[spec.name], c.tokenizers[spec.name], texts,
+                              spec.max_length)
+            hidden.append(enc["hidden"])
+            if spec.pooled:
+                out["pooled_prompt_embeds"] = enc["pooled"]
+        # The two encoders may sit in different dtypes/devices only if a caller moved one.
+        out["prompt_embeds"] = torch.cat([h.to(hidden[0]) for h in hidden], dim=-1)
+        return TextEmbeds(out)
+
+    @torch.no_grad()
+    def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] -> latents normalized with the VAE's shift and scaling factors.
+
+        SDXL's VAE overflows (inf/NaN) in fp16, so an fp16 VAE is cast to fp32 for the encode
+        and back afterwards, as the SDXL pipeline does for decoding (`upcast_vae`); the
+        round trip fp16 -> fp32 -> fp16 is exact, so the weights are unchanged. (`float()` and
+        `half()` rather than `to(dtype)`, which makes diffusers log a warning on every call.)
+        Latents are returned in the VAE's own dtype, as for the other families.
+        """
+        vae = c.vae
+        half = vae.dtype == torch.float16
+        if half:
+            vae.float()
+        try:
+            dist = vae.encode(pixels.to(text.module_device(vae), vae.dtype)).latent_dist
+            # The mode (mean) rather than a sample: deterministic, so latents can be cached.
+            z = dist.mode()
+            shift = vae.config.shift_factor or 0.0
+            z = (z - shift) * vae.config.scaling_factor
+        finally:
+            if half:
+                vae.half()
+        return z.to(vae.dtype)
+
+    def objective(self, c: Components, cfg: TrainConfig) -> Objective:
+        """Discrete DDPM on the scheduler's schedule; prediction type from the config or, on
+        "auto", from the scheduler (what the checkpoint was trained with)."""
+        sc = c.scheduler.config
+        schedule = DDPMSchedule.scaled_linear(
+            int(sc.num_train_timesteps), float(sc.beta_start), float(sc.beta_end),
+            zero_terminal_snr=cfg.zero_terminal_snr)
+        prediction = cfg.prediction if cfg.prediction != "auto" else sc.prediction_type
+        return DDPMObjective(schedule, prediction, noise_offset=cfg.noise_offset,
+                             min_snr_gamma=cfg.min_snr_gamma)
+
+    def predict(
+        self,
+        c: Components,
+        noisy: torch.Tensor,
+        embeds: TextEmbeds,
+        t: torch.Tensor,
+        cond: Conditioning,
+    ) -> torch.Tensor:
+        """UNet output (epsilon or v, as trained) for noisy latents at integer timesteps t."""
+        added = {"text_embeds": embeds.tensors["pooled_prompt_embeds"],
+                 "time_ids": time_ids(cond, noisy)}
+        return c.denoiser(noisy, t, encoder_hidden_states=embeds.tensors["prompt_embeds"],
+                          added_cond_kwargs=added, return_dict=False)[0]
+
+    def lora_targets(self, preset: str) -> list[str]:
+        """Full-match regexes of UNet module names for a preset."""
+        return list(PRESETS[preset])
+
+    def pipeline(self, c: Components) -> DiffusionPipeline:
+        """A StableDiffusionXLPipeline over the loaded components."""
+        from diffusers import StableDiffusionXLPipeline
+
+        pipe = StableDiffusionXLPipeline(
+            vae=c.vae,
+            text_encoder=c.text_encoders["clip_l"],
+            text_encoder_2=c.text_encoders["clip_g"],
+            tokenizer=c.tokenizers["clip_l"],
+            tokenizer_2=c.tokenizers["clip_g"],
+            unet=c.denoiser,
+            scheduler=c.scheduler,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
+                        guidance: float, cfg: float) -> dict[str, Any]:
+        """StableDiffusionXLPipeline arguments: precomputed embeddings and the CFG scale.
+
+        `guidance` (distilled guidance) does not apply to SDXL. With CFG on, the negative
+        embeddings are required: the core always encodes the negative prompt ("" by default),
+        so the pipeline never silently substitutes its own (zero) negative embeddings.
+        """
+        kwargs: dict[str, Any] = {
+            "prompt_embeds": embeds.tensors["prompt_embeds"],
+            "pooled_prompt_embeds": embeds.tensors["pooled_prompt_embeds"],
+            "guidance_scale": cfg,
+        }
+        if cfg > 1.0:
+            if negative is None:
+                raise ValueError("SDXL sampling with CFG > 1 needs negative embeddings")
+            kwargs["negative_prompt_embeds"] = negative.tensors["prompt_embeds"]
+            kwargs["negative_pooled_prompt_embeds"] = negative.tensors["pooled_prompt_embeds"]
+        return kwargs
+
+    def lora_to_format(
+        self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
+    ) -> dict[str, torch.Tensor]:
+        """diffusers-named LoRA ("unet.<module>...") -> "diffusers" (as is) or "kohya" keys."""
+        if fmt == "diffusers":
+            return dict(state)
+        from difftune.families.sdxl_keys import UNetLayout, diffusers_to_kohya
+
+        return diffusers_to_kohya(state, alpha, rank, UNetLayout.from_config(c.denoiser.config))
