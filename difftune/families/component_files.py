@@ -82,7 +82,7 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     """
     out = {}
     for key, value in state.items():
-        if key.endswith(".scale_weight") or key.endswith(".scale_input") or key == "scaled_fp8":
+        if key.endswith((".scale_weight", ".scale_input")) or key == "scaled_fp8":
             continue
         scale = state.get(key[: -len(".weight")] + ".scale_weight") if key.endswith(
             ".weight") else None
@@ -197,9 +197,14 @@ def load_clip_file(path: Path, dtype: torch.dtype, tokenizer: Any) -> Any:
 
 def load_t5_file(path: Path, dtype: torch.dtype) -> Any:
     """T5 encoder (T5-XXL v1.1) from `t5xxl_*.safetensors`, fp16/bf16/fp8; sizes from shapes."""
+    sd = strip_prefix(read_safetensors(path, "T5-XXL text encoder"), _T5_PREFIXES)
+    return t5_from_state(sd, path, dtype)
+
+
+def t5_from_state(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> Any:
+    """T5 encoder from transformers-layout tensors (prefix removed); `path` names the source."""
     from transformers import T5Config, T5EncoderModel
 
-    sd = strip_prefix(read_safetensors(path, "T5-XXL text encoder"), _T5_PREFIXES)
     if "shared.weight" not in sd and "encoder.embed_tokens.weight" in sd:
         sd["shared.weight"] = sd["encoder.embed_tokens.weight"]
     sd = {k: v for k, v in sd.items() if not k.startswith("decoder.") and k != "lm_head.weight"}

@@ -90,11 +90,15 @@ def _source_parts(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[st
         parts = build_tiny_sd3()
         parts.update(name="difftune/tiny-sd3", fingerprint="tiny-sd3-v1")
         return parts
+    if cfg.transformer is not None:  # one Stability-layout checkpoint (+ tokenizers in path)
+        from difftune.families.sd_files import load_sd3_file
+
+        return load_sd3_file(cfg, dtypes)
     given = [k for k in SINGLE_FILES if getattr(cfg, k) is not None]
     if given:
         raise ModelFileError(
-            f"single-file SD3 checkpoints are not supported yet (model.{', model.'.join(given)} "
-            "given); set model.path to a diffusers-format SD3/3.5 folder instead")
+            f"model.{', model.'.join(given)} given without model.transformer: SD3 single files "
+            "start from the checkpoint (model.transformer); set it, or use only model.path")
     assert cfg.path is not None  # ModelConfig guarantees a source
     return load_sd3_folder(Path(cfg.path), dtypes)
 

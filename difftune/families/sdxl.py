@@ -109,15 +109,19 @@ class SDXLFamily:
 
             parts = build_tiny_sdxl()
             parts.update(name="difftune/tiny-sdxl", fingerprint="tiny-sdxl-v1")
+        elif cfg.transformer is not None:  # one SGM-layout checkpoint (+ tokenizers in path)
+            from difftune.families.sd_files import load_sdxl_file
+
+            parts = load_sdxl_file(cfg, {"unet": policy.denoiser, "vae": policy.vae,
+                                         "text_encoders": policy.text_encoders})
         elif cfg.path is not None:
             dtypes = {"unet": policy.denoiser, "vae": policy.vae,
                       "text_encoders": policy.text_encoders}
             parts = load_sdxl_folder(Path(cfg.path), dtypes)
         else:
             raise ModelFileError(
-                "single-file SDXL checkpoints (model.transformer/vae/clip_l/t5) are not supported "
-                "yet; set model.path to a diffusers-format SDXL folder (the layout of "
-                "stabilityai/stable-diffusion-xl-base-1.0) instead")
+                "no SDXL source: set model.transformer to a single SDXL checkpoint "
+                "(sd_xl_base_1.0.safetensors layout) or model.path to a diffusers-format folder")
         return self._components(parts, cfg, policy)
 
     def _components(self, parts: dict[str, Any], cfg: ModelConfig,
