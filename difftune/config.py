@@ -20,6 +20,9 @@ from difftune.errors import ConfigError, ModelFileError
 from difftune.safefiles import is_pickle, pickle_refusal
 
 DType = Literal["fp32", "fp16", "bf16"]
+# Default text-encoder LoRA targets: attention and MLP Linear layers of CLIP and of T5.
+TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2",
+                        "q", "k", "v", "o", "wi_0", "wi_1", "wo")
 
 
 class _Section(BaseModel):
@@ -46,6 +49,13 @@ class ModelConfig(_Section):
     t5: Path | None = Field(None, description="Single-file T5-XXL text encoder.")
     name: str | None = Field(
         None, description="Base model name written into LoRA metadata (default: derived)."
+    )
+    t5_mask: bool = Field(
+        False, description="Apply the attention mask in the T5 encoder (families with T5)."
+    )
+    clip_skip: int = Field(
+        0, ge=0, le=8,
+        description="Extra CLIP layers skipped from the declared hidden state (0 = as declared)."
     )
 
     @model_validator(mode="after")
@@ -91,6 +101,17 @@ class AdapterConfig(_Section):
     )
     target_modules: list[str] | None = Field(
         None, description="Explicit module-name suffixes; overrides `targets` when set."
+    )
+    text_encoders: list[str] = Field(
+        default_factory=list,
+        description='Text encoders that get a LoRA too, by name (e.g. ["clip_l"]); never cached.',
+    )
+    text_encoder_targets: list[str] = Field(
+        default_factory=lambda: list(TEXT_ENCODER_TARGETS),
+        description="Module-name suffixes of the text encoders that get a LoRA.",
+    )
+    text_encoder_lr: float | None = Field(
+        None, gt=0, description="Learning rate of the text-encoder LoRA (default: train.lr)."
     )
 
     @property
@@ -279,6 +300,7 @@ class RunConfig(_Section):
                 "on low-precision weights fails); set precision.mixed or keep those at fp32"
             )
         problems += objective_problems(self.model.family, self.train)
+        problems += text_encoder_problems(self.model, self.adapter, self.save.format)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(
@@ -288,6 +310,39 @@ class RunConfig(_Section):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+# The text encoders each family declares (kept in sync with the family classes by a unit test),
+# and the families whose CLIP hidden states reach the denoiser (where clip_skip means something).
+TEXT_ENCODERS: dict[str, tuple[str, ...]] = {
+    "flux": ("clip_l", "t5"), "sd3": ("clip_l", "clip_g", "t5"), "sdxl": ("clip_l", "clip_g")}
+CLIP_HIDDEN: dict[str, bool] = {"flux": False, "sd3": True, "sdxl": True}
+# Why a kohya-format file cannot hold a text-encoder LoRA for a family (absent: it can).
+KOHYA_TEXT_ENCODERS_REFUSED: dict[str, str] = {
+    "flux": "difftune's FLUX.1 kohya key table covers the transformer only",
+    "sd3": "there is no kohya key layout for SD3 text encoders that diffusers reads back",
+}
+
+
+def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str) -> list[str]:
+    """Text-encoder options the family cannot honour (unknown names, masks, skips, formats)."""
+    family = model.family
+    names = TEXT_ENCODERS.get(family, ())
+    problems = [f"adapter.text_encoders: {n!r} is not a text encoder of model.family = "
+                f"\"{family}\"; choose from {', '.join(names)}"
+                for n in adapter.text_encoders if n not in names]
+    if len(set(adapter.text_encoders)) != len(adapter.text_encoders):
+        problems.append("adapter.text_encoders lists an encoder twice; list each once")
+    if model.t5_mask and "t5" not in names:
+        problems.append(f"model.t5_mask: model.family = \"{family}\" has no T5 encoder; remove it")
+    if model.clip_skip and not CLIP_HIDDEN.get(family, False):
+        problems.append(f"model.clip_skip: model.family = \"{family}\" reads no CLIP hidden "
+                        "state (only CLIP's pooled output), so there is nothing to skip; remove it")
+    if fmt == "kohya" and adapter.text_encoders and family in KOHYA_TEXT_ENCODERS_REFUSED:
+        problems.append(f"save.format = \"kohya\" cannot hold the text-encoder LoRA of "
+                        f"model.family = \"{family}\" ({KOHYA_TEXT_ENCODERS_REFUSED[family]}); "
+                        "use save.format = \"diffusers\" or train the denoiser only")
+    return problems
 
 
 # What each family is trained with; options of one objective are refused for the other.

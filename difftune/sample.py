@@ -152,9 +152,12 @@ class SampleRunner:
             return []
 
     def _run(self, step: int, specs: list[PromptSpec], out_dir: Path) -> list[Path]:
-        model = self.comps.denoiser
-        was_training = model.training
-        model.eval()
+        # Every module that may carry a LoRA (denoiser, trained encoders) samples in eval mode
+        # and is put back in the mode it was in.
+        modules = [self.comps.denoiser, *self.comps.text_encoders.values()]
+        modes = [m.training for m in modules]
+        for m in modules:
+            m.eval()
         out_dir.mkdir(parents=True, exist_ok=True)
         paths, images = [], []
         try:
@@ -165,7 +168,8 @@ class SampleRunner:
                 paths.append(path)
                 images.append(image)
         finally:
-            model.train(was_training)
+            for m, mode in zip(modules, modes):
+                m.train(mode)
         sheet = grid(images)
         sheet.save(out_dir / f"step-{step:06d}_grid.png")
         if self.reporter is not None:

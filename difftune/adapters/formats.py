@@ -160,6 +160,21 @@ def diffusers_adapter_metadata(
     return {"format": "pt", ADAPTER_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
 
 
+def merged_adapter_metadata(
+    state: dict[str, torch.Tensor], rank: int, alpha: float, prefixes: list[str]
+) -> dict[str, str]:
+    """`diffusers_adapter_metadata` for several components in one file (denoiser, encoders).
+
+    diffusers keeps one JSON object whose keys carry each component's prefix, so the
+    per-prefix objects are merged into it.
+    """
+    packed: dict[str, object] = {}
+    for prefix in prefixes:
+        one = diffusers_adapter_metadata(state, rank, alpha, prefix)
+        packed.update(json.loads(one[ADAPTER_METADATA_KEY]))
+    return {"format": "pt", ADAPTER_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
+
+
 # ---------------------------------------------------------------- file I/O
 
 

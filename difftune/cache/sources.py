@@ -18,7 +18,9 @@ from difftune.cache.keys import entry_key, latent_fields, text_fields
 from difftune.cache.store import Store
 from difftune.data.discover import Item
 from difftune.data.images import crop_box, load_pixels
+from difftune.families import text
 from difftune.families.base import Components, Family, TextEmbeds
+from difftune.families.text import EncodeOptions
 
 Progress = Callable[[Iterable, str, int], Iterable]
 
@@ -96,45 +98,77 @@ class LatentSource:
 
 
 class TextSource:
-    """Text-encoder outputs by exact caption text."""
+    """Text-encoder outputs by exact caption text, cached per encoder and combined per batch.
 
-    def __init__(self, family: Family, comps: Components, store: Store) -> None:
+    Each frozen encoder's output for one caption is its own cache entry (keyed by that encoder's
+    spec, max length, mask and clip skip), so training one encoder never invalidates another's
+    entries. Encoders in `trained` are never cached: they run live on every call, with
+    gradients when the caller's grad mode is on.
+    """
+
+    def __init__(self, family: Family, comps: Components, store: Store,
+                 options: EncodeOptions | None = None, trained: Iterable[str] = ()) -> None:
         self.family, self.comps, self.store = family, comps, store
-        encoder = next(iter(comps.text_encoders.values()))
-        self.dtype = str(encoder.dtype).removeprefix("torch.")
-        lengths = comps.extras.get("max_length", {})
-        self.encoders = [dict(asdict(s), max_length=lengths.get(s.name, s.max_length))
-                         for s in family.text_encoders]
-        self._keys: dict[str, tuple[str, dict[str, object]]] = {}
+        self.options = options or EncodeOptions()
+        self.trained = frozenset(trained)
+        self.specs = {s.name: s for s in family.text_encoders}
+        self._keys: dict[tuple[str, str], tuple[str, dict[str, object]]] = {}
 
-    def _key(self, caption: str) -> tuple[str, dict[str, object]]:
-        if caption not in self._keys:
+    def encoder_fields(self, name: str) -> dict[str, object]:
+        """What decides one encoder's output besides the caption (its cache-key fields)."""
+        spec = self.specs[name]
+        return dict(asdict(spec), max_length=text.max_length(spec, self.comps.extras),
+                    mask=self.options.mask_for(spec), clip_skip=self.options.skip_for(spec))
+
+    def _key(self, name: str, caption: str) -> tuple[str, dict[str, object]]:
+        if (name, caption) not in self._keys:
+            dtype = str(self.comps.text_encoders[name].dtype).removeprefix("torch.")
             fields = text_fields(family=self.family.name, fingerprint=self.comps.fingerprint,
-                                 dtype=self.dtype, caption=caption, encoders=self.encoders)
-            self._keys[caption] = entry_key(fields), fields
-        return self._keys[caption]
+                                 dtype=dtype, caption=caption,
+                                 encoders=[self.encoder_fields(name)])
+            self._keys[name, caption] = entry_key(fields), fields
+        return self._keys[name, caption]
+
+    def _run(self, name: str, captions: list[str]) -> dict[str, torch.Tensor]:
+        """One encoder on a batch of captions, in the caller's grad mode."""
+        spec = self.specs[name]
+        return text.encode(spec, self.comps.text_encoders[name], self.comps.tokenizers[name],
+                           captions, text.max_length(spec, self.comps.extras),
+                           self.options.mask_for(spec), self.options.skip_for(spec))
+
+    def cached(self, name: str, captions: list[str]) -> dict[str, torch.Tensor]:
+        """A frozen encoder's outputs (CPU tensors) for a batch, encoding only the misses."""
+        found: dict[str, dict[str, torch.Tensor]] = {}
+        for cap in dict.fromkeys(captions):
+            key, fields = self._key(name, cap)
+            hit = self.store.get(key)
+            if hit is None:
+                # One caption at a time: batched kernels can differ in the last bits with the
+                # batch size, and an entry's value must depend on its key alone.
+                with torch.no_grad():
+                    hit = {k: v.cpu() for k, v in self._run(name, [cap]).items()}
+                self.store.put(key, hit, {k: str(v) for k, v in fields.items()})
+            found[cap] = hit
+        return {k: torch.cat([found[c][k] for c in captions]) for k in found[captions[0]]}
+
+    def outputs(self, captions: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """Every encoder's outputs: trained ones live (on their device), frozen ones cached."""
+        out = {name: self._run(name, captions) for name in self.specs if name in self.trained}
+        device = next((t.device for o in out.values() for t in o.values()), torch.device("cpu"))
+        for name in self.specs:
+            if name not in self.trained:
+                out[name] = {k: v.to(device) for k, v in self.cached(name, captions).items()}
+        return out
 
     def get(self, captions: list[str]) -> TextEmbeds:
-        """Embeddings for a batch of captions (CPU tensors), encoding only the misses."""
-        found: dict[str, TextEmbeds] = {}
-        missing: list[str] = []
-        for cap in dict.fromkeys(captions):
-            hit = self.store.get(self._key(cap)[0])
-            if hit is None:
-                missing.append(cap)
-            else:
-                found[cap] = TextEmbeds(hit)
-        for cap in missing:
-            # One caption at a time: batched kernels can differ in the last bits with the batch
-            # size, and an entry's value must depend on its key alone, not on its neighbours.
-            one = self.family.encode_text(self.comps, [cap]).to("cpu")
-            key, fields = self._key(cap)
-            self.store.put(key, one.tensors, {k: str(v) for k, v in fields.items()})
-            found[cap] = one
-        return TextEmbeds.cat([found[c] for c in captions])
+        """Embeddings for a batch of captions, combined by the family."""
+        return self.family.combine_text(self.comps, self.outputs(captions))
 
     def fill(self, captions: list[str], progress: Progress = _no_progress) -> None:
-        """Encode every distinct caption not yet stored."""
-        todo = [c for c in dict.fromkeys(captions) if self._key(c)[0] not in self.store]
+        """Encode every distinct caption not yet stored, for every frozen encoder."""
+        frozen = [n for n in self.specs if n not in self.trained]
+        todo = [c for c in dict.fromkeys(captions)
+                if any(self._key(n, c)[0] not in self.store for n in frozen)]
         for caption in progress(todo, "caching text embeddings", len(todo)):
-            self.get([caption])
+            for name in frozen:
+                self.cached(name, [caption])

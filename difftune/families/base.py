@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
     from difftune.config import ModelConfig, TrainConfig
+    from difftune.families.text import EncodeOptions
     from difftune.precision import PrecisionPolicy
     from difftune.train.objectives import Objective
 
@@ -107,13 +108,24 @@ class Family(Protocol):
     bucket_step: int
     denoiser_prefix: str  # "transformer" or "unet": the LoRA key prefix diffusers expects
     default_cfg: float  # CFG scale for samples whose prompt gives none
+    # Text-encoder name -> the pipeline component its LoRA keys start with ("text_encoder_2").
+    text_encoder_prefixes: dict[str, str]
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Load (or build, for the tiny flavor) all components from local files."""
         ...
 
-    def encode_text(self, c: Components, texts: list[str]) -> TextEmbeds:
-        """Run the text encoders on a batch of captions (no grad)."""
+    def encode_text(self, c: Components, texts: list[str],
+                    options: "EncodeOptions | None" = None) -> TextEmbeds:
+        """Run every text encoder on a batch of captions (no grad) and combine the outputs."""
+        ...
+
+    def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
+        """The denoiser's text inputs from each encoder's `text.encode` outputs (by spec name).
+
+        The core runs the encoders one by one (cached or live, with gradients when trained);
+        a family only says how their outputs join.
+        """
         ...
 
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:

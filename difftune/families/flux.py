@@ -83,6 +83,7 @@ class FluxFamily:
     # VAE downscale 8 x 2x2 packing: bucket sides must be multiples of 16.
     bucket_step = 16
     denoiser_prefix = "transformer"
+    text_encoder_prefixes = {"clip_l": "text_encoder", "t5": "text_encoder_2"}
     default_cfg = 1.0  # guidance-distilled: true CFG off unless a prompt asks for it
 
     def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":
@@ -120,18 +121,15 @@ class FluxFamily:
             module.eval()
         return comps
 
-    def encode_text(self, c: Components, texts: list[str]) -> TextEmbeds:
+    def encode_text(self, c: Components, texts: list[str],
+                    options: "text.EncodeOptions | None" = None) -> TextEmbeds:
+        """Encode with every text encoder (no grad) and combine, for sampling."""
+        return self.combine_text(c, text.encode_all(self.text_encoders, c, texts, options))
+
+    def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
         """CLIP-L pooled output and T5 last hidden states, as FluxPipeline.encode_prompt."""
-        out: dict[str, torch.Tensor] = {}
-        for spec in self.text_encoders:
-            length = c.extras.get("max_length", {}).get(spec.name, spec.max_length)
-            enc = text.encode(spec, c.text_encoders[spec.name], c.tokenizers[spec.name], texts,
-                              length)
-            if spec.pooled:
-                out["pooled_prompt_embeds"] = enc["pooled"]
-            if spec.hidden != "none":
-                out["prompt_embeds"] = enc["hidden"]
-        return TextEmbeds(out)
+        return TextEmbeds({"pooled_prompt_embeds": outputs["clip_l"]["pooled"],
+                           "prompt_embeds": outputs["t5"]["hidden"]})
 
     @torch.no_grad()
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,8 @@ class SD3Family:
     # VAE downscale 8 x patch size 2: bucket sides must be multiples of 16.
     bucket_step = 16
     denoiser_prefix = "transformer"
+    text_encoder_prefixes = {"clip_l": "text_encoder", "clip_g": "text_encoder_2",
+                             "t5": "text_encoder_3"}
     default_cfg = 5.0
 
     def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":
@@ -147,18 +149,13 @@ class SD3Family:
             module.eval()
         return comps
 
-    def _encode_all(self, c: Components, texts: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """Each encoder's outputs by spec name, at the spec's (or the flavor's) max length."""
-        out = {}
-        for spec in self.text_encoders:
-            length = c.extras.get("max_length", {}).get(spec.name, spec.max_length)
-            out[spec.name] = text.encode(spec, c.text_encoders[spec.name],
-                                         c.tokenizers[spec.name], texts, length)
-        return out
+    def encode_text(self, c: Components, texts: list[str],
+                    options: "text.EncodeOptions | None" = None) -> TextEmbeds:
+        """Encode with every text encoder (no grad) and combine, for sampling."""
+        return self.combine_text(c, text.encode_all(self.text_encoders, c, texts, options))
 
-    def encode_text(self, c: Components, texts: list[str]) -> TextEmbeds:
+    def combine_text(self, c: Components, enc: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
         """Joint context and pooled vector, as StableDiffusion3Pipeline.encode_prompt builds them."""
-        enc = self._encode_all(c, texts)
         t5 = enc["t5"]["hidden"]
         clip = torch.cat([enc["clip_l"]["hidden"], enc["clip_g"]["hidden"]], dim=-1)
         # The CLIP states are zero-padded on the feature axis up to T5's width, then the two

@@ -100,6 +100,7 @@ class SDXLFamily:
     # kohya buckets) in multiples of 64, which also keeps every UNet level's size even.
     bucket_step = 64
     denoiser_prefix = "unet"
+    text_encoder_prefixes = {"clip_l": "text_encoder", "clip_g": "text_encoder_2"}
     default_cfg = 5.0  # SDXL base is not guidance-distilled: samples need CFG
 
     def load(self, cfg: ModelConfig, policy: PrecisionPolicy) -> Components:
@@ -145,20 +146,19 @@ class SDXLFamily:
             module.eval()
         return comps
 
-    def encode_text(self, c: Components, texts: list[str]) -> TextEmbeds:
+    def encode_text(self, c: Components, texts: list[str],
+                    options: text.EncodeOptions | None = None) -> TextEmbeds:
+        """Encode with every text encoder (no grad) and combine, for sampling."""
+        return self.combine_text(c, text.encode_all(self.text_encoders, c, texts, options))
+
+    def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
         """As StableDiffusionXLPipeline.encode_prompt: both penultimate states side by side
         (CLIP-L then CLIP-G, along the feature axis) and CLIP-G's projected pooled output."""
-        hidden: list[torch.Tensor] = []
-        out: dict[str, torch.Tensor] = {}
-        for spec in self.text_encoders:
-            enc = text.encode(spec, c.text_encoders[spec.name], c.tokenizers[spec.name], texts,
-                              spec.max_length)
-            hidden.append(enc["hidden"])
-            if spec.pooled:
-                out["pooled_prompt_embeds"] = enc["pooled"]
-        # The two encoders may sit in different dtypes/devices only if a caller moved one.
-        out["prompt_embeds"] = torch.cat([h.to(hidden[0]) for h in hidden], dim=-1)
-        return TextEmbeds(out)
+        hidden = [outputs[spec.name]["hidden"] for spec in self.text_encoders]
+        # One encoder's outputs may come from the cache (CPU) and the other's live (trained).
+        prompt = torch.cat([h.to(hidden[0]) for h in hidden], dim=-1)
+        return TextEmbeds({"prompt_embeds": prompt,
+                           "pooled_prompt_embeds": outputs["clip_g"]["pooled"]})
 
     @torch.no_grad()
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,12 @@ name, so CLIP, CLIP-with-projection and T5 go through the same two functions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from difftune.families.base import TextEncoderSpec
+from difftune.families.base import Components, TextEncoderSpec
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
@@ -33,36 +34,84 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, tor
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class EncodeOptions:
+    """Run-level choices that change an encoder's output (and so belong in its cache key).
+
+    `t5_mask` applies the attention mask in T5 encoders (CLIP encoders keep their declared
+    behaviour); `clip_skip` moves a CLIP encoder's hidden state that many layers further from
+    the output than the spec declares (0 = as declared), as the diffusers pipelines do.
+    """
+
+    t5_mask: bool = False
+    clip_skip: int = 0
+
+    def mask_for(self, spec: TextEncoderSpec) -> bool:
+        """Whether the attention mask is applied for this encoder."""
+        return spec.mask or (self.t5_mask and spec.kind == "t5")
+
+    def skip_for(self, spec: TextEncoderSpec) -> int:
+        """Extra layers skipped for this encoder (CLIP hidden states only)."""
+        return self.clip_skip if spec.kind != "t5" and spec.hidden != "none" else 0
+
+
+def max_length(spec: TextEncoderSpec, extras: dict[str, Any]) -> int:
+    """The spec's max length, unless the loaded model declares its own (`extras["max_length"]`)."""
+    return int(extras.get("max_length", {}).get(spec.name, spec.max_length))
+
+
 def encode(
     spec: TextEncoderSpec,
     model: torch.nn.Module,
     tokenizer: Any,
     texts: list[str],
     max_length: int,
+    mask: bool | None = None,
+    clip_skip: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Encode texts with one encoder; returns "hidden" and/or "pooled" (and "mask" if used).
 
-    `hidden` is the last or penultimate hidden state as the spec declares; `pooled` is the
-    model's pooled (CLIP) or projected (CLIP with projection) output.
+    `hidden` is the last or penultimate hidden state as the spec declares, `clip_skip` layers
+    further back; `pooled` is the model's pooled (CLIP) or projected (CLIP with projection)
+    output. `mask` overrides the spec's mask flag when given. Gradients follow the caller's
+    grad mode, so a trained encoder can run here with autograd on.
     """
     tokens = tokenize(tokenizer, texts, max_length)
     device = module_device(model)
     ids = tokens["input_ids"].to(device)
-    mask = tokens["attention_mask"].to(device)
-    want_states = spec.hidden == "penultimate"
+    attention = tokens["attention_mask"].to(device)
+    use_mask = spec.mask if mask is None else mask
+    # hidden_states[-1] is the last layer before any final norm; "last" reads the normed output
+    # unless layers are skipped, which (as in diffusers) counts back from the penultimate state.
+    index = {"last": -1, "penultimate": -2, "none": -1}[spec.hidden] - clip_skip
+    want_states = spec.hidden == "penultimate" or (spec.hidden == "last" and clip_skip > 0)
     kwargs: dict[str, Any] = {"output_hidden_states": want_states}
-    if spec.mask:
-        kwargs["attention_mask"] = mask
+    if use_mask:
+        kwargs["attention_mask"] = attention
     out = model(ids, **kwargs)
     result: dict[str, torch.Tensor] = {}
-    if spec.hidden == "last":
-        result["hidden"] = out.last_hidden_state
-    elif spec.hidden == "penultimate":
-        result["hidden"] = out.hidden_states[-2]
+    if spec.hidden != "none":
+        result["hidden"] = out.hidden_states[index] if want_states else out.last_hidden_state
     if spec.pooled:
         projected = spec.kind == "clip_projection"
         result["pooled"] = out.text_embeds if projected else out.pooler_output
-    if spec.mask:
-        result["mask"] = mask
+    if use_mask:
+        result["mask"] = attention
     return result
+
+
+def encode_all(
+    specs: tuple[TextEncoderSpec, ...],
+    c: Components,
+    texts: list[str],
+    options: EncodeOptions | None = None,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Every encoder's outputs by spec name (no grad: for sampling and cache filling)."""
+    options = options or EncodeOptions()
+    with torch.no_grad():
+        return {
+            spec.name: encode(spec, c.text_encoders[spec.name], c.tokenizers[spec.name], texts,
+                              max_length(spec, c.extras), options.mask_for(spec),
+                              options.skip_for(spec))
+            for spec in specs
+        }

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from difftune import __version__
-from difftune.adapters.formats import diffusers_adapter_metadata, save_lora
+from difftune.adapters.formats import merged_adapter_metadata, save_lora
 from difftune.adapters.lora import lora_state
 from difftune.config import RunConfig
 from difftune.errors import ConfigError
@@ -72,6 +72,7 @@ class CheckpointManager:
             "difftune.rank": str(a.rank),
             "difftune.alpha": str(a.scale_alpha),
             "difftune.targets": json.dumps(self.targets),
+            "difftune.text_encoders": json.dumps(a.text_encoders),
             "difftune.steps": str(step),
             "difftune.dataset": json.dumps(self.dataset_summary),
             "ss_network_dim": str(a.rank),
@@ -81,11 +82,14 @@ class CheckpointManager:
     def save_lora(self, model: torch.nn.Module, step: int, final: bool = False) -> Path:
         """Export the LoRA of `model` in the configured format; returns the file."""
         a = self.cfg.adapter
-        prefix = self.family.denoiser_prefix
-        state = lora_state(model, prefix)
+        prefixes = [self.family.denoiser_prefix]
+        state = lora_state(model, prefixes[0])
+        for name in a.text_encoders:
+            prefixes.append(self.family.text_encoder_prefixes[name])
+            state.update(lora_state(self.comps.text_encoders[name], prefixes[-1]))
         meta = self.metadata(step)
         if self.cfg.save.format == "diffusers":
-            meta.update(diffusers_adapter_metadata(state, a.rank, a.scale_alpha, prefix))
+            meta.update(merged_adapter_metadata(state, a.rank, a.scale_alpha, prefixes))
         tensors = self.family.lora_to_format(self.comps, state, self.cfg.save.format, a.rank,
                                              a.scale_alpha)
         path = save_lora(self.lora_path(step, final), tensors, meta, DTYPES[self.cfg.save.dtype])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -51,8 +51,9 @@ def train(run: Run, hooks: Hooks) -> Result:
     """Run `train.steps` optimizer steps; returns per-step losses and the final LoRA path."""
     cfg = run.cfg
     model = run.comps.denoiser
-    params = lora_parameters(model)
-    opt = make_optimizer(params, cfg.train)
+    groups = param_groups(run)
+    params = [p for g in groups for p in g["params"]]
+    opt = make_optimizer(groups, cfg.train)
     sched = make_scheduler(opt, cfg.train)
     scaler = torch.amp.GradScaler(run.policy.device.type, enabled=cfg.precision.mixed == "fp16")
     batches = BucketBatchSampler(run.data, cfg.train.batch_size, cfg.train.seed).batches()
@@ -60,18 +61,35 @@ def train(run: Run, hooks: Hooks) -> Result:
     result = Result()
     if cfg.sample.at_start and hooks.sampler:
         hooks.sampler.run(0)
-    model.train()
+    set_training(run, True)
     for step in range(1, cfg.train.steps + 1):
         loss, epoch = _accumulate(run, batches, generator, scaler)
         lr = _optimizer_step(opt, sched, scaler, params, cfg.train.max_grad_norm)
         result.losses.append(loss)
         hooks.reporter.step(step, loss, lr, {"epoch": epoch})
         _between_steps(run, hooks, step)
-    model.eval()
+    set_training(run, False)
     result.lora = hooks.checkpoints.save_lora(model, cfg.train.steps, final=True)
     if cfg.sample.at_end and hooks.sampler:
         hooks.sampler.run(cfg.train.steps)
     return result
+
+
+def param_groups(run: Run) -> list[dict[str, Any]]:
+    """Optimizer groups: the denoiser LoRA at train.lr, the text-encoder LoRAs at their own lr."""
+    groups: list[dict[str, Any]] = [{"params": lora_parameters(run.comps.denoiser)}]
+    encoders = run.trained_encoders
+    if encoders:
+        lr = run.cfg.adapter.text_encoder_lr or run.cfg.train.lr
+        params = [p for e in encoders.values() for p in lora_parameters(e)]
+        groups.append({"params": params, "lr": lr})
+    return groups
+
+
+def set_training(run: Run, on: bool) -> None:
+    """Train (dropout on) or eval mode for every module with a LoRA: denoiser and encoders."""
+    for module in (run.comps.denoiser, *run.trained_encoders.values()):
+        module.train(on)
 
 
 def _accumulate(run: Run, batches: Iterator[Batch], generator: torch.Generator,

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from difftune.config import TrainConfig
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters."""
+def make_optimizer(params: list[torch.nn.Parameter] | list[dict[str, Any]],
+                   cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (or parameter groups, each may set its own lr)."""
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                              weight_decay=cfg.weight_decay)
 

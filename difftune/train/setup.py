@@ -7,7 +7,7 @@ discovery) run before the model loads, and the model loads before any caching st
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -21,6 +21,7 @@ from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Conditioning, Family
+from difftune.families.text import EncodeOptions
 from difftune.precision import PrecisionPolicy, resolve_device
 from difftune.train import objectives
 from difftune.train.objectives import Objective
@@ -41,6 +42,12 @@ class Run:
     texts: TextSource
     targets: list[str]
     objective: Objective
+    text_targets: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def trained_encoders(self) -> dict[str, torch.nn.Module]:
+        """The text encoders that carry a LoRA, by name."""
+        return {n: self.comps.text_encoders[n] for n in self.text_targets}
 
     @property
     def out(self) -> Path:
@@ -73,11 +80,26 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     targets = add_lora(comps.denoiser, patterns, a.rank, a.scale_alpha, a.dropout, cfg.train.seed)
     if cfg.train.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
+    text_targets = add_text_encoder_loras(cfg, comps)
     latents = LatentSource(family, comps, dataset.items, make_store(cfg.cache.latents),
                            cfg.train.seed, fresh_crops=cfg.cache.latents == "none")
-    texts = TextSource(family, comps, make_store(cfg.cache.text))
+    options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
+    texts = TextSource(family, comps, make_store(cfg.cache.text), options, text_targets)
     objective = family.objective(comps, cfg.train)
-    return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective)
+    return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective,
+               text_targets)
+
+
+def add_text_encoder_loras(cfg: RunConfig, comps: Components) -> dict[str, list[str]]:
+    """LoRA (fp32, seeded like the denoiser's) on each text encoder the config trains.
+
+    Returns the targeted module names per encoder; the names were validated at config load.
+    """
+    a = cfg.adapter
+    patterns = suffix_patterns(a.text_encoder_targets)
+    return {name: add_lora(comps.text_encoders[name], patterns, a.rank, a.scale_alpha,
+                           a.dropout, cfg.train.seed)
+            for name in a.text_encoders}
 
 
 def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) -> None:
@@ -93,8 +115,10 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
         if cache.latents != "none":
             run.comps.vae.to("cpu")
         if cache.text != "none":
-            for encoder in run.comps.text_encoders.values():
-                encoder.to("cpu")
+            # Trained encoders run every step, so they stay on the accelerator.
+            for name, encoder in run.comps.text_encoders.items():
+                if name not in run.text_targets:
+                    encoder.to("cpu")
         torch.cuda.empty_cache()
 
 
