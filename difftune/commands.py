@@ -10,13 +10,14 @@ from pathlib import Path
 
 import torch
 
+from difftune.adapters.lora import lora_parameters
 from difftune.config import RunConfig
 from difftune.data.discover import DataSet
 from difftune.logs import attach_run_log
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager, refuse_overwrite
-from difftune.train.loop import Hooks, Result, train
+from difftune.train.loop import Hooks, Result, set_training, train
 from difftune.train.setup import Run, batch_loss, fill_caches, load_data, prepare
 
 log = logging.getLogger("difftune")
@@ -82,16 +83,27 @@ def run_check(cfg: RunConfig) -> list[str]:
     areas = [it.bucket[0] * it.bucket[1] for it in data.items]
     smallest = areas.index(min(areas))
     gen = torch.Generator("cpu").manual_seed(cfg.train.seed)
-    run.comps.denoiser.train()
+    set_training(run, True)
     loss = batch_loss(run, [smallest], [False], gen)
     loss.backward()
-    grads = [p.grad for p in run.comps.denoiser.parameters() if p.requires_grad]
     value = float(loss.detach())
-    if not torch.isfinite(loss) or not any(g is not None for g in grads):
-        raise RuntimeError(f"the check step gave loss {value} and no LoRA gradient")
-    report.append(f"training step: loss {value:.4f}, LoRA gradients flow")
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"the check step gave a non-finite loss ({value})")
+    report.append(f"training step: loss {value:.4f}, LoRA gradients flow into "
+                  + ", ".join(_gradient_flow(run)))
     report += _check_sample(run)
     return report
+
+
+def _gradient_flow(run: Run) -> list[str]:
+    """The modules whose LoRA got a gradient in the check step; raises if one got none."""
+    modules = {"the denoiser": run.comps.denoiser,
+               **{f"text encoder {n}": m for n, m in run.trained_encoders.items()}}
+    for label, module in modules.items():
+        grads = [p.grad for p in lora_parameters(module)]
+        if not any(g is not None and bool(g.abs().sum() > 0) for g in grads):
+            raise RuntimeError(f"the check step gave no LoRA gradient in {label}")
+    return list(modules)
 
 
 def _check_sample(run: Run) -> list[str]:

@@ -1,0 +1,82 @@
+"""Each family's text-encoder set-up through the real CLI: FLUX.1 (CLIP+T5), SD3 (CLIP+CLIP+T5),
+SDXL (CLIP+CLIP), with text caching on and off, no encoder trained and the last one (T5 where
+there is one) trained; unsupported combinations refused before anything loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from difftune.cli import main
+
+from .conftest import run_toml
+
+LAST = {"flux": ("t5", "text_encoder_2"), "sd3": ("t5", "text_encoder_3"),
+        "sdxl": ("clip_g", "text_encoder_2")}
+
+
+def toml(folder: Path, images: Path, family: str, fmt: str = "diffusers") -> Path:
+    """The shared tiny run file (2 steps) switched to `family`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = run_toml(folder, images, steps=2, fmt=fmt)
+    path.write_text(path.read_text().replace('flavor = "tiny"', f'family = "{family}"\n'
+                                             'flavor = "tiny"'))
+    return path
+
+
+@pytest.mark.parametrize("family", sorted(LAST))
+@pytest.mark.parametrize("cache", ["memory", "none"])
+@pytest.mark.parametrize("trained", [False, True])
+def test_setup_trains(tmp_path: Path, images: Path, family: str, cache: str,
+                      trained: bool) -> None:
+    name, prefix = LAST[family]
+    args = ["train", str(toml(tmp_path, images, family)), "--no-progress",
+            "--set", f'cache.text="{cache}"']
+    if trained:
+        args += ["--set", f'adapter.text_encoders=["{name}"]']
+    assert main(args) == 0
+    out = tmp_path / "out"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    tensors = load_file(str(out / "lora.safetensors"))
+    components = {k.split(".")[0] for k in tensors}
+    assert components == ({"transformer", "unet"} & components) | ({prefix} if trained else set())
+    if trained:
+        assert any(torch.count_nonzero(v) for k, v in tensors.items()
+                   if k.startswith(prefix) and "lora_B" in k)
+        with safe_open(str(out / "lora.safetensors"), "pt") as f:
+            assert json.loads(f.metadata()["difftune.text_encoders"]) == [name]
+
+
+@pytest.mark.parametrize("family, sets, needle", [
+    ("flux", ['adapter.text_encoders=["clip_g"]'], "choose from clip_l, t5"),
+    ("sdxl", ['adapter.text_encoders=["t5"]'], "choose from clip_l, clip_g"),
+    ("sdxl", ["model.t5_mask=true"], "no T5 encoder"),
+    ("flux", ["model.clip_skip=2"], "nothing to skip"),
+    ("flux", ['adapter.text_encoders=["clip_l"]', 'save.format="kohya"'], "transformer only"),
+    ("sd3", ['adapter.text_encoders=["t5"]', 'save.format="kohya"'], "no kohya key layout"),
+])
+def test_unsupported_setup_refused_at_load(tmp_path: Path, images: Path,
+                                           capsys: pytest.CaptureFixture[str], family: str,
+                                           sets: list[str], needle: str) -> None:
+    args = ["check", str(toml(tmp_path, images, family))]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_check_reports_gradient_flow_into_each_trained_encoder(
+        tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["check", str(toml(tmp_path, images, "sd3")), "--set",
+            'adapter.text_encoders=["clip_l", "t5"]']
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "LoRA gradients flow into the denoiser, text encoder clip_l, text encoder t5" in out
