@@ -27,12 +27,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug messages")
     verbs = parser.add_subparsers(dest="verb", required=True)
     for name, text in (("train", "train a LoRA from a TOML run file"),
-                       ("check", "verify a run in seconds: config, data, model, one step, one sample")):
+                       ("check", "verify a run in seconds: config, data, model, one step, one sample"),
+                       ("cache", "fill the run's disk caches (latents, text) without training")):
         p = verbs.add_parser(name, help=text, description=text)
         p.add_argument("config", type=Path, help="the run's TOML file")
         p.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override a config field, e.g. train.lr=2e-4")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        if name == "cache":
+            p.add_argument("--prune", action="store_true",
+                           help="first delete the entries this config no longer references")
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -61,6 +65,16 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache(args: argparse.Namespace) -> int:
+    from difftune.commands import run_cache
+    from difftune.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    for line in run_cache(cfg, prune=args.prune, show_progress=not args.no_progress):
+        print(line)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from difftune.demo import run_demo
 
@@ -70,7 +84,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "train": _train, "check": _check, "demo": _demo,
+    "train": _train, "check": _check, "cache": _cache, "demo": _demo,
 }
 
 

@@ -11,14 +11,17 @@ from pathlib import Path
 import torch
 
 from difftune.adapters.lora import lora_parameters
+from difftune.cache.disk import DiskStore
 from difftune.config import RunConfig
+from difftune.errors import ConfigError
 from difftune.data.discover import DataSet
 from difftune.logs import attach_run_log
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager, refuse_overwrite
 from difftune.train.loop import Hooks, Result, set_training, train
-from difftune.train.setup import Run, batch_loss, fill_caches, load_data, prepare
+from difftune.train.setup import (Run, batch_loss, fill_caches, load_data, prepare,
+                                  report_bad_entries)
 
 log = logging.getLogger("difftune")
 
@@ -54,8 +57,74 @@ def run_train(cfg: RunConfig, show_progress: bool = True) -> Result:
         result = train(run, Hooks(reporter, ckpt, sampler))
     finally:
         reporter.close()
+        report_bad_entries(run)
     log.info("done in %.1f s: %s", time.perf_counter() - started, result.lora)
     return result
+
+
+def run_cache(cfg: RunConfig, prune: bool = False, show_progress: bool = True) -> list[str]:
+    """`difftune cache`: fill the caches without training (or first prune what is unused)."""
+    if "disk" not in (cfg.cache.latents, cfg.cache.text):
+        raise ConfigError("difftune cache fills disk caches, but neither cache.latents nor "
+                          "cache.text is \"disk\"; set cache.latents = \"disk\" and/or "
+                          "cache.text = \"disk\"")
+    run = prepare(cfg, show_progress=show_progress)
+    sampler = _sampler(run, None, cfg.save.dir / "samples") if cfg.sample.prompts else None
+    extra = _sample_prompts(sampler) if sampler else []
+    report = []
+    if prune:
+        report += _prune(run, extra)
+    fill_caches(run, extra, show_progress)
+    for kind, store in (("latents", run.latents.store), ("text", run.texts.store)):
+        if isinstance(store, DiskStore):
+            report.append(f"{kind}: {len(store)} entries in {store.dir}")
+    report += describe_captions(run)
+    return report
+
+
+def _prune(run: Run, extra_texts: list[str]) -> list[str]:
+    """Delete the disk entries this config no longer references; report the space freed."""
+    lines = []
+    known = [run.captions.known_texts(i) for i in range(len(run.data.items))]
+    texts = [t for k in known if k is not None for t in k] + extra_texts
+    wanted = {"latents": run.latents.keys, "text": lambda: run.texts.keys(texts)}
+    for kind, store in (("latents", run.latents.store), ("text", run.texts.store)):
+        if isinstance(store, DiskStore):
+            files, freed = store.prune(wanted[kind]())
+            lines.append(f"pruned {kind}: {files} unused entries deleted, "
+                         f"{freed / 2**20:.1f} MiB freed")
+    return lines
+
+
+def describe_captions(run: Run) -> list[str]:
+    """How each subset's caption augmentations reach the model (printed by check and cache)."""
+    seen: dict[tuple[int, int], int] = {}
+    for i, item in enumerate(run.data.items):
+        seen.setdefault((item.dataset, item.subset), i)
+    lines = []
+    for (d, s), i in sorted(seen.items()):
+        words = run.captions.describe(i)
+        if not words:
+            continue
+        lines.append(f"captions of datasets[{d}].subsets[{s}]: {', '.join(words)}; "
+                     + _caption_mode(run, i))
+    return lines
+
+
+def _caption_mode(run: Run, index: int) -> str:
+    """Whether an item's augmented captions are cached, pre-encoded as variants, or live."""
+    cache, k = run.cfg.cache, run.cfg.cache.caption_variants
+    item = run.data.items[index]
+    random_part = item.augment.is_random(item.augment.fixed(item.caption))
+    if cache.text == "none":
+        return "text encoded every step (cache.text = \"none\")" + (
+            f", {k} variants per caption" if random_part and k else "")
+    if random_part and k:
+        return f"{k} variants per caption pre-encoded from the seed (cache.caption_variants)"
+    if random_part:
+        return ("a fresh draw per sample, encoded on demand with the cache as a memo; the "
+                "text encoders stay resident (set cache.caption_variants = K to pre-encode)")
+    return "every text it can produce is pre-encoded and cached"
 
 
 def _describe_data(data: DataSet) -> list[str]:
@@ -91,6 +160,7 @@ def run_check(cfg: RunConfig) -> list[str]:
         raise RuntimeError(f"the check step gave a non-finite loss ({value})")
     report.append(f"training step: loss {value:.4f}, LoRA gradients flow into "
                   + ", ".join(_gradient_flow(run)))
+    report += describe_captions(run)
     report += _check_sample(run)
     return report
 

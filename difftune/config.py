@@ -9,6 +9,7 @@ Relative paths are taken relative to the config file's folder.
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from difftune.config_errors import format_validation_error, parse_override
 from difftune.errors import ConfigError, ModelFileError
 from difftune.safefiles import is_pickle, pickle_refusal
+
+log = logging.getLogger("difftune")
 
 DType = Literal["fp32", "fp16", "bf16"]
 # Default text-encoder LoRA targets: attention and MLP Linear layers of CLIP and of T5.
@@ -132,6 +135,39 @@ class SubsetConfig(_Section):
     crop: Literal["center", "random"] = Field(
         "center", description="Where to crop after resizing to the bucket."
     )
+    # Caption augmentations (data/captions.py applies them, per sample, in this order).
+    caption_prefix: str = Field("", description="Text put before every caption (with a space).")
+    caption_suffix: str = Field("", description="Text put after every caption (with a space).")
+    wildcards: bool = Field(
+        False, description="Resolve `{a|b|c}` in captions to one choice per sample."
+    )
+    shuffle_caption: bool = Field(False, description="Shuffle the caption's tags per sample.")
+    keep_tokens: int = Field(
+        0, ge=0, description="Leading tags never shuffled or dropped (e.g. the trigger word)."
+    )
+    caption_separator: str = Field(",", min_length=1, description="What separates tags.")
+    caption_tag_dropout_rate: float = Field(
+        0.0, ge=0, lt=1, description="Chance that each (not kept) tag is left out, per sample."
+    )
+    caption_dropout_rate: float = Field(
+        0.0, ge=0, le=1, description="Chance that the whole caption is empty, per sample."
+    )
+    token_warmup_min: int = Field(1, ge=1, description="Tags kept at step 0 of the warm-up.")
+    token_warmup_steps: int = Field(
+        0, ge=0, description="Steps over which the tag count grows to the full caption (0: off)."
+    )
+
+    def ignored_caption_options(self) -> list[str]:
+        """Caption options set to a value that has no effect with the others (to warn about)."""
+        out = []
+        uses_tags = self.shuffle_caption or self.caption_tag_dropout_rate > 0
+        if self.keep_tokens and not uses_tags:
+            out.append("keep_tokens (needs shuffle_caption or caption_tag_dropout_rate)")
+        if self.token_warmup_min != 1 and not self.token_warmup_steps:
+            out.append("token_warmup_min (needs token_warmup_steps)")
+        if self.caption_separator != "," and not (uses_tags or self.token_warmup_steps):
+            out.append("caption_separator (needs shuffle, tag dropout or token warm-up)")
+        return out
 
 
 class DatasetConfig(_Section):
@@ -179,8 +215,21 @@ class DatasetConfig(_Section):
 class CacheConfig(_Section):
     """What is computed once before training instead of every step."""
 
-    latents: Literal["memory", "none"] = Field("memory", description="Cache VAE latents.")
-    text: Literal["memory", "none"] = Field("memory", description="Cache text-encoder outputs.")
+    latents: Literal["memory", "disk", "none"] = Field(
+        "memory", description="Cache VAE latents: in memory, on disk (kept across runs), or not."
+    )
+    text: Literal["memory", "disk", "none"] = Field(
+        "memory", description="Cache text-encoder outputs: in memory, on disk, or not."
+    )
+    dir: Path | None = Field(
+        None, description="Folder of the disk caches (default: <save.dir>/cache); shareable."
+    )
+    caption_variants: int = Field(
+        0, ge=0, le=1024,
+        description="Random caption augmentations: K variants per caption pre-encoded from the "
+                    "seed (encoders can then be offloaded); 0: a fresh draw per sample, encoded "
+                    "on demand with the cache as a memo (encoders stay resident).",
+    )
     offload: bool = Field(
         True, description="Move the VAE and frozen text encoders off the accelerator once cached."
     )
@@ -410,10 +459,26 @@ def parse_config(data: dict[str, Any], base: Path, source: str = "config") -> Ru
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source)) from None
     _resolve_paths(cfg, base)
+    if cfg.cache.dir is None:
+        cfg.cache.dir = cfg.save.dir / "cache"
+    warn_ignored(cfg)
     problems = model_file_problems(cfg.model)
     if problems:
         raise ModelFileError(f"{source}: model files:\n  - " + "\n  - ".join(problems))
     return cfg
+
+
+def warn_ignored(cfg: RunConfig) -> None:
+    """One warning for each option that is set but has no effect with the rest of the config."""
+    for d, ds in enumerate(cfg.datasets):
+        for i, sub in enumerate(ds.subsets):
+            for what in sub.ignored_caption_options():
+                log.warning("datasets[%d].subsets[%d].%s is ignored", d, i, what)
+    randomized = any(sub.shuffle_caption or sub.caption_tag_dropout_rate > 0 or sub.wildcards
+                     for ds in cfg.datasets for sub in ds.subsets)
+    if cfg.cache.caption_variants and not randomized:
+        log.warning("cache.caption_variants is ignored: no subset has a random caption "
+                    "augmentation (shuffle_caption, caption_tag_dropout_rate, wildcards)")
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

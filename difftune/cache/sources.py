@@ -76,24 +76,33 @@ class LatentSource:
         item = self.items[index]
         box = self.crop_for(index, sample_seed)
         if box != self.box(index):
-            return self._encode(item, box, flip)
+            return self._encode(item, box, flip).float()
         key, fields = self._key(index, flip)
         hit = self.store.get(key)
         if hit is not None:
-            return hit["latent"]
+            return hit["latent"].float()
         latent = self._encode(item, box, flip)
         self.store.put(key, {"latent": latent}, {k: str(v) for k, v in fields.items()})
-        return latent
+        return latent.float()
 
     def _encode(self, item: Item, box: tuple[int, int, int, int], flip: bool) -> torch.Tensor:
+        """The latent on the CPU in the VAE's dtype (bf16 stays bf16 in the cache)."""
         pixels = load_pixels(item.path, item.bucket, box, flip)
-        return self.family.encode_images(self.comps, pixels[None])[0].float().cpu()
+        return self.family.encode_images(self.comps, pixels[None])[0].cpu()
+
+    def wanted(self) -> list[tuple[int, bool]]:
+        """Every (item, flip) variant the run can ask for (both flips where flip is on)."""
+        return [(i, f) for i, it in enumerate(self.items)
+                for f in ((False, True) if it.flip else (False,))]
+
+    def keys(self) -> set[str]:
+        """The keys of every entry the run can ask for (what `cache --prune` keeps)."""
+        return {self._key(i, f)[0] for i, f in self.wanted()}
 
     def fill(self, progress: Progress = _no_progress) -> None:
-        """Compute every variant the run can ask for (both flips where flip is on)."""
-        wanted = [(i, f) for i, it in enumerate(self.items)
-                  for f in ((False, True) if it.flip else (False,))]
-        for i, f in progress(wanted, "caching latents", len(wanted)):
+        """Compute every variant not yet stored."""
+        todo = [(i, f) for i, f in self.wanted() if self._key(i, f)[0] not in self.store]
+        for i, f in progress(todo, "caching latents", len(todo)):
             self.get(i, f)
 
 
@@ -163,6 +172,11 @@ class TextSource:
     def get(self, captions: list[str]) -> TextEmbeds:
         """Embeddings for a batch of captions, combined by the family."""
         return self.family.combine_text(self.comps, self.outputs(captions))
+
+    def keys(self, captions: list[str]) -> set[str]:
+        """The entry keys of these captions for every frozen encoder (what `--prune` keeps)."""
+        frozen = [n for n in self.specs if n not in self.trained]
+        return {self._key(n, c)[0] for c in dict.fromkeys(captions) for n in frozen}
 
     def fill(self, captions: list[str], progress: Progress = _no_progress) -> None:
         """Encode every distinct caption not yet stored, for every frozen encoder."""

@@ -1,12 +1,13 @@
 """Cache stores. Entries are dicts of tensors looked up by content key.
 
 `MemoryStore` keeps entries in host memory for the run; `NullStore` keeps nothing (the
-"none" setting: values are recomputed when needed). A disk store writing safetensors with
-their inputs in the metadata plugs in behind the same three methods.
+"none" setting: values are recomputed when needed); `DiskStore` (cache/disk.py) writes
+safetensors files with their inputs in the metadata, behind the same three methods.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -61,6 +62,11 @@ class NullStore:
         return False
 
 
-def make_store(mode: str) -> Store:
-    """The store for a `cache.latents` / `cache.text` setting."""
+def make_store(mode: str, root: Path | None = None, kind: str = "") -> Store:
+    """The store for a `cache.latents` / `cache.text` setting ("disk" needs `root` and `kind`)."""
+    if mode == "disk":
+        from difftune.cache.disk import DiskStore
+
+        assert root is not None and kind, "a disk store needs its folder and kind"
+        return DiskStore(root, kind)
     return MemoryStore() if mode == "memory" else NullStore()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config import DatasetConfig, SubsetConfig
+from difftune.data.captions import WILDCARD, CaptionAugment
 from difftune.data.buckets import Bucket, assign_bucket, make_buckets, square_bucket
 from difftune.data.images import probe_image
 from difftune.errors import DataError
@@ -31,8 +32,8 @@ class Item:
     """One usable training image and how it is prepared.
 
     `size` is the upright (EXIF-rotated) original (width, height); `bucket` the (width, height)
-    it is trained at; `dataset`/`subset` index the config lists; `repeats`, `flip` and `crop`
-    come from its subset.
+    it is trained at; `dataset`/`subset` index the config lists; `repeats`, `flip`, `crop` and
+    the caption augmentations (`augment`) come from its subset.
     """
 
     path: Path
@@ -44,6 +45,7 @@ class Item:
     repeats: int
     flip: bool
     crop: str
+    augment: CaptionAugment = CaptionAugment()
 
 
 @dataclass
@@ -137,6 +139,7 @@ def _subset_items(
     if not sub.path.is_dir():
         raise DataError(f"{where}: {sub.path} is not a folder; point it at a folder of images")
     paths = list_images(sub.path, sub.recursive)
+    augment = CaptionAugment.from_subset(sub)
     items = []
     for path, probed in zip(paths, _probe_all(paths), strict=True):
         if isinstance(probed, str):
@@ -162,8 +165,13 @@ def _subset_items(
                 repeats=sub.repeats,
                 flip=sub.flip,
                 crop=sub.crop,
+                augment=augment,
             )
         )
+    if not sub.wildcards and any(WILDCARD.search(it.caption) for it in items):
+        log.warning("%s: captions hold {a|b} choices but wildcards is off, so they are trained "
+                    "as written; set datasets[%d].subsets[%d].wildcards = true to resolve them",
+                    where, d, s)
     if not items:
         log.warning("%s: no usable image in %s", where, sub.path)
     return items

@@ -63,7 +63,7 @@ def train(run: Run, hooks: Hooks) -> Result:
         hooks.sampler.run(0)
     set_training(run, True)
     for step in range(1, cfg.train.steps + 1):
-        loss, epoch = _accumulate(run, batches, generator, scaler)
+        loss, epoch = _accumulate(run, batches, generator, scaler, step - 1)
         lr = _optimizer_step(opt, sched, scaler, params, cfg.train.max_grad_norm)
         result.losses.append(loss)
         hooks.reporter.step(step, loss, lr, {"epoch": epoch})
@@ -93,14 +93,17 @@ def set_training(run: Run, on: bool) -> None:
 
 
 def _accumulate(run: Run, batches: Iterator[Batch], generator: torch.Generator,
-                scaler: torch.amp.GradScaler) -> tuple[float, int]:
-    """Forward and backward over `grad_accum` micro-batches; returns (mean loss, epoch)."""
+                scaler: torch.amp.GradScaler, done: int) -> tuple[float, int]:
+    """Forward and backward over `grad_accum` micro-batches; returns (mean loss, epoch).
+
+    `done` is the number of optimizer steps already taken (what token warm-up counts).
+    """
     accum = run.cfg.train.grad_accum
     total: torch.Tensor | float = 0.0
     for _ in range(accum):
         batch = next(batches)
         loss = batch_loss(run, list(batch.indices), list(batch.flips), generator,
-                          list(batch.seeds))
+                          list(batch.seeds), done)
         # Skipping the no-op division and scaling keeps the common case free of extra kernels.
         scaled = loss / accum if accum > 1 else loss
         (scaler.scale(scaled) if scaler.is_enabled() else scaled).backward()

@@ -19,6 +19,7 @@ from difftune.adapters.lora import add_lora, suffix_patterns
 from difftune.cache import make_store
 from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
+from difftune.data.captions import Captions
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Conditioning, Family
 from difftune.families.text import EncodeOptions
@@ -42,6 +43,7 @@ class Run:
     texts: TextSource
     targets: list[str]
     objective: Objective
+    captions: Captions
     text_targets: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -81,13 +83,15 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     if cfg.train.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
     text_targets = add_text_encoder_loras(cfg, comps)
-    latents = LatentSource(family, comps, dataset.items, make_store(cfg.cache.latents),
-                           cfg.train.seed, fresh_crops=cfg.cache.latents == "none")
+    c = cfg.cache
+    latents = LatentSource(family, comps, dataset.items, make_store(c.latents, c.dir, "latents"),
+                           cfg.train.seed, fresh_crops=c.latents == "none")
     options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
-    texts = TextSource(family, comps, make_store(cfg.cache.text), options, text_targets)
+    texts = TextSource(family, comps, make_store(c.text, c.dir, "text"), options, text_targets)
     objective = family.objective(comps, cfg.train)
+    captions = Captions(dataset.items, cfg.train.seed, c.caption_variants)
     return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective,
-               text_targets)
+               captions, text_targets)
 
 
 def add_text_encoder_loras(cfg: RunConfig, comps: Components) -> dict[str, list[str]]:
@@ -103,18 +107,26 @@ def add_text_encoder_loras(cfg: RunConfig, comps: Components) -> dict[str, list[
 
 
 def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) -> None:
-    """Compute cached latents and text embeddings, then move the encoders off the accelerator."""
+    """Compute every cacheable latent and text embedding, then offload what is done.
+
+    Text encoders stay resident when some captions are drawn afresh per sample (random
+    augmentations with `cache.caption_variants = 0`): those texts are encoded on demand.
+    """
     cache = run.cfg.cache
     wrap = progress(show_progress)
     if cache.latents != "none":
         run.latents.fill(wrap)
+    live = False
     if cache.text != "none":
-        captions = [it.caption for it in run.data.items] + extra_texts
-        run.texts.fill(captions, progress=wrap)
+        known = [run.captions.known_texts(i) for i in range(len(run.data.items))]
+        live = any(k is None for k in known)
+        texts = [t for k in known if k is not None for t in k]
+        run.texts.fill(texts + extra_texts, progress=wrap)
+    report_bad_entries(run)
     if cache.offload and run.policy.device.type != "cpu":
         if cache.latents != "none":
             run.comps.vae.to("cpu")
-        if cache.text != "none":
+        if cache.text != "none" and not live:
             # Trained encoders run every step, so they stay on the accelerator.
             for name, encoder in run.comps.text_encoders.items():
                 if name not in run.text_targets:
@@ -122,17 +134,28 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
         torch.cuda.empty_cache()
 
 
+def report_bad_entries(run: Run) -> None:
+    """One warning per cache for the corrupt entries it found (they were recomputed)."""
+    for store in (run.latents.store, run.texts.store):
+        report = getattr(store, "report", None)  # only disk stores can hold bad entries
+        message = report() if report else None
+        if message:
+            log.warning("%s", message)
+
+
 def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch.Generator,
-               seeds: list[int | None] | None = None) -> torch.Tensor:
+               seeds: list[int | None] | None = None, step: int = 0) -> torch.Tensor:
     """The training loss of one batch (forward only; the caller runs backward).
 
-    `flips` and `seeds` are the sampler's per-occurrence augmentation decisions.
+    `flips` and `seeds` are the sampler's per-occurrence augmentation decisions; `step` the
+    optimizer step (token warm-up). Latents and texts are looked up by item and variant.
     """
     device = run.policy.device
     per_sample = seeds if seeds is not None else [None] * len(indices)
     latents = torch.stack([run.latents.get(i, f, s)
                            for i, f, s in zip(indices, flips, per_sample)]).to(device)
-    embeds = run.texts.get([run.data.items[i].caption for i in indices]).to(device)
+    captions = [run.captions.text(i, s, step) for i, s in zip(indices, per_sample)]
+    embeds = run.texts.get(captions).to(device)
     draw = run.objective.draw(latents, generator)
     cond = conditioning(run, indices, per_sample)
     with run.policy.autocast():

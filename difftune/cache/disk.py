@@ -1,0 +1,234 @@
+"""On-disk, content-addressed cache store: one safetensors file per entry.
+
+Entries live at `root/kind/<key[:2]>/<key>.safetensors`. Each file carries its own key and a
+CRC32 of its data section in the safetensors metadata, so a truncated, garbled or misplaced file
+is recognised on read, deleted and reported as a miss (the caller recomputes it). Writes go to a
+`.tmp-*` file in the same folder and are renamed into place, so concurrent writers of the same key
+and processes killed mid-write never leave a half-written entry under a real name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import secrets
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+_SUFFIX = ".safetensors"
+_TMP = ".tmp-"
+_KEY = re.compile(r"[0-9a-f]{2,}")
+_STALE_TMP_S = 3600.0
+_DTYPES: dict[str, torch.dtype] = {  # safetensors dtype names -> torch dtypes
+    n: getattr(torch, a) for n, a in (x.split(":") for x in (
+        "F64:float64 F32:float32 F16:float16 BF16:bfloat16 I64:int64 I32:int32 I16:int16 "
+        "I8:int8 U8:uint8 U16:uint16 U32:uint32 U64:uint64 BOOL:bool F8_E4M3:float8_e4m3fn "
+        "F8_E5M2:float8_e5m2").split()) if hasattr(torch, a)}
+
+
+def _check(head: bytes, key: str, size: int) -> dict:
+    """Parse a JSON header and check it against `key` and the file size; raises if invalid."""
+    header = json.loads(head)
+    if (header.get("__metadata__") or {}).get("difftune.key") != key:
+        raise ValueError("entry key mismatch")
+    need = 0
+    for name, info in header.items():
+        if name != "__metadata__":
+            begin, end = info["data_offsets"]
+            if not 0 <= begin <= end or end - begin != (
+                    math.prod(info["shape"]) * _DTYPES[info["dtype"]].itemsize):
+                raise ValueError(f"bad offsets for {name}")
+            need = max(need, end)
+    if size != 8 + len(head) + need:
+        raise ValueError("data length does not match header")
+    return header
+
+
+def _tensor(buf: bytearray, start: int, info: dict) -> torch.Tensor:
+    """A tensor over `buf` (no copy) at its offsets; copied only when misaligned for its dtype."""
+    dt, shape, (begin, end) = _DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+    if begin == end:
+        return torch.empty(shape, dtype=dt)
+    if (start + begin) % dt.itemsize:
+        return torch.frombuffer(buf[start + begin:start + end], dtype=dt).view(shape)
+    return torch.frombuffer(buf, dtype=dt, count=(end - begin) // dt.itemsize,
+                            offset=start + begin).view(shape)
+
+
+class DiskStore:
+    """A `Store` keeping each entry in its own safetensors file under `root/kind`."""
+
+    def __init__(self, root: Path, kind: str) -> None:
+        self.dir = Path(root) / kind
+        self.bad: list[Path] = []
+
+    def path(self, key: str) -> Path:
+        """Where the entry for `key` lives (keys are lowercase hex, so they cannot escape)."""
+        if not _KEY.fullmatch(key):
+            raise ValueError(f"cache key must be lowercase hex, got {key!r}")
+        return self.dir / key[:2] / f"{key}{_SUFFIX}"
+
+    def _drop(self, path: Path) -> None:
+        """Delete a bad entry and remember it for `report`."""
+        with contextlib.suppress(OSError):
+            path.unlink()
+        self.bad.append(path)
+
+    def _head(self, path: Path, key: str) -> dict | None:
+        """Metadata of a complete, well-formed file, read without its data; None when absent.
+        Raises ValueError when the file exists but is bad. No side effects."""
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(0)
+                n = int.from_bytes(f.read(8), "little")
+                if n == 0 or 8 + n > size:
+                    raise ValueError("truncated header")
+                return _check(f.read(n), key, size)["__metadata__"]
+        except FileNotFoundError:
+            return None
+        except (OSError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(str(e)) from e
+
+    def get(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The entry's tensors (on CPU), or None when absent or bad (a bad file is deleted)."""
+        path = self.path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)
+                view, got = memoryview(buf), 0
+                while got < size and (r := f.readinto(view[got:])):
+                    got += r
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self._drop(path)
+            return None
+        try:
+            n = int.from_bytes(buf[:8], "little")
+            if got != size or size < 8 or n == 0 or 8 + n > size:
+                raise ValueError("truncated header")
+            header, start = _check(bytes(view[8:8 + n]), key, size), 8 + n
+            if str(zlib.crc32(view[start:])) != header["__metadata__"].get("difftune.crc32"):
+                raise ValueError("crc mismatch")
+            return {name: _tensor(buf, start, info)
+                    for name, info in header.items() if name != "__metadata__"}
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
+            self._drop(path)
+            return None
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        """Write the entry atomically (temp file, fsync, rename); skip if a valid one exists."""
+        path = self.path(key)
+        try:
+            if self._head(path, key) is not None:
+                return
+        except ValueError:
+            pass  # overwritten below
+        cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        md = {**meta, "difftune.key": key}
+        blob = safetensors.torch.save(cpu, md)
+        n = int.from_bytes(blob[:8], "little")
+        md["difftune.crc32"] = str(zlib.crc32(memoryview(blob)[8 + n:]))
+        blob = safetensors.torch.save(cpu, md)  # same data section, header now has the crc
+        tmp = path.parent / f"{_TMP}{os.getpid()}-{secrets.token_hex(6)}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            f = open(tmp, "xb")
+        except FileNotFoundError:  # a concurrent prune removed the empty shard folder
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(tmp, "xb")
+        try:
+            with f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old file or the complete new one
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        with contextlib.suppress(OSError):  # make the rename itself durable
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def __contains__(self, key: str) -> bool:
+        """True if a complete entry with the right key exists (header only; bad files dropped)."""
+        path = self.path(key)
+        try:
+            return self._head(path, key) is not None
+        except ValueError:
+            self._drop(path)
+            return False
+
+    def meta(self, key: str) -> dict[str, str] | None:
+        """The stored metadata of an entry (its inputs plus key and crc), or None."""
+        try:
+            return self._head(self.path(key), key)
+        except ValueError:
+            return None
+
+    def _files(self) -> Iterator[os.DirEntry]:
+        """Every file in every shard folder (entries and temp files)."""
+        try:
+            shards = [d for d in os.scandir(self.dir) if d.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return
+        for shard in shards:
+            try:
+                yield from (e for e in os.scandir(shard.path) if e.is_file(follow_symlinks=False))
+            except FileNotFoundError:
+                continue
+
+    def keys(self) -> Iterator[str]:
+        """Keys of all stored entries (temp files of unfinished writes are ignored)."""
+        for e in self._files():
+            if e.name.endswith(_SUFFIX) and not e.name.startswith("."):
+                yield e.name[: -len(_SUFFIX)]
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.keys())
+
+    def prune(self, keep: set[str]) -> tuple[int, int]:
+        """Delete entries not in `keep` and temp files over an hour old; (files, bytes) freed."""
+        count = freed = 0
+        cutoff = time.time() - _STALE_TMP_S
+        for e in list(self._files()):
+            try:
+                st = e.stat(follow_symlinks=False)
+                if e.name.startswith(_TMP):
+                    if st.st_mtime >= cutoff:
+                        continue
+                elif not e.name.endswith(_SUFFIX) or e.name[: -len(_SUFFIX)] in keep:
+                    continue
+                os.unlink(e.path)
+            except FileNotFoundError:
+                continue
+            count, freed = count + 1, freed + st.st_size
+        with contextlib.suppress(FileNotFoundError):
+            for shard in list(os.scandir(self.dir)):
+                with contextlib.suppress(OSError):
+                    os.rmdir(shard.path)  # only succeeds when empty
+        return count, freed
+
+    def report(self) -> str | None:
+        """One summary of the bad entries dropped since the last call (then forgotten), or None."""
+        if not self.bad:
+            return None
+        n, first = len(self.bad), self.bad[0]
+        self.bad = []
+        what, verb = ("entry", "was") if n == 1 else ("entries", "were")
+        return (f"{n} corrupt or truncated cache {what} under {self.dir} {verb} discarded and "
+                f"recomputed (first: {first})")
