@@ -16,17 +16,24 @@ import os
 import re
 import secrets
 import time
+import threading
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
 import safetensors.torch
 import torch
 
+from difftune.errors import EnvironmentProblem
+
 _SUFFIX = ".safetensors"
 _TMP = ".tmp-"
 _KEY = re.compile(r"[0-9a-f]{2,}")
 _STALE_TMP_S = 3600.0
+_MAX_QUEUED = 64  # entries waiting for the writer thread at most
+# What a checked read learned about an entry: (file size, data start, data CRC, tensor infos).
+_Layout = tuple[int, int, int, tuple[tuple[str, dict], ...]]
 _DTYPES: dict[str, torch.dtype] = {  # safetensors dtype names -> torch dtypes
     n: getattr(torch, a) for n, a in (x.split(":") for x in (
         "F64:float64 F32:float32 F16:float16 BF16:bfloat16 I64:int64 I32:int32 I16:int16 "
@@ -63,12 +70,37 @@ def _tensor(buf: bytearray, start: int, info: dict) -> torch.Tensor:
                             offset=start + begin).view(shape)
 
 
+def _read(path: str) -> tuple[bytearray, int, int]:
+    """A whole file in one buffer: (buffer, bytes read, size when opened); plain os calls, fast."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        buf = bytearray(size)
+        got = os.readv(fd, [buf]) if size else 0
+        while 0 < got < size:  # short reads are rare; finish them
+            chunk = os.read(fd, size - got)
+            if not chunk:
+                break
+            buf[got:got + len(chunk)] = chunk
+            got += len(chunk)
+    finally:
+        os.close(fd)
+    return buf, got, size
+
+
 class DiskStore:
     """A `Store` keeping each entry in its own safetensors file under `root/kind`."""
 
     def __init__(self, root: Path, kind: str) -> None:
         self.dir = Path(root) / kind
         self.bad: list[Path] = []
+        self._where: dict[str, str] = {}
+        self._layouts: dict[str, _Layout] = {}
+        self._made: set[Path] = set()
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}  # queued, not yet on disk
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future] = []
 
     def path(self, key: str) -> Path:
         """Where the entry for `key` lives (keys are lowercase hex, so they cannot escape)."""
@@ -100,37 +132,89 @@ class DiskStore:
 
     def get(self, key: str) -> dict[str, torch.Tensor] | None:
         """The entry's tensors (on CPU), or None when absent or bad (a bad file is deleted)."""
-        path = self.path(key)
+        queued = self._pending.get(key)
+        if queued is not None:
+            return queued
+        path = self._where.get(key) or self._remember(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
-                view, got = memoryview(buf), 0
-                while got < size and (r := f.readinto(view[got:])):
-                    got += r
+            buf, got, size = _read(path)
         except FileNotFoundError:
             return None
         except OSError:
-            self._drop(path)
+            self._drop(Path(path))
             return None
+        view = memoryview(buf)
+        known = self._layouts.get(key)
         try:
-            n = int.from_bytes(buf[:8], "little")
-            if got != size or size < 8 or n == 0 or 8 + n > size:
-                raise ValueError("truncated header")
-            header, start = _check(bytes(view[8:8 + n]), key, size), 8 + n
-            if str(zlib.crc32(view[start:])) != header["__metadata__"].get("difftune.crc32"):
-                raise ValueError("crc mismatch")
-            return {name: _tensor(buf, start, info)
-                    for name, info in header.items() if name != "__metadata__"}
+            if known is None or known[0] != size or zlib.crc32(view[known[1]:]) != known[2]:
+                known = self._layout(buf, got, size, key)  # first read, or the file changed
+            start = known[1]
+            return {name: _tensor(buf, start, info) for name, info in known[3]}
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
-            self._drop(path)
+            self._layouts.pop(key, None)
+            self._drop(Path(path))
             return None
 
+    def _layout(self, buf: bytearray, got: int, size: int, key: str) -> _Layout:
+        """Parse and check a whole file's header and data CRC; remembers the result.
+
+        A later read of the same key with the same size and data CRC skips the header parse
+        (JSON is most of a small entry's read time); its data is still checked every time.
+        """
+        n = int.from_bytes(buf[:8], "little")
+        if got != size or size < 8 or n == 0 or 8 + n > size:
+            raise ValueError("truncated header")
+        header, start = _check(bytes(buf[8:8 + n]), key, size), 8 + n
+        crc = zlib.crc32(memoryview(buf)[start:])
+        if str(crc) != header["__metadata__"].get("difftune.crc32"):
+            raise ValueError("crc mismatch")
+        tensors = tuple((k, v) for k, v in header.items() if k != "__metadata__")
+        self._layouts[key] = layout = (size, start, crc, tensors)
+        return layout
+
+    def _remember(self, key: str) -> str:
+        """The entry's path as a string, kept: reads come every epoch, paths cost to build."""
+        self._where[key] = where = str(self.path(key))
+        return where
+
     def put(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-        """Write the entry atomically (temp file, fsync, rename); skip if a valid one exists."""
-        path = self.path(key)
+        """Queue the entry for writing by a background thread; readable at once.
+
+        The file I/O overlaps the next item's encoding (writing is a third of a small
+        model's fill otherwise). `flush` waits for the queue and raises a failed write.
+        """
+        cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        with self._lock:
+            self._pending[key] = cpu
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="difftune-cache")
+        self._futures.append(self._pool.submit(self._write_pending, key, cpu, meta))
+        if len(self._futures) > _MAX_QUEUED:  # bound the memory held by queued entries
+            self._futures.pop(0).result()
+
+    def _write_pending(self, key: str, cpu: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
         try:
-            if self._head(path, key) is not None:
+            self.write(key, cpu, meta)
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def flush(self) -> None:
+        """Wait until every queued entry is on disk; a failed write raises `EnvironmentProblem`."""
+        futures, self._futures = self._futures, []
+        for future in futures:
+            try:
+                future.result()
+            except OSError as err:
+                raise EnvironmentProblem(
+                    f"cannot write the cache in {self.dir} ({err.strerror or err}); free space "
+                    "there, or set cache.dir to a writable folder with room") from err
+
+    def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        """Write the entry now, atomically (temp file, then rename); skip if a valid one exists."""
+        path = self.path(key)
+        try:  # another process may have finished it meanwhile (a stat first: misses are cheap)
+            if os.path.exists(path) and self._head(path, key) is not None:
                 return
         except ValueError:
             pass  # overwritten below
@@ -141,7 +225,9 @@ class DiskStore:
         md["difftune.crc32"] = str(zlib.crc32(memoryview(blob)[8 + n:]))
         blob = safetensors.torch.save(cpu, md)  # same data section, header now has the crc
         tmp = path.parent / f"{_TMP}{os.getpid()}-{secrets.token_hex(6)}"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent not in self._made:  # one mkdir per shard, not one per entry
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._made.add(path.parent)
         try:
             f = open(tmp, "xb")
         except FileNotFoundError:  # a concurrent prune removed the empty shard folder
@@ -150,22 +236,19 @@ class DiskStore:
         try:
             with f:
                 f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
+            # No fsync: a killed process leaves its data in the page cache, and what a power
+            # loss could garble (a renamed file whose data never reached the disk) fails the
+            # CRC on read and is recomputed. Syncing every entry would slow filling by ~2x.
             os.replace(tmp, path)  # atomic: readers see the old file or the complete new one
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        with contextlib.suppress(OSError):  # make the rename itself durable
-            dfd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
 
     def __contains__(self, key: str) -> bool:
         """True if a complete entry with the right key exists (header only; bad files dropped)."""
+        if key in self._pending:
+            return True
         path = self.path(key)
         try:
             return self._head(path, key) is not None
@@ -199,10 +282,12 @@ class DiskStore:
                 yield e.name[: -len(_SUFFIX)]
 
     def __len__(self) -> int:
+        self.flush()
         return sum(1 for _ in self.keys())
 
     def prune(self, keep: set[str]) -> tuple[int, int]:
         """Delete entries not in `keep` and temp files over an hour old; (files, bytes) freed."""
+        self.flush()
         count = freed = 0
         cutoff = time.time() - _STALE_TMP_S
         for e in list(self._files()):

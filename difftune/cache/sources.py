@@ -77,13 +77,17 @@ class LatentSource:
         box = self.crop_for(index, sample_seed)
         if box != self.box(index):
             return self._encode(item, box, flip).float()
-        key, fields = self._key(index, flip)
-        hit = self.store.get(key)
+        hit = self.store.get(self._key(index, flip)[0])
         if hit is not None:
             return hit["latent"].float()
-        latent = self._encode(item, box, flip)
+        return self._make(index, flip).float()
+
+    def _make(self, index: int, flip: bool) -> torch.Tensor:
+        """Encode one (item, flip) variant with its cached crop and store it."""
+        key, fields = self._key(index, flip)
+        latent = self._encode(self.items[index], self.box(index), flip)
         self.store.put(key, {"latent": latent}, {k: str(v) for k, v in fields.items()})
-        return latent.float()
+        return latent
 
     def _encode(self, item: Item, box: tuple[int, int, int, int], flip: bool) -> torch.Tensor:
         """The latent on the CPU in the VAE's dtype (bf16 stays bf16 in the cache)."""
@@ -103,7 +107,7 @@ class LatentSource:
         """Compute every variant not yet stored."""
         todo = [(i, f) for i, f in self.wanted() if self._key(i, f)[0] not in self.store]
         for i, f in progress(todo, "caching latents", len(todo)):
-            self.get(i, f)
+            self._make(i, f)
 
 
 class TextSource:
@@ -149,16 +153,21 @@ class TextSource:
         """A frozen encoder's outputs (CPU tensors) for a batch, encoding only the misses."""
         found: dict[str, dict[str, torch.Tensor]] = {}
         for cap in dict.fromkeys(captions):
-            key, fields = self._key(name, cap)
-            hit = self.store.get(key)
-            if hit is None:
-                # One caption at a time: batched kernels can differ in the last bits with the
-                # batch size, and an entry's value must depend on its key alone.
-                with torch.no_grad():
-                    hit = {k: v.cpu() for k, v in self._run(name, [cap]).items()}
-                self.store.put(key, hit, {k: str(v) for k, v in fields.items()})
-            found[cap] = hit
+            hit = self.store.get(self._key(name, cap)[0])
+            found[cap] = hit if hit is not None else self._make(name, cap)
         return {k: torch.cat([found[c][k] for c in captions]) for k in found[captions[0]]}
+
+    def _make(self, name: str, caption: str) -> dict[str, torch.Tensor]:
+        """Encode one caption with one frozen encoder and store it.
+
+        One caption at a time: batched kernels can differ in the last bits with the batch
+        size, and an entry's value must depend on its key alone.
+        """
+        key, fields = self._key(name, caption)
+        with torch.no_grad():
+            out = {k: v.cpu() for k, v in self._run(name, [caption]).items()}
+        self.store.put(key, out, {k: str(v) for k, v in fields.items()})
+        return out
 
     def outputs(self, captions: list[str]) -> dict[str, dict[str, torch.Tensor]]:
         """Every encoder's outputs: trained ones live (on their device), frozen ones cached."""
@@ -181,8 +190,11 @@ class TextSource:
     def fill(self, captions: list[str], progress: Progress = _no_progress) -> None:
         """Encode every distinct caption not yet stored, for every frozen encoder."""
         frozen = [n for n in self.specs if n not in self.trained]
-        todo = [c for c in dict.fromkeys(captions)
-                if any(self._key(n, c)[0] not in self.store for n in frozen)]
+        todo: dict[str, list[str]] = {}
+        for caption in dict.fromkeys(captions):
+            names = [n for n in frozen if self._key(n, caption)[0] not in self.store]
+            if names:
+                todo[caption] = names
         for caption in progress(todo, "caching text embeddings", len(todo)):
-            for name in frozen:
-                self.cached(name, [caption])
+            for name in todo[caption]:
+                self._make(name, caption)

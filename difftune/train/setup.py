@@ -135,9 +135,12 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
 
 
 def report_bad_entries(run: Run) -> None:
-    """One warning per cache for the corrupt entries it found (they were recomputed)."""
+    """Finish queued cache writes; one warning per cache for the corrupt entries it found."""
     for store in (run.latents.store, run.texts.store):
-        report = getattr(store, "report", None)  # only disk stores can hold bad entries
+        # Only disk stores queue writes and can hold bad entries.
+        flush, report = getattr(store, "flush", None), getattr(store, "report", None)
+        if flush:
+            flush()
         message = report() if report else None
         if message:
             log.warning("%s", message)

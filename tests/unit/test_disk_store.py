@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from difftune.cache.disk import DiskStore
+from difftune.errors import EnvironmentProblem
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,7 +64,7 @@ def test_round_trip_keeps_dtypes_values_and_metadata(store: DiskStore, tmp_path:
     key = K(1)
     assert store.get(key) is None and key not in store and len(store) == 0
     assert not (tmp_path / "latents").exists()  # folders are created lazily
-    store.put(key, tensors, {"family": "flux", "image_sha256": "abc"})
+    store.write(key, tensors, {"family": "flux", "image_sha256": "abc"})
     assert store.path(key) == tmp_path / "latents" / key[:2] / f"{key}.safetensors"
     assert store.path(key).is_file() and key in store and len(store) == 1
     assert list(store.keys()) == [key]
@@ -82,12 +83,12 @@ def test_round_trip_keeps_dtypes_values_and_metadata(store: DiskStore, tmp_path:
 
 def test_put_skips_valid_entry_and_rewrites_bad_one(store: DiskStore) -> None:
     key = K(1)
-    store.put(key, entry(1), {})
+    store.write(key, entry(1), {})
     ino = store.path(key).stat().st_ino
-    store.put(key, entry(1), {})
+    store.write(key, entry(1), {})
     assert store.path(key).stat().st_ino == ino  # a valid entry is not rewritten
     store.path(key).write_bytes(b"junk")
-    store.put(key, entry(1), {})
+    store.write(key, entry(1), {})
     assert same(store.get(key), entry(1))
     assert store.report() is None  # rewriting in put is not a recompute after a bad read
 
@@ -100,7 +101,7 @@ def test_keys_must_be_hex(store: DiskStore) -> None:
 
 def test_truncated_entries_are_dropped_and_reported_once(store: DiskStore) -> None:
     key = K(7)
-    store.put(key, entry(7), {"i": "7"})
+    store.write(key, entry(7), {"i": "7"})
     n, size = layout(store.path(key))
     data = size - 8 - n
     full = store.path(key).read_bytes()
@@ -118,7 +119,7 @@ def test_truncated_entries_are_dropped_and_reported_once(store: DiskStore) -> No
 
 def test_report_summarises_many(store: DiskStore) -> None:
     for i in range(3):
-        store.put(K(i), entry(i), {})
+        store.write(K(i), entry(i), {})
         store.path(K(i)).write_bytes(store.path(K(i)).read_bytes()[:-1])
         assert store.get(K(i)) is None
     msg = store.report()
@@ -129,7 +130,7 @@ def test_report_summarises_many(store: DiskStore) -> None:
 
 def test_flipped_data_byte_is_caught_by_crc(store: DiskStore) -> None:
     key = K(3)
-    store.put(key, entry(3), {})
+    store.write(key, entry(3), {})
     blob = bytearray(store.path(key).read_bytes())
     n, size = layout(store.path(key))
     blob[8 + n + 5] ^= 0x01
@@ -160,7 +161,7 @@ def test_garbage_and_empty_files(store: DiskStore, content: bytes) -> None:
 
 def test_entry_under_another_key_is_refused(store: DiskStore) -> None:
     a, b = K(1), K(2)
-    store.put(a, entry(1), {})
+    store.write(a, entry(1), {})
     store.path(b).parent.mkdir(parents=True, exist_ok=True)
     store.path(b).write_bytes(store.path(a).read_bytes())
     assert store.get(b) is None and not store.path(b).exists()
@@ -171,7 +172,7 @@ def test_entry_under_another_key_is_refused(store: DiskStore) -> None:
 
 def test_contains_detects_truncation_without_data(store: DiskStore) -> None:
     key = K(5)
-    store.put(key, entry(5), {})
+    store.write(key, entry(5), {})
     path = store.path(key)
     path.write_bytes(path.read_bytes()[:-3])
     assert key not in store and not path.exists()
@@ -182,7 +183,7 @@ def test_contains_detects_truncation_without_data(store: DiskStore) -> None:
 def test_prune(store: DiskStore) -> None:
     keys = [K(i) for i in range(6)]
     for i, k in enumerate(keys):
-        store.put(k, entry(i), {})
+        store.write(k, entry(i), {})
     keep = set(keys[:2])
     gone = keys[2:]
     expect_bytes = sum(store.path(k).stat().st_size for k in gone)
@@ -212,7 +213,7 @@ def _hammer(root: str, seed: int) -> None:
     order = list(range(50)) if seed == 0 else list(range(49, -1, -1))
     for rnd in range(4):
         for i in order:
-            store.put(K(i), entry(i), {"i": str(i)})
+            store.write(K(i), entry(i), {"i": str(i)})
             j = rng.randrange(50)
             got = store.get(K(j))
             assert got is None or same(got, entry(j)), j
@@ -243,10 +244,11 @@ WRITER = """
 import hashlib, sys, torch
 from pathlib import Path
 from difftune.cache.disk import DiskStore
+from difftune.errors import EnvironmentProblem
 store = DiskStore(Path(sys.argv[1]), "latents")
 i = 0
 while True:
-    store.put(hashlib.sha256(str(i).encode()).hexdigest(),
+    store.write(hashlib.sha256(str(i).encode()).hexdigest(),
               {"x": torch.full((256, 512), float(i))}, {"i": str(i)})
     i += 1
 """
@@ -277,3 +279,22 @@ def test_killed_writer_leaves_only_valid_entries(tmp_path: Path) -> None:
         got = store.get(k)
         assert got is not None and torch.equal(got["x"], torch.full((256, 512), float(by_key[k])))
     assert store.report() is None
+
+
+def test_put_is_queued_readable_at_once_and_flushed(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, "latents")
+    keys = [K(i) for i in range(100)]  # more than the queue holds
+    for i, key in enumerate(keys):
+        store.put(key, entry(i), {"i": str(i)})
+        assert key in store and torch.equal(store.get(key)["x"], entry(i)["x"])
+    store.flush()
+    assert sorted(store.keys()) == sorted(keys) and not store._pending
+    assert all(torch.equal(store.get(k)["x"], entry(i)["x"]) for i, k in enumerate(keys))
+
+
+def test_a_failed_background_write_is_raised_by_flush(tmp_path: Path) -> None:
+    (tmp_path / "latents").write_text("a file where the cache folder should be")
+    store = DiskStore(tmp_path, "latents")
+    store.put(K(1), entry(1), {})
+    with pytest.raises(EnvironmentProblem, match="cache.dir"):
+        store.flush()
