@@ -256,6 +256,15 @@ class DiskStore:
             self._drop(path)
             return False
 
+    def missing(self, keys: list[str]) -> set[str]:
+        """The keys with no valid entry: one folder listing, then a header check of the present.
+
+        A cold cache costs no per-key system call; a warm one checks each header (truncated
+        files are found, dropped and reported here, before training).
+        """
+        present = set(self.keys()) | set(self._pending)
+        return {k for k in keys if k not in present or k not in self}
+
     def meta(self, key: str) -> dict[str, str] | None:
         """The stored metadata of an entry (its inputs plus key and crc), or None."""
         try:

@@ -105,7 +105,9 @@ class LatentSource:
 
     def fill(self, progress: Progress = _no_progress) -> None:
         """Compute every variant not yet stored."""
-        todo = [(i, f) for i, f in self.wanted() if self._key(i, f)[0] not in self.store]
+        wanted = self.wanted()
+        missing = self.store.missing([self._key(i, f)[0] for i, f in wanted])
+        todo = [(i, f) for i, f in wanted if self._key(i, f)[0] in missing]
         for i, f in progress(todo, "caching latents", len(todo)):
             self._make(i, f)
 
@@ -190,9 +192,11 @@ class TextSource:
     def fill(self, captions: list[str], progress: Progress = _no_progress) -> None:
         """Encode every distinct caption not yet stored, for every frozen encoder."""
         frozen = [n for n in self.specs if n not in self.trained]
+        distinct = list(dict.fromkeys(captions))
+        missing = self.store.missing([self._key(n, c)[0] for c in distinct for n in frozen])
         todo: dict[str, list[str]] = {}
-        for caption in dict.fromkeys(captions):
-            names = [n for n in frozen if self._key(n, caption)[0] not in self.store]
+        for caption in distinct:
+            names = [n for n in frozen if self._key(n, caption)[0] in missing]
             if names:
                 todo[caption] = names
         for caption in progress(todo, "caching text embeddings", len(todo)):

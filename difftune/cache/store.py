@@ -26,6 +26,10 @@ class Store(Protocol):
 
     def __contains__(self, key: str) -> bool: ...
 
+    def missing(self, keys: list[str]) -> set[str]:
+        """The keys with no (valid) entry: what a fill must compute."""
+        ...
+
 
 class MemoryStore:
     """Entries kept on the CPU for the lifetime of the run."""
@@ -44,6 +48,10 @@ class MemoryStore:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
+    def missing(self, keys: list[str]) -> set[str]:
+        """The keys not held."""
+        return {k for k in keys if k not in self._entries}
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -60,6 +68,10 @@ class NullStore:
 
     def __contains__(self, key: str) -> bool:
         return False
+
+    def missing(self, keys: list[str]) -> set[str]:
+        """Every key."""
+        return set(keys)
 
 
 def make_store(mode: str, root: Path | None = None, kind: str = "") -> Store:
