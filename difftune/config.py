@@ -233,6 +233,10 @@ class CacheConfig(_Section):
     offload: bool = Field(
         True, description="Move the VAE and frozen text encoders off the accelerator once cached."
     )
+    unload_text_encoders: bool = Field(
+        False, description="Free the frozen text encoders once their outputs are cached; new "
+                           "text (an edited prompt file) reloads them from their files."
+    )
 
 
 class TrainConfig(_Section):
@@ -350,6 +354,7 @@ class RunConfig(_Section):
             )
         problems += objective_problems(self.model.family, self.train)
         problems += text_encoder_problems(self.model, self.adapter, self.save.format)
+        problems += unload_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(
@@ -392,6 +397,23 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str) 
                         f"model.family = \"{family}\" ({KOHYA_TEXT_ENCODERS_REFUSED[family]}); "
                         "use save.format = \"diffusers\" or train the denoiser only")
     return problems
+
+
+def unload_problems(cfg: "RunConfig") -> list[str]:
+    """`cache.unload_text_encoders` needs every text the training steps use to be cached."""
+    if not cfg.cache.unload_text_encoders:
+        return []
+    if cfg.cache.text == "none":
+        return ["cache.unload_text_encoders needs cached text (cache.text = \"memory\" or "
+                "\"disk\"): without a cache the encoders run every step"]
+    live = [f"datasets[{d}].subsets[{i}]" for d, ds in enumerate(cfg.datasets)
+            for i, sub in enumerate(ds.subsets)
+            if sub.shuffle_caption or sub.caption_tag_dropout_rate > 0 or sub.wildcards]
+    if live and not cfg.cache.caption_variants:
+        return [f"cache.unload_text_encoders with random caption augmentations ({', '.join(live)})"
+                " would reload the encoders every step; set cache.caption_variants = K to "
+                "pre-encode K variants per caption"]
+    return []
 
 
 # What each family is trained with; options of one objective are refused for the other.

@@ -1,27 +1,29 @@
 """Sample images during training from a prompt file, without ever stopping training.
 
-Prompt files use the kohya option syntax, one prompt a line:
-`a red circle --n blurry --w 512 --h 512 --s 20 --d 42 --g 3.5 --l 1.0`
-(`--w/--h` size, `--s` steps, `--d` seed, `--g` distilled guidance, `--l` CFG scale, `--n`
-negative prompt); `#` starts a comment. The file is read at every sample event. Prompt
-embeddings come from the text source (memoized by content, encoded on demand when new).
+The prompt file (`prompts.py`: kohya-style `.txt` or `.toml`) is read at every sample event, so
+edits reach the next event. Prompt embeddings come from the text source: memoized by content,
+encoded on demand when new (reloading unloaded text encoders once per event). A prompt that
+fails is logged with its traceback in the run log and named once on the console; the others of
+the event still render, and training goes on. RNG states, module modes and the VAE's device are
+put back afterwards, so a run with samples trains exactly as one without.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import re
 import traceback
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
 from PIL import Image
 
 from difftune.config import SampleConfig
+from difftune.prompts import PromptSpec, parse_line, read_prompts  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from difftune.cache.sources import TextSource
@@ -30,60 +32,6 @@ if TYPE_CHECKING:
     from difftune.report import Reporter
 
 log = logging.getLogger("difftune")
-
-_OPTIONS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int),
-            "g": ("guidance", float), "l": ("cfg", float), "n": ("negative", str)}
-
-
-@dataclass(frozen=True)
-class PromptSpec:
-    """One prompt to sample, with every option resolved."""
-
-    prompt: str
-    negative: str
-    width: int
-    height: int
-    steps: int
-    seed: int
-    guidance: float
-    cfg: float
-
-
-def parse_line(line: str, default: PromptSpec) -> PromptSpec:
-    """Parse one prompt line; raises ValueError naming the bad option."""
-    parts = re.split(r"\s--(?=[a-zA-Z])", " " + line)
-    spec = replace(default, prompt=parts[0].strip())
-    for part in parts[1:]:
-        flag, _, value = part.partition(" ")
-        if flag not in _OPTIONS:
-            raise ValueError(f"unknown option --{flag} (known: --w --h --s --d --g --l --n)")
-        field, kind = _OPTIONS[flag]
-        try:
-            spec = replace(spec, **{field: kind(value.strip())})
-        except ValueError:
-            raise ValueError(f"--{flag} needs a {kind.__name__}, got {value.strip()!r}") from None
-    if not spec.prompt:
-        raise ValueError("empty prompt")
-    return spec
-
-
-def read_prompts(path: Path, default: PromptSpec) -> list[PromptSpec]:
-    """All valid prompts of a file; bad lines are skipped with a warning naming file and line."""
-    if not path.is_file():
-        log.warning("sample prompt file %s does not exist; no samples this time", path)
-        return []
-    specs = []
-    for number, raw in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        try:
-            specs.append(parse_line(line, default))
-        except ValueError as err:
-            log.warning("%s:%d: skipped prompt line: %s", path, number, err)
-    if not specs:
-        log.warning("sample prompt file %s holds no prompts; no samples this time", path)
-    return specs
 
 
 def slug(text: str, length: int = 40) -> str:
@@ -118,6 +66,13 @@ class _RngGuard:
             torch.cuda.set_rng_state_all(cuda)
 
 
+def _failed(what: str, err: Exception) -> None:
+    """The traceback to the run log, one line to the console."""
+    log.debug("%s failed:\n%s", what, traceback.format_exc())
+    log.warning("%s failed and was skipped (training goes on): %s: %s", what,
+                type(err).__name__, err)
+
+
 class SampleRunner:
     """Generates the sample images of one event; failures are logged, never raised."""
 
@@ -137,43 +92,59 @@ class SampleRunner:
         return read_prompts(self.cfg.prompts, self.default) if self.cfg.prompts else []
 
     def run(self, step: int, specs: list[PromptSpec] | None = None,
-            out_dir: Path | None = None) -> list[Path]:
-        """Sample every prompt; returns the PNGs written. Never raises."""
+            out_dir: Path | None = None, label: str | None = None) -> list[Path]:
+        """Sample every prompt; returns the PNGs written. Never raises.
+
+        Files are named `<label>_II_<prompt>.png` (label: `step-NNNNNN` by default).
+        """
         try:
             specs = self.prompts() if specs is None else specs
             if not specs:
                 return []
-            with _RngGuard():
-                return self._run(step, specs, out_dir or self.out_dir)
+            with _RngGuard(), self._sampling_state():
+                return self._run(step, specs, out_dir or self.out_dir,
+                                 label or f"step-{step:06d}")
         except Exception as err:  # sampling must never stop training
-            log.debug("sampling at step %d failed:\n%s", step, traceback.format_exc())
-            log.warning("sampling at step %d failed and was skipped (training goes on): %s: %s",
-                        step, type(err).__name__, err)
+            _failed(f"sampling at step {step}", err)
             return []
 
-    def _run(self, step: int, specs: list[PromptSpec], out_dir: Path) -> list[Path]:
-        # Every module that may carry a LoRA (denoiser, trained encoders) samples in eval mode
-        # and is put back in the mode it was in.
-        modules = [self.comps.denoiser, *self.comps.text_encoders.values()]
+    @contextlib.contextmanager
+    def _sampling_state(self) -> Iterator[None]:
+        """Eval mode for every module, the VAE on the device; all put back afterwards."""
+        modules = [m for m in (self.comps.denoiser, self.comps.vae,
+                               *self.comps.text_encoders.values()) if m is not None]
         modes = [m.training for m in modules]
+        vae_device = next(self.comps.vae.parameters()).device
         for m in modules:
             m.eval()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        paths, images = [], []
+        self.comps.vae.to(self.policy.device)  # offloaded after caching, needed to decode
         try:
-            for i, spec in enumerate(specs):
-                image = self.generate(spec)
-                path = out_dir / f"step-{step:06d}_{i:02d}_{slug(spec.prompt)}.png"
-                image.save(path)
-                paths.append(path)
-                images.append(image)
+            yield
         finally:
+            self.comps.vae.to(vae_device)
             for m, mode in zip(modules, modes):
                 m.train(mode)
-        sheet = grid(images)
-        sheet.save(out_dir / f"step-{step:06d}_grid.png")
-        if self.reporter is not None:
-            self.reporter.image("samples", np.asarray(sheet), step)
+
+    def _run(self, step: int, specs: list[PromptSpec], out_dir: Path, label: str) -> list[Path]:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        texts = [s.prompt for s in specs] + [s.negative for s in specs if s.cfg > 1.0]
+        self.texts.fill(texts)  # every new text of the event at once (one reload at most)
+        paths, images = [], []
+        for i, spec in enumerate(specs):
+            try:
+                image = self.generate(spec)
+            except Exception as err:  # one bad prompt (a size, memory) spares the others
+                _failed(f"sample {i} ({spec.prompt[:40]!r}) at step {step}", err)
+                continue
+            path = out_dir / f"{label}_{i:02d}_{slug(spec.prompt)}.png"
+            image.save(path)
+            paths.append(path)
+            images.append(image)
+        if images:
+            sheet = grid(images)
+            sheet.save(out_dir / f"{label}_grid.png")
+            if self.reporter is not None:
+                self.reporter.image("samples", np.asarray(sheet), step)
         return paths
 
     def _size(self, spec: PromptSpec) -> tuple[int, int]:

@@ -8,9 +8,12 @@ text encoders when caching is on.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
 import random
 from dataclasses import asdict
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -23,6 +26,8 @@ from difftune.families.base import Components, Family, TextEmbeds
 from difftune.families.text import EncodeOptions
 
 Progress = Callable[[Iterable, str, int], Iterable]
+Reload = Callable[[], dict[str, torch.nn.Module]]
+log = logging.getLogger("difftune")
 
 
 def _no_progress(it: Iterable, desc: str, total: int) -> Iterable:
@@ -122,12 +127,51 @@ class TextSource:
     """
 
     def __init__(self, family: Family, comps: Components, store: Store,
-                 options: EncodeOptions | None = None, trained: Iterable[str] = ()) -> None:
+                 options: EncodeOptions | None = None, trained: Iterable[str] = (),
+                 reload: Reload | None = None) -> None:
+        """`reload` brings back the text encoders after `unload` (see `resident`)."""
         self.family, self.comps, self.store = family, comps, store
         self.options = options or EncodeOptions()
         self.trained = frozenset(trained)
         self.specs = {s.name: s for s in family.text_encoders}
         self._keys: dict[tuple[str, str], tuple[str, dict[str, object]]] = {}
+        # Kept apart from the modules, which may be unloaded: part of every key.
+        self._dtypes = {n: str(m.dtype).removeprefix("torch.")
+                        for n, m in comps.text_encoders.items()}
+        self.reload, self.unloaded, self.reloads = reload, False, 0
+
+    def unload(self) -> list[str]:
+        """Drop the frozen encoders from memory (they are reloaded on demand); returns names."""
+        assert self.reload is not None, "unloading needs a way to reload"
+        names = [n for n in self.specs if n not in self.trained]
+        for name in names:
+            self.comps.text_encoders[name] = None  # type: ignore[assignment]
+        self.unloaded = True
+        return names
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """The frozen encoders are in memory inside this block: reloaded from their files (in
+        the configured dtype) if they were unloaded, and unloaded again afterwards."""
+        if not self.unloaded or self.comps.text_encoders[self._frozen()[0]] is not None:
+            yield
+            return
+        assert self.reload is not None
+        log.info("reloading text encoders %s to encode new text", ", ".join(self._frozen()))
+        loaded = self.reload()
+        self.reloads += 1
+        for name in self._frozen():
+            self.comps.text_encoders[name] = loaded[name]
+        try:
+            yield
+        finally:
+            for name in self._frozen():
+                self.comps.text_encoders[name] = None  # type: ignore[assignment]
+            del loaded
+            gc.collect()
+
+    def _frozen(self) -> list[str]:
+        return [n for n in self.specs if n not in self.trained]
 
     def encoder_fields(self, name: str) -> dict[str, object]:
         """What decides one encoder's output besides the caption (its cache-key fields)."""
@@ -137,7 +181,7 @@ class TextSource:
 
     def _key(self, name: str, caption: str) -> tuple[str, dict[str, object]]:
         if (name, caption) not in self._keys:
-            dtype = str(self.comps.text_encoders[name].dtype).removeprefix("torch.")
+            dtype = self._dtypes[name]
             fields = text_fields(family=self.family.name, fingerprint=self.comps.fingerprint,
                                  dtype=dtype, caption=caption,
                                  encoders=[self.encoder_fields(name)])
@@ -153,11 +197,25 @@ class TextSource:
 
     def cached(self, name: str, captions: list[str]) -> dict[str, torch.Tensor]:
         """A frozen encoder's outputs (CPU tensors) for a batch, encoding only the misses."""
-        found: dict[str, dict[str, torch.Tensor]] = {}
-        for cap in dict.fromkeys(captions):
-            hit = self.store.get(self._key(name, cap)[0])
-            found[cap] = hit if hit is not None else self._make(name, cap)
-        return {k: torch.cat([found[c][k] for c in captions]) for k in found[captions[0]]}
+        return self._frozen_outputs([name], captions)[name]
+
+    def _frozen_outputs(self, names: list[str], captions: list[str]
+                        ) -> dict[str, dict[str, torch.Tensor]]:
+        """Frozen encoders' outputs by name; every miss is encoded in one `resident` block."""
+        found: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        misses = []
+        for name in names:
+            for cap in dict.fromkeys(captions):
+                hit = self.store.get(self._key(name, cap)[0])
+                if hit is None:
+                    misses.append((name, cap))
+                else:
+                    found[name, cap] = hit
+        if misses:
+            with self.resident():
+                found.update({(n, c): self._make(n, c) for n, c in misses})
+        return {n: {k: torch.cat([found[n, c][k] for c in captions]) for k in found[n, captions[0]]}
+                for n in names}
 
     def _make(self, name: str, caption: str) -> dict[str, torch.Tensor]:
         """Encode one caption with one frozen encoder and store it.
@@ -175,10 +233,9 @@ class TextSource:
         """Every encoder's outputs: trained ones live (on their device), frozen ones cached."""
         out = {name: self._run(name, captions) for name in self.specs if name in self.trained}
         device = next((t.device for o in out.values() for t in o.values()), torch.device("cpu"))
-        for name in self.specs:
-            if name not in self.trained:
-                out[name] = {k: v.to(device) for k, v in self.cached(name, captions).items()}
-        return out
+        frozen = self._frozen_outputs(self._frozen(), captions)
+        out.update({n: {k: v.to(device) for k, v in o.items()} for n, o in frozen.items()})
+        return {name: out[name] for name in self.specs}
 
     def get(self, captions: list[str]) -> TextEmbeds:
         """Embeddings for a batch of captions, combined by the family."""
@@ -199,6 +256,9 @@ class TextSource:
             names = [n for n in frozen if self._key(n, caption)[0] in missing]
             if names:
                 todo[caption] = names
-        for caption in progress(todo, "caching text embeddings", len(todo)):
-            for name in todo[caption]:
-                self._make(name, caption)
+        if not todo:
+            return
+        with self.resident():
+            for caption in progress(todo, "caching text embeddings", len(todo)):
+                for name in todo[caption]:
+                    self._make(name, caption)

@@ -115,6 +115,12 @@ class Family(Protocol):
         """Load (or build, for the tiny flavor) all components from local files."""
         ...
 
+    def load_text_encoders(self, cfg: "ModelConfig", policy: "PrecisionPolicy"
+                           ) -> dict[str, torch.nn.Module]:
+        """The text encoders alone (by spec name), from the same files as `load`, frozen and
+        placed as `load` places them: to bring back encoders unloaded after caching."""
+        ...
+
     def encode_text(self, c: Components, texts: list[str],
                     options: "EncodeOptions | None" = None) -> TextEmbeds:
         """Run every text encoder on a batch of captions (no grad) and combine the outputs."""

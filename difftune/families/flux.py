@@ -72,6 +72,16 @@ def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> 
     return module.to(device)
 
 
+def frozen_encoders(modules: dict[str, torch.nn.Module], policy: "PrecisionPolicy"
+                    ) -> dict[str, torch.nn.Module]:
+    """Text encoders placed on the policy's device in its text-encoder dtype, frozen, eval."""
+    out = {n: place(m, policy.device, policy.text_encoders) for n, m in modules.items()}
+    for module in out.values():
+        module.requires_grad_(False)
+        module.eval()
+    return out
+
+
 class FluxFamily:
     """The FLUX.1 family."""
 
@@ -120,6 +130,20 @@ class FluxFamily:
             module.requires_grad_(False)
             module.eval()
         return comps
+
+    def load_text_encoders(self, cfg: "ModelConfig", policy: "PrecisionPolicy"
+                           ) -> dict[str, torch.nn.Module]:
+        """CLIP-L and T5 alone, frozen, placed as `load` places them (reload after unloading)."""
+        if cfg.flavor == "tiny":
+            from difftune.families.tiny import build_tiny_flux
+
+            parts = build_tiny_flux()
+        else:
+            from difftune.families.flux_files import load_flux_text_encoders
+
+            parts = load_flux_text_encoders(cfg, policy.text_encoders)
+        return frozen_encoders({"clip_l": parts["text_encoder"], "t5": parts["text_encoder_2"]},
+                               policy)
 
     def encode_text(self, c: Components, texts: list[str],
                     options: "text.EncodeOptions | None" = None) -> TextEmbeds:

@@ -227,6 +227,19 @@ def load_flux_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[
     }
 
 
+def load_flux_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
+    """Only CLIP-L and T5 ("text_encoder", "text_encoder_2"), from the same sources as
+    `load_flux_files`: to reload encoders that were unloaded after caching."""
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    folder = Path(cfg.path).expanduser() if cfg.path is not None else None
+    clip_tok, _ = _tokenizers(folder)
+    clip, _ = _component(folder, cfg.clip_l, "text_encoder", CLIPTextModel,
+                         lambda p, d: load_clip_file(p, d, clip_tok), dtype)
+    t5, _ = _component(folder, cfg.t5, "text_encoder_2", T5EncoderModel, load_t5_file, dtype)
+    return {"text_encoder": clip, "text_encoder_2": t5}
+
+
 def _base_name(folder: Path | None, transformer_file: Path | None, dev: bool) -> str:
     """A readable base-model name: the transformer file's or folder's name, else the variant."""
     if transformer_file is not None:

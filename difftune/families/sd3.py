@@ -16,7 +16,7 @@ import torch
 from difftune.errors import ModelFileError
 from difftune.families import text
 from difftune.families.base import Components, Conditioning, TextEmbeds, TextEncoderSpec
-from difftune.families.flux import place
+from difftune.families.flux import frozen_encoders, place
 from difftune.train.objectives import FlowMatching
 
 if TYPE_CHECKING:
@@ -148,6 +148,29 @@ class SD3Family:
             module.requires_grad_(False)
             module.eval()
         return comps
+
+    def load_text_encoders(self, cfg: "ModelConfig", policy: "PrecisionPolicy"
+                           ) -> dict[str, torch.nn.Module]:
+        """CLIP-L, CLIP-G and T5 alone, frozen, placed as `load` places them (a reload)."""
+        if cfg.flavor == "tiny":
+            from difftune.families.tiny_sd import build_tiny_sd3
+
+            parts = build_tiny_sd3()
+        elif cfg.transformer is not None:
+            from difftune.families.sd_files import load_sd3_file
+
+            parts = load_sd3_file(cfg, {"text_encoders": policy.text_encoders}, text_only=True)
+        else:
+            from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+            from difftune.families.folders import from_folder
+
+            assert cfg.path is not None  # ModelConfig guarantees a source
+            parts = {te: from_folder(T5EncoderModel if name == "t5" else
+                                     CLIPTextModelWithProjection, Path(cfg.path), te,
+                                     policy.text_encoders, "SD3")
+                     for name, te, _ in ENCODER_FOLDERS}
+        return frozen_encoders({name: parts[te] for name, te, _ in ENCODER_FOLDERS}, policy)
 
     def encode_text(self, c: Components, texts: list[str],
                     options: "text.EncodeOptions | None" = None) -> TextEmbeds:

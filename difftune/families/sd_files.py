@@ -290,11 +290,12 @@ def _folder(cfg: ModelConfig) -> Path | None:
 # SDXL
 
 
-def load_sdxl_file(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+def load_sdxl_file(cfg: ModelConfig, dtypes: dict[str, torch.dtype],
+                   text_only: bool = False) -> dict[str, Any]:
     """Every SDXL component from `cfg.transformer` (see the module docstring for fallbacks).
 
     `dtypes` has "unet", "vae", "text_encoders"; returns StableDiffusionXLPipeline's component
-    names plus "name" and "fingerprint".
+    names plus "name" and "fingerprint". `text_only`: the two CLIPs alone (for a reload).
     """
     from diffusers import AutoencoderKL, EulerDiscreteScheduler
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
@@ -314,7 +315,6 @@ def load_sdxl_file(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str
         clip_g, more = from_folder_or_fail(folder, "text_encoder_2", CLIPTextModelWithProjection,
                                            te, "SDXL", path, SDXL_CLIP_G_PREFIX + "*")
         files += more
-    unet = load_sdxl_unet(sd, path, dtypes["unet"], clip_g.config.projection_dim)
     if any(k.startswith(SDXL_CLIP_L_PREFIX) for k in sd):
         clip_l = clip_from_state(_prefixed(sd, SDXL_CLIP_L_PREFIX), path, te, tok_l,
                                  projection=False, act="quick_gelu")
@@ -322,6 +322,9 @@ def load_sdxl_file(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str
         clip_l, more = from_folder_or_fail(folder, "text_encoder", CLIPTextModel, te, "SDXL",
                                            path, SDXL_CLIP_L_PREFIX + "*")
         files += more
+    if text_only:
+        return {"text_encoder": clip_l, "text_encoder_2": clip_g}
+    unet = load_sdxl_unet(sd, path, dtypes["unet"], clip_g.config.projection_dim)
     vae, more = load_vae(cfg.vae, sd, path, dtypes["vae"], SDXL_VAE_SCALE) or \
         from_folder_or_fail(folder, "vae", AutoencoderKL, dtypes["vae"], "SDXL", path,
                             VAE_PREFIX + "*; or set model.vae")
@@ -390,11 +393,13 @@ def _sd3_encoder(sd: dict, name: str, build: Callable[[dict], Any], file: Path |
     return None
 
 
-def load_sd3_file(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+def load_sd3_file(cfg: ModelConfig, dtypes: dict[str, torch.dtype],
+                  text_only: bool = False) -> dict[str, Any]:
     """Every SD3/3.5 component from `cfg.transformer` (see the module docstring for fallbacks).
 
     `dtypes` has "transformer", "vae", "text_encoders"; returns StableDiffusion3Pipeline's
-    component names plus "name" and "fingerprint".
+    component names plus "name" and "fingerprint". `text_only`: the three text encoders alone
+    (to reload them after they were unloaded).
     """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
@@ -402,7 +407,6 @@ def load_sd3_file(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str,
     path, folder = Path(cfg.transformer).expanduser(), _folder(cfg)
     toks = tokenizers(folder, ("tokenizer", "tokenizer_2", "tokenizer_3"), AutoTokenizer, "SD3")
     sd = read_safetensors(path, "SD3/3.5 checkpoint (original Stability layout)")
-    transformer = load_sd3_transformer(sd, path, dtypes["transformer"])
     te = dtypes["text_encoders"]
 
     def clip(tok: Any, act: str, own_projection: bool) -> Callable[[dict], Any]:
@@ -433,6 +437,9 @@ def load_sd3_file(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str,
             got = from_folder_or_fail(folder, sub, cls, te, "SD3", path, hint)
         parts[sub] = got[0]
         files += got[1]
+    if text_only:
+        return parts
+    transformer = load_sd3_transformer(sd, path, dtypes["transformer"])
     vae, more = load_vae(cfg.vae, sd, path, dtypes["vae"], SD3_VAE_SCALE) or \
         from_folder_or_fail(folder, "vae", AutoencoderKL, dtypes["vae"], "SD3", path,
                             VAE_PREFIX + "*; or set model.vae")

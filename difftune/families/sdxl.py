@@ -16,7 +16,7 @@ import torch
 from difftune.errors import ModelFileError
 from difftune.families import text
 from difftune.families.base import Components, Conditioning, TextEmbeds, TextEncoderSpec
-from difftune.families.flux import place
+from difftune.families.flux import frozen_encoders, place
 from difftune.train.ddpm import DDPMObjective, DDPMSchedule
 
 if TYPE_CHECKING:
@@ -145,6 +145,27 @@ class SDXLFamily:
             module.requires_grad_(False)
             module.eval()
         return comps
+
+    def load_text_encoders(self, cfg: ModelConfig, policy: PrecisionPolicy
+                           ) -> dict[str, torch.nn.Module]:
+        """CLIP-L and CLIP-G alone, frozen, placed as `load` places them (a reload)."""
+        if cfg.flavor == "tiny":
+            from difftune.families.tiny_sd import build_tiny_sdxl
+
+            parts = build_tiny_sdxl()
+        elif cfg.transformer is not None:
+            from difftune.families.sd_files import load_sdxl_file
+
+            parts = load_sdxl_file(cfg, {"text_encoders": policy.text_encoders}, text_only=True)
+        else:
+            from difftune.families.folders import from_folder
+
+            assert cfg.path is not None  # ModelConfig guarantees a source
+            parts = {sub: from_folder(_class(cls), Path(cfg.path), sub, policy.text_encoders,
+                                      "SDXL")
+                     for sub, cls, _ in _FOLDER_PARTS if sub.startswith("text_encoder")}
+        return frozen_encoders({"clip_l": parts["text_encoder"],
+                                "clip_g": parts["text_encoder_2"]}, policy)
 
     def encode_text(self, c: Components, texts: list[str],
                     options: text.EncodeOptions | None = None) -> TextEmbeds:

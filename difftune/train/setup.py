@@ -6,6 +6,7 @@ discovery) run before the model loads, and the model loads before any caching st
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +88,8 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     latents = LatentSource(family, comps, dataset.items, make_store(c.latents, c.dir, "latents"),
                            cfg.train.seed, fresh_crops=c.latents == "none")
     options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
-    texts = TextSource(family, comps, make_store(c.text, c.dir, "text"), options, text_targets)
+    texts = TextSource(family, comps, make_store(c.text, c.dir, "text"), options, text_targets,
+                       reload=lambda: family.load_text_encoders(cfg.model, policy))
     objective = family.objective(comps, cfg.train)
     captions = Captions(dataset.items, cfg.train.seed, c.caption_variants)
     return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective,
@@ -123,13 +125,17 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
         texts = [t for k in known if k is not None for t in k]
         run.texts.fill(texts + extra_texts, progress=wrap)
     report_bad_entries(run)
+    if cache.unload_text_encoders:
+        log.info("text encoders %s unloaded (reloaded from their files for new text)",
+                 ", ".join(run.texts.unload()))
+        gc.collect()
     if cache.offload and run.policy.device.type != "cpu":
         if cache.latents != "none":
             run.comps.vae.to("cpu")
         if cache.text != "none" and not live:
             # Trained encoders run every step, so they stay on the accelerator.
             for name, encoder in run.comps.text_encoders.items():
-                if name not in run.text_targets:
+                if name not in run.text_targets and encoder is not None:
                     encoder.to("cpu")
         torch.cuda.empty_cache()
 

@@ -1,0 +1,131 @@
+"""Sample prompt files: kohya-style `.txt` lines or `.toml` tables, read afresh at every event.
+
+`.txt`: one prompt a line, `#` starts a comment, options `--w --h` (size), `--s` (steps), `--d`
+(seed), `--g` (distilled guidance), `--l` (CFG scale), `--n` (negative prompt):
+`a red circle --n blurry --w 512 --h 512 --s 20 --d 42 --g 3.5 --l 1.0`.
+`.toml`: one `[[prompts]]` table a prompt, with `prompt` and the same options by name
+(`negative`, `width`, `height`, `steps`, `seed`, `guidance`, `cfg`). A bad line or table is
+skipped with a warning naming the file and line (or table); a missing or empty file is a warning
+and no samples. Nothing here raises: a prompt file edited mid-run can never stop training.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("difftune")
+
+_OPTIONS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int),
+            "g": ("guidance", float), "l": ("cfg", float), "n": ("negative", str)}
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One prompt to sample, with every option resolved."""
+
+    prompt: str
+    negative: str
+    width: int
+    height: int
+    steps: int
+    seed: int
+    guidance: float
+    cfg: float
+
+
+def parse_line(line: str, default: PromptSpec) -> PromptSpec:
+    """Parse one prompt line; raises ValueError naming the bad option."""
+    parts = re.split(r"\s--(?=[a-zA-Z])", " " + line)
+    spec = replace(default, prompt=parts[0].strip())
+    for part in parts[1:]:
+        flag, _, value = part.partition(" ")
+        if flag not in _OPTIONS:
+            raise ValueError(f"unknown option --{flag} (known: --w --h --s --d --g --l --n)")
+        field, kind = _OPTIONS[flag]
+        try:
+            spec = replace(spec, **{field: kind(value.strip())})
+        except ValueError:
+            raise ValueError(f"--{flag} needs a {kind.__name__}, got {value.strip()!r}") from None
+    if not spec.prompt:
+        raise ValueError("empty prompt")
+    return spec
+
+
+def read_prompts(path: Path, default: PromptSpec) -> list[PromptSpec]:
+    """All valid prompts of a `.txt` or `.toml` file; bad entries are skipped with a warning."""
+    try:
+        raw = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        log.warning("sample prompt file %s does not exist; no samples this time", path)
+        return []
+    except (OSError, UnicodeDecodeError) as err:
+        log.warning("sample prompt file %s cannot be read (%s); no samples this time", path, err)
+        return []
+    reader = _read_toml if path.suffix.lower() == ".toml" else _read_txt
+    specs = reader(path, raw, default)
+    if not specs:
+        log.warning("sample prompt file %s holds no prompts; no samples this time", path)
+    return specs
+
+
+def _read_txt(path: Path, raw: str, default: PromptSpec) -> list[PromptSpec]:
+    """Prompts of a kohya-style text file, one a line."""
+    specs = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            specs.append(parse_line(line, default))
+        except ValueError as err:
+            log.warning("%s:%d: skipped prompt line: %s", path, number, err)
+    return specs
+
+
+_TOML_FIELDS = {f.name for f in fields(PromptSpec)}
+
+
+def _read_toml(path: Path, raw: str, default: PromptSpec) -> list[PromptSpec]:
+    """Prompts of a TOML file: `[[prompts]]` tables (`prompt` plus options by name)."""
+    try:
+        data = tomllib.loads(raw)
+    except tomllib.TOMLDecodeError as err:
+        log.warning("%s: not valid TOML (%s); no samples this time", path, err)
+        return []
+    tables = data.get("prompts", [])
+    if not isinstance(tables, list) or set(data) - {"prompts"}:
+        log.warning("%s: expected only [[prompts]] tables; found %s", path, sorted(data))
+        tables = tables if isinstance(tables, list) else []
+    specs = []
+    for i, table in enumerate(tables):
+        try:
+            specs.append(_toml_spec(table, default))
+        except (ValueError, TypeError) as err:
+            log.warning("%s: prompts[%d] skipped: %s", path, i, err)
+    return specs
+
+
+def _toml_spec(table: Any, default: PromptSpec) -> PromptSpec:
+    """One `[[prompts]]` table as a PromptSpec; raises ValueError naming the bad field."""
+    if not isinstance(table, dict):
+        raise ValueError("not a table")
+    unknown = set(table) - _TOML_FIELDS
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(unknown)} (known: {sorted(_TOML_FIELDS)})")
+    values = {}
+    for name, value in table.items():
+        kind = type(getattr(default, name))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not kind:
+            raise ValueError(f"{name} must be a {kind.__name__}, got {value!r}")
+        values[name] = value
+    spec = replace(default, **values)
+    if not spec.prompt.strip():
+        raise ValueError("empty prompt")
+    return spec
