@@ -37,6 +37,15 @@ def _parser() -> argparse.ArgumentParser:
         if name == "cache":
             p.add_argument("--prune", action="store_true",
                            help="first delete the entries this config no longer references")
+    text = "generate images from the base model and zero or more LoRAs"
+    sample = verbs.add_parser("sample", help=text, description=text)
+    sample.add_argument("config", type=Path, help="a run's TOML file (model, precision, sample)")
+    sample.add_argument("--lora", action="append", default=[], metavar="PATH[:WEIGHT]",
+                        help="a LoRA file and its weight (default 1); repeat for several")
+    sample.add_argument("--prompts", type=Path, help="prompt file (default: sample.prompts)")
+    sample.add_argument("--out", type=Path, help="output folder (default: <save.dir>/samples)")
+    sample.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config field")
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -75,6 +84,19 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sample(args: argparse.Namespace) -> int:
+    from difftune.config import load_config
+    from difftune.standalone import LoraArg, run_sample
+
+    cfg = load_config(args.config, args.overrides)
+    loras = [LoraArg.parse(text) for text in args.lora]
+    paths = run_sample(cfg, loras, args.prompts, args.out)
+    for path in paths:
+        print(path)
+    print(f"{len(paths)} image(s) written" if paths else "no images written (see the warnings)")
+    return 0 if paths else 2
+
+
 def _demo(args: argparse.Namespace) -> int:
     from difftune.demo import run_demo
 
@@ -84,7 +106,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "train": _train, "check": _check, "cache": _cache, "demo": _demo,
+    "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
 }
 
 

@@ -87,6 +87,10 @@ class SampleRunner:
                                   cfg.guidance, scale)
         self._pipe: Any = None
 
+    def use_pipeline(self, pipe: Any) -> None:
+        """Sample through this pipeline (e.g. one with LoRAs loaded) instead of a new one."""
+        self._pipe = pipe
+
     def prompts(self) -> list[PromptSpec]:
         """The prompt file as it is now (re-read at every event)."""
         return read_prompts(self.cfg.prompts, self.default) if self.cfg.prompts else []

@@ -360,6 +360,14 @@ def sd3_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
     }
 
 
+def check_sd3_layout(sd: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a checkpoint that is not in the original SD3/3.5 (Stability) layout."""
+    if not any(k.startswith(UNET_PREFIX + "joint_blocks.") for k in sd):
+        raise ModelFileError(f"{path} does not look like an SD3/3.5 checkpoint: no "
+                             f"{UNET_PREFIX}joint_blocks.* tensors (expected the original "
+                             "Stability layout of sd3.5_*.safetensors)")
+
+
 def load_sd3_transformer(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> Any:
     """The SD3/3.5 MMDiT of a whole-checkpoint state dict, via diffusers' converter."""
     from diffusers import SD3Transformer2DModel
@@ -368,10 +376,7 @@ def load_sd3_transformer(sd: dict[str, torch.Tensor], path: Path, dtype: torch.d
     )
 
     mmdit = _prefixed(sd, UNET_PREFIX)
-    if not any(k.startswith("joint_blocks.") for k in mmdit):
-        raise ModelFileError(f"{path} does not look like an SD3/3.5 checkpoint: no "
-                             f"{UNET_PREFIX}joint_blocks.* tensors (expected the original "
-                             "Stability layout of sd3.5_*.safetensors)")
+    check_sd3_layout(sd, path)
     try:
         config = sd3_config(mmdit)
         converted = convert_sd3_transformer_checkpoint_to_diffusers(dict(mmdit))
@@ -407,6 +412,7 @@ def load_sd3_file(cfg: ModelConfig, dtypes: dict[str, torch.dtype],
     path, folder = Path(cfg.transformer).expanduser(), _folder(cfg)
     toks = tokenizers(folder, ("tokenizer", "tokenizer_2", "tokenizer_3"), AutoTokenizer, "SD3")
     sd = read_safetensors(path, "SD3/3.5 checkpoint (original Stability layout)")
+    check_sd3_layout(sd, path)
     te = dtypes["text_encoders"]
 
     def clip(tok: Any, act: str, own_projection: bool) -> Callable[[dict], Any]:

@@ -69,3 +69,26 @@ def test_check_passes_on_the_tiny_example(capsys: pytest.CaptureFixture[str], tm
     assert main(["check", str(EXAMPLES / "tiny-lora.toml"), "--set",
                  f'save.dir="{(tmp_path / "out").as_posix()}"']) == 0
     assert "check passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_text_encoders_reload_from_the_folder(name: str, tmp_path: Path, images: Path,
+                                              prompts: Path) -> None:
+    """What `cache.unload_text_encoders` reloads: the folder's encoders, as a full load has them."""
+    import torch
+
+    from difftune import families
+    from difftune.config import load_config
+    from difftune.precision import PrecisionPolicy, resolve_device
+
+    path = _localize(EXAMPLES / name, tmp_path, images, prompts)
+    cfg = load_config(path, ["precision.mixed=\"no\"", "precision.denoiser=\"fp32\"",
+                             "precision.text_encoders=\"fp32\"", "precision.vae=\"fp32\""])
+    family = families.get(cfg.model.family)
+    policy = PrecisionPolicy.from_config(cfg.precision, resolve_device("cpu"))
+    again = family.load_text_encoders(cfg.model, policy)
+    full = family.load(cfg.model, policy).text_encoders
+    assert again.keys() == full.keys()
+    for key, module in again.items():
+        a, b = module.state_dict(), full[key].state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), key

@@ -163,3 +163,14 @@ def test_one_sample(run: Run, tmp_path: Path) -> None:
     paths = runner.run(1, [spec])
     assert len(paths) == 1 and paths[0].exists()
     assert Image.open(paths[0]).size == (step, 2 * step)
+
+
+def test_text_encoders_reload_alone_as_loaded(run: Run) -> None:
+    """`load_text_encoders` (used after unloading) gives the encoders `load` gave."""
+    again = run.family.load_text_encoders(run.cfg.model, run.policy)
+    fresh = run.family.load(run.cfg.model, run.policy).text_encoders
+    assert again.keys() == fresh.keys() == {s.name for s in run.family.text_encoders}
+    for name, module in again.items():
+        assert not module.training and not any(p.requires_grad for p in module.parameters())
+        a, b = module.state_dict(), fresh[name].state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

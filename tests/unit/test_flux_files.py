@@ -325,3 +325,16 @@ def test_single_files_need_tokenizers(files: dict, monkeypatch: pytest.MonkeyPat
                       t5=files["t5"])
     with pytest.raises(ModelFileError, match="tokenizer/ and tokenizer_2/"):
         load_flux_files(cfg, FP32)
+
+
+def test_text_encoders_alone_from_single_files(files: dict) -> None:
+    """What a reload after `cache.unload_text_encoders` reads: the same two encoders."""
+    from difftune.families.flux_files import load_flux_text_encoders
+
+    cfg = ModelConfig(path=files["toks"], transformer=files["bfl"], vae=files["ae"],
+                      clip_l=files["clip_l"], t5=files["t5"])
+    full, alone = load_flux_files(cfg, FP32), load_flux_text_encoders(cfg, torch.float32)
+    assert set(alone) == {"text_encoder", "text_encoder_2"}
+    for name, module in alone.items():
+        a, b = module.state_dict(), full[name].state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -53,3 +53,27 @@ def test_missing_or_empty_file_is_a_warning(tmp_path: Path, caplog: pytest.LogCa
         assert read_prompts(tmp_path / "missing.txt", DEFAULT) == []
         assert read_prompts(empty, DEFAULT) == []
     assert "does not exist" in caplog.text and "holds no prompts" in caplog.text
+
+
+def test_toml_prompt_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "prompts.toml"
+    path.write_text('[[prompts]]\nprompt = "a cat"\nnegative = "blurry"\nwidth = 768\n'
+                    'guidance = 4\ncfg = 2.5\n\n'
+                    '[[prompts]]\nprompt = "a dog"\nsize = 3\n\n'
+                    '[[prompts]]\nprompt = "a bird"\nsteps = "many"\n\n'
+                    '[[prompts]]\nprompt = "a fish"\nseed = 9\n', encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="difftune"):
+        specs = read_prompts(path, DEFAULT)
+    assert specs == [PromptSpec("a cat", "blurry", 768, 512, 20, 0, 4.0, 2.5),
+                     PromptSpec("a fish", "", 512, 512, 20, 9, 3.5, 1.0)]
+    assert f"{path}: prompts[1] skipped: unknown field(s) ['size']" in caplog.text
+    assert f"{path}: prompts[2] skipped: steps must be a int" in caplog.text
+
+
+def test_broken_toml_is_a_warning_and_no_prompts(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "prompts.toml"
+    path.write_text('[[prompts]]\nprompt = "a cat\n', encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="difftune"):
+        assert read_prompts(path, DEFAULT) == []
+    assert f"{path}: not valid TOML" in caplog.text and "line 2" in caplog.text

@@ -360,3 +360,16 @@ def test_family_load_uses_the_single_file(sdxl: tuple) -> None:
                              torch.float32)
     comps = SDXLFamily().load(cfg, policy)
     assert comps.name == "sd_xl_tiny"
+
+
+def test_text_only_reload_of_single_files(sdxl: tuple, sd3: tuple) -> None:
+    """`text_only` (reloading unloaded encoders) reads the same encoders, and nothing else."""
+    for (parts, path, folder), family, load, names in (
+            (sdxl, "sdxl", load_sdxl_file, ("text_encoder", "text_encoder_2")),
+            (sd3, "sd3", load_sd3_file, ("text_encoder", "text_encoder_2", "text_encoder_3"))):
+        cfg = _cfg(path, folder, family)
+        full, alone = load(cfg, F32), load(cfg, {"text_encoders": torch.float32}, text_only=True)
+        assert set(alone) == set(names)
+        for name in names:
+            a, b = alone[name].state_dict(), full[name].state_dict()
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

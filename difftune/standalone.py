@@ -1,0 +1,97 @@
+"""`difftune sample`: images from the base model and zero or more LoRAs, without training.
+
+LoRA files are read by diffusers' own loader on the family's pipeline (diffusers/PEFT or kohya
+/ComfyUI layouts, denoiser and text encoders), each as a named adapter with its weight, so a
+file samples here exactly as it will in diffusers. Prompt embeddings are encoded with the
+LoRA'd text encoders into a fresh in-memory cache: a disk cache keyed by the base model must
+never hold outputs of a LoRA'd encoder.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from difftune import families
+from difftune.cache import MemoryStore
+from difftune.cache.sources import TextSource
+from difftune.config import RunConfig
+from difftune.errors import CheckpointError, ConfigError
+from difftune.families.text import EncodeOptions
+from difftune.precision import PrecisionPolicy, resolve_device
+from difftune.safefiles import is_pickle, pickle_refusal
+from difftune.sample import SampleRunner
+
+log = logging.getLogger("difftune")
+
+
+@dataclass(frozen=True)
+class LoraArg:
+    """One `--lora PATH[:WEIGHT]` argument."""
+
+    path: Path
+    weight: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> "LoraArg":
+        """`PATH` or `PATH:WEIGHT`; a colon not followed by a number belongs to the path."""
+        head, sep, tail = text.rpartition(":")
+        if sep:
+            try:
+                return cls(Path(head).expanduser(), float(tail))
+            except ValueError:
+                pass
+        return cls(Path(text).expanduser())
+
+    def check(self) -> None:
+        """Refuse a missing, pickle or non-safetensors file with the fix."""
+        if is_pickle(self.path):
+            raise CheckpointError(pickle_refusal(self.path))
+        if not self.path.is_file():
+            raise CheckpointError(f"--lora {self.path}: no such file; give the path of a "
+                                  ".safetensors LoRA (optionally PATH:WEIGHT)")
+        if self.path.suffix.lower() != ".safetensors":
+            raise CheckpointError(f"--lora {self.path}: not a .safetensors file")
+
+
+def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
+               out: Path | None) -> list[Path]:
+    """Load the base model, apply the LoRAs, sample every prompt; returns the PNGs written."""
+    for lora in loras:
+        lora.check()
+    prompts = prompts or cfg.sample.prompts
+    if prompts is None:
+        raise ConfigError("no prompts: pass --prompts FILE or set sample.prompts in the config")
+    family = families.get(cfg.model.family)
+    policy = PrecisionPolicy.from_config(cfg.precision, resolve_device(cfg.train.device))
+    comps = family.load(cfg.model, policy)
+    options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
+    texts = TextSource(family, comps, MemoryStore(), options)
+    res = cfg.datasets[0].resolution
+    settings = cfg.sample.model_copy(update={"prompts": prompts})
+    runner = SampleRunner(family, comps, texts, settings, out or cfg.save.dir / "samples",
+                          (res, res), policy)
+    runner.use_pipeline(_pipeline_with(family.pipeline(comps), loras))
+    specs = runner.prompts()
+    label = time.strftime("sample-%Y%m%d-%H%M%S")
+    return runner.run(0, specs, label=label) if specs else []
+
+
+def _pipeline_with(pipe: object, loras: list[LoraArg]) -> object:
+    """The pipeline with each LoRA loaded by diffusers as an adapter, at its weight."""
+    names = []
+    for i, lora in enumerate(loras):
+        name = f"lora{i}"
+        try:
+            pipe.load_lora_weights(str(lora.path), adapter_name=name)  # type: ignore[attr-defined]
+        except (ValueError, KeyError, RuntimeError, OSError) as err:
+            raise CheckpointError(
+                f"--lora {lora.path} could not be loaded for this model ({type(err).__name__}: "
+                f"{err}); check that it was trained for this family and base model") from None
+        names.append(name)
+        log.info("loaded LoRA %s at weight %g", lora.path, lora.weight)
+    if names:
+        pipe.set_adapters(names, [lora.weight for lora in loras])  # type: ignore[attr-defined]
+    return pipe
