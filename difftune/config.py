@@ -81,15 +81,37 @@ class ModelConfig(_Section):
         return self
 
 
+StorageDType = Literal["fp32", "fp16", "bf16", "fp8"]
+Quantization = Literal["none", "int8", "fp8", "qint8", "qfloat8", "nf4"]
+# Which library quantizes each setting (and the pip package a user installs for it).
+QUANT_BACKENDS: dict[str, tuple[str, str]] = {
+    "int8": ("torchao", "torchao"), "fp8": ("torchao", "torchao"),
+    "qint8": ("optimum.quanto", "optimum-quanto"), "qfloat8": ("optimum.quanto", "optimum-quanto"),
+    "nf4": ("bitsandbytes", "bitsandbytes"),
+}
+
+
+class QuantizeConfig(_Section):
+    """Weight-only quantization of the frozen base, per part (LoRA trains on top)."""
+
+    denoiser: Quantization = Field(
+        "none", description="int8/fp8 (torchao), qint8/qfloat8 (optimum-quanto), nf4 "
+                            "(bitsandbytes, CUDA only), or none.")
+    text_encoders: Quantization = Field("none", description="The same, for the text encoders.")
+
+
 class PrecisionConfig(_Section):
     """Compute and storage dtypes."""
 
     mixed: Literal["no", "fp16", "bf16"] = Field(
         "no", description="Autocast dtype for the forward pass; trainable weights stay fp32."
     )
-    denoiser: DType = Field("fp32", description="Storage dtype of the frozen transformer.")
-    text_encoders: DType = Field("fp32", description="Storage dtype of the text encoders.")
-    vae: DType = Field("fp32", description="Storage dtype of the autoencoder.")
+    denoiser: StorageDType = Field(
+        "fp32", description="Storage dtype of the frozen denoiser (fp8: e4m3fn storage, "
+                            "computed in the mixed dtype).")
+    text_encoders: StorageDType = Field("fp32", description="Storage dtype of the text encoders.")
+    vae: StorageDType = Field("fp32", description="Storage dtype of the autoencoder.")
+    quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
 
 
 class AdapterConfig(_Section):
@@ -274,6 +296,9 @@ class TrainConfig(_Section):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+    max_nonfinite_steps: int = Field(
+        10, ge=1, description="Non-finite losses in a row that stop the run (each is skipped)."
+    )
 
     @model_validator(mode="after")
     def _ddpm(self) -> "TrainConfig":
@@ -352,6 +377,7 @@ class RunConfig(_Section):
                 f"{', '.join(low)} needs precision.mixed = \"bf16\" or \"fp16\" (fp32 compute "
                 "on low-precision weights fails); set precision.mixed or keep those at fp32"
             )
+        problems += quantize_problems(p, self.train.device)
         problems += objective_problems(self.model.family, self.train)
         problems += text_encoder_problems(self.model, self.adapter, self.save.format)
         problems += unload_problems(self)
@@ -396,6 +422,32 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str) 
         problems.append(f"save.format = \"kohya\" cannot hold the text-encoder LoRA of "
                         f"model.family = \"{family}\" ({KOHYA_TEXT_ENCODERS_REFUSED[family]}); "
                         "use save.format = \"diffusers\" or train the denoiser only")
+    return problems
+
+
+def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:
+    """Quantization settings that cannot work here: conflicts, missing libraries, no CUDA."""
+    import importlib.util
+
+    import torch
+
+    problems = []
+    for part in ("denoiser", "text_encoders"):
+        q = getattr(p.quantize, part)
+        if q == "none":
+            continue
+        if getattr(p, part) == "fp8":
+            problems.append(f"precision.quantize.{part} = \"{q}\" and precision.{part} = "
+                            "\"fp8\" both shrink the same weights; choose one")
+        module, package = QUANT_BACKENDS[q]
+        if importlib.util.find_spec(module.split(".")[0]) is None or (
+                "." in module and importlib.util.find_spec(module) is None):
+            problems.append(f"precision.quantize.{part} = \"{q}\" needs the {package} "
+                            f"package; install it (pip install {package}) or choose another")
+        if q == "nf4" and (device == "cpu" or not torch.cuda.is_available()):
+            problems.append(f"precision.quantize.{part} = \"nf4\" needs a CUDA device "
+                            "(bitsandbytes' 4-bit kernels); on this machine use \"int8\" or "
+                            "\"qint8\"")
     return problems
 
 

@@ -30,7 +30,15 @@ def setup_console(verbose: bool = False) -> None:
     handler._difftune_console = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     # Library chatter (e.g. transformers' optional-backend notices) stays out of the console.
-    for noisy in ("transformers", "diffusers", "peft", "accelerate"):
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Library chatter stays off the console: optional-backend notices of transformers and
+    diffusers, torchao's note that its CUDA kernels do not load on a CPU-only build, and
+    torch's deprecation notes that torchao's import triggers."""
+    for noisy in ("transformers", "diffusers", "peft", "accelerate", "torchao",
+                  "torch.utils._pytree", "optimum.quanto"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 

@@ -17,21 +17,37 @@ from difftune.config import PrecisionConfig
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+PARTS = ("denoiser", "text_encoders", "vae")
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Resolved dtypes and the device they apply to."""
+    """Resolved dtypes and the device they apply to.
+
+    `denoiser`, `text_encoders` and `vae` are the dtypes weights are loaded and computed in;
+    the parts named in `fp8` are then stored as float8 e4m3fn between uses (lowbit.py).
+    """
 
     device: torch.device
     mixed: torch.dtype | None
     denoiser: torch.dtype
     text_encoders: torch.dtype
     vae: torch.dtype
+    fp8: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg: PrecisionConfig, device: torch.device) -> "PrecisionPolicy":
-        """Map config names to torch dtypes."""
+        """Map config names to torch dtypes (fp8 storage computes in the mixed dtype)."""
         mixed = None if cfg.mixed == "no" else DTYPES[cfg.mixed]
-        return cls(device, mixed, DTYPES[cfg.denoiser], DTYPES[cfg.text_encoders], DTYPES[cfg.vae])
+        # fp8 storage computes in the mixed dtype, except a VAE under fp16: VAEs overflow in
+        # fp16 (SDXL's notably), and the VAE only runs while caching and sampling.
+        compute = {p: mixed or torch.float32 for p in PARTS}
+        if mixed == torch.float16:
+            compute["vae"] = torch.float32
+        load = {p: compute[p] if getattr(cfg, p) == "fp8" else DTYPES[getattr(cfg, p)]
+                for p in PARTS}
+        fp8 = frozenset(p for p in PARTS if getattr(cfg, p) == "fp8")
+        return cls(device, mixed, load["denoiser"], load["text_encoders"], load["vae"], fp8)
 
     @property
     def compute(self) -> torch.dtype:

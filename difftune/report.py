@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,8 @@ class Reporter:
     def step(self, step: int, loss: float, lr: float, extra: dict[str, float] | None = None) -> None:
         """Record optimizer step `step` (1-based) with its loss and learning rate."""
         # Exponential moving average so the bar shows a readable trend, not per-step noise.
-        self.smoothed = loss if self.smoothed is None else 0.9 * self.smoothed + 0.1 * loss
+        if math.isfinite(loss):  # a skipped (non-finite) step does not poison the trend
+            self.smoothed = loss if self.smoothed is None else 0.9 * self.smoothed + 0.1 * loss
         elapsed = time.perf_counter() - self.start_time
         rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
         row = {"step": step, "loss": loss, "loss_smoothed": self.smoothed, "lr": lr,
@@ -83,7 +85,8 @@ class Reporter:
             self.writer.add_scalar(f"train/{key}", row[key], row["step"])
 
     def _update_bar(self, row: dict[str, float]) -> None:
-        self.bar.set_postfix(loss=f"{row['loss_smoothed']:.4f}", lr=f"{row['lr']:.2e}",
+        smoothed = row["loss_smoothed"]
+        self.bar.set_postfix(loss=f"{smoothed if smoothed is not None else math.nan:.4f}", lr=f"{row['lr']:.2e}",
                              refresh=False)
         self.bar.update(1)
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from difftune import families
+from difftune import families, lowbit
 from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
 from difftune.config import RunConfig
@@ -67,6 +67,7 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     family = families.get(cfg.model.family)
     policy = PrecisionPolicy.from_config(cfg.precision, resolve_device(cfg.train.device))
     comps = family.load(cfg.model, policy)
+    lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
     options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
     texts = TextSource(family, comps, MemoryStore(), options)
     res = cfg.datasets[0].resolution

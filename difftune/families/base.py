@@ -110,6 +110,9 @@ class Family(Protocol):
     default_cfg: float  # CFG scale for samples whose prompt gives none
     # Text-encoder name -> the pipeline component its LoRA keys start with ("text_encoder_2").
     text_encoder_prefixes: dict[str, str]
+    # Part ("denoiser", "text_encoders", "vae") -> module-name regexes kept in high precision
+    # under fp8 storage and quantization (embedders, input/output projections).
+    keep_high: dict[str, tuple[str, ...]]
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Load (or build, for the tiny flavor) all components from local files."""

@@ -95,6 +95,16 @@ class FluxFamily:
     denoiser_prefix = "transformer"
     text_encoder_prefixes = {"clip_l": "text_encoder", "t5": "text_encoder_2"}
     default_cfg = 1.0  # guidance-distilled: true CFG off unless a prompt asks for it
+    # Kept out of fp8 storage and quantization (regexes on module names, per part): the
+    # timestep/guidance/text embedders and the input and output projections.
+    keep_high = {
+        "denoiser": (r"^time_text_embed\.", r"^x_embedder$", r"^context_embedder$",
+                     r"^norm_out\.", r"^proj_out$"),
+        # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).
+        "text_encoders": (r"embeddings", r"embed_tokens", r"^shared$", r"text_projection",
+                          r"\.wo$"),
+        "vae": (r"conv_in$", r"conv_out$", r"quant_conv$"),
+    }
 
     def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":
         """Rectified flow with the configured timestep sampling."""

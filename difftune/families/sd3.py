@@ -120,6 +120,15 @@ class SD3Family:
     text_encoder_prefixes = {"clip_l": "text_encoder", "clip_g": "text_encoder_2",
                              "t5": "text_encoder_3"}
     default_cfg = 5.0
+    # Kept out of fp8 storage and quantization (regexes on module names, per part).
+    keep_high = {
+        "denoiser": (r"^time_text_embed\.", r"^pos_embed\.", r"^context_embedder$",
+                     r"^norm_out\.", r"^proj_out$"),
+        # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).
+        "text_encoders": (r"embeddings", r"embed_tokens", r"^shared$", r"text_projection",
+                          r"\.wo$"),
+        "vae": (r"conv_in$", r"conv_out$", r"quant_conv$"),
+    }
 
     def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":
         """Rectified flow with the configured timestep sampling."""

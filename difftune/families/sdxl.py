@@ -102,6 +102,12 @@ class SDXLFamily:
     denoiser_prefix = "unet"
     text_encoder_prefixes = {"clip_l": "text_encoder", "clip_g": "text_encoder_2"}
     default_cfg = 5.0  # SDXL base is not guidance-distilled: samples need CFG
+    # Kept out of fp8 storage and quantization (regexes on module names, per part).
+    keep_high = {
+        "denoiser": (r"^time_embedding\.", r"^add_embedding\.", r"^conv_in$", r"^conv_out$"),
+        "text_encoders": (r"embeddings", r"text_projection"),
+        "vae": (r"conv_in$", r"conv_out$", r"quant_conv$"),
+    }
 
     def load(self, cfg: ModelConfig, policy: PrecisionPolicy) -> Components:
         """Build the tiny flavor or read a diffusers SDXL folder, frozen, in the policy's dtypes."""

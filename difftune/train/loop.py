@@ -17,6 +17,7 @@ import torch
 
 from difftune.adapters.lora import lora_parameters
 from difftune.data.sampler import Batch, BucketBatchSampler
+from difftune.train.guard import NonFiniteGuard, TrainingDiverged
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
@@ -62,11 +63,23 @@ def train(run: Run, hooks: Hooks) -> Result:
     if cfg.sample.at_start and hooks.sampler:
         hooks.sampler.run(0)
     set_training(run, True)
+    guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.precision.mixed, cfg.train.lr)
     for step in range(1, cfg.train.steps + 1):
         loss, epoch = _accumulate(run, batches, generator, scaler, step - 1)
-        lr = _optimizer_step(opt, sched, scaler, params, cfg.train.max_grad_norm)
+        if guard.skip(step, loss):
+            # Nothing is applied: gradients dropped, schedule advanced to stay on the step count.
+            opt.zero_grad(set_to_none=True)
+            lr = sched.get_last_lr()[0]
+            sched.step()
+            if guard.exhausted:
+                set_training(run, False)
+                path = hooks.checkpoints.save_lora(model, step)
+                raise TrainingDiverged(guard.message(step, path))
+        else:
+            lr = _optimizer_step(opt, sched, scaler, params, cfg.train.max_grad_norm)
+            guard.scaler_skipped(scaler)
         result.losses.append(loss)
-        hooks.reporter.step(step, loss, lr, {"epoch": epoch})
+        hooks.reporter.step(step, loss, lr, {"epoch": epoch, **guard.counts()})
         _between_steps(run, hooks, step)
     set_training(run, False)
     result.lora = hooks.checkpoints.save_lora(model, cfg.train.steps, final=True)
@@ -106,7 +119,8 @@ def _accumulate(run: Run, batches: Iterator[Batch], generator: torch.Generator,
                           list(batch.seeds), done)
         # Skipping the no-op division and scaling keeps the common case free of extra kernels.
         scaled = loss / accum if accum > 1 else loss
-        (scaler.scale(scaled) if scaler.is_enabled() else scaled).backward()
+        if bool(torch.isfinite(scaled)):  # a non-finite loss is never backpropagated
+            (scaler.scale(scaled) if scaler.is_enabled() else scaled).backward()
         total = total + scaled.detach()
     return float(total), batch.epoch
 

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import torch
 from tqdm import tqdm
 
-from difftune import data, families
+from difftune import data, families, lowbit
 from difftune.adapters.lora import add_lora, suffix_patterns
 from difftune.cache import make_store
 from difftune.cache.sources import LatentSource, TextSource
@@ -77,6 +77,7 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     policy = PrecisionPolicy.from_config(cfg.precision, resolve_device(cfg.train.device))
     log.info("loading %s model (%s)", family.name, cfg.model.flavor or cfg.model.path or "files")
     comps = family.load(cfg.model, policy)
+    lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
     a = cfg.adapter
     patterns = (suffix_patterns(a.target_modules) if a.target_modules
                 else family.lora_targets(a.targets))
@@ -89,11 +90,20 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
                            cfg.train.seed, fresh_crops=c.latents == "none")
     options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
     texts = TextSource(family, comps, make_store(c.text, c.dir, "text"), options, text_targets,
-                       reload=lambda: family.load_text_encoders(cfg.model, policy))
+                       reload=lambda: reload_text_encoders(cfg, family, policy))
     objective = family.objective(comps, cfg.train)
     captions = Captions(dataset.items, cfg.train.seed, c.caption_variants)
     return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective,
                captions, text_targets)
+
+
+def reload_text_encoders(cfg: RunConfig, family: Family, policy: PrecisionPolicy
+                         ) -> dict[str, torch.nn.Module]:
+    """The text encoders from their files, at the run's precision (after an unload)."""
+    encoders = family.load_text_encoders(cfg.model, policy)
+    lowbit.apply_to_part("text_encoders", encoders, family, policy,
+                         cfg.precision.quantize.text_encoders, policy.compute)
+    return encoders
 
 
 def add_text_encoder_loras(cfg: RunConfig, comps: Components) -> dict[str, list[str]]:

@@ -1,0 +1,92 @@
+"""The precision matrix on the tiny flavors, CPU: family x mixed x base x text caching x text
+encoder trained. Each supported cell trains one step (finite loss), samples one image, saves the
+LoRA and reads it back (only LoRA tensors, equal to the trained ones: no quantizer names leak);
+each unsupported cell is refused when the config loads, with the message asserted."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftune.adapters.lora import lora_state
+from difftune.config import parse_config
+from difftune.errors import ConfigError
+from difftune.families.tiny import demo_dir
+from difftune.lowbit import Fp8Linear
+from difftune.report import Reporter
+from difftune.sample import SampleRunner
+from difftune.train.checkpoint import CheckpointManager
+from difftune.train.loop import Hooks, train
+from difftune.train.setup import fill_caches, prepare
+
+FIRST_ENCODER = {"flux": "clip_l", "sd3": "clip_l", "sdxl": "clip_g"}
+# "half": every part stored in the mixed dtype (fp16 or bf16), the common set-up on a GPU.
+BASES = {"full": {}, "half": {}, "fp8": {"denoiser": "fp8", "text_encoders": "fp8", "vae": "fp8"},
+         "int8": {"quantize": {"denoiser": "int8", "text_encoders": "int8"}}}
+CELLS = list(itertools.product(sorted(FIRST_ENCODER), ("no", "fp16", "bf16"), sorted(BASES),
+                               ("memory", "none"), (False, True)))
+
+
+def unsupported(mixed: str, base: str) -> str | None:
+    """The message a cell is refused with, or None when it is supported."""
+    if base in ("fp8", "half") and mixed == "no":
+        return 'needs precision.mixed = "bf16" or "fp16"'
+    return None
+
+
+def config(tmp: Path, family: str, mixed: str, base: str, text: str, trained: bool) -> object:
+    step = 64 if family == "sdxl" else 32
+    prompts = tmp / "p.txt"
+    prompts.write_text(f"a red circle --w {step} --h {step} --s 1 --l 2 --n blurry\n")
+    return parse_config({
+        "model": {"family": family, "flavor": "tiny"},
+        "precision": {"mixed": mixed, **BASES[base], **(
+            {p: mixed if mixed != "no" else "fp16" for p in ("denoiser", "text_encoders", "vae")}
+            if base == "half" else {})},
+        "adapter": {"rank": 2, "targets": "attention",
+                    "text_encoders": [FIRST_ENCODER[family]] if trained else []},
+        "datasets": [{"path": str(demo_dir()), "resolution": 64, "min_side": 32,
+                      "max_side": 128, "buckets": False}],
+        "cache": {"text": text},
+        "train": {"steps": 1, "batch_size": 1, "lr": 1e-3, "device": "cpu"},
+        "sample": {"prompts": str(prompts), "at_end": True},
+        "save": {"dir": str(tmp / "out"), "dtype": "fp32"},
+    }, tmp)
+
+
+@pytest.mark.parametrize("family, mixed, base, text, trained", CELLS)
+def test_cell(tmp_path: Path, family: str, mixed: str, base: str, text: str,
+              trained: bool) -> None:
+    refused = unsupported(mixed, base)
+    if refused:
+        with pytest.raises(ConfigError, match=refused):
+            config(tmp_path, family, mixed, base, text, trained)
+        return
+    cfg = config(tmp_path, family, mixed, base, text, trained)
+    run = prepare(cfg, show_progress=False)
+    low = [m for m in run.comps.denoiser.modules() if isinstance(m, Fp8Linear)
+           or type(getattr(m, "weight", None)).__name__ == "Int8Tensor"]
+    assert bool(low) == (base in ("fp8", "int8"))  # the base really is low-bit
+    fill_caches(run, ["a red circle", "blurry"], show_progress=False)
+    reporter = Reporter(cfg.save.dir, 1, bar=False)
+    sampler = SampleRunner(run.family, run.comps, run.texts, cfg.sample, cfg.save.dir / "samples",
+                           (64, 64), run.policy)
+    ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, {})
+    try:
+        result = train(run, Hooks(reporter, ckpt, sampler))
+    finally:
+        reporter.close()
+    assert len(result.losses) == 1 and torch.isfinite(torch.tensor(result.losses[0]))
+    assert list((cfg.save.dir / "samples").glob("step-000001_00_*.png")), "no sample"
+    saved = load_file(str(result.lora))
+    ours = lora_state(run.comps.denoiser, run.family.denoiser_prefix)
+    if trained:
+        name = FIRST_ENCODER[family]
+        ours |= lora_state(run.comps.text_encoders[name], run.family.text_encoder_prefixes[name])
+    assert set(saved) == set(ours) and all(".lora_" in k for k in saved)
+    for key, value in ours.items():
+        assert torch.equal(saved[key], value.float().cpu()), key
