@@ -26,9 +26,10 @@ from difftune.train.setup import fill_caches, prepare
 FIRST_ENCODER = {"flux": "clip_l", "sd3": "clip_l", "sdxl": "clip_g"}
 # "half": every part stored in the mixed dtype (fp16 or bf16), the common set-up on a GPU.
 BASES = {"full": {}, "half": {}, "fp8": {"denoiser": "fp8", "text_encoders": "fp8", "vae": "fp8"},
-         "int8": {"quantize": {"denoiser": "int8", "text_encoders": "int8"}}}
-CELLS = list(itertools.product(sorted(FIRST_ENCODER), ("no", "fp16", "bf16"), sorted(BASES),
-                               ("memory", "none"), (False, True)))
+         "int8": {"quantize": {"denoiser": "int8", "text_encoders": "int8"}},
+         "nf4": {"quantize": {"denoiser": "nf4", "text_encoders": "nf4"}}}  # CUDA only
+CELLS = list(itertools.product(sorted(FIRST_ENCODER), ("no", "fp16", "bf16"),
+                               ("full", "half", "fp8", "int8"), ("memory", "none"), (False, True)))
 
 
 def unsupported(mixed: str, base: str) -> str | None:
@@ -38,7 +39,8 @@ def unsupported(mixed: str, base: str) -> str | None:
     return None
 
 
-def config(tmp: Path, family: str, mixed: str, base: str, text: str, trained: bool) -> object:
+def config(tmp: Path, family: str, mixed: str, base: str, text: str, trained: bool,
+           device: str = "cpu") -> object:
     step = 64 if family == "sdxl" else 32
     prompts = tmp / "p.txt"
     prompts.write_text(f"a red circle --w {step} --h {step} --s 1 --l 2 --n blurry\n")
@@ -52,7 +54,7 @@ def config(tmp: Path, family: str, mixed: str, base: str, text: str, trained: bo
         "datasets": [{"path": str(demo_dir()), "resolution": 64, "min_side": 32,
                       "max_side": 128, "buckets": False}],
         "cache": {"text": text},
-        "train": {"steps": 1, "batch_size": 1, "lr": 1e-3, "device": "cpu"},
+        "train": {"steps": 1, "batch_size": 1, "lr": 1e-3, "device": device},
         "sample": {"prompts": str(prompts), "at_end": True},
         "save": {"dir": str(tmp / "out"), "dtype": "fp32"},
     }, tmp)
@@ -61,16 +63,22 @@ def config(tmp: Path, family: str, mixed: str, base: str, text: str, trained: bo
 @pytest.mark.parametrize("family, mixed, base, text, trained", CELLS)
 def test_cell(tmp_path: Path, family: str, mixed: str, base: str, text: str,
               trained: bool) -> None:
+    check_cell(tmp_path, family, mixed, base, text, trained, "cpu")
+
+
+def check_cell(tmp_path: Path, family: str, mixed: str, base: str, text: str, trained: bool,
+               device: str) -> None:
+    """One cell on `device`: refused with its message, or one step, one sample, the LoRA."""
     refused = unsupported(mixed, base)
     if refused:
         with pytest.raises(ConfigError, match=refused):
-            config(tmp_path, family, mixed, base, text, trained)
+            config(tmp_path, family, mixed, base, text, trained, device)
         return
-    cfg = config(tmp_path, family, mixed, base, text, trained)
+    cfg = config(tmp_path, family, mixed, base, text, trained, device)
     run = prepare(cfg, show_progress=False)
     low = [m for m in run.comps.denoiser.modules() if isinstance(m, Fp8Linear)
            or type(getattr(m, "weight", None)).__name__ == "Int8Tensor"]
-    assert bool(low) == (base in ("fp8", "int8"))  # the base really is low-bit
+    assert bool(low) == (base in ("fp8", "int8")) or base == "nf4"  # really low-bit
     fill_caches(run, ["a red circle", "blurry"], show_progress=False)
     reporter = Reporter(cfg.save.dir, 1, bar=False)
     sampler = SampleRunner(run.family, run.comps, run.texts, cfg.sample, cfg.save.dir / "samples",
