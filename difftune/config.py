@@ -109,7 +109,21 @@ class PrecisionConfig(_Section):
     denoiser: StorageDType = Field(
         "fp32", description="Storage dtype of the frozen denoiser (fp8: e4m3fn storage, "
                             "computed in the mixed dtype).")
-    text_encoders: StorageDType = Field("fp32", description="Storage dtype of the text encoders.")
+    text_encoders: StorageDType | dict[str, StorageDType] = Field(
+        "fp32", description="Storage dtype of the text encoders: one for all, or a table per "
+                            "encoder name (e.g. {clip_l = \"bf16\", t5 = \"fp8\"}; unlisted: fp32).")
+
+    def encoder_dtype(self, name: str) -> str:
+        """The storage dtype of one text encoder."""
+        te = self.text_encoders
+        return te.get(name, "fp32") if isinstance(te, dict) else te
+
+    def dtype_names(self) -> dict[str, str]:
+        """Every storage setting by its dotted field name (text encoders one by one)."""
+        te = self.text_encoders
+        named = ({f"text_encoders.{k}": v for k, v in te.items()} if isinstance(te, dict)
+                 else {"text_encoders": te})
+        return {"denoiser": self.denoiser, **named, "vae": self.vae}
     vae: StorageDType = Field("fp32", description="Storage dtype of the autoencoder.")
     quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
 
@@ -370,8 +384,7 @@ class RunConfig(_Section):
     def _cross(self) -> "RunConfig":
         problems = []
         p = self.precision
-        low = [f"precision.{k} = \"{getattr(p, k)}\"" for k in ("denoiser", "text_encoders", "vae")
-               if getattr(p, k) != "fp32"]
+        low = [f"precision.{k} = \"{v}\"" for k, v in p.dtype_names().items() if v != "fp32"]
         if p.mixed == "no" and low:
             problems.append(
                 f"{', '.join(low)} needs precision.mixed = \"bf16\" or \"fp16\" (fp32 compute "
@@ -379,7 +392,7 @@ class RunConfig(_Section):
             )
         problems += quantize_problems(p, self.train.device)
         problems += objective_problems(self.model.family, self.train)
-        problems += text_encoder_problems(self.model, self.adapter, self.save.format)
+        problems += text_encoder_problems(self.model, self.adapter, self.save.format, p)
         problems += unload_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
@@ -404,13 +417,18 @@ KOHYA_TEXT_ENCODERS_REFUSED: dict[str, str] = {
 }
 
 
-def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str) -> list[str]:
+def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str,
+                          precision: PrecisionConfig | None = None) -> list[str]:
     """Text-encoder options the family cannot honour (unknown names, masks, skips, formats)."""
     family = model.family
     names = TEXT_ENCODERS.get(family, ())
     problems = [f"adapter.text_encoders: {n!r} is not a text encoder of model.family = "
                 f"\"{family}\"; choose from {', '.join(names)}"
                 for n in adapter.text_encoders if n not in names]
+    if precision is not None and isinstance(precision.text_encoders, dict):
+        problems += [f"precision.text_encoders: {n!r} is not a text encoder of model.family = "
+                     f"\"{family}\"; choose from {', '.join(names)}"
+                     for n in precision.text_encoders if n not in names]
     if len(set(adapter.text_encoders)) != len(adapter.text_encoders):
         problems.append("adapter.text_encoders lists an encoder twice; list each once")
     if model.t5_mask and "t5" not in names:
@@ -436,7 +454,7 @@ def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:
         q = getattr(p.quantize, part)
         if q == "none":
             continue
-        if getattr(p, part) == "fp8":
+        if any(v == "fp8" for k, v in p.dtype_names().items() if k.startswith(part)):
             problems.append(f"precision.quantize.{part} = \"{q}\" and precision.{part} = "
                             "\"fp8\" both shrink the same weights; choose one")
         module, package = QUANT_BACKENDS[q]

@@ -166,7 +166,9 @@ def apply_to_part(part: str, modules: dict[str, torch.nn.Module], family: Family
     for name, module in modules.items():
         if module is None:
             continue
-        if part in policy.fp8:
+        if part == "text_encoders" and policy.encoder_dtypes:
+            module.to(policy.encoder_dtype(name))  # its own dtype (a per-encoder table)
+        if part in policy.fp8 or (part == "text_encoders" and name in policy.fp8_encoders):
             count = store_fp8(module, compute, keep)
             log.info("%s: %d linear layers stored in fp8, computed in %s", name, count, compute)
         elif method != "none":
@@ -175,9 +177,10 @@ def apply_to_part(part: str, modules: dict[str, torch.nn.Module], family: Family
 
 
 def precision_tag(policy: PrecisionPolicy, q: QuantizeConfig) -> str:
-    """What in the precision set-up changes cached outputs (VAE, text encoders)."""
-    parts = [f"vae={'fp8' if 'vae' in policy.fp8 else policy.vae}",
-             f"te={'fp8' if 'text_encoders' in policy.fp8 else policy.text_encoders}"
-             f"+{q.text_encoders}"]
-    return "|" + ",".join(parts) if (policy.fp8 & {"vae", "text_encoders"}
-                                     or q.text_encoders != "none") else ""
+    """What in the precision set-up changes cached outputs (VAE, text encoders), beyond the
+    dtypes already in every cache key; empty for plain settings, so their keys stay as they were."""
+    if not (policy.fp8 & {"vae", "text_encoders"} or policy.fp8_encoders
+            or q.text_encoders != "none"):
+        return ""
+    fp8 = sorted(policy.fp8 & {"vae", "text_encoders"} | policy.fp8_encoders)
+    return f"|fp8={','.join(fp8)}|te_quant={q.text_encoders}"

@@ -34,6 +34,10 @@ class PrecisionPolicy:
     text_encoders: torch.dtype
     vae: torch.dtype
     fp8: frozenset[str] = frozenset()
+    # Per text encoder (precision.text_encoders as a table): its own dtype, cast to after load
+    # (the loaders read every encoder in `text_encoders`), and which ones are stored in fp8.
+    encoder_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    fp8_encoders: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg: PrecisionConfig, device: torch.device) -> "PrecisionPolicy":
@@ -44,10 +48,26 @@ class PrecisionPolicy:
         compute = {p: mixed or torch.float32 for p in PARTS}
         if mixed == torch.float16:
             compute["vae"] = torch.float32
-        load = {p: compute[p] if getattr(cfg, p) == "fp8" else DTYPES[getattr(cfg, p)]
-                for p in PARTS}
-        fp8 = frozenset(p for p in PARTS if getattr(cfg, p) == "fp8")
-        return cls(device, mixed, load["denoiser"], load["text_encoders"], load["vae"], fp8)
+        def load_dtype(name: str) -> torch.dtype:
+            return compute["denoiser"] if name == "fp8" else DTYPES[name]
+
+        per_encoder = cfg.text_encoders if isinstance(cfg.text_encoders, dict) else {}
+        uniform = {"denoiser": cfg.denoiser, "vae": cfg.vae,
+                   "text_encoders": cfg.text_encoders if not per_encoder else "fp32"}
+        load = {p: compute[p] if v == "fp8" else DTYPES[v] for p, v in uniform.items()}
+        if per_encoder and len({load_dtype(v) for v in per_encoder.values()}) == 1:
+            load["text_encoders"] = load_dtype(next(iter(per_encoder.values())))
+        fp8 = frozenset(p for p, v in uniform.items() if v == "fp8")
+        return cls(device, mixed, load["denoiser"], load["text_encoders"], load["vae"], fp8,
+                   tuple((n, load_dtype(v)) for n, v in sorted(per_encoder.items())),
+                   frozenset(n for n, v in per_encoder.items() if v == "fp8"))
+
+    def encoder_dtype(self, name: str) -> torch.dtype:
+        """The dtype text encoder `name` is kept and computed in (fp32 when a per-encoder
+        table leaves it out)."""
+        if not self.encoder_dtypes:
+            return self.text_encoders
+        return dict(self.encoder_dtypes).get(name, torch.float32)
 
     @property
     def compute(self) -> torch.dtype:

@@ -89,6 +89,9 @@ def check_cell(tmp_path: Path, family: str, mixed: str, base: str, text: str, tr
     finally:
         reporter.close()
     assert len(result.losses) == 1 and torch.isfinite(torch.tensor(result.losses[0]))
+    trainable = [p for m in (run.comps.denoiser, *run.trained_encoders.values())
+                 for p in m.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)  # LoRA stays fp32
     assert list((cfg.save.dir / "samples").glob("step-000001_00_*.png")), "no sample"
     saved = load_file(str(result.lora))
     ours = lora_state(run.comps.denoiser, run.family.denoiser_prefix)
