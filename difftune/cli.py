@@ -37,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
         if name == "cache":
             p.add_argument("--prune", action="store_true",
                            help="first delete the entries this config no longer references")
+        if name == "train":
+            p.add_argument("--resume", metavar="latest|PATH",
+                           help="continue exactly from a checkpoint (latest in save.dir)")
+            p.add_argument("--init-lora", type=Path, metavar="PATH",
+                           help="start a new run from this LoRA file's weights")
     text = "generate images from the base model and zero or more LoRAs"
     sample = verbs.add_parser("sample", help=text, description=text)
     sample.add_argument("config", type=Path, help="a run's TOML file (model, precision, sample)")
@@ -56,8 +61,21 @@ def _train(args: argparse.Namespace) -> int:
     from difftune.commands import run_train
     from difftune.config import load_config
 
+    from difftune.train.loop import Interrupted
+
+    if args.resume and args.init_lora:
+        print("error: --resume continues a run and --init-lora starts a new one; give one",
+              file=sys.stderr)
+        return 2
     cfg = load_config(args.config, args.overrides)
-    result = run_train(cfg, show_progress=not args.no_progress)
+    try:
+        result = run_train(cfg, show_progress=not args.no_progress, resume=args.resume,
+                           init_lora=args.init_lora)
+    except Interrupted as stop:
+        sets = "".join(f" --set {o}" for o in args.overrides)
+        print(f"stopped after step {stop.step}; checkpoint saved to {stop.path}\n"
+              f"resume with: difftune train {args.config}{sets} --resume latest")
+        return 0
     print(f"LoRA written to {result.lora}")
     return 0
 

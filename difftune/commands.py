@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -19,6 +23,8 @@ from difftune.logs import attach_run_log
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager, refuse_overwrite
+from difftune.train import resume as resume_mod
+from difftune.train.init_lora import load_init_lora
 from difftune.train.loop import Hooks, Result, set_training, train
 from difftune.train.setup import (Run, batch_loss, fill_caches, load_data, prepare,
                                   report_bad_entries)
@@ -39,27 +45,66 @@ def _sample_prompts(runner: SampleRunner) -> list[str]:
     return [s.prompt for s in specs] + [s.negative for s in specs if s.cfg > 1.0]
 
 
-def run_train(cfg: RunConfig, show_progress: bool = True) -> Result:
-    """`difftune train`: the whole run, from config to LoRA file."""
-    refuse_overwrite(cfg)
+def run_train(cfg: RunConfig, show_progress: bool = True, resume: str | None = None,
+              init_lora: Path | None = None) -> Result:
+    """`difftune train`: the whole run, from config to LoRA file.
+
+    `resume` ("latest" or a checkpoint folder) continues a run exactly; `init_lora` starts a
+    new one from a LoRA file's weights. An incompatible resume fails before anything is written.
+    """
+    checkpoint = resume_mod.read(resume_mod.find(cfg.save.dir, resume)) if resume else None
+    if checkpoint is None:
+        refuse_overwrite(cfg)
+    else:
+        resume_mod.check_compatible(checkpoint, resume_mod.config_identity(cfg), cfg)
     cfg.save.dir.mkdir(parents=True, exist_ok=True)
-    attach_run_log(cfg.save.dir / "difftune.log")
+    attach_run_log(cfg.save.dir / "difftune.log")  # appends: a refused resume loses nothing
     started = time.perf_counter()
     run = prepare(cfg, show_progress=show_progress)
     ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, run.data.summary())
+    if checkpoint is not None:
+        resume_mod.check_compatible(checkpoint, ckpt.identity(), cfg)
+    if init_lora is not None:
+        load_init_lora(init_lora, ckpt)
     ckpt.write_config()
     sampler = _sampler(run, None, cfg.save.dir / "samples") if cfg.sample.prompts else None
     fill_caches(run, _sample_prompts(sampler) if sampler else [], show_progress)
-    reporter = Reporter(cfg.save.dir, cfg.train.steps, bar=show_progress)
+    start = checkpoint.step if checkpoint else 0
+    reporter = Reporter(cfg.save.dir, cfg.train.steps, start_step=start, bar=show_progress,
+                        append=checkpoint is not None)
     if sampler:
         sampler.reporter = reporter
     try:
-        result = train(run, Hooks(reporter, ckpt, sampler))
+        with stop_signals() as stop:
+            result = train(run, Hooks(reporter, ckpt, sampler, stop), checkpoint)
     finally:
         reporter.close()
         report_bad_entries(run)
     log.info("done in %.1f s: %s", time.perf_counter() - started, result.lora)
     return result
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[Callable[[], bool]]:
+    """SIGINT/SIGTERM ask the loop to finish its step, checkpoint and stop (a second SIGINT
+    is ignored until then); yields the predicate the loop polls. Off the main thread, nothing."""
+    asked: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def ask(signum: int, frame: object) -> None:
+        if not asked:
+            log.warning("stop requested (%s): finishing this step and saving a checkpoint",
+                        signal.Signals(signum).name)
+        asked.append(signum)
+
+    old = {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: bool(asked)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def run_cache(cfg: RunConfig, prune: bool = False, show_progress: bool = True) -> list[str]:

@@ -336,7 +336,10 @@ class SampleConfig(_Section):
     """Sample images during training, from a prompt file."""
 
     prompts: Path | None = Field(None, description="Prompt file (one prompt a line).")
-    every_n_steps: int | None = Field(None, ge=1)
+    every_n_steps: int | None = Field(
+        None, ge=1, description="Also save the LoRA and a resume checkpoint every N steps.")
+    keep_last: int | None = Field(
+        None, ge=1, description="Keep only the K newest checkpoints (default: all).")
     at_start: bool = Field(False, description="Sample before the first step (a baseline).")
     at_end: bool = Field(True, description="Sample after the last step (needs prompts).")
     width: int | None = Field(None, ge=16, description="Default width (default: resolution).")
@@ -360,7 +363,10 @@ class SaveConfig(_Section):
 
     dir: Path = Field(..., description="Output folder.")
     name: str = Field("lora", pattern=r"^[A-Za-z0-9_.-]+$", description="File name stem.")
-    every_n_steps: int | None = Field(None, ge=1)
+    every_n_steps: int | None = Field(
+        None, ge=1, description="Also save the LoRA and a resume checkpoint every N steps.")
+    keep_last: int | None = Field(
+        None, ge=1, description="Keep only the K newest checkpoints (default: all).")
     format: Literal["diffusers", "kohya"] = Field(
         "diffusers", description="diffusers/PEFT keys, or kohya/ComfyUI keys."
     )

@@ -174,3 +174,9 @@ class Family(Protocol):
     ) -> dict[str, torch.Tensor]:
         """Convert a diffusers-named LoRA ("transformer.<module>.lora_A.weight") to `fmt`."""
         ...
+
+    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """A LoRA file (any layout `lora_to_format` writes) in diffusers names, plus the alpha
+        of each module where the file says it (kohya `.alpha` entries); else {}."""
+        ...

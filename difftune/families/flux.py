@@ -238,6 +238,15 @@ class FluxFamily:
             kwargs["true_cfg_scale"] = cfg
         return kwargs
 
+    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """A LoRA file's tensors in diffusers names, and per-module alphas (kohya files)."""
+        if not any(k.startswith("lora_unet_") for k in tensors):
+            return dict(tensors), {}
+        from difftune.families.flux_keys import kohya_to_diffusers
+
+        return kohya_to_diffusers(tensors, self.denoiser_prefix)
+
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
     ) -> dict[str, torch.Tensor]:

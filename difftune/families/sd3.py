@@ -268,6 +268,15 @@ class SD3Family:
             kwargs["negative_pooled_prompt_embeds"] = negative.tensors["pooled_prompt_embeds"]
         return kwargs
 
+    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """A LoRA file's tensors in diffusers names, and per-module alphas (kohya files)."""
+        if not any(k.startswith("lora_unet_") for k in tensors):
+            return dict(tensors), {}
+        from difftune.families.sd3_keys import kohya_to_diffusers
+
+        return kohya_to_diffusers(tensors, c.denoiser.config.num_layers, self.denoiser_prefix)
+
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
     ) -> dict[str, torch.Tensor]:

@@ -277,6 +277,17 @@ class SDXLFamily:
             kwargs["negative_pooled_prompt_embeds"] = negative.tensors["pooled_prompt_embeds"]
         return kwargs
 
+    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """A LoRA file's tensors in diffusers names, and per-module alphas (kohya files)."""
+        if not any(k.startswith(("lora_unet_", "lora_te")) for k in tensors):
+            return dict(tensors), {}
+        from difftune.families.sdxl_keys import UNetLayout, kohya_to_diffusers, text_encoder_root
+
+        roots = {self.text_encoder_prefixes[n]: text_encoder_root(m)
+                 for n, m in c.text_encoders.items() if m is not None}
+        return kohya_to_diffusers(tensors, UNetLayout.from_config(c.denoiser.config), roots)
+
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
     ) -> dict[str, torch.Tensor]:

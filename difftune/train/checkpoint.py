@@ -1,18 +1,23 @@
-"""The one owner of everything written as a run's result: LoRA files and their metadata.
+"""The one owner of everything written as a run's result: LoRA files and resume checkpoints.
 
 LoRA files are written atomically (temporary file, then rename) in the configured key layout,
-with safetensors metadata saying what they are. Exact-resume state (optimizer, RNG, sampler
-position) lives here too as it is added, so no other part of the code writes checkpoints.
+with safetensors metadata saying what they are. Checkpoints (`checkpoints/step-NNNNNN/`, see
+`state.py` for their contents) are written into a temporary folder, synced, and renamed into
+place, so an interrupted save is never taken for the latest; `save.keep_last` prunes old ones.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from difftune import __version__
 from difftune.adapters.formats import merged_adapter_metadata, save_lora
@@ -21,6 +26,7 @@ from difftune.config import RunConfig
 from difftune.errors import ConfigError
 from difftune.families.base import Components, Family
 from difftune.precision import DTYPES
+from difftune.train.state import (TrainState, optimizer_groups, optimizer_tensors, rng_state)
 
 log = logging.getLogger("difftune")
 
@@ -79,7 +85,8 @@ class CheckpointManager:
             "ss_network_alpha": str(a.scale_alpha),
         }
 
-    def save_lora(self, model: torch.nn.Module, step: int, final: bool = False) -> Path:
+    def save_lora(self, model: torch.nn.Module, step: int, final: bool = False,
+                  path: Path | None = None) -> Path:
         """Export the LoRA of `model` in the configured format; returns the file."""
         a = self.cfg.adapter
         prefixes = [self.family.denoiser_prefix]
@@ -92,6 +99,120 @@ class CheckpointManager:
             meta.update(merged_adapter_metadata(state, a.rank, a.scale_alpha, prefixes))
         tensors = self.family.lora_to_format(self.comps, state, self.cfg.save.format, a.rank,
                                              a.scale_alpha)
-        path = save_lora(self.lora_path(step, final), tensors, meta, DTYPES[self.cfg.save.dtype])
+        path = save_lora(path or self.lora_path(step, final), tensors, meta,
+                         DTYPES[self.cfg.save.dtype])
         log.info("saved LoRA %s", path)
         return path
+
+    # ------------------------------------------------------------------ resume checkpoints
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """Every module that carries a trained LoRA, by its LoRA key prefix."""
+        out = {self.family.denoiser_prefix: self.comps.denoiser}
+        for name in self.cfg.adapter.text_encoders:
+            out[self.family.text_encoder_prefixes[name]] = self.comps.text_encoders[name]
+        return out
+
+    def trainable(self) -> dict[str, torch.nn.Parameter]:
+        """The trained parameters by canonical name: the diffusers LoRA key, which depends on
+        neither peft's adapter naming nor how the base layer is stored or quantized."""
+        return {f"{prefix}.{_ADAPTER.sub('', n)}": p for prefix, module in self.modules().items()
+                for n, p in module.named_parameters() if ".lora_" in n}
+
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint (else the weights mean nothing)."""
+        a = self.cfg.adapter
+        return {"family": self.family.name, "adapter": a.type, "rank": a.rank,
+                "alpha": a.scale_alpha, "targets": sorted(self.targets),
+                "text_encoders": sorted(a.text_encoders)}
+
+    def save_checkpoint(self, state: TrainState, opt: torch.optim.Optimizer,
+                        sched: torch.optim.lr_scheduler.LRScheduler,
+                        scaler: torch.amp.GradScaler, generator: torch.Generator) -> Path:
+        """Everything an exact resume needs, written atomically; returns the folder."""
+        root = self.out / "checkpoints"
+        final = root / f"step-{state.step:06d}"
+        tmp = root / f".tmp-step-{state.step:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        params = self.trainable()
+        names = {id(p): n for n, p in params.items()}
+        rng_tensors, rng_plain = rng_state(generator)
+        _write(tmp / "trainable.safetensors",
+               {n: p.detach().float().cpu().contiguous() for n, p in params.items()})
+        _write(tmp / "optimizer.safetensors", optimizer_tensors(opt, names))
+        _write(tmp / "rng.safetensors", rng_tensors)
+        self.save_lora(self.comps.denoiser, state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
+        doc = {"format": CHECKPOINT_FORMAT, "complete": True, "step": state.step,
+               "sampler": state.sampler, "counters": state.counters,
+               "optimizer": optimizer_groups(opt, names), "scheduler": sched.state_dict(),
+               "scaler": scaler.state_dict(), "rng": rng_plain, "identity": self.identity(),
+               "config": self.cfg.model_dump(mode="json"), "versions": versions()}
+        _write_text(tmp / "state.json", json.dumps(doc, indent=1))  # last: marks it complete
+        _replace_dir(tmp, final)
+        self._prune(root)
+        log.info("saved checkpoint %s", final)
+        return final
+
+    def _prune(self, root: Path) -> None:
+        """Keep the `save.keep_last` newest complete checkpoints."""
+        keep = self.cfg.save.keep_last
+        if keep is None:
+            return
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+CHECKPOINT_FORMAT = 1
+_ADAPTER = re.compile(r"\.default(?=\.weight$)")
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint folders with a complete state.json, oldest first (by step)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if p.is_dir() and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def versions() -> dict[str, str]:
+    """Library versions recorded with a checkpoint."""
+    import diffusers
+    import peft
+    import transformers
+
+    return {"difftune": __version__, "torch": torch.__version__,
+            "diffusers": diffusers.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file, synced to disk."""
+    save_file(tensors, str(path))
+    _fsync(path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")
+    _fsync(path)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the finished temporary folder into place (replacing a same-step checkpoint)."""
+    _fsync(tmp)
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync(final.parent)

@@ -57,6 +57,19 @@ class NonFiniteGuard:
             log.debug("fp16 gradients overflowed; the scaler skipped the step (scale %g)", scale)
         self._scale = scale
 
+    def state(self) -> dict[str, float]:
+        """Everything a resume needs to go on counting as if it never stopped."""
+        return {"in_row": self.in_row, "skipped": self.skipped, "overflow": self.overflow,
+                "scale": self._scale if self._scale is not None else -1.0}
+
+    def load(self, state: dict[str, float]) -> None:
+        """Continue from `state()`."""
+        self.in_row = int(state.get("in_row", 0))
+        self.skipped = int(state.get("skipped", 0))
+        self.overflow = int(state.get("overflow", 0))
+        scale = float(state.get("scale", -1.0))
+        self._scale = None if scale < 0 else scale
+
     def counts(self) -> dict[str, float]:
         """The counters for metrics.jsonl."""
         return {"skipped_nonfinite": self.skipped, "skipped_overflow": self.overflow}

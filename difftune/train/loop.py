@@ -9,15 +9,19 @@ touch that generator.
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from difftune.adapters.lora import lora_parameters
 from difftune.data.sampler import Batch, BucketBatchSampler
 from difftune.train.guard import NonFiniteGuard, TrainingDiverged
+from difftune.train.resume import Checkpoint, restore
+from difftune.train.state import TrainState
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
@@ -29,11 +33,20 @@ log = logging.getLogger("difftune")
 
 @dataclass
 class Hooks:
-    """What happens between steps."""
+    """What happens between steps; `stop` says a stop was asked for (SIGINT/SIGTERM)."""
 
     reporter: Reporter
     checkpoints: CheckpointManager
     sampler: SampleRunner | None
+    stop: Callable[[], bool] = lambda: False
+
+
+class Interrupted(Exception):
+    """Training stopped on request after `step`; a checkpoint was saved to `path`."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        super().__init__(f"stopped after step {step}; checkpoint {path}")
+        self.step, self.path = step, path
 
 
 @dataclass
@@ -48,44 +61,100 @@ def _due(step: int, every: int | None) -> bool:
     return every is not None and step % every == 0
 
 
-def train(run: Run, hooks: Hooks) -> Result:
-    """Run `train.steps` optimizer steps; returns per-step losses and the final LoRA path."""
+def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
+    """Run `train.steps` optimizer steps (from a checkpoint's step when resuming); returns
+    per-step losses and the final LoRA path. Raises `Interrupted` after saving a checkpoint
+    when `hooks.stop()` turns true."""
     cfg = run.cfg
-    model = run.comps.denoiser
-    groups = param_groups(run)
-    params = [p for g in groups for p in g["params"]]
-    opt = make_optimizer(groups, cfg.train)
-    sched = make_scheduler(opt, cfg.train)
-    scaler = torch.amp.GradScaler(run.policy.device.type, enabled=cfg.precision.mixed == "fp16")
-    batches = BucketBatchSampler(run.data, cfg.train.batch_size, cfg.train.seed).batches()
-    generator = torch.Generator("cpu").manual_seed(cfg.train.seed)
+    loop = _Loop.build(run)
+    start = 0
+    if resume is not None:
+        state = restore(resume, hooks.checkpoints, cfg, loop.opt, loop.sched, loop.scaler,
+                        loop.generator)
+        loop.sampler.load_state_dict(state.sampler)
+        loop.guard.load(state.counters)
+        start = state.step
+        log.info("resumed from %s at step %d", resume.path, start)
+    else:
+        seed_everything(cfg.train.seed)
+        if cfg.sample.at_start and hooks.sampler:
+            hooks.sampler.run(0)
+    batches = loop.sampler.batches()
     result = Result()
-    if cfg.sample.at_start and hooks.sampler:
-        hooks.sampler.run(0)
     set_training(run, True)
-    guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.precision.mixed, cfg.train.lr)
-    for step in range(1, cfg.train.steps + 1):
-        loss, epoch = _accumulate(run, batches, generator, scaler, step - 1)
-        if guard.skip(step, loss):
-            # Nothing is applied: gradients dropped, schedule advanced to stay on the step count.
-            opt.zero_grad(set_to_none=True)
-            lr = sched.get_last_lr()[0]
-            sched.step()
-            if guard.exhausted:
-                set_training(run, False)
-                path = hooks.checkpoints.save_lora(model, step)
-                raise TrainingDiverged(guard.message(step, path))
-        else:
-            lr = _optimizer_step(opt, sched, scaler, params, cfg.train.max_grad_norm)
-            guard.scaler_skipped(scaler)
+    for step in range(start + 1, cfg.train.steps + 1):
+        loss, epoch, lr = _step(run, hooks, loop, batches, step)
         result.losses.append(loss)
-        hooks.reporter.step(step, loss, lr, {"epoch": epoch, **guard.counts()})
-        _between_steps(run, hooks, step)
+        hooks.reporter.step(step, loss, lr, {"epoch": epoch, **loop.guard.counts()})
+        if step < cfg.train.steps:
+            _between_steps(run, hooks, loop, step)
     set_training(run, False)
-    result.lora = hooks.checkpoints.save_lora(model, cfg.train.steps, final=True)
+    result.lora = hooks.checkpoints.save_lora(run.comps.denoiser, cfg.train.steps, final=True)
+    hooks.checkpoints.save_checkpoint(loop.state(cfg.train.steps), loop.opt, loop.sched,
+                                      loop.scaler, loop.generator)
     if cfg.sample.at_end and hooks.sampler:
         hooks.sampler.run(cfg.train.steps)
     return result
+
+
+def seed_everything(seed: int) -> None:
+    """Seed the global RNGs (python, numpy, torch CPU and CUDA) a step draws from (LoRA
+    dropout, for one): a run depends on its seed alone, not on what ran before it."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class _Loop:
+    """The optimizer-side objects of a run, created once and checkpointed together."""
+
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    generator: torch.Generator
+    sampler: BucketBatchSampler
+    params: list[torch.nn.Parameter]
+    guard: NonFiniteGuard
+
+    @classmethod
+    def build(cls, run: Run) -> "_Loop":
+        """Fresh optimizer (AdamW over the LoRA groups), schedule, scaler, noise generator."""
+        cfg = run.cfg
+        groups = param_groups(run)
+        opt = make_optimizer(groups, cfg.train)
+        return cls(opt, make_scheduler(opt, cfg.train),
+                   torch.amp.GradScaler(run.policy.device.type,
+                                        enabled=cfg.precision.mixed == "fp16"),
+                   torch.Generator("cpu").manual_seed(cfg.train.seed),
+                   BucketBatchSampler(run.data, cfg.train.batch_size, cfg.train.seed),
+                   [p for g in groups for p in g["params"]],
+                   NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.precision.mixed,
+                                  cfg.train.lr))
+
+    def state(self, step: int) -> TrainState:
+        """Where the run stands after `step` (the sampler names the next batch)."""
+        return TrainState(step, self.sampler.state_dict(), self.guard.state())
+
+
+def _step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
+          step: int) -> tuple[float, int, float]:
+    """One optimizer step (or a skipped one); returns (loss, epoch, lr used)."""
+    loss, epoch = _accumulate(run, batches, loop.generator, loop.scaler, step - 1)
+    if not loop.guard.skip(step, loss):
+        lr = _optimizer_step(loop.opt, loop.sched, loop.scaler, loop.params,
+                             run.cfg.train.max_grad_norm)
+        loop.guard.scaler_skipped(loop.scaler)
+        return loss, epoch, lr
+    # Nothing is applied: gradients dropped, schedule advanced to stay on the step count.
+    loop.opt.zero_grad(set_to_none=True)
+    lr = loop.sched.get_last_lr()[0]
+    loop.sched.step()
+    if loop.guard.exhausted:
+        set_training(run, False)
+        path = hooks.checkpoints.save_lora(run.comps.denoiser, step)
+        raise TrainingDiverged(loop.guard.message(step, path))
+    return loss, epoch, lr
 
 
 def param_groups(run: Run) -> list[dict[str, Any]]:
@@ -140,12 +209,17 @@ def _optimizer_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.
     return lr
 
 
-def _between_steps(run: Run, hooks: Hooks, step: int) -> None:
-    """Save and sample when due (the end of the run is handled by `train`)."""
+def _between_steps(run: Run, hooks: Hooks, loop: _Loop, step: int) -> None:
+    """Save and sample when due; on a stop request, checkpoint and raise `Interrupted`."""
     cfg = run.cfg
-    if step == cfg.train.steps:
-        return
+    saved = None
     if _due(step, cfg.save.every_n_steps):
         hooks.checkpoints.save_lora(run.comps.denoiser, step)
+        saved = hooks.checkpoints.save_checkpoint(loop.state(step), loop.opt, loop.sched,
+                                                  loop.scaler, loop.generator)
     if hooks.sampler and _due(step, cfg.sample.every_n_steps):
         hooks.sampler.run(step)
+    if hooks.stop():
+        saved = saved or hooks.checkpoints.save_checkpoint(
+            loop.state(step), loop.opt, loop.sched, loop.scaler, loop.generator)
+        raise Interrupted(step, saved)

@@ -1,0 +1,80 @@
+"""`--init-lora PATH`: a new run that starts from an existing LoRA file's weights.
+
+Any layout difftune writes is read (diffusers/PEFT keys, or kohya/ComfyUI keys through the
+family's converter), through safetensors only. Each module's effect is kept exactly: the file's
+up factor is rescaled when its alpha/rank differs from this run's. Modules of the file that
+this run does not train are an error (widen the targets); modules this run trains that the
+file lacks start as usual (B = 0) and are named in a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from difftune.adapters.formats import LORA_B, split_lora_key
+from difftune.errors import CheckpointError
+from difftune.safefiles import is_pickle, pickle_refusal
+from difftune.train.checkpoint import CheckpointManager
+
+log = logging.getLogger("difftune")
+
+
+def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a .safetensors LoRA; pickles are refused unopened."""
+    if is_pickle(path):
+        raise CheckpointError(pickle_refusal(path))
+    if not path.is_file():
+        raise CheckpointError(f"--init-lora {path}: no such file")
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"--init-lora {path} is not a readable .safetensors LoRA "
+                              f"({type(err).__name__}: {err})") from None
+
+
+def load_init_lora(path: Path, manager: CheckpointManager) -> None:
+    """Copy a LoRA file's factors into this run's trainable parameters."""
+    raw, meta = read_lora(path)
+    tensors, alphas = manager.family.lora_from_format(manager.comps, raw)
+    params = manager.trainable()
+    unknown = sorted(k for k in tensors if k not in params)
+    if unknown:
+        raise CheckpointError(f"--init-lora {path} has modules this run does not train "
+                              f"({', '.join(unknown[:4])}{', ...' if len(unknown) > 4 else ''}); "
+                              "set adapter.targets / target_modules / text_encoders to cover them")
+    file_alpha = _file_alpha(meta)
+    ours = manager.cfg.adapter.scale_alpha / manager.cfg.adapter.rank
+    with torch.no_grad():
+        for key, value in tensors.items():
+            target = params[key]
+            if value.shape != target.shape:
+                raise CheckpointError(f"--init-lora {path}: {key} has shape {tuple(value.shape)}"
+                                      f", this run {tuple(target.shape)}; set adapter.rank to "
+                                      "the file's rank")
+            module, suffix = split_lora_key(key)
+            rank = value.shape[1] if suffix == LORA_B else value.shape[0]
+            scale = alphas.get(module, file_alpha or rank) / rank
+            target.copy_(value.float() * (scale / ours if suffix == LORA_B else 1.0))
+    missing = sorted({split_lora_key(k)[0] for k in params} - {split_lora_key(k)[0] for k in tensors})
+    if missing:
+        log.warning("--init-lora %s lacks %d trained module(s) (e.g. %s); they start from zero",
+                    path, len(missing), missing[0])
+    log.info("initialized %d LoRA tensors from %s", len(tensors), path)
+
+
+def _file_alpha(meta: dict[str, str]) -> float | None:
+    """A diffusers-layout file's alpha, from difftune's or PEFT's metadata (None: alpha = rank)."""
+    if "difftune.alpha" in meta:
+        return float(meta["difftune.alpha"])
+    packed = meta.get("lora_adapter_metadata")
+    if packed:
+        values = {v for k, v in json.loads(packed).items() if k.endswith("lora_alpha")}
+        if len(values) == 1:
+            return float(values.pop())
+    return None
