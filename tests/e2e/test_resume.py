@@ -98,6 +98,11 @@ def test_resume_on_another_precision(stopped: Path, tmp_path: Path) -> None:
     rows = losses(cfg.parent / "out")
     assert [s for s, _ in rows] == list(range(1, 7))
     assert all(torch.isfinite(torch.tensor(v)) for _, v in rows)
+    # ... and back: the fp32 run's final checkpoint goes on, quantized, to a longer run.
+    assert train(cfg, *QUANTIZED, "train.steps=8", extra=["--resume", "latest"]) == 0
+    rows = losses(cfg.parent / "out")
+    assert [s for s, _ in rows] == list(range(1, 9))
+    assert all(torch.isfinite(torch.tensor(v)) for _, v in rows)
 
 
 @pytest.mark.parametrize("sets, needles", [
