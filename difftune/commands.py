@@ -61,7 +61,8 @@ def run_train(cfg: RunConfig, show_progress: bool = True, resume: str | None = N
     attach_run_log(cfg.save.dir / "difftune.log")  # appends: a refused resume loses nothing
     started = time.perf_counter()
     run = prepare(cfg, show_progress=show_progress)
-    ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, run.data.summary())
+    ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, run.data.summary(),
+                             run.embeddings)
     if checkpoint is not None:
         resume_mod.check_compatible(checkpoint, ckpt.identity(), cfg)
     if init_lora is not None:

@@ -128,10 +128,30 @@ class PrecisionConfig(_Section):
     quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
 
 
-class AdapterConfig(_Section):
-    """The LoRA to train."""
+class EmbeddingConfig(_Section):
+    """A new placeholder token trained as textual-inversion embeddings."""
 
-    type: Literal["lora"] = "lora"
+    name: str = Field(..., pattern=r"^\S+$",
+                      description="The placeholder as written in captions and prompts, e.g. <sks>.")
+    tokens: int = Field(1, ge=1, le=32, description="Vectors per placeholder.")
+    init: str = Field("*", min_length=1, description="Text whose token embeddings start it.")
+    encoders: list[str] | None = Field(
+        None, description="Text encoders that learn it (default: every one of the family).")
+    kind: Literal["input", "output"] = Field(
+        "input", description="input: new rows of the token-embedding table; output: vectors "
+                             "that replace the encoder's output at the placeholder positions.")
+
+
+class AdapterConfig(_Section):
+    """The LoRA (and/or textual-inversion embeddings) to train."""
+
+    type: Literal["lora", "embedding"] = Field(
+        "lora", description="lora (optionally with embeddings: pivotal tuning) or embedding "
+                            "(textual inversion alone).")
+    embeddings: list[EmbeddingConfig] = Field(
+        default_factory=list, description="Placeholder tokens to learn ([[adapter.embeddings]]).")
+    embedding_lr: float | None = Field(
+        None, gt=0, description="Learning rate of the embeddings (default: train.lr).")
     rank: int = Field(16, ge=1, le=1024, description="LoRA rank.")
     alpha: float | None = Field(None, gt=0, description="LoRA alpha (default: the rank).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
@@ -400,6 +420,7 @@ class RunConfig(_Section):
         problems += objective_problems(self.model.family, self.train)
         problems += text_encoder_problems(self.model, self.adapter, self.save.format, p)
         problems += unload_problems(self)
+        problems += embedding_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(
@@ -472,6 +493,30 @@ def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:
             problems.append(f"precision.quantize.{part} = \"nf4\" needs a CUDA device "
                             "(bitsandbytes' 4-bit kernels); on this machine use \"int8\" or "
                             "\"qint8\"")
+    return problems
+
+
+def embedding_problems(cfg: "RunConfig") -> list[str]:
+    """Textual-inversion settings that cannot work (checked at load, not mid-run)."""
+    a, names = cfg.adapter, TEXT_ENCODERS.get(cfg.model.family, ())
+    problems = []
+    if a.type == "embedding" and not a.embeddings:
+        problems.append("adapter.type = \"embedding\" needs at least one [[adapter.embeddings]] "
+                        "table (name, tokens, init)")
+    if a.type == "embedding" and a.text_encoders:
+        problems.append("adapter.text_encoders trains text-encoder LoRAs, but adapter.type = "
+                        "\"embedding\" trains no LoRA; use adapter.type = \"lora\" for both")
+    seen = [e.name for e in a.embeddings]
+    if len(set(seen)) != len(seen):
+        problems.append("adapter.embeddings: a placeholder name is used twice; give each its own")
+    for i, e in enumerate(a.embeddings):
+        bad = [n for n in e.encoders or () if n not in names]
+        if bad:
+            problems.append(f"adapter.embeddings[{i}].encoders: {bad} not text encoders of "
+                            f"model.family = \"{cfg.model.family}\"; choose from {', '.join(names)}")
+    if a.embeddings and cfg.cache.unload_text_encoders:
+        problems.append("cache.unload_text_encoders with adapter.embeddings: captions with a "
+                        "placeholder are encoded live every step, so the encoders must stay")
     return problems
 
 

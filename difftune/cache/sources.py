@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from difftune.cache.keys import entry_key, latent_fields, text_fields
+from difftune.adapters.embeddings import Embeddings
 from difftune.cache.store import Store
 from difftune.data.discover import Item
 from difftune.data.images import crop_box, load_pixels
@@ -128,9 +129,11 @@ class TextSource:
 
     def __init__(self, family: Family, comps: Components, store: Store,
                  options: EncodeOptions | None = None, trained: Iterable[str] = (),
-                 reload: Reload | None = None) -> None:
-        """`reload` brings back the text encoders after `unload` (see `resident`)."""
+                 reload: Reload | None = None, embeddings: Embeddings | None = None) -> None:
+        """`reload` brings back the text encoders after `unload` (see `resident`);
+        `embeddings` are learned placeholders: captions using one run live in its encoders."""
         self.family, self.comps, self.store = family, comps, store
+        self.embeddings = embeddings
         self.options = options or EncodeOptions()
         self.trained = frozenset(trained)
         self.specs = {s.name: s for s in family.text_encoders}
@@ -189,11 +192,29 @@ class TextSource:
         return self._keys[name, caption]
 
     def _run(self, name: str, captions: list[str]) -> dict[str, torch.Tensor]:
-        """One encoder on a batch of captions, in the caller's grad mode."""
-        spec = self.specs[name]
-        return text.encode(spec, self.comps.text_encoders[name], self.comps.tokenizers[name],
-                           captions, text.max_length(spec, self.comps.extras),
-                           self.options.mask_for(spec), self.options.skip_for(spec))
+        """One encoder on a batch of captions, in the caller's grad mode (placeholders
+        expanded to their tokens, and output embeddings put in, for the encoders that learn)."""
+        spec, emb = self.specs[name], self.embeddings
+        if emb is not None:
+            captions = [emb.expand(name, c) for c in captions]
+        length = text.max_length(spec, self.comps.extras)
+        tok = self.comps.tokenizers[name]
+        out = text.encode(spec, self.comps.text_encoders[name], tok, captions, length,
+                          self.options.mask_for(spec), self.options.skip_for(spec))
+        if emb is not None and name in emb.encoders():
+            out = emb.replace_outputs(name, text.tokenize(tok, captions, length)["input_ids"], out)
+        return out
+
+    def _live(self, captions: list[str]) -> set[str]:
+        """Encoders run live for these captions: trained ones, and those learning a placeholder
+        a caption uses (its embedding changes every step, so no cache entry could be right)."""
+        emb = self.embeddings
+        learning = {n for n in emb.encoders() if emb.uses(n, captions)} if emb else set()
+        return set(self.trained) | learning
+
+    def _cacheable(self, name: str, caption: str) -> bool:
+        return name not in self.trained and not (
+            self.embeddings is not None and self.embeddings.uses(name, [caption]))
 
     def cached(self, name: str, captions: list[str]) -> dict[str, torch.Tensor]:
         """A frozen encoder's outputs (CPU tensors) for a batch, encoding only the misses."""
@@ -231,9 +252,10 @@ class TextSource:
 
     def outputs(self, captions: list[str]) -> dict[str, dict[str, torch.Tensor]]:
         """Every encoder's outputs: trained ones live (on their device), frozen ones cached."""
-        out = {name: self._run(name, captions) for name in self.specs if name in self.trained}
+        live = self._live(captions)
+        out = {name: self._run(name, captions) for name in self.specs if name in live}
         device = next((t.device for o in out.values() for t in o.values()), torch.device("cpu"))
-        frozen = self._frozen_outputs(self._frozen(), captions)
+        frozen = self._frozen_outputs([n for n in self._frozen() if n not in live], captions)
         out.update({n: {k: v.to(device) for k, v in o.items()} for n, o in frozen.items()})
         return {name: out[name] for name in self.specs}
 
@@ -243,8 +265,8 @@ class TextSource:
 
     def keys(self, captions: list[str]) -> set[str]:
         """The entry keys of these captions for every frozen encoder (what `--prune` keeps)."""
-        frozen = [n for n in self.specs if n not in self.trained]
-        return {self._key(n, c)[0] for c in dict.fromkeys(captions) for n in frozen}
+        return {self._key(n, c)[0] for c in dict.fromkeys(captions) for n in self.specs
+                if self._cacheable(n, c)}
 
     def fill(self, captions: list[str], progress: Progress = _no_progress) -> None:
         """Encode every distinct caption not yet stored, for every frozen encoder."""
@@ -253,7 +275,8 @@ class TextSource:
         missing = self.store.missing([self._key(n, c)[0] for c in distinct for n in frozen])
         todo: dict[str, list[str]] = {}
         for caption in distinct:
-            names = [n for n in frozen if self._key(n, caption)[0] in missing]
+            names = [n for n in frozen if self._key(n, caption)[0] in missing
+                     and self._cacheable(n, caption)]
             if names:
                 todo[caption] = names
         if not todo:

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from difftune import __version__
+from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.formats import merged_adapter_metadata, save_lora
 from difftune.adapters.lora import lora_state
 from difftune.config import RunConfig
@@ -49,8 +50,9 @@ class CheckpointManager:
     """Writes the LoRA (every N steps and at the end) and the resolved config."""
 
     def __init__(self, cfg: RunConfig, family: Family, comps: Components, targets: list[str],
-                 dataset_summary: dict[str, Any]) -> None:
+                 dataset_summary: dict[str, Any], embeddings: Embeddings | None = None) -> None:
         self.cfg, self.family, self.comps = cfg, family, comps
+        self.embeddings = embeddings
         self.out: Path = cfg.save.dir
         self.base_name, self.targets = comps.name, targets
         self.dataset_summary = dataset_summary
@@ -87,7 +89,12 @@ class CheckpointManager:
 
     def save_lora(self, model: torch.nn.Module, step: int, final: bool = False,
                   path: Path | None = None) -> Path:
-        """Export the LoRA of `model` in the configured format; returns the file."""
+        """Export the LoRA of `model` in the configured format (with the embeddings bundled,
+        and also as embedding files); returns the file (the first embedding file when only
+        embeddings train)."""
+        files = self.save_embeddings(step, final, path)
+        if self.cfg.adapter.type == "embedding":
+            return files[0]
         a = self.cfg.adapter
         prefixes = [self.family.denoiser_prefix]
         state = lora_state(model, prefixes[0])
@@ -99,16 +106,36 @@ class CheckpointManager:
             meta.update(merged_adapter_metadata(state, a.rank, a.scale_alpha, prefixes))
         tensors = self.family.lora_to_format(self.comps, state, self.cfg.save.format, a.rank,
                                              a.scale_alpha)
+        if self.embeddings is not None:  # pivotal tuning: the placeholders travel with the LoRA
+            tensors.update({f"{BUNDLE}{name}.{key}": value for name, vectors in
+                            self.embeddings.file_tensors().items() for key, value in vectors.items()})
         path = save_lora(path or self.lora_path(step, final), tensors, meta,
                          DTYPES[self.cfg.save.dtype])
         log.info("saved LoRA %s", path)
         return path
 
+    def save_embeddings(self, step: int, final: bool, folder_of: Path | None) -> list[Path]:
+        """One file per placeholder (`<placeholder>.safetensors`, tensors named by encoder as
+        ComfyUI / A1111 read them) in `embeddings/`, or beside `folder_of`; [] without any."""
+        if self.embeddings is None:
+            return []
+        folder = folder_of.parent if folder_of is not None else self.out / "embeddings"
+        folder.mkdir(parents=True, exist_ok=True)
+        suffix = "" if final or folder_of is not None else f"-step{step:06d}"
+        paths = []
+        for name, vectors in self.embeddings.file_tensors().items():
+            stem = re.sub(r"[^A-Za-z0-9_.-]+", "", name) or "embedding"
+            meta = {"difftune.placeholder": name, "difftune.family": self.family.name,
+                    "difftune.steps": str(step)}
+            paths.append(save_lora(folder / f"{stem}{suffix}.safetensors", vectors, meta,
+                                   torch.float32))
+        return paths
+
     # ------------------------------------------------------------------ resume checkpoints
 
     def modules(self) -> dict[str, torch.nn.Module]:
         """Every module that carries a trained LoRA, by its LoRA key prefix."""
-        out = {self.family.denoiser_prefix: self.comps.denoiser}
+        out = {self.family.denoiser_prefix: self.comps.denoiser} if self.cfg.adapter.type == "lora" else {}
         for name in self.cfg.adapter.text_encoders:
             out[self.family.text_encoder_prefixes[name]] = self.comps.text_encoders[name]
         return out
@@ -116,15 +143,17 @@ class CheckpointManager:
     def trainable(self) -> dict[str, torch.nn.Parameter]:
         """The trained parameters by canonical name: the diffusers LoRA key, which depends on
         neither peft's adapter naming nor how the base layer is stored or quantized."""
-        return {f"{prefix}.{_ADAPTER.sub('', n)}": p for prefix, module in self.modules().items()
-                for n, p in module.named_parameters() if ".lora_" in n}
+        out = {f"{prefix}.{_ADAPTER.sub('', n)}": p for prefix, module in self.modules().items()
+               for n, p in module.named_parameters() if ".lora_" in n}
+        return out | (self.embeddings.parameters() if self.embeddings is not None else {})
 
     def identity(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint (else the weights mean nothing)."""
         a = self.cfg.adapter
         return {"family": self.family.name, "adapter": a.type, "rank": a.rank,
                 "alpha": a.scale_alpha, "targets": sorted(self.targets),
-                "text_encoders": sorted(a.text_encoders)}
+                "text_encoders": sorted(a.text_encoders),
+                "embeddings": [e.model_dump(mode="json") for e in a.embeddings]}
 
     def save_checkpoint(self, state: TrainState, opt: torch.optim.Optimizer,
                         sched: torch.optim.lr_scheduler.LRScheduler,
@@ -164,6 +193,7 @@ class CheckpointManager:
 
 
 CHECKPOINT_FORMAT = 1
+BUNDLE = "bundle_emb."  # pivotal tuning: embeddings inside the LoRA file, as kohya names them
 _ADAPTER = re.compile(r"\.default(?=\.weight$)")
 
 

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from difftune.adapters.formats import LORA_B, split_lora_key
 from difftune.errors import CheckpointError
 from difftune.safefiles import is_pickle, pickle_refusal
-from difftune.train.checkpoint import CheckpointManager
+from difftune.train.checkpoint import BUNDLE, CheckpointManager
 
 log = logging.getLogger("difftune")
 
@@ -41,6 +41,9 @@ def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 def load_init_lora(path: Path, manager: CheckpointManager) -> None:
     """Copy a LoRA file's factors into this run's trainable parameters."""
     raw, meta = read_lora(path)
+    raw = _take_embeddings(path, raw, meta, manager)
+    if not raw:
+        return
     tensors, alphas = manager.family.lora_from_format(manager.comps, raw)
     params = manager.trainable()
     unknown = sorted(k for k in tensors if k not in params)
@@ -66,6 +69,29 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
         log.warning("--init-lora %s lacks %d trained module(s) (e.g. %s); they start from zero",
                     path, len(missing), missing[0])
     log.info("initialized %d LoRA tensors from %s", len(tensors), path)
+
+
+def _take_embeddings(path: Path, raw: dict[str, torch.Tensor], meta: dict[str, str],
+                     manager: CheckpointManager) -> dict[str, torch.Tensor]:
+    """Load the embeddings a file holds (a LoRA's bundle, or an embedding file of this run's
+    placeholder) into the run's placeholders; returns the LoRA tensors that remain."""
+    emb = manager.embeddings
+    bundle = {k: v for k, v in raw.items() if k.startswith(BUNDLE)}
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in bundle.items():
+        name, _, part = key.removeprefix(BUNDLE).rpartition(".")
+        files.setdefault(name, {})[part] = value
+    rest = {k: v for k, v in raw.items() if k not in bundle}
+    placeholder = meta.get("difftune.placeholder")
+    if placeholder is not None:  # an embedding file: every tensor is one encoder's vectors
+        files[placeholder], rest = rest, {}
+    if files and emb is None:
+        raise CheckpointError(f"--init-lora {path} holds embeddings ({', '.join(files)}) but this "
+                              "run learns none; add them as [[adapter.embeddings]]")
+    if files:
+        count = emb.load_vectors(files)
+        log.info("initialized %d embedding(s) from %s", count, path)
+    return rest
 
 
 def _file_alpha(meta: dict[str, str]) -> float | None:

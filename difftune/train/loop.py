@@ -165,7 +165,11 @@ def param_groups(run: Run) -> list[dict[str, Any]]:
         lr = run.cfg.adapter.text_encoder_lr or run.cfg.train.lr
         params = [p for e in encoders.values() for p in lora_parameters(e)]
         groups.append({"params": params, "lr": lr})
-    return groups
+    if run.embeddings is not None:
+        groups.append({"params": list(run.embeddings.parameters().values()),
+                       "lr": run.cfg.adapter.embedding_lr or run.cfg.train.lr,
+                       "weight_decay": 0.0})  # decay would pull the vectors to zero
+    return [g for g in groups if g["params"]]
 
 
 def set_training(run: Run, on: bool) -> None:

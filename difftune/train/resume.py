@@ -83,7 +83,8 @@ def config_identity(cfg: RunConfig) -> dict[str, Any]:
     """The part of `CheckpointManager.identity` known before the model loads (no targets)."""
     a = cfg.adapter
     return {"family": cfg.model.family, "adapter": a.type, "rank": a.rank,
-            "alpha": a.scale_alpha, "text_encoders": sorted(a.text_encoders)}
+            "alpha": a.scale_alpha, "text_encoders": sorted(a.text_encoders),
+            "embeddings": [e.model_dump(mode="json") for e in a.embeddings]}
 
 
 def check_compatible(ckpt: Checkpoint, now: dict[str, Any], cfg: RunConfig) -> None:

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from difftune import data, families, lowbit
+from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.lora import add_lora, suffix_patterns
 from difftune.cache import make_store
 from difftune.cache.sources import LatentSource, TextSource
@@ -46,6 +47,7 @@ class Run:
     objective: Objective
     captions: Captions
     text_targets: dict[str, list[str]] = field(default_factory=dict)
+    embeddings: Embeddings | None = None
 
     @property
     def trained_encoders(self) -> dict[str, torch.nn.Module]:
@@ -79,22 +81,27 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     comps = family.load(cfg.model, policy)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
     a = cfg.adapter
-    patterns = (suffix_patterns(a.target_modules) if a.target_modules
-                else family.lora_targets(a.targets))
-    targets = add_lora(comps.denoiser, patterns, a.rank, a.scale_alpha, a.dropout, cfg.train.seed)
+    targets: list[str] = []
+    if a.type == "lora":
+        patterns = (suffix_patterns(a.target_modules) if a.target_modules
+                    else family.lora_targets(a.targets))
+        targets = add_lora(comps.denoiser, patterns, a.rank, a.scale_alpha, a.dropout,
+                           cfg.train.seed)
     if cfg.train.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
     text_targets = add_text_encoder_loras(cfg, comps)
+    embeddings = Embeddings(a.embeddings, family, comps) if a.embeddings else None
     c = cfg.cache
     latents = LatentSource(family, comps, dataset.items, make_store(c.latents, c.dir, "latents"),
                            cfg.train.seed, fresh_crops=c.latents == "none")
     options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
     texts = TextSource(family, comps, make_store(c.text, c.dir, "text"), options, text_targets,
-                       reload=lambda: reload_text_encoders(cfg, family, policy))
+                       reload=lambda: reload_text_encoders(cfg, family, policy),
+                       embeddings=embeddings)
     objective = family.objective(comps, cfg.train)
     captions = Captions(dataset.items, cfg.train.seed, c.caption_variants)
     return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective,
-               captions, text_targets)
+               captions, text_targets, embeddings)
 
 
 def reload_text_encoders(cfg: RunConfig, family: Family, policy: PrecisionPolicy
@@ -144,8 +151,9 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
             run.comps.vae.to("cpu")
         if cache.text != "none" and not live:
             # Trained encoders run every step, so they stay on the accelerator.
+            learning = run.embeddings.encoders() if run.embeddings else set()
             for name, encoder in run.comps.text_encoders.items():
-                if name not in run.text_targets and encoder is not None:
+                if name not in run.text_targets and name not in learning and encoder is not None:
                     encoder.to("cpu")
         torch.cuda.empty_cache()
 
