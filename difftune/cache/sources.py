@@ -205,13 +205,6 @@ class TextSource:
             out = emb.replace_outputs(name, text.tokenize(tok, captions, length)["input_ids"], out)
         return out
 
-    def _live(self, captions: list[str]) -> set[str]:
-        """Encoders run live for these captions: trained ones, and those learning a placeholder
-        a caption uses (its embedding changes every step, so no cache entry could be right)."""
-        emb = self.embeddings
-        learning = {n for n in emb.encoders() if emb.uses(n, captions)} if emb else set()
-        return set(self.trained) | learning
-
     def _cacheable(self, name: str, caption: str) -> bool:
         return name not in self.trained and not (
             self.embeddings is not None and self.embeddings.uses(name, [caption]))
@@ -252,12 +245,32 @@ class TextSource:
 
     def outputs(self, captions: list[str]) -> dict[str, dict[str, torch.Tensor]]:
         """Every encoder's outputs: trained ones live (on their device), frozen ones cached."""
-        live = self._live(captions)
-        out = {name: self._run(name, captions) for name in self.specs if name in live}
+        out = {name: self._run(name, captions) for name in self.specs if name in self.trained}
         device = next((t.device for o in out.values() for t in o.values()), torch.device("cpu"))
-        frozen = self._frozen_outputs([n for n in self._frozen() if n not in live], captions)
+        plain = [n for n in self._frozen() if not self._uses(n, captions)]
+        frozen = self._frozen_outputs(plain, captions)
         out.update({n: {k: v.to(device) for k, v in o.items()} for n, o in frozen.items()})
+        for name in self._frozen():
+            if name not in plain:
+                out[name] = self._mixed(name, captions, device)
         return {name: out[name] for name in self.specs}
+
+    def _uses(self, name: str, captions: list[str]) -> bool:
+        return self.embeddings is not None and self.embeddings.uses(name, captions)
+
+    def _mixed(self, name: str, captions: list[str], device: torch.device
+               ) -> dict[str, torch.Tensor]:
+        """Captions using a placeholder this encoder learns run live (with gradients), the
+        others come from the cache; rows are put back in the batch's order."""
+        live = [i for i, c in enumerate(captions) if self._uses(name, [c])]
+        rest = [i for i in range(len(captions)) if i not in live]
+        parts = {tuple(live): self._run(name, [captions[i] for i in live])}
+        if rest:
+            parts[tuple(rest)] = self._frozen_outputs([name], [captions[i] for i in rest])[name]
+        order = [i for idx in parts for i in idx]
+        back = torch.tensor([order.index(i) for i in range(len(captions))])
+        return {k: torch.cat([p[k].to(device) for p in parts.values()])[back.to(device)]
+                for k in parts[tuple(live)]}
 
     def get(self, captions: list[str]) -> TextEmbeds:
         """Embeddings for a batch of captions, combined by the family."""

@@ -45,7 +45,7 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
     if not raw:
         return
     tensors, alphas = manager.family.lora_from_format(manager.comps, raw)
-    params = manager.trainable()
+    params = {k: v for k, v in manager.trainable().items() if not k.startswith("emb.")}
     unknown = sorted(k for k in tensors if k not in params)
     if unknown:
         raise CheckpointError(f"--init-lora {path} has modules this run does not train "

@@ -135,22 +135,25 @@ def test_corrupt_entries_are_recomputed_with_one_warning(
 
 
 def test_killed_fill_then_train_completes(tmp_path: Path, data: Path) -> None:
-    for i in range(30):  # more (distinct) images so the fill takes a while
-        Image.new("RGB", (64, 64), (8 * i, 255 - 8 * i, 100)).save(data / f"flat_{i:02d}.png")
+    for i in range(80):  # many (distinct) images so the fill takes a while
+        Image.new("RGB", (64, 64), (3 * i, 255 - 3 * i, 100)).save(data / f"flat_{i:02d}.png")
         (data / f"flat_{i:02d}.txt").write_text(f"a flat color number {i}")
     cfg = config(tmp_path, data)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    log = (tmp_path / "fill.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "difftune", "cache", str(cfg), "--no-progress"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
     cache = tmp_path / "out" / "cache"
     deadline = time.time() + 120
-    while time.time() < deadline and len(entries(cache, "latents")) < 5 and proc.poll() is None:
-        time.sleep(0.05)
+    while time.time() < deadline and len(entries(cache, "latents")) < 3 and proc.poll() is None:
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert 0 < len(entries(cache, "latents")) < 36
+    log.close()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "fill.log").read_text()[-2000:]
+    assert 0 < len(entries(cache, "latents")) < 86
     assert cli("train", str(cfg)) == 0
-    assert len(entries(cache, "latents")) == 36
+    assert len(entries(cache, "latents")) == 86
 
 
 def test_prune_deletes_only_unreferenced_entries(tmp_path: Path, data: Path,
