@@ -9,29 +9,21 @@ Relative paths are taken relative to the config file's folder.
 
 from __future__ import annotations
 
-import logging
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from difftune.config_base import Section as _Section
+from difftune.config_data import CacheConfig, DatasetConfig, SubsetConfig
 from difftune.config_errors import format_validation_error, parse_override
 from difftune.errors import ConfigError, ModelFileError
-from difftune.safefiles import is_pickle, pickle_refusal
-
-log = logging.getLogger("difftune")
 
 DType = Literal["fp32", "fp16", "bf16"]
 # Default text-encoder LoRA targets: attention and MLP Linear layers of CLIP and of T5.
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2",
                         "q", "k", "v", "o", "wi_0", "wi_1", "wo")
-
-
-class _Section(BaseModel):
-    """Base of every section: unknown keys are an error, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelConfig(_Section):
@@ -179,122 +171,6 @@ class AdapterConfig(_Section):
         return float(self.alpha if self.alpha is not None else self.rank)
 
 
-class SubsetConfig(_Section):
-    """One folder of images with same-stem caption files."""
-
-    path: Path = Field(..., description="Folder of png/jpg/webp images (searched recursively).")
-    repeats: int = Field(1, ge=1, description="How many times each image appears per epoch.")
-    caption_ext: str = Field(".txt", description="Caption file extension.")
-    default_caption: str = Field("", description="Caption for images with no caption file.")
-    recursive: bool = Field(True, description="Search sub-folders too.")
-    flip: bool = Field(False, description="Random horizontal flip (per sample).")
-    crop: Literal["center", "random"] = Field(
-        "center", description="Where to crop after resizing to the bucket."
-    )
-    # Caption augmentations (data/captions.py applies them, per sample, in this order).
-    caption_prefix: str = Field("", description="Text put before every caption (with a space).")
-    caption_suffix: str = Field("", description="Text put after every caption (with a space).")
-    wildcards: bool = Field(
-        False, description="Resolve `{a|b|c}` in captions to one choice per sample."
-    )
-    shuffle_caption: bool = Field(False, description="Shuffle the caption's tags per sample.")
-    keep_tokens: int = Field(
-        0, ge=0, description="Leading tags never shuffled or dropped (e.g. the trigger word)."
-    )
-    caption_separator: str = Field(",", min_length=1, description="What separates tags.")
-    caption_tag_dropout_rate: float = Field(
-        0.0, ge=0, lt=1, description="Chance that each (not kept) tag is left out, per sample."
-    )
-    caption_dropout_rate: float = Field(
-        0.0, ge=0, le=1, description="Chance that the whole caption is empty, per sample."
-    )
-    token_warmup_min: int = Field(1, ge=1, description="Tags kept at step 0 of the warm-up.")
-    token_warmup_steps: int = Field(
-        0, ge=0, description="Steps over which the tag count grows to the full caption (0: off)."
-    )
-
-    def ignored_caption_options(self) -> list[str]:
-        """Caption options set to a value that has no effect with the others (to warn about)."""
-        out = []
-        uses_tags = self.shuffle_caption or self.caption_tag_dropout_rate > 0
-        if self.keep_tokens and not uses_tags:
-            out.append("keep_tokens (needs shuffle_caption or caption_tag_dropout_rate)")
-        if self.token_warmup_min != 1 and not self.token_warmup_steps:
-            out.append("token_warmup_min (needs token_warmup_steps)")
-        if self.caption_separator != "," and not (uses_tags or self.token_warmup_steps):
-            out.append("caption_separator (needs shuffle, tag dropout or token warm-up)")
-        return out
-
-
-class DatasetConfig(_Section):
-    """A dataset: bucketing parameters and one or more subsets.
-
-    For a single folder, give its fields (`path`, `repeats`, ...) directly; they become one subset.
-    """
-
-    resolution: int = Field(1024, ge=64, description="Target side: buckets hold ~resolution² px.")
-    min_side: int = Field(256, ge=16, description="Smallest bucket side.")
-    max_side: int = Field(2048, ge=16, description="Largest bucket side.")
-    bucket_step: int | None = Field(
-        None, ge=8, description="Bucket side granularity (default: the family's, 16 for flux)."
-    )
-    buckets: bool = Field(True, description="Aspect-ratio bucketing; off = square crops.")
-    subsets: list[SubsetConfig] = Field(default_factory=list)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "path" in data:
-            data = dict(data)
-            # Only subset fields move into the subset, so an unknown key is reported where the
-            # user wrote it (datasets[0].key), not inside a subset they never wrote.
-            subset = {k: data.pop(k) for k in list(data) if k in SubsetConfig.model_fields}
-            if data.get("subsets"):
-                raise ValueError("give either `path` (one folder) or `subsets`, not both")
-            data["subsets"] = [subset]
-        return data
-
-    @model_validator(mode="after")
-    def _sides(self) -> "DatasetConfig":
-        if not self.subsets:
-            raise ValueError("no images: set `path` or add [[datasets.subsets]] with a path")
-        if self.min_side > self.max_side:
-            raise ValueError(f"min_side ({self.min_side}) is larger than max_side ({self.max_side})")
-        if not self.min_side <= self.resolution <= self.max_side:
-            raise ValueError(
-                f"resolution ({self.resolution}) must lie between min_side ({self.min_side}) "
-                f"and max_side ({self.max_side})"
-            )
-        return self
-
-
-class CacheConfig(_Section):
-    """What is computed once before training instead of every step."""
-
-    latents: Literal["memory", "disk", "none"] = Field(
-        "memory", description="Cache VAE latents: in memory, on disk (kept across runs), or not."
-    )
-    text: Literal["memory", "disk", "none"] = Field(
-        "memory", description="Cache text-encoder outputs: in memory, on disk, or not."
-    )
-    dir: Path | None = Field(
-        None, description="Folder of the disk caches (default: <save.dir>/cache); shareable."
-    )
-    caption_variants: int = Field(
-        0, ge=0, le=1024,
-        description="Random caption augmentations: K variants per caption pre-encoded from the "
-                    "seed (encoders can then be offloaded); 0: a fresh draw per sample, encoded "
-                    "on demand with the cache as a memo (encoders stay resident).",
-    )
-    offload: bool = Field(
-        True, description="Move the VAE and frozen text encoders off the accelerator once cached."
-    )
-    unload_text_encoders: bool = Field(
-        False, description="Free the frozen text encoders once their outputs are cached; new "
-                           "text (an edited prompt file) reloads them from their files."
-    )
-
-
 class TrainConfig(_Section):
     """The optimisation recipe."""
 
@@ -416,11 +292,13 @@ class RunConfig(_Section):
                 f"{', '.join(low)} needs precision.mixed = \"bf16\" or \"fp16\" (fp32 compute "
                 "on low-precision weights fails); set precision.mixed or keep those at fp32"
             )
-        problems += quantize_problems(p, self.train.device)
-        problems += objective_problems(self.model.family, self.train)
-        problems += text_encoder_problems(self.model, self.adapter, self.save.format, p)
-        problems += unload_problems(self)
-        problems += embedding_problems(self)
+        from difftune import config_checks as checks
+
+        problems += checks.quantize_problems(p, self.train.device)
+        problems += checks.objective_problems(self.model.family, self.train)
+        problems += checks.text_encoder_problems(self.model, self.adapter, self.save.format, p)
+        problems += checks.unload_problems(self)
+        problems += checks.embedding_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(
@@ -430,128 +308,6 @@ class RunConfig(_Section):
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-
-# The text encoders each family declares (kept in sync with the family classes by a unit test),
-# and the families whose CLIP hidden states reach the denoiser (where clip_skip means something).
-TEXT_ENCODERS: dict[str, tuple[str, ...]] = {
-    "flux": ("clip_l", "t5"), "sd3": ("clip_l", "clip_g", "t5"), "sdxl": ("clip_l", "clip_g")}
-CLIP_HIDDEN: dict[str, bool] = {"flux": False, "sd3": True, "sdxl": True}
-# Why a kohya-format file cannot hold a text-encoder LoRA for a family (absent: it can).
-KOHYA_TEXT_ENCODERS_REFUSED: dict[str, str] = {
-    "flux": "difftune's FLUX.1 kohya key table covers the transformer only",
-    "sd3": "there is no kohya key layout for SD3 text encoders that diffusers reads back",
-}
-
-
-def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str,
-                          precision: PrecisionConfig | None = None) -> list[str]:
-    """Text-encoder options the family cannot honour (unknown names, masks, skips, formats)."""
-    family = model.family
-    names = TEXT_ENCODERS.get(family, ())
-    problems = [f"adapter.text_encoders: {n!r} is not a text encoder of model.family = "
-                f"\"{family}\"; choose from {', '.join(names)}"
-                for n in adapter.text_encoders if n not in names]
-    if precision is not None and isinstance(precision.text_encoders, dict):
-        problems += [f"precision.text_encoders: {n!r} is not a text encoder of model.family = "
-                     f"\"{family}\"; choose from {', '.join(names)}"
-                     for n in precision.text_encoders if n not in names]
-    if len(set(adapter.text_encoders)) != len(adapter.text_encoders):
-        problems.append("adapter.text_encoders lists an encoder twice; list each once")
-    if model.t5_mask and "t5" not in names:
-        problems.append(f"model.t5_mask: model.family = \"{family}\" has no T5 encoder; remove it")
-    if model.clip_skip and not CLIP_HIDDEN.get(family, False):
-        problems.append(f"model.clip_skip: model.family = \"{family}\" reads no CLIP hidden "
-                        "state (only CLIP's pooled output), so there is nothing to skip; remove it")
-    if fmt == "kohya" and adapter.text_encoders and family in KOHYA_TEXT_ENCODERS_REFUSED:
-        problems.append(f"save.format = \"kohya\" cannot hold the text-encoder LoRA of "
-                        f"model.family = \"{family}\" ({KOHYA_TEXT_ENCODERS_REFUSED[family]}); "
-                        "use save.format = \"diffusers\" or train the denoiser only")
-    return problems
-
-
-def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:
-    """Quantization settings that cannot work here: conflicts, missing libraries, no CUDA."""
-    import importlib.util
-
-    import torch
-
-    problems = []
-    for part in ("denoiser", "text_encoders"):
-        q = getattr(p.quantize, part)
-        if q == "none":
-            continue
-        if any(v == "fp8" for k, v in p.dtype_names().items() if k.startswith(part)):
-            problems.append(f"precision.quantize.{part} = \"{q}\" and precision.{part} = "
-                            "\"fp8\" both shrink the same weights; choose one")
-        module, package = QUANT_BACKENDS[q]
-        if importlib.util.find_spec(module.split(".")[0]) is None or (
-                "." in module and importlib.util.find_spec(module) is None):
-            problems.append(f"precision.quantize.{part} = \"{q}\" needs the {package} "
-                            f"package; install it (pip install {package}) or choose another")
-        if q == "nf4" and (device == "cpu" or not torch.cuda.is_available()):
-            problems.append(f"precision.quantize.{part} = \"nf4\" needs a CUDA device "
-                            "(bitsandbytes' 4-bit kernels); on this machine use \"int8\" or "
-                            "\"qint8\"")
-    return problems
-
-
-def embedding_problems(cfg: "RunConfig") -> list[str]:
-    """Textual-inversion settings that cannot work (checked at load, not mid-run)."""
-    a, names = cfg.adapter, TEXT_ENCODERS.get(cfg.model.family, ())
-    problems = []
-    if a.type == "embedding" and not a.embeddings:
-        problems.append("adapter.type = \"embedding\" needs at least one [[adapter.embeddings]] "
-                        "table (name, tokens, init)")
-    if a.type == "embedding" and a.text_encoders:
-        problems.append("adapter.text_encoders trains text-encoder LoRAs, but adapter.type = "
-                        "\"embedding\" trains no LoRA; use adapter.type = \"lora\" for both")
-    seen = [e.name for e in a.embeddings]
-    if len(set(seen)) != len(seen):
-        problems.append("adapter.embeddings: a placeholder name is used twice; give each its own")
-    for i, e in enumerate(a.embeddings):
-        bad = [n for n in e.encoders or () if n not in names]
-        if bad:
-            problems.append(f"adapter.embeddings[{i}].encoders: {bad} not text encoders of "
-                            f"model.family = \"{cfg.model.family}\"; choose from {', '.join(names)}")
-    if a.embeddings and cfg.cache.unload_text_encoders:
-        problems.append("cache.unload_text_encoders with adapter.embeddings: captions with a "
-                        "placeholder are encoded live every step, so the encoders must stay")
-    return problems
-
-
-def unload_problems(cfg: "RunConfig") -> list[str]:
-    """`cache.unload_text_encoders` needs every text the training steps use to be cached."""
-    if not cfg.cache.unload_text_encoders:
-        return []
-    if cfg.cache.text == "none":
-        return ["cache.unload_text_encoders needs cached text (cache.text = \"memory\" or "
-                "\"disk\"): without a cache the encoders run every step"]
-    live = [f"datasets[{d}].subsets[{i}]" for d, ds in enumerate(cfg.datasets)
-            for i, sub in enumerate(ds.subsets)
-            if sub.shuffle_caption or sub.caption_tag_dropout_rate > 0 or sub.wildcards]
-    if live and not cfg.cache.caption_variants:
-        return [f"cache.unload_text_encoders with random caption augmentations ({', '.join(live)})"
-                " would reload the encoders every step; set cache.caption_variants = K to "
-                "pre-encode K variants per caption"]
-    return []
-
-
-# What each family is trained with; options of one objective are refused for the other.
-OBJECTIVES: dict[str, str] = {"flux": "flow", "sd3": "flow", "sdxl": "ddpm"}
-_DDPM_ONLY = {"prediction": "auto", "zero_terminal_snr": False, "noise_offset": 0.0,
-              "min_snr_gamma": None}
-_FLOW_ONLY = {"timesteps": "sigmoid", "sigmoid_mean": 0.0, "sigmoid_std": 1.0, "shift": 3.0}
-
-
-def objective_problems(family: str, train: TrainConfig) -> list[str]:
-    """Options set for the objective this family does not train with (never silently ignored)."""
-    kind = OBJECTIVES.get(family)
-    ignored = _DDPM_ONLY if kind == "flow" else _FLOW_ONLY if kind == "ddpm" else {}
-    set_here = [k for k, default in ignored.items()
-                if k in train.model_fields_set and getattr(train, k) != default]
-    return [f"train.{k} does not apply to model.family = \"{family}\" (trained with "
-            f"{'flow matching' if kind == 'flow' else 'DDPM'}); remove it" for k in set_here]
 
 
 def _resolve_paths(node: Any, base: Path) -> None:
@@ -570,25 +326,6 @@ def _resolve_paths(node: Any, base: Path) -> None:
             object.__setattr__(node, name, value.expanduser())
         else:
             _resolve_paths(value, base)
-
-
-def model_file_problems(model: ModelConfig) -> list[str]:
-    """Cheap checks of the model paths (exist, right kind, not pickle), all reported at once."""
-    problems = []
-    if model.path is not None and not model.path.is_dir():
-        problems.append(f"model.path: {model.path} is not a folder; expected a diffusers-format "
-                        "model folder (with model_index.json)")
-    for name in ("transformer", "vae", "clip_l", "t5"):
-        path = getattr(model, name)
-        if path is None:
-            continue
-        if is_pickle(path):
-            problems.append(f"model.{name}: {pickle_refusal(path)}")
-        elif not path.is_file():
-            problems.append(f"model.{name}: {path} does not exist; expected a .safetensors file")
-        elif path.suffix.lower() != ".safetensors":
-            problems.append(f"model.{name}: {path} is not a .safetensors file")
-    return problems
 
 
 def parse_config(data: dict[str, Any], base: Path, source: str = "config") -> RunConfig:
@@ -611,19 +348,6 @@ def parse_config(data: dict[str, Any], base: Path, source: str = "config") -> Ru
     return cfg
 
 
-def warn_ignored(cfg: RunConfig) -> None:
-    """One warning for each option that is set but has no effect with the rest of the config."""
-    for d, ds in enumerate(cfg.datasets):
-        for i, sub in enumerate(ds.subsets):
-            for what in sub.ignored_caption_options():
-                log.warning("datasets[%d].subsets[%d].%s is ignored", d, i, what)
-    randomized = any(sub.shuffle_caption or sub.caption_tag_dropout_rate > 0 or sub.wildcards
-                     for ds in cfg.datasets for sub in ds.subsets)
-    if cfg.cache.caption_variants and not randomized:
-        log.warning("cache.caption_variants is ignored: no subset has a random caption "
-                    "augmentation (shuffle_caption, caption_tag_dropout_rate, wildcards)")
-
-
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a TOML run file, apply `a.b=value` overrides, and validate everything at once."""
     path = Path(path)
@@ -636,3 +360,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     for item in overrides or []:
         parse_override(data, item)
     return parse_config(data, path.resolve().parent, str(path))
+
+
+# Cross-field checks live in config_checks.py; these names are re-exported for callers.
+from difftune.config_checks import (  # noqa: E402
+    CLIP_HIDDEN,
+    TEXT_ENCODERS,
+    model_file_problems,
+    warn_ignored,
+)
+
+__all__ = ["CLIP_HIDDEN", "TEXT_ENCODERS", "CacheConfig", "DatasetConfig", "RunConfig",
+           "SubsetConfig", "load_config", "model_file_problems", "parse_config", "warn_ignored"]

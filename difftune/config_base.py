@@ -1,0 +1,11 @@
+"""The base of every config section."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are an error, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)

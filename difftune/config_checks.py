@@ -1,0 +1,176 @@
+"""Cross-field checks of a run configuration, each returning the problems it finds.
+
+`RunConfig` calls them when a config loads, so every conflict is reported at once, with the
+dotted field and the fix, before anything heavy runs. The per-family tables here are kept in
+step with the family classes by a unit test (config must not import the heavy families).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from difftune.config import QUANT_BACKENDS
+from difftune.safefiles import is_pickle, pickle_refusal
+
+if TYPE_CHECKING:
+    from difftune.config import (AdapterConfig, ModelConfig, PrecisionConfig, RunConfig,
+                                 TrainConfig)
+
+log = logging.getLogger("difftune")
+
+
+# The text encoders each family declares (kept in sync with the family classes by a unit test),
+# and the families whose CLIP hidden states reach the denoiser (where clip_skip means something).
+TEXT_ENCODERS: dict[str, tuple[str, ...]] = {
+    "flux": ("clip_l", "t5"), "sd3": ("clip_l", "clip_g", "t5"), "sdxl": ("clip_l", "clip_g")}
+CLIP_HIDDEN: dict[str, bool] = {"flux": False, "sd3": True, "sdxl": True}
+# Why a kohya-format file cannot hold a text-encoder LoRA for a family (absent: it can).
+KOHYA_TEXT_ENCODERS_REFUSED: dict[str, str] = {
+    "flux": "difftune's FLUX.1 kohya key table covers the transformer only",
+    "sd3": "there is no kohya key layout for SD3 text encoders that diffusers reads back",
+}
+
+
+def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str,
+                          precision: PrecisionConfig | None = None) -> list[str]:
+    """Text-encoder options the family cannot honour (unknown names, masks, skips, formats)."""
+    family = model.family
+    names = TEXT_ENCODERS.get(family, ())
+    problems = [f"adapter.text_encoders: {n!r} is not a text encoder of model.family = "
+                f"\"{family}\"; choose from {', '.join(names)}"
+                for n in adapter.text_encoders if n not in names]
+    if precision is not None and isinstance(precision.text_encoders, dict):
+        problems += [f"precision.text_encoders: {n!r} is not a text encoder of model.family = "
+                     f"\"{family}\"; choose from {', '.join(names)}"
+                     for n in precision.text_encoders if n not in names]
+    if len(set(adapter.text_encoders)) != len(adapter.text_encoders):
+        problems.append("adapter.text_encoders lists an encoder twice; list each once")
+    if model.t5_mask and "t5" not in names:
+        problems.append(f"model.t5_mask: model.family = \"{family}\" has no T5 encoder; remove it")
+    if model.clip_skip and not CLIP_HIDDEN.get(family, False):
+        problems.append(f"model.clip_skip: model.family = \"{family}\" reads no CLIP hidden "
+                        "state (only CLIP's pooled output), so there is nothing to skip; remove it")
+    if fmt == "kohya" and adapter.text_encoders and family in KOHYA_TEXT_ENCODERS_REFUSED:
+        problems.append(f"save.format = \"kohya\" cannot hold the text-encoder LoRA of "
+                        f"model.family = \"{family}\" ({KOHYA_TEXT_ENCODERS_REFUSED[family]}); "
+                        "use save.format = \"diffusers\" or train the denoiser only")
+    return problems
+
+
+def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:
+    """Quantization settings that cannot work here: conflicts, missing libraries, no CUDA."""
+    import importlib.util
+
+    import torch
+
+    problems = []
+    for part in ("denoiser", "text_encoders"):
+        q = getattr(p.quantize, part)
+        if q == "none":
+            continue
+        if any(v == "fp8" for k, v in p.dtype_names().items() if k.startswith(part)):
+            problems.append(f"precision.quantize.{part} = \"{q}\" and precision.{part} = "
+                            "\"fp8\" both shrink the same weights; choose one")
+        module, package = QUANT_BACKENDS[q]
+        if importlib.util.find_spec(module.split(".")[0]) is None or (
+                "." in module and importlib.util.find_spec(module) is None):
+            problems.append(f"precision.quantize.{part} = \"{q}\" needs the {package} "
+                            f"package; install it (pip install {package}) or choose another")
+        if q == "nf4" and (device == "cpu" or not torch.cuda.is_available()):
+            problems.append(f"precision.quantize.{part} = \"nf4\" needs a CUDA device "
+                            "(bitsandbytes' 4-bit kernels); on this machine use \"int8\" or "
+                            "\"qint8\"")
+    return problems
+
+
+def embedding_problems(cfg: "RunConfig") -> list[str]:
+    """Textual-inversion settings that cannot work (checked at load, not mid-run)."""
+    a, names = cfg.adapter, TEXT_ENCODERS.get(cfg.model.family, ())
+    problems = []
+    if a.type == "embedding" and not a.embeddings:
+        problems.append("adapter.type = \"embedding\" needs at least one [[adapter.embeddings]] "
+                        "table (name, tokens, init)")
+    if a.type == "embedding" and a.text_encoders:
+        problems.append("adapter.text_encoders trains text-encoder LoRAs, but adapter.type = "
+                        "\"embedding\" trains no LoRA; use adapter.type = \"lora\" for both")
+    seen = [e.name for e in a.embeddings]
+    if len(set(seen)) != len(seen):
+        problems.append("adapter.embeddings: a placeholder name is used twice; give each its own")
+    for i, e in enumerate(a.embeddings):
+        bad = [n for n in e.encoders or () if n not in names]
+        if bad:
+            problems.append(f"adapter.embeddings[{i}].encoders: {bad} not text encoders of "
+                            f"model.family = \"{cfg.model.family}\"; choose from {', '.join(names)}")
+    if a.embeddings and cfg.cache.unload_text_encoders:
+        problems.append("cache.unload_text_encoders with adapter.embeddings: captions with a "
+                        "placeholder are encoded live every step, so the encoders must stay")
+    return problems
+
+
+def unload_problems(cfg: "RunConfig") -> list[str]:
+    """`cache.unload_text_encoders` needs every text the training steps use to be cached."""
+    if not cfg.cache.unload_text_encoders:
+        return []
+    if cfg.cache.text == "none":
+        return ["cache.unload_text_encoders needs cached text (cache.text = \"memory\" or "
+                "\"disk\"): without a cache the encoders run every step"]
+    live = [f"datasets[{d}].subsets[{i}]" for d, ds in enumerate(cfg.datasets)
+            for i, sub in enumerate(ds.subsets)
+            if sub.shuffle_caption or sub.caption_tag_dropout_rate > 0 or sub.wildcards]
+    if live and not cfg.cache.caption_variants:
+        return [f"cache.unload_text_encoders with random caption augmentations ({', '.join(live)})"
+                " would reload the encoders every step; set cache.caption_variants = K to "
+                "pre-encode K variants per caption"]
+    return []
+
+
+# What each family is trained with; options of one objective are refused for the other.
+OBJECTIVES: dict[str, str] = {"flux": "flow", "sd3": "flow", "sdxl": "ddpm"}
+_DDPM_ONLY = {"prediction": "auto", "zero_terminal_snr": False, "noise_offset": 0.0,
+              "min_snr_gamma": None}
+_FLOW_ONLY = {"timesteps": "sigmoid", "sigmoid_mean": 0.0, "sigmoid_std": 1.0, "shift": 3.0}
+
+
+def objective_problems(family: str, train: TrainConfig) -> list[str]:
+    """Options set for the objective this family does not train with (never silently ignored)."""
+    kind = OBJECTIVES.get(family)
+    ignored = _DDPM_ONLY if kind == "flow" else _FLOW_ONLY if kind == "ddpm" else {}
+    set_here = [k for k, default in ignored.items()
+                if k in train.model_fields_set and getattr(train, k) != default]
+    return [f"train.{k} does not apply to model.family = \"{family}\" (trained with "
+            f"{'flow matching' if kind == 'flow' else 'DDPM'}); remove it" for k in set_here]
+
+
+def model_file_problems(model: ModelConfig) -> list[str]:
+    """Cheap checks of the model paths (exist, right kind, not pickle), all reported at once."""
+    problems = []
+    if model.path is not None and not model.path.is_dir():
+        problems.append(f"model.path: {model.path} is not a folder; expected a diffusers-format "
+                        "model folder (with model_index.json)")
+    for name in ("transformer", "vae", "clip_l", "t5"):
+        path = getattr(model, name)
+        if path is None:
+            continue
+        if is_pickle(path):
+            problems.append(f"model.{name}: {pickle_refusal(path)}")
+        elif not path.is_file():
+            problems.append(f"model.{name}: {path} does not exist; expected a .safetensors file")
+        elif path.suffix.lower() != ".safetensors":
+            problems.append(f"model.{name}: {path} is not a .safetensors file")
+    return problems
+
+
+def warn_ignored(cfg: RunConfig) -> None:
+    """One warning for each option that is set but has no effect with the rest of the config."""
+    for d, ds in enumerate(cfg.datasets):
+        for i, sub in enumerate(ds.subsets):
+            for what in sub.ignored_caption_options():
+                log.warning("datasets[%d].subsets[%d].%s is ignored", d, i, what)
+    randomized = any(sub.shuffle_caption or sub.caption_tag_dropout_rate > 0 or sub.wildcards
+                     for ds in cfg.datasets for sub in ds.subsets)
+    if cfg.cache.caption_variants and not randomized:
+        log.warning("cache.caption_variants is ignored: no subset has a random caption "
+                    "augmentation (shuffle_caption, caption_tag_dropout_rate, wildcards)")
+
+

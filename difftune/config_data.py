@@ -1,0 +1,128 @@
+"""The data and cache sections of a run configuration (re-exported by `difftune.config`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from difftune.config_base import Section as _Section
+
+
+class SubsetConfig(_Section):
+    """One folder of images with same-stem caption files."""
+
+    path: Path = Field(..., description="Folder of png/jpg/webp images (searched recursively).")
+    repeats: int = Field(1, ge=1, description="How many times each image appears per epoch.")
+    caption_ext: str = Field(".txt", description="Caption file extension.")
+    default_caption: str = Field("", description="Caption for images with no caption file.")
+    recursive: bool = Field(True, description="Search sub-folders too.")
+    flip: bool = Field(False, description="Random horizontal flip (per sample).")
+    crop: Literal["center", "random"] = Field(
+        "center", description="Where to crop after resizing to the bucket."
+    )
+    # Caption augmentations (data/captions.py applies them, per sample, in this order).
+    caption_prefix: str = Field("", description="Text put before every caption (with a space).")
+    caption_suffix: str = Field("", description="Text put after every caption (with a space).")
+    wildcards: bool = Field(
+        False, description="Resolve `{a|b|c}` in captions to one choice per sample."
+    )
+    shuffle_caption: bool = Field(False, description="Shuffle the caption's tags per sample.")
+    keep_tokens: int = Field(
+        0, ge=0, description="Leading tags never shuffled or dropped (e.g. the trigger word)."
+    )
+    caption_separator: str = Field(",", min_length=1, description="What separates tags.")
+    caption_tag_dropout_rate: float = Field(
+        0.0, ge=0, lt=1, description="Chance that each (not kept) tag is left out, per sample."
+    )
+    caption_dropout_rate: float = Field(
+        0.0, ge=0, le=1, description="Chance that the whole caption is empty, per sample."
+    )
+    token_warmup_min: int = Field(1, ge=1, description="Tags kept at step 0 of the warm-up.")
+    token_warmup_steps: int = Field(
+        0, ge=0, description="Steps over which the tag count grows to the full caption (0: off)."
+    )
+
+    def ignored_caption_options(self) -> list[str]:
+        """Caption options set to a value that has no effect with the others (to warn about)."""
+        out = []
+        uses_tags = self.shuffle_caption or self.caption_tag_dropout_rate > 0
+        if self.keep_tokens and not uses_tags:
+            out.append("keep_tokens (needs shuffle_caption or caption_tag_dropout_rate)")
+        if self.token_warmup_min != 1 and not self.token_warmup_steps:
+            out.append("token_warmup_min (needs token_warmup_steps)")
+        if self.caption_separator != "," and not (uses_tags or self.token_warmup_steps):
+            out.append("caption_separator (needs shuffle, tag dropout or token warm-up)")
+        return out
+
+
+class DatasetConfig(_Section):
+    """A dataset: bucketing parameters and one or more subsets.
+
+    For a single folder, give its fields (`path`, `repeats`, ...) directly; they become one subset.
+    """
+
+    resolution: int = Field(1024, ge=64, description="Target side: buckets hold ~resolution² px.")
+    min_side: int = Field(256, ge=16, description="Smallest bucket side.")
+    max_side: int = Field(2048, ge=16, description="Largest bucket side.")
+    bucket_step: int | None = Field(
+        None, ge=8, description="Bucket side granularity (default: the family's, 16 for flux)."
+    )
+    buckets: bool = Field(True, description="Aspect-ratio bucketing; off = square crops.")
+    subsets: list[SubsetConfig] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "path" in data:
+            data = dict(data)
+            # Only subset fields move into the subset, so an unknown key is reported where the
+            # user wrote it (datasets[0].key), not inside a subset they never wrote.
+            subset = {k: data.pop(k) for k in list(data) if k in SubsetConfig.model_fields}
+            if data.get("subsets"):
+                raise ValueError("give either `path` (one folder) or `subsets`, not both")
+            data["subsets"] = [subset]
+        return data
+
+    @model_validator(mode="after")
+    def _sides(self) -> "DatasetConfig":
+        if not self.subsets:
+            raise ValueError("no images: set `path` or add [[datasets.subsets]] with a path")
+        if self.min_side > self.max_side:
+            raise ValueError(f"min_side ({self.min_side}) is larger than max_side ({self.max_side})")
+        if not self.min_side <= self.resolution <= self.max_side:
+            raise ValueError(
+                f"resolution ({self.resolution}) must lie between min_side ({self.min_side}) "
+                f"and max_side ({self.max_side})"
+            )
+        return self
+
+
+class CacheConfig(_Section):
+    """What is computed once before training instead of every step."""
+
+    latents: Literal["memory", "disk", "none"] = Field(
+        "memory", description="Cache VAE latents: in memory, on disk (kept across runs), or not."
+    )
+    text: Literal["memory", "disk", "none"] = Field(
+        "memory", description="Cache text-encoder outputs: in memory, on disk, or not."
+    )
+    dir: Path | None = Field(
+        None, description="Folder of the disk caches (default: <save.dir>/cache); shareable."
+    )
+    caption_variants: int = Field(
+        0, ge=0, le=1024,
+        description="Random caption augmentations: K variants per caption pre-encoded from the "
+                    "seed (encoders can then be offloaded); 0: a fresh draw per sample, encoded "
+                    "on demand with the cache as a memo (encoders stay resident).",
+    )
+    offload: bool = Field(
+        True, description="Move the VAE and frozen text encoders off the accelerator once cached."
+    )
+    unload_text_encoders: bool = Field(
+        False, description="Free the frozen text encoders once their outputs are cached; new "
+                           "text (an edited prompt file) reloads them from their files."
+    )
+
+
