@@ -93,6 +93,7 @@ class Embeddings:
             # since tokenizers may be shared (cached) between loads and this adds tokens
             self.comps.tokenizers[name] = copy.deepcopy(self.comps.tokenizers[name])
         tok = self.comps.tokenizers[name]
+        self._check_pooling(name, model, tok, spec)
         base = table.base if isinstance(table, ExtendedEmbedding) else table
         offset = table.offset if isinstance(table, ExtendedEmbedding) else len(tok)
         new_tokens = [f"{spec.name}_{i}" for i in range(spec.tokens)]
@@ -111,6 +112,17 @@ class Embeddings:
         log.info("placeholder %s: %d %s vector(s) in %s, from %r", spec.name, spec.tokens,
                  spec.kind, name, spec.init)
         return Learned(spec, name, ids, vectors)
+
+    def _check_pooling(self, name: str, model: torch.nn.Module, tok: object,
+                       spec: EmbeddingConfig) -> None:
+        """Warn when old CLIP configs (eos_token_id = 2) would pool at the placeholder:
+        transformers then pools at the highest token id, which an added token is."""
+        eos = getattr(model.config, "eos_token_id", None)
+        if self.specs[name].pooled and eos is not None and eos != tok.eos_token_id:
+            log.warning("%s: its config's eos_token_id (%s) is not its tokenizer's (%s), so "
+                        "transformers pools it at the highest token id: for captions with %s, "
+                        "the placeholder. Set eos_token_id to %s in the text encoder's "
+                        "config.json", name, eos, tok.eos_token_id, spec.name, tok.eos_token_id)
 
     @staticmethod
     def _extend(model: torch.nn.Module, base: torch.nn.Embedding, offset: int, ids: list[int],
