@@ -21,7 +21,8 @@ from difftune.families.tiny_sd import build_tiny_sd3, build_tiny_sdxl
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PIPELINES = {"flux-dev-lora.toml": (FluxPipeline, build_tiny_flux),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
-             "sdxl-lora.toml": (StableDiffusionXLPipeline, build_tiny_sdxl)}
+             "sdxl-lora.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
+             "sdxl-pivotal.toml": (StableDiffusionXLPipeline, build_tiny_sdxl)}
 # Single-file overrides of the folder (the FLUX.1 example's ComfyUI files) are dropped: the
 # folder then provides those components. Single files are checked in tests/unit/test_flux_files.py.
 SINGLE_FILE = re.compile(r'^(transformer|vae|clip_l|clip_g|t5) = ".*$', re.MULTILINE)
