@@ -152,8 +152,13 @@ def describe_captions(run: Run) -> list[str]:
         words = run.captions.describe(i)
         if not words:
             continue
+        live = ""
+        if run.embeddings is not None and any(
+                e.name in run.captions.text(i, None, 0) for e in run.cfg.adapter.embeddings):
+            live = ("; captions with a learned placeholder are encoded live by the encoders "
+                    "learning it")
         lines.append(f"captions of datasets[{d}].subsets[{s}]: {', '.join(words)}; "
-                     + _caption_mode(run, i))
+                     + _caption_mode(run, i) + live)
     return lines
 
 
@@ -200,26 +205,58 @@ def run_check(cfg: RunConfig) -> list[str]:
     gen = torch.Generator("cpu").manual_seed(cfg.train.seed)
     set_training(run, True)
     loss = batch_loss(run, [smallest], [False], gen)
-    loss.backward()
+    if loss.requires_grad:  # false only when nothing trained is used (a caption without
+        loss.backward()     # the placeholder of a textual-inversion run)
     value = float(loss.detach())
     if not torch.isfinite(loss):
         raise RuntimeError(f"the check step gave a non-finite loss ({value})")
-    report.append(f"training step: loss {value:.4f}, LoRA gradients flow into "
-                  + ", ".join(_gradient_flow(run)))
+    caption = run.captions.text(smallest, None, 0)
+    flow = _gradient_flow(run, caption)
+    report.append(f"training step: loss {value:.4f}, gradients flow into "
+                  + (", ".join(flow) if flow else "nothing this step trains (its caption "
+                     "uses no placeholder)"))
+    report += _placeholder_report(run)
     report += describe_captions(run)
     report += _check_sample(run)
     return report
 
 
-def _gradient_flow(run: Run) -> list[str]:
-    """The modules whose LoRA got a gradient in the check step; raises if one got none."""
-    modules = {"the denoiser": run.comps.denoiser,
-               **{f"text encoder {n}": m for n, m in run.trained_encoders.items()}}
-    for label, module in modules.items():
-        grads = [p.grad for p in lora_parameters(module)]
-        if not any(g is not None and bool(g.abs().sum() > 0) for g in grads):
-            raise RuntimeError(f"the check step gave no LoRA gradient in {label}")
-    return list(modules)
+def _gradient_flow(run: Run, caption: str) -> list[str]:
+    """What got a gradient in the check step (LoRAs, and embeddings `caption` uses); raises
+    if one got none."""
+    groups: dict[str, list[torch.nn.Parameter]] = {}
+    if run.cfg.adapter.type == "lora":
+        groups["the denoiser"] = lora_parameters(run.comps.denoiser)
+    groups |= {f"text encoder {n}": lora_parameters(m) for n, m in run.trained_encoders.items()}
+    if run.embeddings is not None:
+        for item in run.embeddings.learned:
+            if item.spec.name in caption:
+                groups[f"{item.spec.name} in {item.encoder}"] = \
+                    [run.embeddings.parameters()[_embedding_key(item)]]
+    for label, params in groups.items():
+        if not any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in params):
+            raise RuntimeError(f"the check step gave no gradient in {label}")
+    return list(groups)
+
+
+def _embedding_key(item: object) -> str:
+    """The trainable tensor of a learned placeholder (input rows are shared per encoder)."""
+    spec, encoder = item.spec, item.encoder  # type: ignore[attr-defined]
+    return f"emb.{encoder}.input_rows" if spec.kind == "input" else item.key  # type: ignore
+
+
+def _placeholder_report(run: Run) -> list[str]:
+    """How many captions use each placeholder (none is a mistake worth seeing in seconds)."""
+    if run.embeddings is None:
+        return []
+    captions = [run.captions.text(i, None, 0) for i in range(len(run.data.items))]
+    lines = []
+    for spec in run.cfg.adapter.embeddings:
+        used = sum(spec.name in c for c in captions)
+        lines.append(f"placeholder {spec.name}: in {used} of {len(captions)} captions"
+                     + ("" if used else " (none: add it to the captions or caption_prefix, or "
+                        "nothing will train it)"))
+    return lines
 
 
 def _check_sample(run: Run) -> list[str]:

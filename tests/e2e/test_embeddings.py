@@ -182,3 +182,36 @@ def test_pivotal_tuning_resume_and_init(tmp_path: Path, images: Path) -> None:
     for encoder in ("clip_l", "t5"):  # the bundle went into the placeholder (lr ~ 0 after)
         torch.testing.assert_close(start[encoder], lora[f"bundle_emb.<sks>.{encoder}"],
                                    rtol=0, atol=1e-6)
+
+
+def test_check_on_a_textual_inversion_config(tmp_path: Path, images: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    def toml(prefix: str) -> Path:
+        path = tmp_path / "ti.toml"
+        path.write_text(f"""
+[model]
+flavor = "tiny"
+[adapter]
+type = "embedding"
+[[adapter.embeddings]]
+name = "<sks>"
+init = "a dog"
+[[datasets]]
+path = "{images.as_posix()}"
+resolution = 64
+min_side = 32
+max_side = 128
+caption_prefix = "{prefix}"
+[train]
+device = "cpu"
+[save]
+dir = "{(tmp_path / 'out').as_posix()}"
+""")
+        return path
+
+    assert main(["check", str(toml("<sks>"))]) == 0
+    out = capsys.readouterr().out
+    assert "gradients flow into <sks> in clip_l, <sks> in t5" in out
+    assert "placeholder <sks>: in 6 of 6 captions" in out
+    assert main(["check", str(toml(""))]) == 0  # no caption uses the placeholder: said at once
+    assert "placeholder <sks>: in 0 of 6 captions (none:" in capsys.readouterr().out

@@ -79,4 +79,4 @@ def test_check_reports_gradient_flow_into_each_trained_encoder(
             'adapter.text_encoders=["clip_l", "t5"]']
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "LoRA gradients flow into the denoiser, text encoder clip_l, text encoder t5" in out
+    assert "gradients flow into the denoiser, text encoder clip_l, text encoder t5" in out
