@@ -148,7 +148,7 @@ def _step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
         return loss, epoch, lr
     # Nothing is applied: gradients dropped, schedule advanced to stay on the step count.
     loop.opt.zero_grad(set_to_none=True)
-    lr = loop.sched.get_last_lr()[0]
+    lr = loop.opt.param_groups[0]["lr"]
     loop.sched.step()
     if loop.guard.exhausted:
         set_training(run, False)
@@ -207,7 +207,7 @@ def _optimizer_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.
         torch.nn.utils.clip_grad_norm_(params, max_norm)
     scaler.step(opt)
     scaler.update()
-    lr = sched.get_last_lr()[0]
+    lr = opt.param_groups[0]["lr"]  # the rate this step used
     sched.step()
     opt.zero_grad(set_to_none=True)
     return lr

@@ -23,6 +23,7 @@ from difftune.config import RunConfig
 from difftune.errors import CheckpointError
 from difftune.safefiles import is_pickle, pickle_refusal
 from difftune.train.checkpoint import CHECKPOINT_FORMAT, CheckpointManager, complete_checkpoints
+from difftune.train.optim import lr_factor
 from difftune.train.state import TrainState, load_optimizer, set_rng_state
 
 log = logging.getLogger("difftune")
@@ -121,21 +122,23 @@ def restore(ckpt: Checkpoint, manager: CheckpointManager, cfg: RunConfig,
         for name, value in ckpt.trainable.items():
             params[name].copy_(value)
     names = {id(p): n for n, p in params.items()}
+    configured = [g["initial_lr"] for g in opt.param_groups]  # this config's peak rates
     load_optimizer(opt, names, ckpt.doc["optimizer"], ckpt.optimizer)
     sched.load_state_dict(ckpt.doc["scheduler"])
-    _new_learning_rate(opt, sched, cfg, ckpt.doc["config"]["train"])
+    _configured_rates(opt, sched, configured, cfg)
     if ckpt.doc["scaler"]:
         scaler.load_state_dict(ckpt.doc["scaler"])
     set_rng_state(generator, ckpt.rng, ckpt.doc["rng"])
     return TrainState(ckpt.step, ckpt.doc["sampler"], ckpt.doc.get("counters", {}))
 
 
-def _new_learning_rate(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-                       cfg: RunConfig, old: dict[str, Any]) -> None:
-    """A changed train.lr (or text-encoder lr) takes effect from the next step on."""
-    if old.get("lr") == cfg.train.lr:
-        return
-    ratio = cfg.train.lr / float(old["lr"])
-    sched.base_lrs = [base * ratio for base in sched.base_lrs]
-    for group, base in zip(opt.param_groups, sched.base_lrs):
+def _configured_rates(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+                      configured: list[float], cfg: RunConfig) -> None:
+    """This config's peak rates and schedule govern from the next step on: a changed lr (any
+    group's), step count or schedule takes effect; an unchanged config recomputes the very
+    values the checkpoint holds (the same formula as the scheduler's)."""
+    sched.base_lrs = list(configured)
+    factor = lr_factor(sched.last_epoch, cfg.train)
+    for group, base in zip(opt.param_groups, configured):
         group["initial_lr"] = base
+        group["lr"] = base * factor

@@ -132,6 +132,8 @@ def test_changed_lr_and_steps_are_a_warning(stopped: Path, tmp_path: Path,
     err = capsys.readouterr().err
     assert "resuming with train.lr = 0.005" in err and "resuming with train.steps = 5" in err
     assert [s for s, _ in losses(cfg.parent / "out")] == [1, 2, 3, 4, 5]
+    rows = [json.loads(r) for r in (cfg.parent / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows] == [1e-2, 1e-2, 5e-3, 5e-3, 5e-3]  # from the next step on
 
 
 def test_interrupted_save_is_never_latest(stopped: Path, tmp_path: Path) -> None:
