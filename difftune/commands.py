@@ -231,18 +231,11 @@ def _gradient_flow(run: Run, caption: str) -> list[str]:
     if run.embeddings is not None:
         for item in run.embeddings.learned:
             if item.spec.name in caption:
-                groups[f"{item.spec.name} in {item.encoder}"] = \
-                    [run.embeddings.parameters()[_embedding_key(item)]]
+                groups[f"{item.spec.name} in {item.encoder}"] = [run.embeddings.tensor_of(item)]
     for label, params in groups.items():
         if not any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in params):
             raise RuntimeError(f"the check step gave no gradient in {label}")
     return list(groups)
-
-
-def _embedding_key(item: object) -> str:
-    """The trainable tensor of a learned placeholder (input rows are shared per encoder)."""
-    spec, encoder = item.spec, item.encoder  # type: ignore[attr-defined]
-    return f"emb.{encoder}.input_rows" if spec.kind == "input" else item.key  # type: ignore
 
 
 def _placeholder_report(run: Run) -> list[str]:

@@ -1,6 +1,6 @@
 """Textual inversion: new placeholder tokens learned as input or output embeddings.
 
-A placeholder (`<sks>`, N vectors) becomes N new tokens (`<sks_0> ... <sks_N-1>`) in the
+A placeholder (`<sks>`, N vectors) becomes N new tokens (`<sks>_0 ... <sks>_N-1`) in the
 tokenizer of each text encoder that learns it, and captions are expanded to them for that
 encoder only. Input embeddings: the token-embedding table is wrapped (`set_input_embeddings`,
 transformers' public API) so the new ids read a trainable fp32 table while every existing row
@@ -58,12 +58,13 @@ class ExtendedEmbedding(torch.nn.Module):
 
 @dataclass
 class Learned:
-    """One placeholder in one encoder: its token ids and its trainable vectors."""
+    """One placeholder in one encoder: its token ids, and for output embeddings its trainable
+    vectors (input embeddings live in the encoder's extended table, see `tensor_of`)."""
 
     spec: EmbeddingConfig
     encoder: str
     ids: list[int]
-    vectors: torch.nn.Parameter
+    vectors: torch.nn.Parameter | None
 
     @property
     def key(self) -> str:
@@ -106,9 +107,8 @@ class Embeddings:
             output = self._init_output(name, spec.init, len(init_ids))[pick] \
                 if spec.kind == "output" else None
         self._extend(model, base, offset, ids, seed, fixed=spec.kind == "output")
-        vectors = model.get_input_embeddings().rows
-        if output is not None:
-            vectors = torch.nn.Parameter(output.clone().to(text.module_device(model)))
+        vectors = None if output is None else \
+            torch.nn.Parameter(output.clone().to(text.module_device(model)))
         log.info("placeholder %s: %d %s vector(s) in %s, from %r", spec.name, spec.tokens,
                  spec.kind, name, spec.init)
         return Learned(spec, name, ids, vectors)
@@ -150,14 +150,18 @@ class Embeddings:
 
     def parameters(self) -> dict[str, torch.nn.Parameter]:
         """Trainable tensors by canonical name (one input table per encoder holds all rows)."""
-        out: dict[str, torch.nn.Parameter] = {}
-        for item in self.learned:
-            if item.spec.kind == "output":
-                out[item.key] = item.vectors
-            else:
-                table = self.comps.text_encoders[item.encoder].get_input_embeddings()
-                out[f"emb.{item.encoder}.input_rows"] = table.rows
-        return out
+        return {self.tensor_name(item): self.tensor_of(item) for item in self.learned}
+
+    @staticmethod
+    def tensor_name(item: Learned) -> str:
+        """The canonical name of the tensor that trains `item` (input rows: one per encoder)."""
+        return item.key if item.spec.kind == "output" else f"emb.{item.encoder}.input_rows"
+
+    def tensor_of(self, item: Learned) -> torch.nn.Parameter:
+        """The trainable tensor holding `item`'s vectors (for input ones, the encoder's rows)."""
+        if item.vectors is not None:
+            return item.vectors
+        return self.comps.text_encoders[item.encoder].get_input_embeddings().rows
 
     def encoders(self) -> set[str]:
         """The text encoders that learn something (they run live on captions that use it)."""

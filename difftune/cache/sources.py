@@ -141,12 +141,12 @@ class TextSource:
         # Kept apart from the modules, which may be unloaded: part of every key.
         self._dtypes = {n: str(m.dtype).removeprefix("torch.")
                         for n, m in comps.text_encoders.items()}
-        self.reload, self.unloaded, self.reloads = reload, False, 0
+        self.reload, self.unloaded = reload, False
 
     def unload(self) -> list[str]:
         """Drop the frozen encoders from memory (they are reloaded on demand); returns names."""
         assert self.reload is not None, "unloading needs a way to reload"
-        names = [n for n in self.specs if n not in self.trained]
+        names = self._frozen()
         for name in names:
             self.comps.text_encoders[name] = None  # type: ignore[assignment]
         self.unloaded = True
@@ -162,7 +162,6 @@ class TextSource:
         assert self.reload is not None
         log.info("reloading text encoders %s to encode new text", ", ".join(self._frozen()))
         loaded = self.reload()
-        self.reloads += 1
         for name in self._frozen():
             self.comps.text_encoders[name] = loaded[name]
         try:
@@ -206,8 +205,7 @@ class TextSource:
         return out
 
     def _cacheable(self, name: str, caption: str) -> bool:
-        return name not in self.trained and not (
-            self.embeddings is not None and self.embeddings.uses(name, [caption]))
+        return name not in self.trained and not self._uses(name, [caption])
 
     def cached(self, name: str, captions: list[str]) -> dict[str, torch.Tensor]:
         """A frozen encoder's outputs (CPU tensors) for a batch, encoding only the misses."""
@@ -283,7 +281,7 @@ class TextSource:
 
     def fill(self, captions: list[str], progress: Progress = _no_progress) -> None:
         """Encode every distinct caption not yet stored, for every frozen encoder."""
-        frozen = [n for n in self.specs if n not in self.trained]
+        frozen = self._frozen()
         distinct = list(dict.fromkeys(captions))
         missing = self.store.missing([self._key(n, c)[0] for c in distinct for n in frozen])
         todo: dict[str, list[str]] = {}

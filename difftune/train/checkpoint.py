@@ -87,20 +87,17 @@ class CheckpointManager:
             "ss_network_alpha": str(a.scale_alpha),
         }
 
-    def save_lora(self, model: torch.nn.Module, step: int, final: bool = False,
-                  path: Path | None = None) -> Path:
-        """Export the LoRA of `model` in the configured format (with the embeddings bundled,
-        and also as embedding files); returns the file (the first embedding file when only
-        embeddings train)."""
+    def save_lora(self, step: int, final: bool = False, path: Path | None = None) -> Path:
+        """Export the trained LoRA (denoiser and text encoders) in the configured format (with
+        the embeddings bundled, and also as embedding files); returns the file (the first
+        embedding file when only embeddings train)."""
         files = self.save_embeddings(step, final, path)
         if self.cfg.adapter.type == "embedding":
             return files[0]
         a = self.cfg.adapter
-        prefixes = [self.family.denoiser_prefix]
-        state = lora_state(model, prefixes[0])
-        for name in a.text_encoders:
-            prefixes.append(self.family.text_encoder_prefixes[name])
-            state.update(lora_state(self.comps.text_encoders[name], prefixes[-1]))
+        modules = self.modules()
+        state = {k: v for prefix, m in modules.items() for k, v in lora_state(m, prefix).items()}
+        prefixes = list(modules)
         meta = self.metadata(step)
         if self.cfg.save.format == "diffusers":
             meta.update(merged_adapter_metadata(state, a.rank, a.scale_alpha, prefixes))
@@ -171,7 +168,7 @@ class CheckpointManager:
                {n: p.detach().float().cpu().contiguous() for n, p in params.items()})
         _write(tmp / "optimizer.safetensors", optimizer_tensors(opt, names))
         _write(tmp / "rng.safetensors", rng_tensors)
-        self.save_lora(self.comps.denoiser, state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
+        self.save_lora(state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
         doc = {"format": CHECKPOINT_FORMAT, "complete": True, "step": state.step,
                "sampler": state.sampler, "counters": state.counters,
                "optimizer": optimizer_groups(opt, names), "scheduler": sched.state_dict(),

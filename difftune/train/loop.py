@@ -89,7 +89,7 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
         if step < cfg.train.steps:
             _between_steps(run, hooks, loop, step)
     set_training(run, False)
-    result.lora = hooks.checkpoints.save_lora(run.comps.denoiser, cfg.train.steps, final=True)
+    result.lora = hooks.checkpoints.save_lora(cfg.train.steps, final=True)
     hooks.checkpoints.save_checkpoint(loop.state(cfg.train.steps), loop.opt, loop.sched,
                                       loop.scaler, loop.generator)
     if cfg.sample.at_end and hooks.sampler:
@@ -152,7 +152,7 @@ def _step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
     loop.sched.step()
     if loop.guard.exhausted:
         set_training(run, False)
-        path = hooks.checkpoints.save_lora(run.comps.denoiser, step)
+        path = hooks.checkpoints.save_lora(step)
         raise TrainingDiverged(loop.guard.message(step, path))
     return loss, epoch, lr
 
@@ -218,7 +218,7 @@ def _between_steps(run: Run, hooks: Hooks, loop: _Loop, step: int) -> None:
     cfg = run.cfg
     saved = None
     if _due(step, cfg.save.every_n_steps):
-        hooks.checkpoints.save_lora(run.comps.denoiser, step)
+        hooks.checkpoints.save_lora(step)
         saved = hooks.checkpoints.save_checkpoint(loop.state(step), loop.opt, loop.sched,
                                                   loop.scaler, loop.generator)
     if hooks.sampler and _due(step, cfg.sample.every_n_steps):

@@ -143,8 +143,7 @@ def test_saved_lora_reloads_in_diffusers_with_identical_outputs(run: Run,
     with torch.no_grad():
         for p in param_groups(run)[0]["params"] + param_groups(run)[1]["params"]:
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    path = CheckpointManager(cfg, run.family, run.comps, run.targets, {}).save_lora(
-        run.comps.denoiser, 1, final=True)
+    path = CheckpointManager(cfg, run.family, run.comps, run.targets, {}).save_lora(1, final=True)
     ours = _prediction(run, run.comps)
     fresh = run.family.load(cfg.model, run.policy)
     base = _prediction(run, fresh)
