@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
         if name == "cache":
             p.add_argument("--prune", action="store_true",
                            help="first delete the entries this config no longer references")
+        if name in ("train", "cache"):
+            p.add_argument("--num-processes", type=int, default=1, metavar="N",
+                           help="data-parallel over N processes, one per GPU (runs accelerate "
+                           "launch; for several machines use accelerate launch yourself)")
         if name == "train":
             p.add_argument("--resume", metavar="latest|PATH",
                            help="continue exactly from a checkpoint (latest in save.dir)")
@@ -73,11 +77,31 @@ def _train(args: argparse.Namespace) -> int:
                            init_lora=args.init_lora)
     except Interrupted as stop:
         sets = "".join(f" --set {o}" for o in args.overrides)
-        print(f"stopped after step {stop.step}; checkpoint saved to {stop.path}\n"
-              f"resume with: difftune train {args.config}{sets} --resume latest")
+        if _rank() == 0:
+            print(f"stopped after step {stop.step}; checkpoint saved to {stop.path}\n"
+                  f"resume with: difftune train {args.config}{sets} --resume latest")
         return 0
-    print(f"LoRA written to {result.lora}")
+    if _rank() == 0:
+        print(f"LoRA written to {result.lora}")
     return 0
+
+
+def _peer_failed(err: Exception) -> bool:
+    """Whether `err` is a collective broken by another process's exit (gloo: the peer closed
+    its connection; NCCL: a distributed backend error)."""
+    import torch.distributed as td
+
+    return isinstance(err, getattr(td, "DistError", ())) or "closed by peer" in str(err)
+
+
+def _launched() -> bool:
+    """Whether this is one process of a multi-process launch."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _rank() -> int:
+    """This process's rank in a multi-process run (0 when alone)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -97,9 +121,20 @@ def _cache(args: argparse.Namespace) -> int:
     from difftune.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    for line in run_cache(cfg, prune=args.prune, show_progress=not args.no_progress):
+    lines = run_cache(cfg, prune=args.prune, show_progress=not args.no_progress)
+    for line in lines if _rank() == 0 else []:
         print(line)
     return 0
+
+
+def _one_process(verb: str) -> None:
+    """`check`, `sample` and `demo` run in one process; refuse them under a multi-process launch."""
+    from difftune.errors import ConfigError
+    from difftune.train.dist import launched
+
+    if launched() and verb not in ("train", "cache"):
+        raise ConfigError(f"difftune {verb} runs in one process; start it without accelerate "
+                          "launch / torchrun (only train and cache run on several)")
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -137,21 +172,33 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     setup_console(args.verbose)
+    tag = f"[rank {_rank()}] " if _launched() else ""
     try:
+        _one_process(args.verb)
+        if getattr(args, "num_processes", 1) > 1 and not _launched():
+            from difftune.launch import launch
+
+            return launch(args.num_processes, sys.argv[1:] if argv is None else argv)
         return VERBS[args.verb](args)
     except DifftuneError as err:
         log.debug("user-fixable error:\n%s", traceback.format_exc())
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{tag}error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as err:
+        if _launched() and _peer_failed(err):
+            log.debug("collective failed:\n%s", traceback.format_exc())
+            print(f"{tag}stopped: a collective with the other processes failed ({type(err).__name__}"
+                  "); another process of this run failed first, its error is above",
+                  file=sys.stderr)
+            return 1
         where = current_run_log()
         log.debug("internal error:\n%s", traceback.format_exc())
         if where is None:
             traceback.print_exc()
-        print(f"internal error: {type(err).__name__}: {err}"
+        print(f"{tag}internal error: {type(err).__name__}: {err}"
               + (f" (traceback in {where})" if where else ""), file=sys.stderr)
         return 1
 

@@ -19,10 +19,12 @@ from difftune.cache.disk import DiskStore
 from difftune.config import RunConfig
 from difftune.errors import ConfigError
 from difftune.data.discover import DataSet
-from difftune.logs import attach_run_log
-from difftune.report import Reporter
+from difftune.logs import attach_run_log, quiet_rank
+from difftune.precision import resolve_device
+from difftune.report import Reporter, SilentReporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager, refuse_overwrite
+from difftune.train.dist import Dist, init as init_dist
 from difftune.train import resume as resume_mod
 from difftune.train.init_lora import load_init_lora
 from difftune.train.loop import Hooks, Result, set_training, train
@@ -52,27 +54,34 @@ def run_train(cfg: RunConfig, show_progress: bool = True, resume: str | None = N
     `resume` ("latest" or a checkpoint folder) continues a run exactly; `init_lora` starts a
     new one from a LoRA file's weights. An incompatible resume fails before anything is written.
     """
+    dist = join(cfg)
     checkpoint = resume_mod.read(resume_mod.find(cfg.save.dir, resume)) if resume else None
     if checkpoint is None:
         refuse_overwrite(cfg)
     else:
         resume_mod.check_compatible(checkpoint, resume_mod.config_identity(cfg), cfg)
-    cfg.save.dir.mkdir(parents=True, exist_ok=True)
-    attach_run_log(cfg.save.dir / "difftune.log")  # appends: a refused resume loses nothing
+    dist.barrier()  # every process checked before rank 0 writes anything
+    if dist.main:
+        cfg.save.dir.mkdir(parents=True, exist_ok=True)
+        attach_run_log(cfg.save.dir / "difftune.log")  # appends: a refused resume loses nothing
+    if dist.world > 1:
+        log.info("data-parallel run: %d processes, global batch %d (train.batch_size %d per "
+                 "process)", dist.world, dist.world * cfg.train.batch_size, cfg.train.batch_size)
     started = time.perf_counter()
     run = prepare(cfg, show_progress=show_progress)
     ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, run.data.summary(),
-                             run.embeddings)
+                             run.embeddings, writes=dist.main)
     if checkpoint is not None:
         resume_mod.check_compatible(checkpoint, ckpt.identity(), cfg)
     if init_lora is not None:
         load_init_lora(init_lora, ckpt)
     ckpt.write_config()
-    sampler = _sampler(run, None, cfg.save.dir / "samples") if cfg.sample.prompts else None
-    fill_caches(run, _sample_prompts(sampler) if sampler else [], show_progress)
+    sampler = (_sampler(run, None, cfg.save.dir / "samples")
+               if cfg.sample.prompts and dist.main else None)
+    fill_caches(run, dist.broadcast(_sample_prompts(sampler) if sampler else []), show_progress)
     start = checkpoint.step if checkpoint else 0
-    reporter = Reporter(cfg.save.dir, cfg.train.steps, start_step=start, bar=show_progress,
-                        append=checkpoint is not None)
+    reporter = (Reporter(cfg.save.dir, cfg.train.steps, start_step=start, bar=show_progress,
+                         append=checkpoint is not None) if dist.main else SilentReporter())
     if sampler:
         sampler.reporter = reporter
     try:
@@ -83,6 +92,15 @@ def run_train(cfg: RunConfig, show_progress: bool = True, resume: str | None = N
         report_bad_entries(run)
     log.info("done in %.1f s: %s", time.perf_counter() - started, result.lora)
     return result
+
+
+def join(cfg: RunConfig) -> Dist:
+    """This process's place in a multi-process run (launched by accelerate or torchrun), or
+    a single process; only rank 0 then speaks on the console (warnings of others: errors only)."""
+    dist = init_dist(resolve_device(cfg.train.device))
+    if dist.world > 1:
+        quiet_rank(dist.rank)
+    return dist
 
 
 @contextlib.contextmanager
@@ -114,12 +132,14 @@ def run_cache(cfg: RunConfig, prune: bool = False, show_progress: bool = True) -
         raise ConfigError("difftune cache fills disk caches, but neither cache.latents nor "
                           "cache.text is \"disk\"; set cache.latents = \"disk\" and/or "
                           "cache.text = \"disk\"")
+    dist = join(cfg)
     run = prepare(cfg, show_progress=show_progress)
     sampler = _sampler(run, None, cfg.save.dir / "samples") if cfg.sample.prompts else None
-    extra = _sample_prompts(sampler) if sampler else []
+    extra = dist.broadcast(_sample_prompts(sampler) if sampler else [])
     report = []
-    if prune:
+    if prune and dist.main:
         report += _prune(run, extra)
+    dist.barrier()  # pruned before anyone fills
     fill_caches(run, extra, show_progress)
     for kind, store in (("latents", run.latents.store), ("text", run.texts.store)):
         if isinstance(store, DiskStore):

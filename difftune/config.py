@@ -178,7 +178,9 @@ class TrainConfig(_Section):
     batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
-    optimizer: Literal["adamw"] = "adamw"
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="adamw, or adamw8bit (bitsandbytes, CUDA only: 8-bit moments, "
+        "a quarter of AdamW's optimizer-state memory).")
     weight_decay: float = Field(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
@@ -186,6 +188,15 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip gradients (unset: off).")
     gradient_checkpointing: bool = False
+    blocks_to_swap: int = Field(
+        0, ge=0, description="Memory saver: the denoiser's last N blocks stay in host memory "
+        "and are streamed to the GPU as they run, the next one prefetched (use with "
+        "gradient_checkpointing, or the blocks' weights stay alive for backward).")
+    fused_backward: bool = Field(
+        False, description="Memory saver: each parameter's optimizer step runs during backward "
+        "as soon as its gradient is complete, and the gradient is freed at once (no gradient "
+        "accumulation; max_grad_norm then clips each tensor on its own).")
+    compile: bool = Field(False, description="torch.compile each block of the denoiser.")
     seed: int = 42
     timesteps: Literal["uniform", "sigmoid", "shift", "flux_shift"] = Field(
         "sigmoid", description="How training timesteps are drawn."
@@ -217,6 +228,17 @@ class TrainConfig(_Section):
                 "zero_terminal_snr needs prediction = \"v_prediction\" (an epsilon target is "
                 "undefined at zero SNR); set train.prediction = \"v_prediction\""
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fused(self) -> "TrainConfig":
+        if self.fused_backward and self.grad_accum > 1:
+            raise ValueError("fused_backward steps each parameter inside backward, so gradients "
+                             "cannot accumulate over micro-batches; set grad_accum = 1 (raise "
+                             "batch_size instead) or fused_backward = false")
+        if self.fused_backward and self.optimizer != "adamw":
+            raise ValueError(f"fused_backward works with optimizer = \"adamw\", not "
+                             f"\"{self.optimizer}\"; choose one of the two memory savers")
         return self
 
     @model_validator(mode="after")
@@ -299,6 +321,7 @@ class RunConfig(_Section):
         problems += checks.text_encoder_problems(self.model, self.adapter, self.save.format, p)
         problems += checks.unload_problems(self)
         problems += checks.embedding_problems(self)
+        problems += checks.memory_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(

@@ -161,6 +161,28 @@ def model_file_problems(model: ModelConfig) -> list[str]:
     return problems
 
 
+def memory_problems(cfg: "RunConfig") -> list[str]:
+    """Memory savers that cannot work with the rest of the config (known before any load)."""
+    t, problems = cfg.train, []
+    if t.fused_backward and cfg.precision.mixed == "fp16":
+        problems.append("train.fused_backward cannot run with precision.mixed = \"fp16\": the "
+                        "loss scaler must see every gradient before any step; use bf16")
+    if t.optimizer == "adamw8bit" and t.device == "cpu":
+        problems.append(EIGHT_BIT_CPU)
+    if t.blocks_to_swap and t.compile:
+        problems.append("train.compile with train.blocks_to_swap: a compiled block's weights "
+                        "cannot be swapped between calls; choose one of the two")
+    if t.blocks_to_swap and cfg.precision.quantize.denoiser == "nf4":
+        problems.append("train.blocks_to_swap with precision.quantize.denoiser = \"nf4\": "
+                        "bitsandbytes' 4-bit weights cannot be moved by block swap; use int8 or "
+                        "fp8, or no block swap")
+    return problems
+
+
+EIGHT_BIT_CPU = ("train.optimizer = \"adamw8bit\" runs on CUDA only (bitsandbytes' 8-bit "
+                 "optimizers have no CPU kernels); use optimizer = \"adamw\" on the CPU")
+
+
 def warn_ignored(cfg: RunConfig) -> None:
     """One warning for each option that is set but has no effect with the rest of the config."""
     for d, ds in enumerate(cfg.datasets):
@@ -169,6 +191,13 @@ def warn_ignored(cfg: RunConfig) -> None:
                 log.warning("datasets[%d].subsets[%d].%s is ignored", d, i, what)
     randomized = any(sub.shuffle_caption or sub.caption_tag_dropout_rate > 0 or sub.wildcards
                      for ds in cfg.datasets for sub in ds.subsets)
+    t = cfg.train
+    if t.blocks_to_swap and not t.gradient_checkpointing:
+        log.warning("train.blocks_to_swap without gradient_checkpointing saves little: backward "
+                    "keeps every block's weights alive; set gradient_checkpointing = true")
+    if t.fused_backward and t.max_grad_norm is not None:
+        log.warning("train.fused_backward: max_grad_norm = %s clips each tensor's gradient on "
+                    "its own (no global norm exists while backward still runs)", t.max_grad_norm)
     if cfg.cache.caption_variants and not randomized:
         log.warning("cache.caption_variants is ignored: no subset has a random caption "
                     "augmentation (shuffle_caption, caption_tag_dropout_rate, wildcards)")

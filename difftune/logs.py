@@ -33,6 +33,16 @@ def setup_console(verbose: bool = False) -> None:
     quiet_libraries()
 
 
+def quiet_rank(rank: int) -> None:
+    """In a multi-process run, rank 0 speaks for the run; every other process shows only its
+    errors on the console, marked with its rank."""
+    for h in logging.getLogger(LOGGER).handlers:
+        if getattr(h, "_difftune_console", False):
+            h.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s: %(message)s"))
+            if rank:
+                h.setLevel(logging.ERROR)
+
+
 def quiet_libraries() -> None:
     """Library chatter stays off the console: optional-backend notices of transformers and
     diffusers, torchao's note that its CUDA kernels do not load on a CPU-only build, and

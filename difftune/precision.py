@@ -38,6 +38,14 @@ class PrecisionPolicy:
     # (the loaders read every encoder in `text_encoders`), and which ones are stored in fp8.
     encoder_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
     fp8_encoders: frozenset[str] = frozenset()
+    # Where the denoiser is loaded when not on `device`: the host, when block swap will place
+    # it part by part (it need never fit on the GPU whole).
+    denoiser_device: torch.device | None = None
+
+    @property
+    def denoiser_home(self) -> torch.device:
+        """The device the denoiser is loaded to."""
+        return self.denoiser_device or self.device
 
     @classmethod
     def from_config(cls, cfg: PrecisionConfig, device: torch.device) -> "PrecisionPolicy":

@@ -102,3 +102,20 @@ class Reporter:
             self._guard("metrics.jsonl", self._metrics.close)
         if self.writer is not None:
             self._guard("tensorboard", self.writer.close)
+
+
+class SilentReporter(Reporter):
+    """The reporter of every process but rank 0 of a multi-process run: rank 0 reports the
+    run's (averaged) figures; the others write and show nothing."""
+
+    def __init__(self) -> None:  # no files, no bar
+        pass
+
+    def step(self, step: int, loss: float, lr: float, extra: dict[str, float] | None = None) -> None:
+        """Nothing."""
+
+    def image(self, tag: str, array: Any, step: int) -> None:
+        """Nothing."""
+
+    def close(self) -> None:
+        """Nothing."""

@@ -13,7 +13,7 @@ import gc
 import logging
 import random
 from dataclasses import asdict
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -29,6 +29,9 @@ from difftune.families.text import EncodeOptions
 Progress = Callable[[Iterable, str, int], Iterable]
 Reload = Callable[[], dict[str, torch.nn.Module]]
 log = logging.getLogger("difftune")
+
+
+Share = Callable[[list[Any]], list[Any]]  # a process's part of a list of work items
 
 
 def _no_progress(it: Iterable, desc: str, total: int) -> Iterable:
@@ -109,13 +112,15 @@ class LatentSource:
         """The keys of every entry the run can ask for (what `cache --prune` keeps)."""
         return {self._key(i, f)[0] for i, f in self.wanted()}
 
-    def fill(self, progress: Progress = _no_progress) -> None:
-        """Compute every variant not yet stored."""
-        wanted = self.wanted()
+    def fill(self, progress: Progress = _no_progress, share: Share = list) -> list[str]:
+        """Compute every variant not yet stored (of this process's `share` of them, when
+        several processes fill one cache); returns the keys computed."""
+        wanted = share(self.wanted())
         missing = self.store.missing([self._key(i, f)[0] for i, f in wanted])
         todo = [(i, f) for i, f in wanted if self._key(i, f)[0] in missing]
         for i, f in progress(todo, "caching latents", len(todo)):
             self._make(i, f)
+        return [self._key(i, f)[0] for i, f in todo]
 
 
 class TextSource:
@@ -279,10 +284,12 @@ class TextSource:
         return {self._key(n, c)[0] for c in dict.fromkeys(captions) for n in self.specs
                 if self._cacheable(n, c)}
 
-    def fill(self, captions: list[str], progress: Progress = _no_progress) -> None:
-        """Encode every distinct caption not yet stored, for every frozen encoder."""
+    def fill(self, captions: list[str], progress: Progress = _no_progress,
+             share: Share = list) -> list[str]:
+        """Encode every distinct caption not yet stored, for every frozen encoder (of this
+        process's `share` of the captions); returns the keys computed."""
         frozen = self._frozen()
-        distinct = list(dict.fromkeys(captions))
+        distinct = share(list(dict.fromkeys(captions)))
         missing = self.store.missing([self._key(n, c)[0] for c in distinct for n in frozen])
         todo: dict[str, list[str]] = {}
         for caption in distinct:
@@ -291,8 +298,9 @@ class TextSource:
             if names:
                 todo[caption] = names
         if not todo:
-            return
+            return []
         with self.resident():
             for caption in progress(todo, "caching text embeddings", len(todo)):
                 for name in todo[caption]:
                     self._make(name, caption)
+        return [self._key(n, c)[0] for c, names in todo.items() for n in names]

@@ -100,6 +100,16 @@ class Components:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+def blocks_of(denoiser: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The blocks under the denoiser's attributes `names`, in order (a single block counts
+    as a list of one)."""
+    out: list[torch.nn.Module] = []
+    for name in names:
+        part = getattr(denoiser, name)
+        out += list(part) if isinstance(part, torch.nn.ModuleList) else [part]
+    return out
+
+
 class Family(Protocol):
     """A model family: everything that differs between FLUX.1, SD3 and SDXL."""
 
@@ -113,6 +123,11 @@ class Family(Protocol):
     # Part ("denoiser", "text_encoders", "vae") -> module-name regexes kept in high precision
     # under fp8 storage and quantization (embedders, input/output projections).
     keep_high: dict[str, tuple[str, ...]]
+    # Attributes of the denoiser holding its blocks (lists or single blocks), in execution
+    # order: what train.blocks_to_swap streams (empty: the family cannot swap) and what
+    # train.compile compiles one by one.
+    swap_blocks: tuple[str, ...]
+    compile_blocks: tuple[str, ...]
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Load (or build, for the tiny flavor) all components from local files."""

@@ -97,6 +97,8 @@ class FluxFamily:
     default_cfg = 1.0  # guidance-distilled: true CFG off unless a prompt asks for it
     # Kept out of fp8 storage and quantization (regexes on module names, per part): the
     # timestep/guidance/text embedders and the input and output projections.
+    swap_blocks = ("transformer_blocks", "single_transformer_blocks")
+    compile_blocks = ("transformer_blocks", "single_transformer_blocks")
     keep_high = {
         "denoiser": (r"^time_text_embed\.", r"^x_embedder$", r"^context_embedder$",
                      r"^norm_out\.", r"^proj_out$"),
@@ -124,7 +126,7 @@ class FluxFamily:
 
             parts = load_flux_files(cfg, dtypes)
         comps = Components(
-            denoiser=place(parts["transformer"], policy.device, policy.denoiser),
+            denoiser=place(parts["transformer"], policy.denoiser_home, policy.denoiser),
             vae=place(parts["vae"], policy.device, policy.vae),
             text_encoders={
                 "clip_l": place(parts["text_encoder"], policy.device, policy.text_encoders),

@@ -121,6 +121,8 @@ class SD3Family:
                              "t5": "text_encoder_3"}
     default_cfg = 5.0
     # Kept out of fp8 storage and quantization (regexes on module names, per part).
+    swap_blocks = ("transformer_blocks",)
+    compile_blocks = ("transformer_blocks",)
     keep_high = {
         "denoiser": (r"^time_text_embed\.", r"^pos_embed\.", r"^context_embedder$",
                      r"^norm_out\.", r"^proj_out$"),
@@ -143,7 +145,7 @@ class SD3Family:
         if "t5_max_length" in parts:
             extras["max_length"] = {"t5": int(parts["t5_max_length"])}
         comps = Components(
-            denoiser=place(parts["transformer"], policy.device, policy.denoiser),
+            denoiser=place(parts["transformer"], policy.denoiser_home, policy.denoiser),
             vae=place(parts["vae"], policy.device, policy.vae),
             text_encoders={spec: place(parts[te], policy.device, policy.text_encoders)
                            for spec, te, _ in ENCODER_FOLDERS},

@@ -103,6 +103,10 @@ class SDXLFamily:
     text_encoder_prefixes = {"clip_l": "text_encoder", "clip_g": "text_encoder_2"}
     default_cfg = 5.0  # SDXL base is not guidance-distilled: samples need CFG
     # Kept out of fp8 storage and quantization (regexes on module names, per part).
+    # The UNet checkpoints inside its blocks (per resnet and attention), so a block's
+    # recompute in backward would not pass its hooks: no block swap.
+    swap_blocks = ()
+    compile_blocks = ("down_blocks", "mid_block", "up_blocks")
     keep_high = {
         "denoiser": (r"^time_embedding\.", r"^add_embedding\.", r"^conv_in$", r"^conv_out$"),
         "text_encoders": (r"embeddings", r"text_projection"),
@@ -136,7 +140,7 @@ class SDXLFamily:
         """Place the loaded parts on the device in the policy's dtypes, frozen and in eval mode."""
         dev = policy.device
         comps = Components(
-            denoiser=place(parts["unet"], dev, policy.denoiser),
+            denoiser=place(parts["unet"], policy.denoiser_home, policy.denoiser),
             vae=place(parts["vae"], dev, policy.vae),
             text_encoders={
                 "clip_l": place(parts["text_encoder"], dev, policy.text_encoders),

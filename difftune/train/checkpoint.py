@@ -47,11 +47,17 @@ def refuse_overwrite(cfg: RunConfig) -> None:
 
 
 class CheckpointManager:
-    """Writes the LoRA (every N steps and at the end) and the resolved config."""
+    """Writes the LoRA (every N steps and at the end) and the resolved config.
+
+    With `writes` False (every process but rank 0 of a multi-process run, whose trained
+    weights are the same) the save methods return the paths rank 0 writes and write nothing.
+    """
 
     def __init__(self, cfg: RunConfig, family: Family, comps: Components, targets: list[str],
-                 dataset_summary: dict[str, Any], embeddings: Embeddings | None = None) -> None:
+                 dataset_summary: dict[str, Any], embeddings: Embeddings | None = None,
+                 writes: bool = True) -> None:
         self.cfg, self.family, self.comps = cfg, family, comps
+        self.writes = writes
         self.embeddings = embeddings
         self.out: Path = cfg.save.dir
         self.base_name, self.targets = comps.name, targets
@@ -60,6 +66,8 @@ class CheckpointManager:
     def write_config(self) -> Path:
         """The resolved config as JSON (every default filled in)."""
         path = self.out / "config.resolved.json"
+        if not self.writes:
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.cfg.model_dump(mode="json"), indent=2), encoding="utf-8")
         return path
@@ -91,6 +99,8 @@ class CheckpointManager:
         """Export the trained LoRA (denoiser and text encoders) in the configured format (with
         the embeddings bundled, and also as embedding files); returns the file (the first
         embedding file when only embeddings train)."""
+        if not self.writes:
+            return path or self.lora_path(step, final)
         files = self.save_embeddings(step, final, path)
         if self.cfg.adapter.type == "embedding":
             return files[0]
@@ -158,6 +168,8 @@ class CheckpointManager:
         """Everything an exact resume needs, written atomically; returns the folder."""
         root = self.out / "checkpoints"
         final = root / f"step-{state.step:06d}"
+        if not self.writes:
+            return final
         tmp = root / f".tmp-step-{state.step:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -25,6 +25,7 @@ from difftune.train.state import TrainState
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
+from difftune.train.dist import Dist
 from difftune.train.optim import make_optimizer, make_scheduler
 from difftune.train.setup import Run, batch_loss
 
@@ -79,6 +80,7 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
         seed_everything(cfg.train.seed)
         if cfg.sample.at_start and hooks.sampler:
             hooks.sampler.run(0)
+    run.dist.broadcast_params(loop.params)
     batches = loop.sampler.batches()
     result = Result()
     set_training(run, True)
@@ -127,7 +129,9 @@ class _Loop:
                    torch.amp.GradScaler(run.policy.device.type,
                                         enabled=cfg.precision.mixed == "fp16"),
                    torch.Generator("cpu").manual_seed(cfg.train.seed),
-                   BucketBatchSampler(run.data, cfg.train.batch_size, cfg.train.seed),
+                   # The global batch: each of the processes trains on its rows of it.
+                   BucketBatchSampler(run.data, cfg.train.batch_size * run.dist.world,
+                                      cfg.train.seed),
                    [p for g in groups for p in g["params"]],
                    NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.precision.mixed,
                                   cfg.train.lr))
@@ -141,6 +145,7 @@ def _step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
           step: int) -> tuple[float, int, float]:
     """One optimizer step (or a skipped one); returns (loss, epoch, lr used)."""
     loss, epoch = _accumulate(run, batches, loop.generator, loop.scaler, step - 1)
+    loss = run.dist.average(loop.params, loss)  # one process: nothing to do
     if not loop.guard.skip(step, loss):
         lr = _optimizer_step(loop.opt, loop.sched, loop.scaler, loop.params,
                              run.cfg.train.max_grad_norm)
@@ -188,14 +193,33 @@ def _accumulate(run: Run, batches: Iterator[Batch], generator: torch.Generator,
     total: torch.Tensor | float = 0.0
     for _ in range(accum):
         batch = next(batches)
-        loss = batch_loss(run, list(batch.indices), list(batch.flips), generator,
-                          list(batch.seeds), done)
+        loss = _share_loss(run, batch, generator, done)
+        if loss is None:  # this process's share of a short last batch is empty
+            continue
         # Skipping the no-op division and scaling keeps the common case free of extra kernels.
         scaled = loss / accum if accum > 1 else loss
         if bool(torch.isfinite(scaled)):  # a non-finite loss is never backpropagated
             (scaler.scale(scaled) if scaler.is_enabled() else scaled).backward()
         total = total + scaled.detach()
     return float(total), batch.epoch
+
+
+def _share_loss(run: Run, batch: Batch, generator: torch.Generator,
+                done: int) -> torch.Tensor | None:
+    """This process's loss on its rows of a global batch, weighted so that the average over
+    processes is the mean over the whole batch; None when it has no rows."""
+    if run.dist.world == 1:
+        return batch_loss(run, list(batch.indices), list(batch.flips), generator,
+                          list(batch.seeds), done)
+    n, rows = len(batch.indices), run.dist.rows(len(batch.indices))
+    mine = range(n)[rows]
+    if not mine:  # draw what the others draw, to keep the noise generator in step
+        shape = run.latents.get(batch.indices[0], batch.flips[0], batch.seeds[0]).shape
+        run.objective.draw(torch.zeros(n, *shape), generator)
+        return None
+    loss = batch_loss(run, list(batch.indices[rows]), list(batch.flips[rows]), generator,
+                      list(batch.seeds[rows]), done, rows=(rows, n))
+    return loss * (len(mine) * run.dist.world / n)
 
 
 def _optimizer_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
@@ -217,13 +241,14 @@ def _between_steps(run: Run, hooks: Hooks, loop: _Loop, step: int) -> None:
     """Save and sample when due; on a stop request, checkpoint and raise `Interrupted`."""
     cfg = run.cfg
     saved = None
+    stop = run.dist.any(hooks.stop())  # every process stops after the same step
     if _due(step, cfg.save.every_n_steps):
         hooks.checkpoints.save_lora(step)
         saved = hooks.checkpoints.save_checkpoint(loop.state(step), loop.opt, loop.sched,
                                                   loop.scaler, loop.generator)
     if hooks.sampler and _due(step, cfg.sample.every_n_steps):
         hooks.sampler.run(step)
-    if hooks.stop():
+    if stop:
         saved = saved or hooks.checkpoints.save_checkpoint(
             loop.state(step), loop.opt, loop.sched, loop.scaler, loop.generator)
         raise Interrupted(step, saved)

@@ -26,6 +26,11 @@ class Draw:
     target: torch.Tensor
     weights: torch.Tensor | None = None
 
+    def rows(self, where: slice) -> "Draw":
+        """The draw of some rows of the batch (one process's share of a global batch)."""
+        return Draw(self.t[where], self.noisy[where], self.target[where],
+                    None if self.weights is None else self.weights[where])
+
 
 class Objective(Protocol):
     """How a family is trained: noise, timesteps, target and weighting for clean latents."""

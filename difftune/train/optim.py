@@ -12,9 +12,22 @@ from difftune.config import TrainConfig
 
 def make_optimizer(params: list[torch.nn.Parameter] | list[dict[str, Any]],
                    cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (or parameter groups, each may set its own lr)."""
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay)
+    """AdamW over the trainable parameters (or parameter groups, each may set its own lr):
+    torch's, bitsandbytes' 8-bit one (train.optimizer = "adamw8bit", checked to run on CUDA
+    before the model loaded), or the fused-backward one that steps inside backward."""
+    kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw8bit":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, **kwargs)
+    if cfg.fused_backward:
+        from difftune.memory.fused import FusedAdamW
+
+        opt = FusedAdamW(params, **kwargs)
+        opt.clip = cfg.max_grad_norm
+        opt.attach()
+        return opt
+    return torch.optim.AdamW(params, **kwargs)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

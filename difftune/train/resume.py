@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from difftune.config import RunConfig
 from difftune.errors import CheckpointError
 from difftune.safefiles import is_pickle, pickle_refusal
+from difftune.train.dist import current
 from difftune.train.checkpoint import CHECKPOINT_FORMAT, CheckpointManager, complete_checkpoints
 from difftune.train.optim import lr_factor
 from difftune.train.state import TrainState, load_optimizer, set_rng_state
@@ -101,6 +102,7 @@ def check_compatible(ckpt: Checkpoint, now: dict[str, Any], cfg: RunConfig) -> N
         raise CheckpointError(f"cannot resume from {ckpt.path}: the adapter differs ("
                               + "; ".join(diffs) + "). Resume with the checkpoint's settings, "
                               "or start a new run (--init-lora keeps its weights)")
+    _check_global_batch(ckpt, cfg)
     old = ckpt.doc["config"]["train"]
     for key in ("lr", "steps"):
         if old.get(key) != getattr(cfg.train, key):
@@ -109,6 +111,21 @@ def check_compatible(ckpt: Checkpoint, now: dict[str, Any], cfg: RunConfig) -> N
     if ckpt.step >= cfg.train.steps:
         raise CheckpointError(f"checkpoint {ckpt.path} is at step {ckpt.step}, and train.steps "
                               f"is {cfg.train.steps}: nothing left to train; raise train.steps")
+
+
+def _check_global_batch(ckpt: Checkpoint, cfg: RunConfig) -> None:
+    """The data order is planned in global batches (train.batch_size x processes): a resume
+    on another number of processes continues exactly when the global batch is kept."""
+    saved, world = int(ckpt.doc["sampler"]["batch_size"]), current().world
+    now = cfg.train.batch_size * world
+    if saved == now:
+        return
+    fix = (f"set train.batch_size = {saved // world} with {world} process(es)"
+           if saved % world == 0 else f"use a number of processes that divides {saved}")
+    raise CheckpointError(
+        f"cannot resume from {ckpt.path}: its global batch is {saved} and this run's is {now} "
+        f"(train.batch_size {cfg.train.batch_size} x {world} process(es)); the data order "
+        f"continues exactly only with the same global batch: {fix}")
 
 
 def restore(ckpt: Checkpoint, manager: CheckpointManager, cfg: RunConfig,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -19,15 +19,18 @@ from difftune import data, families, lowbit
 from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.lora import add_lora, suffix_patterns
 from difftune.cache import make_store
+from difftune.cache.store import MemoryStore, Store
 from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
 from difftune.data.captions import Captions
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Conditioning, Family
 from difftune.families.text import EncodeOptions
+from difftune.memory import savers
 from difftune.precision import PrecisionPolicy, resolve_device
 from difftune.train import objectives
-from difftune.train.objectives import Objective
+from difftune.train.dist import Dist, current
+from difftune.train.objectives import Draw, Objective
 
 log = logging.getLogger("difftune")
 
@@ -48,6 +51,7 @@ class Run:
     captions: Captions
     text_targets: dict[str, list[str]] = field(default_factory=dict)
     embeddings: Embeddings | None = None
+    dist: Dist = field(default_factory=Dist)
 
     @property
     def trained_encoders(self) -> dict[str, torch.nn.Module]:
@@ -76,7 +80,10 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     """Load the model, add the LoRA and set up the caches (not yet filled)."""
     family = families.get(cfg.model.family)
     dataset = dataset or load_data(cfg, family)
-    policy = PrecisionPolicy.from_config(cfg.precision, resolve_device(cfg.train.device))
+    device = resolve_device(cfg.train.device)
+    savers.check(cfg, family, device, current().world)
+    policy = replace(PrecisionPolicy.from_config(cfg.precision, device),
+                     denoiser_device=savers.denoiser_home(cfg, device))
     log.info("loading %s model (%s)", family.name, cfg.model.flavor or cfg.model.path or "files")
     comps = family.load(cfg.model, policy)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
@@ -89,6 +96,7 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
                            cfg.train.seed)
     if cfg.train.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
+    savers.apply(cfg, family, comps.denoiser, policy.device)
     text_targets = add_text_encoder_loras(cfg, comps)
     embeddings = Embeddings(a.embeddings, family, comps) if a.embeddings else None
     c = cfg.cache
@@ -101,7 +109,7 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     objective = family.objective(comps, cfg.train)
     captions = Captions(dataset.items, cfg.train.seed, c.caption_variants)
     return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective,
-               captions, text_targets, embeddings)
+               captions, text_targets, embeddings, current())
 
 
 def reload_text_encoders(cfg: RunConfig, family: Family, policy: PrecisionPolicy
@@ -131,17 +139,18 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
     Text encoders stay resident when some captions are drawn afresh per sample (random
     augmentations with `cache.caption_variants = 0`): those texts are encoded on demand.
     """
-    cache = run.cfg.cache
-    wrap = progress(show_progress)
+    cache, dist = run.cfg.cache, run.dist
+    wrap = progress(show_progress and dist.main)
     if cache.latents != "none":
-        run.latents.fill(wrap)
+        share_cache(run.latents.store, run.latents.fill(wrap, dist.share), dist)
     live = False
     if cache.text != "none":
         known = [run.captions.known_texts(i) for i in range(len(run.data.items))]
         live = any(k is None for k in known)
         texts = [t for k in known if k is not None for t in k]
-        run.texts.fill(texts + extra_texts, progress=wrap)
+        share_cache(run.texts.store, run.texts.fill(texts + extra_texts, wrap, dist.share), dist)
     report_bad_entries(run)
+    dist.barrier()  # every process's disk entries are written before anyone reads them
     if cache.unload_text_encoders:
         log.info("text encoders %s unloaded (reloaded from their files for new text)",
                  ", ".join(run.texts.unload()))
@@ -158,6 +167,18 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
         torch.cuda.empty_cache()
 
 
+def share_cache(store: Store, computed: list[str], dist: Dist) -> None:
+    """Several processes fill one cache, each its share, once: memory entries are then sent
+    to every process (disk entries are read from the shared folder)."""
+    if dist.world == 1 or not isinstance(store, MemoryStore):
+        return
+    mine = {key: store.get(key) for key in computed}
+    for part in dist.gather(mine):
+        for key, tensors in part.items():
+            if key not in store:
+                store.put(key, tensors, {})
+
+
 def report_bad_entries(run: Run) -> None:
     """Finish queued cache writes; one warning per cache for the corrupt entries it found."""
     for store in (run.latents.store, run.texts.store):
@@ -171,11 +192,14 @@ def report_bad_entries(run: Run) -> None:
 
 
 def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch.Generator,
-               seeds: list[int | None] | None = None, step: int = 0) -> torch.Tensor:
+               seeds: list[int | None] | None = None, step: int = 0,
+               rows: tuple[slice, int] | None = None) -> torch.Tensor:
     """The training loss of one batch (forward only; the caller runs backward).
 
     `flips` and `seeds` are the sampler's per-occurrence augmentation decisions; `step` the
     optimizer step (token warm-up). Latents and texts are looked up by item and variant.
+    `rows` = (these rows, global size) when the batch is one process's share of a global
+    batch: noise and timesteps are drawn for the global batch and these rows kept.
     """
     device = run.policy.device
     per_sample = seeds if seeds is not None else [None] * len(indices)
@@ -183,11 +207,22 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
                            for i, f, s in zip(indices, flips, per_sample)]).to(device)
     captions = [run.captions.text(i, s, step) for i, s in zip(indices, per_sample)]
     embeds = run.texts.get(captions).to(device)
-    draw = run.objective.draw(latents, generator)
+    draw = _draw(run, latents, generator, rows)
     cond = conditioning(run, indices, per_sample)
     with run.policy.autocast():
         pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
     return objectives.loss(pred, draw.target, draw.weights)
+
+
+def _draw(run: Run, latents: torch.Tensor, generator: torch.Generator,
+          rows: tuple[slice, int] | None) -> Draw:
+    """The objective's draw for `latents`, or for the global batch they are `rows` of."""
+    if rows is None:
+        return run.objective.draw(latents, generator)
+    where, n = rows
+    full = latents.new_zeros((n, *latents.shape[1:]))
+    full[where] = latents
+    return run.objective.draw(full, generator).rows(where)
 
 
 def conditioning(run: Run, indices: list[int], seeds: list[int | None]) -> Conditioning:

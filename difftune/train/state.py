@@ -77,7 +77,9 @@ def load_optimizer(opt: torch.optim.Optimizer, names: dict[int, str],
     for key, value in tensors.items():
         name, _, item = key.rpartition(SEP)
         param = by_name[name]
-        opt.state.setdefault(param, {})[item] = value.to(param.device)
+        # Plain numbers were saved as 0-d int64 tensors (bitsandbytes keeps "step" an int).
+        plain = value.dim() == 0 and value.dtype == torch.int64
+        opt.state.setdefault(param, {})[item] = int(value) if plain else value.to(param.device)
 
 
 def rng_state(generator: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

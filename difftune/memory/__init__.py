@@ -1,0 +1,1 @@
+"""Memory savers for training on small accelerators: block swap and the fused backward pass."""

@@ -1,0 +1,73 @@
+"""The memory savers a run turns on: block swap, torch.compile of the blocks, and the checks
+that refuse combinations which cannot work, before the model loads.
+
+Gradient checkpointing is the denoiser's own (diffusers `enable_gradient_checkpointing`), the
+8-bit optimizer and the fused backward pass live with the optimizer (train/optim.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from difftune.config import RunConfig
+from difftune.config_checks import EIGHT_BIT_CPU
+from difftune.errors import ConfigError, EnvironmentProblem
+from difftune.families.base import Family, blocks_of
+from difftune.memory.blockswap import BlockSwap
+
+log = logging.getLogger("difftune")
+
+
+def check(cfg: RunConfig, family: Family, device: torch.device, world: int) -> None:
+    """Refuse savers this device, family or process count cannot run (fail in seconds)."""
+    t = cfg.train
+    if t.optimizer == "adamw8bit":
+        if device.type != "cuda":
+            raise ConfigError(EIGHT_BIT_CPU + f" (this run's device is {device})")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as err:
+            raise EnvironmentProblem("train.optimizer = \"adamw8bit\" needs bitsandbytes: pip "
+                                     "install bitsandbytes (or difftune[quant])") from err
+    if t.fused_backward and world > 1:
+        raise ConfigError("train.fused_backward frees each gradient inside backward, so there "
+                          "is nothing left to average across processes; turn it off for "
+                          f"multi-process runs (this one has {world})")
+    if t.blocks_to_swap and not family.swap_blocks:
+        raise ConfigError(f"train.blocks_to_swap: the {family.name} family cannot swap blocks "
+                          "(its checkpointing runs inside blocks); use gradient_checkpointing, "
+                          "an 8-bit optimizer or a low-bit base (precision.quantize) instead")
+    if t.blocks_to_swap and device.type == "cpu":
+        log.warning("train.blocks_to_swap on the CPU saves nothing (host and device are one "
+                    "memory); it runs, for testing")
+
+
+def denoiser_home(cfg: RunConfig, device: torch.device) -> torch.device | None:
+    """Where to load the denoiser when block swap will place it: the host (None: `device`)."""
+    return torch.device("cpu") if cfg.train.blocks_to_swap else None
+
+
+def apply(cfg: RunConfig, family: Family, denoiser: torch.nn.Module,
+          device: torch.device) -> BlockSwap | None:
+    """Compile the denoiser's blocks and/or install block swap (after the LoRA is added and
+    checkpointing is on); returns the installed swap."""
+    t = cfg.train
+    swap = None
+    if t.blocks_to_swap:
+        blocks = blocks_of(denoiser, family.swap_blocks)
+        if t.blocks_to_swap >= len(blocks):
+            raise ConfigError(f"train.blocks_to_swap = {t.blocks_to_swap}, but the {family.name} "
+                              f"denoiser has {len(blocks)} blocks; swap at most "
+                              f"{len(blocks) - 1}")
+        swap = BlockSwap(blocks, t.blocks_to_swap, device)
+        swap.install(denoiser)
+        log.info("block swap: %d of %d denoiser blocks live in host memory", t.blocks_to_swap,
+                 len(blocks))
+    if t.compile:
+        blocks = blocks_of(denoiser, family.compile_blocks)
+        for block in blocks:
+            block.compile()
+        log.info("torch.compile: %d denoiser blocks (compiled on their first call)", len(blocks))
+    return swap

@@ -1,0 +1,133 @@
+"""Data-parallel training through accelerate on the CPU (gloo), two processes, tiny flavor.
+
+Tolerance: N processes with train.batch_size B draw the same noise, timesteps and batches as
+one process with batch N*B, so they differ only in floating-point summation order (per-process
+means, the all-reduce). We require per-step losses equal to a relative 1e-5 and every LoRA
+weight within 0.1 x lr of the single-process run after 4 AdamW steps (Adam moves a weight by
+about lr per step, so this says every step went the same way; we saw 5e-5 with lr 1e-2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftune.cache.disk import DiskStore
+from difftune.cli import main
+
+from .conftest import run_toml
+
+ROOT = Path(__file__).resolve().parents[2]
+LR = 1e-2  # run_toml's train.lr
+TWO = ["--set", "train.batch_size=1", "--set", "save.every_n_steps=2"]
+
+
+def launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """`accelerate launch --multi_gpu --num_processes 2 ARGS` (gloo on a CPU-only machine)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", "0", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(r)["loss"] for r in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close_runs(a: Path, b: Path) -> None:
+    """Same losses (relative 1e-5) and LoRA weights (0.1 x lr) of two runs' output folders."""
+    assert losses(a) == pytest.approx(losses(b), rel=1e-5)
+    la, lb = load_file(str(a / "lora.safetensors")), load_file(str(b / "lora.safetensors"))
+    assert la.keys() == lb.keys()
+    assert max(float((la[k] - lb[k]).abs().max()) for k in la) <= 0.1 * LR
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
+    """A 4-step run with 2 processes of batch 1 through accelerate launch, disk caches."""
+    folder = tmp_path_factory.mktemp("two")
+    cfg = run_toml(folder, images, steps=4)
+    done = launch(["-m", "difftune", "train", str(cfg), "--no-progress", *TWO,
+                   "--set", 'cache.latents="disk"', "--set", 'cache.text="disk"'])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "LoRA written to" in done.stdout and done.stdout.count("LoRA written to") == 1
+    return folder / "out"
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path, images: Path,
+                                                            two: Path) -> None:
+    one = run_toml(tmp_path, images, steps=4)  # one process, batch 2, memory caches
+    assert main(["train", str(one), "--no-progress"]) == 0
+    assert_close_runs(two, tmp_path / "out")
+
+
+def test_two_processes_cache_every_entry_once_and_log_from_rank_0(two: Path) -> None:
+    latents, text = DiskStore(two / "cache", "latents"), DiskStore(two / "cache", "text")
+    assert len(latents) == 6  # 6 images, flip off: each entry once, none missing
+    assert len(text) == 6 * 2  # 6 captions x 2 frozen encoders (CLIP-L, T5)
+    leftovers = [p for p in (two / "cache").rglob("*") if p.is_file() and ".tmp" in p.name]
+    assert leftovers == []
+    log = (two / "difftune.log").read_text()
+    assert log.count("loading flux model") == 1  # one run log, written by rank 0
+    assert "data-parallel run: 2 processes, global batch 2" in log
+    steps = [json.loads(r)["step"] for r in (two / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # one metrics row per step, not per process
+
+
+def test_checkpoint_of_two_processes_resumes_with_one(tmp_path: Path, images: Path,
+                                                      two: Path) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(two / "checkpoints" / "step-000002", out / "checkpoints" / "step-000002")
+    cfg = run_toml(tmp_path, images, steps=4)
+    refused = main(["train", str(cfg), "--no-progress", "--set", "train.batch_size=1",
+                    "--resume", "latest"])
+    assert refused == 2  # global batch 1 != 2: refused before anything is written
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]
+    assert main(["train", str(cfg), "--no-progress", "--resume", "latest"]) == 0  # batch 2
+    la, lb = load_file(str(two / "lora.safetensors")), load_file(str(out / "lora.safetensors"))
+    assert max(float((la[k] - lb[k]).abs().max()) for k in la) <= 0.1 * LR
+    assert losses(out) == pytest.approx(losses(two)[2:], rel=1e-5)
+
+
+def test_num_processes_option_runs_accelerate_launch(tmp_path: Path, images: Path) -> None:
+    cfg = run_toml(tmp_path, images, steps=2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "difftune", "train", str(cfg), "--no-progress",
+                           "--num-processes", "2", "--set", "train.batch_size=1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "global batch 2" in (tmp_path / "out" / "difftune.log").read_text()
+    assert (tmp_path / "out" / "lora.safetensors").is_file()
+
+
+def test_a_failing_rank_stops_the_run_with_its_error(tmp_path: Path, images: Path) -> None:
+    cfg = run_toml(tmp_path, images, steps=6)
+    started = time.monotonic()
+    done = launch([str(ROOT / "tests" / "e2e" / "failing_rank.py"), "train", str(cfg),
+                   "--no-progress", "--set", "train.batch_size=1"], timeout=180)
+    assert done.returncode != 0
+    assert time.monotonic() - started < 120  # stopped, not hung until a timeout
+    assert "[rank 1] error: rank one could not read its batch" in done.stderr
+    assert "[rank 0] stopped: a collective with the other processes failed" in done.stderr
+    assert "[rank 0] internal error" not in done.stderr
+    assert not (tmp_path / "out" / "lora.safetensors").exists()
+
+
+def test_check_refuses_a_multi_process_launch(tmp_path: Path, images: Path,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["check", str(run_toml(tmp_path, images))]) == 2
+    assert "runs in one process" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()

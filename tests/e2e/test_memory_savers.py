@@ -1,0 +1,122 @@
+"""Memory savers through the real CLI on the tiny flavor (CPU): each trains to the same
+result as the run without it, and the combinations that cannot work are refused in seconds.
+
+What they save is measured on a GPU by bench/speed.py (docs/performance.md); here the host and
+the device are one memory, so these tests hold the arithmetic and the plumbing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftune.cli import main
+from difftune.config import load_config
+from difftune.families import get
+from difftune.memory import savers
+
+from .conftest import run_toml
+
+NO_CLIP = "train.max_grad_norm=1e9"  # clipping by a global norm and per tensor agree: never
+
+
+def train(folder: Path, images: Path, *sets: str, prompts: Path | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = run_toml(folder, images, steps=4, prompts=prompts)
+    assert main(["train", str(cfg), "--no-progress",
+                 *[a for s in sets for a in ("--set", s)]]) == 0
+    return folder / "out"
+
+
+def result(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(r)["loss"] for r in rows], load_file(str(out / "lora.safetensors"))
+
+
+def assert_same(a: Path, b: Path) -> None:
+    (la, wa), (lb, wb) = result(a), result(b)
+    assert la == lb
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_block_swap_trains_and_samples_like_the_run_without(tmp_path: Path, images: Path,
+                                                            prompts: Path) -> None:
+    ckpt = "train.gradient_checkpointing=true"
+    plain = train(tmp_path / "plain", images, ckpt, prompts=prompts)
+    swapped = train(tmp_path / "swap", images, ckpt, "train.blocks_to_swap=3", prompts=prompts)
+    assert_same(plain, swapped)
+    names = sorted(p.name for p in (swapped / "samples").rglob("*.png"))
+    assert names and names == sorted(p.name for p in (plain / "samples").rglob("*.png"))
+    log = (swapped / "difftune.log").read_text()
+    assert "block swap: 3 of 4 denoiser blocks live in host memory" in log
+
+
+def test_fused_backward_trains_like_adamw(tmp_path: Path, images: Path) -> None:
+    plain = train(tmp_path / "plain", images, NO_CLIP)
+    fused = train(tmp_path / "fused", images, NO_CLIP, "train.fused_backward=true")
+    assert_same(plain, fused)
+
+
+def test_fused_backward_run_resumes_exactly(tmp_path: Path, images: Path) -> None:
+    sets = [NO_CLIP, "train.fused_backward=true", "save.every_n_steps=2"]
+    whole = train(tmp_path / "whole", images, *sets)
+    (tmp_path / "part").mkdir()
+    cfg = run_toml(tmp_path / "part", images, steps=4)
+    args = ["train", str(cfg), "--no-progress", *[a for s in sets for a in ("--set", s)]]
+    assert main(args + ["--set", "train.steps=2"]) == 0
+    (tmp_path / "part" / "out" / "lora.safetensors").unlink()  # the 2-step run's final file
+    assert main(args + ["--resume", "latest"]) == 0
+    assert result(whole)[1].keys() == result(tmp_path / "part" / "out")[1].keys()
+    wa, wb = result(whole)[1], result(tmp_path / "part" / "out")[1]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_compiled_blocks_train_like_eager_ones(tmp_path: Path, images: Path) -> None:
+    eager = train(tmp_path / "eager", images)
+    compiled = train(tmp_path / "compiled", images, "train.compile=true")
+    (le, we), (lc, wc) = result(eager), result(compiled)
+    assert lc == pytest.approx(le, rel=1e-4)
+    assert max(float((we[k] - wc[k]).abs().max()) for k in we) <= 1e-3  # 0.1 x lr
+    assert "torch.compile: 4 denoiser blocks" in (compiled / "difftune.log").read_text()
+
+
+@pytest.mark.parametrize("sets, message", [
+    (['train.optimizer="adamw8bit"'], "runs on CUDA only"),
+    (["train.fused_backward=true", "train.grad_accum=2"], "cannot accumulate"),
+    (["train.fused_backward=true", 'precision.mixed="fp16"'], "loss scaler"),
+    (["train.fused_backward=true", 'train.optimizer="adamw8bit"'], "choose one"),
+    (["train.blocks_to_swap=2", "train.compile=true"], "choose one of the two"),
+    (["train.blocks_to_swap=4"], "swap at most 3"),
+])
+def test_impossible_savers_are_refused_by_check(tmp_path: Path, images: Path,
+                                                capsys: pytest.CaptureFixture[str],
+                                                sets: list[str], message: str) -> None:
+    cfg = run_toml(tmp_path, images)
+    assert main(["check", str(cfg), *[a for s in sets for a in ("--set", s)]]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "lora.safetensors").exists()
+
+
+def test_eight_bit_optimizer_on_a_cpu_picked_by_auto_is_refused(tmp_path: Path, images: Path,
+                                                                capsys: pytest.CaptureFixture[str]
+                                                                ) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("auto picks the GPU here")
+    cfg = run_toml(tmp_path, images)
+    assert main(["check", str(cfg), "--set", 'train.device="auto"',
+                 "--set", 'train.optimizer="adamw8bit"']) == 2
+    assert "runs on CUDA only" in capsys.readouterr().err
+
+
+def test_fused_backward_and_block_swap_refusals_known_at_start(tmp_path: Path,
+                                                               images: Path) -> None:
+    cfg = load_config(run_toml(tmp_path, images), ["train.fused_backward=true"])
+    with pytest.raises(Exception, match="nothing left to average"):
+        savers.check(cfg, get("flux"), torch.device("cpu"), world=2)
+    sdxl = load_config(run_toml(tmp_path, images), ["train.blocks_to_swap=2"])
+    with pytest.raises(Exception, match="cannot swap blocks"):
+        savers.check(sdxl, get("sdxl"), torch.device("cpu"), world=1)
