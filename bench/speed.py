@@ -184,7 +184,7 @@ def report(s: Setup, saver: str, sec: float, gib: float, base: float | None,
     ratio = f", {sec / base:.2f}x plain" if base else ""
     name = f"swap {s.swap}" if saver == "swap" else saver
     return (f"{s.resolution:5d}px {name:13s}: {sec:.3f} s/step{ratio}{mfu}, "
-            f"{tflop:.0f} TFLOP/step, peak {gib:.1f} GiB")
+            f"{tflop:.1f} TFLOP/step, peak {gib:.1f} GiB")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,8 @@ def _train(args: argparse.Namespace) -> int:
                            init_lora=args.init_lora)
     except Interrupted as stop:
         sets = "".join(f" --set {o}" for o in args.overrides)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        sets += f" --num-processes {world}" if world > 1 else ""
         if _rank() == 0:
             print(f"stopped after step {stop.step}; checkpoint saved to {stop.path}\n"
                   f"resume with: difftune train {args.config}{sets} --resume latest")

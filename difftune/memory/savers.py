@@ -30,7 +30,7 @@ def check(cfg: RunConfig, family: Family, device: torch.device, world: int) -> N
             import bitsandbytes  # noqa: F401
         except ImportError as err:
             raise EnvironmentProblem("train.optimizer = \"adamw8bit\" needs bitsandbytes: pip "
-                                     "install bitsandbytes (or difftune[quant])") from err
+                                     "install bitsandbytes") from err
     if t.fused_backward and world > 1:
         raise ConfigError("train.fused_backward frees each gradient inside backward, so there "
                           "is nothing left to average across processes; turn it off for "

@@ -81,6 +81,8 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
         if cfg.sample.at_start and hooks.sampler:
             hooks.sampler.run(0)
     run.dist.broadcast_params(loop.params)
+    if run.dist.rank > 0:  # its own dropout masks (rank 0 keeps the single-process stream)
+        seed_everything(cfg.train.seed + 7919 * run.dist.rank + start)
     batches = loop.sampler.batches()
     result = Result()
     set_training(run, True)
@@ -241,7 +243,11 @@ def _between_steps(run: Run, hooks: Hooks, loop: _Loop, step: int) -> None:
     """Save and sample when due; on a stop request, checkpoint and raise `Interrupted`."""
     cfg = run.cfg
     saved = None
-    stop = run.dist.any(hooks.stop())  # every process stops after the same step
+    asked = hooks.stop()
+    stop = run.dist.any(asked)  # every process stops after the same step
+    if stop and not asked:
+        log.warning("another process of this run was asked to stop: stopping after step %d",
+                    step)
     if _due(step, cfg.save.every_n_steps):
         hooks.checkpoints.save_lora(step)
         saved = hooks.checkpoints.save_checkpoint(loop.state(step), loop.opt, loop.sched,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -70,6 +71,23 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path, imag
     one = run_toml(tmp_path, images, steps=4)  # one process, batch 2, memory caches
     assert main(["train", str(one), "--no-progress"]) == 0
     assert_close_runs(two, tmp_path / "out")
+
+
+def test_a_short_batch_leaving_one_process_empty_still_matches(tmp_path: Path,
+                                                               images: Path) -> None:
+    five = tmp_path / "five"
+    five.mkdir()
+    for path in sorted(images.iterdir())[2:]:  # drop one image and its caption: 5 left
+        shutil.copy(path, five / path.name)
+    assert len(list(five.glob("*.png"))) == 5  # global batch 2: batches of 2, 2 and 1
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = run_toml(tmp_path / "one", five, steps=4)
+    assert main(["train", str(one), "--no-progress"]) == 0
+    two = run_toml(tmp_path / "two", five, steps=4)
+    done = launch(["-m", "difftune", "train", str(two), "--no-progress", *TWO])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_close_runs(tmp_path / "two" / "out", tmp_path / "one" / "out")
 
 
 def test_two_processes_cache_every_entry_once_and_log_from_rank_0(two: Path) -> None:
@@ -131,3 +149,30 @@ def test_check_refuses_a_multi_process_launch(tmp_path: Path, images: Path,
     assert main(["check", str(run_toml(tmp_path, images))]) == 2
     assert "runs in one process" in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+def test_a_stop_signal_to_one_process_stops_all_after_the_same_step(tmp_path: Path,
+                                                                   images: Path) -> None:
+    psutil = pytest.importorskip("psutil")
+    cfg = run_toml(tmp_path, images, steps=200)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "difftune", "train", str(cfg), "--no-progress",
+                             "--num-processes", "2", "--set", "train.batch_size=1"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    rank1 = [w for w in workers if w.environ().get("RANK") == "1"]
+    assert len(rank1) == 1
+    rank1[0].send_signal(signal.SIGTERM)  # a scheduler preempting one process
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    saved = sorted((tmp_path / "out" / "checkpoints").iterdir())
+    assert len(saved) == 1 and f"checkpoint saved to {saved[0]}" in out
+    assert "--num-processes 2 --resume latest" in out
+    assert "another process of this run was asked to stop" in err
+    assert not (tmp_path / "out" / "lora.safetensors").exists()  # stopped long before step 200

@@ -71,3 +71,16 @@ def test_each_cache_entry_is_computed_by_exactly_one_process(tmp_path: Path,
         share_cache(stores[rank], computed[rank], FakeDist(rank, 2, tuple(entries)))
         assert set(stores[rank]._entries) == wanted
         assert all(n == 1 for n in stores[rank].puts.values())  # received entries put once
+
+
+def test_the_launch_command_drops_only_num_processes() -> None:
+    from difftune.launch import command, without_num_processes
+
+    argv = ["train", "run.toml", "--num-processes", "4", "--set", "train.lr=1e-4",
+            "--num-processes=4", "--resume", "latest"]
+    assert without_num_processes(argv) == ["train", "run.toml", "--set", "train.lr=1e-4",
+                                           "--resume", "latest"]
+    cmd = command(4, argv)
+    assert cmd[1:5] == ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes"]
+    assert cmd[5] == "4" and cmd[-8:] == ["-m", "difftune", "train", "run.toml", "--set",
+                                          "train.lr=1e-4", "--resume", "latest"]
