@@ -81,23 +81,29 @@ class Dist:
     def average(self, params: Sequence[torch.nn.Parameter], loss: float) -> float:
         """Average the gradients of `params` and `loss` over all processes, in place.
 
-        One flat all-reduce; a parameter without a gradient on some process (an empty share of
-        a short batch, or a placeholder no caption of this share uses) counts as zeros there.
-        Returns the averaged loss (non-finite if any process's was).
+        One flat all-reduce of the gradients, the loss and a has-gradient flag per parameter.
+        A parameter without a gradient on some process (its share of a short batch was empty,
+        or none of its captions used a placeholder) counts as zeros there; one without a
+        gradient on every process keeps none, so the optimizer skips it as it would in one
+        process. Returns the averaged loss (non-finite if any process's was).
         """
         if self.world == 1:
             return loss
         device = params[0].device if params else torch.device("cpu")
         flat = [p.grad.reshape(-1).float() if p.grad is not None
                 else torch.zeros(p.numel(), device=p.device) for p in params]
-        buf = torch.cat([t.to(device) for t in flat] + [torch.tensor([loss], device=device)])
+        flags = [1.0 if p.grad is not None else 0.0 for p in params]
+        buf = torch.cat([t.to(device) for t in flat]
+                        + [torch.tensor(flags + [loss], device=device)])
         torch.distributed.all_reduce(buf)
         buf /= self.world
-        offset = 0
-        for p in params:
+        offset, had = 0, buf[-len(params) - 1: -1].tolist()
+        for p, seen in zip(params, had):
             part = buf[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
-            if p.grad is None:
+            if seen == 0:
+                p.grad = None
+            elif p.grad is None:
                 p.grad = part.to(p.dtype).clone()
             else:
                 p.grad.copy_(part)

@@ -90,6 +90,30 @@ def test_a_short_batch_leaving_one_process_empty_still_matches(tmp_path: Path,
     assert_close_runs(tmp_path / "two" / "out", tmp_path / "one" / "out")
 
 
+def test_text_encoder_lora_and_a_rare_placeholder_match_one_process(tmp_path: Path,
+                                                                    images: Path) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(images, data)
+    for caption in sorted(data.glob("*.txt"))[:2]:  # 2 of 6 captions use the placeholder:
+        caption.write_text("<sks> " + caption.read_text())  # some batches never touch it
+    pivotal = ('[[adapter.embeddings]]\nname = "<sks>"\ntokens = 2\ninit = "a shape"\n\n'
+               '[[datasets]]')
+    runs = []
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        cfg = run_toml(tmp_path / name, data, steps=6)
+        cfg.write_text(cfg.read_text().replace("[[datasets]]", pivotal, 1)
+                       .replace("[adapter]", '[adapter]\ntext_encoders = ["clip_l"]', 1))
+        runs.append(cfg)
+    assert main(["train", str(runs[0]), "--no-progress"]) == 0
+    done = launch(["-m", "difftune", "train", str(runs[1]), "--no-progress", *TWO])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_close_runs(tmp_path / "two" / "out", tmp_path / "one" / "out")
+    a = load_file(str(tmp_path / "one" / "out" / "embeddings" / "sks.safetensors"))
+    b = load_file(str(tmp_path / "two" / "out" / "embeddings" / "sks.safetensors"))
+    assert all(float((a[k] - b[k]).abs().max()) <= 0.1 * LR for k in a)
+
+
 def test_two_processes_cache_every_entry_once_and_log_from_rank_0(two: Path) -> None:
     latents, text = DiskStore(two / "cache", "latents"), DiskStore(two / "cache", "text")
     assert len(latents) == 6  # 6 images, flip off: each entry once, none missing
@@ -176,3 +200,16 @@ def test_a_stop_signal_to_one_process_stops_all_after_the_same_step(tmp_path: Pa
     assert "--num-processes 2 --resume latest" in out
     assert "another process of this run was asked to stop" in err
     assert not (tmp_path / "out" / "lora.safetensors").exists()  # stopped long before step 200
+
+
+def test_cache_verb_with_two_processes_fills_once_and_reports_once(tmp_path: Path,
+                                                                   images: Path) -> None:
+    cfg = run_toml(tmp_path, images, extra='\n[cache]\nlatents = "disk"\ntext = "disk"\n')
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "difftune", "cache", str(cfg), "--no-progress",
+                           "--num-processes", "2"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("latents: 6 entries") == 1  # rank 0 reports
+    assert done.stdout.count("text: 12 entries") == 1
+    assert main(["train", str(cfg), "--no-progress"]) == 0  # then trains from the cache
