@@ -20,6 +20,7 @@ from difftune.config import RunConfig
 from difftune.errors import ConfigError
 from difftune.data.discover import DataSet
 from difftune.logs import attach_run_log, quiet_rank
+from difftune.memory import savers
 from difftune.precision import resolve_device
 from difftune.report import Reporter, SilentReporter
 from difftune.sample import SampleRunner
@@ -220,6 +221,7 @@ def run_check(cfg: RunConfig) -> list[str]:
     run = prepare(cfg, dataset=data, show_progress=False)
     report.append(f"model: {run.comps.name} loaded on {run.policy.device}; LoRA rank "
                   f"{cfg.adapter.rank} on {len(run.targets)} layers")
+    report.append(savers.describe(cfg, run.family, run.comps.denoiser))
     areas = [it.bucket[0] * it.bucket[1] for it in data.items]
     smallest = areas.index(min(areas))
     gen = torch.Generator("cpu").manual_seed(cfg.train.seed)

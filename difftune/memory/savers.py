@@ -71,3 +71,21 @@ def apply(cfg: RunConfig, family: Family, denoiser: torch.nn.Module,
             block.compile()
         log.info("torch.compile: %d denoiser blocks (compiled on their first call)", len(blocks))
     return swap
+
+
+def describe(cfg: RunConfig, family: Family, denoiser: torch.nn.Module) -> str:
+    """The memory savers in use, in one line (what `difftune check` reports)."""
+    t = cfg.train
+    on = []
+    if t.gradient_checkpointing:
+        on.append("gradient checkpointing")
+    if t.blocks_to_swap:
+        total = len(blocks_of(denoiser, family.swap_blocks))
+        on.append(f"block swap ({t.blocks_to_swap} of {total} blocks in host memory)")
+    if t.optimizer == "adamw8bit":
+        on.append("8-bit AdamW")
+    if t.fused_backward:
+        on.append("fused backward")
+    if t.compile:
+        on.append("torch.compile of the blocks")
+    return "memory savers: " + (", ".join(on) if on else "none")

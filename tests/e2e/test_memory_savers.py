@@ -120,3 +120,13 @@ def test_fused_backward_and_block_swap_refusals_known_at_start(tmp_path: Path,
     sdxl = load_config(run_toml(tmp_path, images), ["train.blocks_to_swap=2"])
     with pytest.raises(Exception, match="cannot swap blocks"):
         savers.check(sdxl, get("sdxl"), torch.device("cpu"), world=1)
+
+
+def test_check_names_the_savers_in_use(tmp_path: Path, images: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = run_toml(tmp_path, images)
+    assert main(["check", str(cfg), "--set", "train.gradient_checkpointing=true",
+                 "--set", "train.blocks_to_swap=2", "--set", "train.fused_backward=true"]) == 0
+    out = capsys.readouterr().out
+    assert ("memory savers: gradient checkpointing, block swap (2 of 4 blocks in host memory), "
+            "fused backward") in out
