@@ -27,6 +27,7 @@ from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager, refuse_overwrite
 from difftune.train.dist import Dist, init as init_dist
 from difftune.train import resume as resume_mod
+from difftune.train.resume import Checkpoint
 from difftune.train.init_lora import load_init_lora
 from difftune.train.loop import Hooks, Result, set_training, train
 from difftune.train.setup import (Run, batch_loss, fill_caches, load_data, prepare,
@@ -56,18 +57,7 @@ def run_train(cfg: RunConfig, show_progress: bool = True, resume: str | None = N
     new one from a LoRA file's weights. An incompatible resume fails before anything is written.
     """
     dist = join(cfg)
-    checkpoint = resume_mod.read(resume_mod.find(cfg.save.dir, resume)) if resume else None
-    if checkpoint is None:
-        refuse_overwrite(cfg)
-    else:
-        resume_mod.check_compatible(checkpoint, resume_mod.config_identity(cfg), cfg)
-    dist.barrier()  # every process checked before rank 0 writes anything
-    if dist.main:
-        cfg.save.dir.mkdir(parents=True, exist_ok=True)
-        attach_run_log(cfg.save.dir / "difftune.log")  # appends: a refused resume loses nothing
-    if dist.world > 1:
-        log.info("data-parallel run: %d processes, global batch %d (train.batch_size %d per "
-                 "process)", dist.world, dist.world * cfg.train.batch_size, cfg.train.batch_size)
+    checkpoint = _open_run(cfg, resume, dist)
     started = time.perf_counter()
     run = prepare(cfg, show_progress=show_progress)
     ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, run.data.summary(),
@@ -93,6 +83,24 @@ def run_train(cfg: RunConfig, show_progress: bool = True, resume: str | None = N
         report_bad_entries(run)
     log.info("done in %.1f s: %s", time.perf_counter() - started, result.lora)
     return result
+
+
+def _open_run(cfg: RunConfig, resume: str | None, dist: Dist) -> Checkpoint | None:
+    """Check what the run would overwrite or resume from (every process, before rank 0 writes
+    anything), then open the output folder and its log; returns the checkpoint to resume."""
+    checkpoint = resume_mod.read(resume_mod.find(cfg.save.dir, resume)) if resume else None
+    if checkpoint is None:
+        refuse_overwrite(cfg)
+    else:
+        resume_mod.check_compatible(checkpoint, resume_mod.config_identity(cfg), cfg)
+    dist.barrier()
+    if dist.main:
+        cfg.save.dir.mkdir(parents=True, exist_ok=True)
+        attach_run_log(cfg.save.dir / "difftune.log")  # appends: a refused resume loses nothing
+    if dist.world > 1:
+        log.info("data-parallel run: %d processes, global batch %d (train.batch_size %d per "
+                 "process)", dist.world, dist.world * cfg.train.batch_size, cfg.train.batch_size)
+    return checkpoint
 
 
 def join(cfg: RunConfig) -> Dist:
