@@ -65,6 +65,7 @@ def _train(args: argparse.Namespace) -> int:
     from difftune.commands import run_train
     from difftune.config import load_config
 
+    from difftune.train.dist import current
     from difftune.train.loop import Interrupted
 
     if args.resume and args.init_lora:
@@ -76,14 +77,14 @@ def _train(args: argparse.Namespace) -> int:
         result = run_train(cfg, show_progress=not args.no_progress, resume=args.resume,
                            init_lora=args.init_lora)
     except Interrupted as stop:
+        dist = current()
         sets = "".join(f" --set {o}" for o in args.overrides)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        sets += f" --num-processes {world}" if world > 1 else ""
-        if _rank() == 0:
+        sets += f" --num-processes {dist.world}" if dist.world > 1 else ""
+        if dist.main:
             print(f"stopped after step {stop.step}; checkpoint saved to {stop.path}\n"
                   f"resume with: difftune train {args.config}{sets} --resume latest")
         return 0
-    if _rank() == 0:
+    if current().main:
         print(f"LoRA written to {result.lora}")
     return 0
 
@@ -96,14 +97,11 @@ def _peer_failed(err: Exception) -> bool:
     return isinstance(err, getattr(td, "DistError", ())) or "closed by peer" in str(err)
 
 
-def _launched() -> bool:
-    """Whether this is one process of a multi-process launch."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+def _rank_tag() -> str:
+    """"[rank N] " before a message of one process of a multi-process launch, else ""."""
+    from difftune.train.dist import launched
 
-
-def _rank() -> int:
-    """This process's rank in a multi-process run (0 when alone)."""
-    return int(os.environ.get("RANK", "0"))
+    return f"[rank {os.environ.get('RANK', '0')}] " if launched() else ""
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -121,10 +119,11 @@ def _check(args: argparse.Namespace) -> int:
 def _cache(args: argparse.Namespace) -> int:
     from difftune.commands import run_cache
     from difftune.config import load_config
+    from difftune.train.dist import current
 
     cfg = load_config(args.config, args.overrides)
     lines = run_cache(cfg, prune=args.prune, show_progress=not args.no_progress)
-    for line in lines if _rank() == 0 else []:
+    for line in lines if current().main else []:
         print(line)
     return 0
 
@@ -174,10 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     setup_console(args.verbose)
-    tag = f"[rank {_rank()}] " if _launched() else ""
+    tag = _rank_tag()
     try:
         _one_process(args.verb)
-        if getattr(args, "num_processes", 1) > 1 and not _launched():
+        if getattr(args, "num_processes", 1) > 1 and not tag:
             from difftune.launch import launch
 
             return launch(args.num_processes, sys.argv[1:] if argv is None else argv)
@@ -190,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as err:
-        if _launched() and _peer_failed(err):
+        if tag and _peer_failed(err):
             log.debug("collective failed:\n%s", traceback.format_exc())
             print(f"{tag}stopped: a collective with the other processes failed ({type(err).__name__}"
                   "); another process of this run failed first, its error is above",

@@ -143,7 +143,8 @@ def run_cache(cfg: RunConfig, prune: bool = False, show_progress: bool = True) -
                           "cache.text = \"disk\"")
     dist = join(cfg)
     run = prepare(cfg, show_progress=show_progress)
-    sampler = _sampler(run, None, cfg.save.dir / "samples") if cfg.sample.prompts else None
+    sampler = (_sampler(run, None, cfg.save.dir / "samples")
+               if cfg.sample.prompts and dist.main else None)
     extra = dist.broadcast(_sample_prompts(sampler) if sampler else [])
     report = []
     if prune and dist.main:

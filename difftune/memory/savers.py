@@ -44,7 +44,7 @@ def check(cfg: RunConfig, family: Family, device: torch.device, world: int) -> N
                     "memory); it runs, for testing")
 
 
-def denoiser_home(cfg: RunConfig, device: torch.device) -> torch.device | None:
+def denoiser_home(cfg: RunConfig) -> torch.device | None:
     """Where to load the denoiser when block swap will place it: the host (None: `device`)."""
     return torch.device("cpu") if cfg.train.blocks_to_swap else None
 

@@ -69,10 +69,7 @@ class Dist:
 
     def share(self, items: Sequence[T]) -> list[T]:
         """This process's contiguous share of `items` (all processes' shares cover them once)."""
-        if self.world == 1:
-            return list(items)
-        n = len(items)
-        return list(items[n * self.rank // self.world: n * (self.rank + 1) // self.world])
+        return list(items[self.rows(len(items))])
 
     def rows(self, n: int) -> slice:
         """This process's rows of a global batch of `n` (may be empty for a short last batch)."""
@@ -160,6 +157,6 @@ def current() -> Dist:
 def init(device: torch.device) -> Dist:
     """Join the launcher's process group once; later calls return the same `Dist`."""
     global _current
-    if _current.world == 1 and launched():
+    if _current.world == 1:
         _current = Dist.start(device)
     return _current

@@ -25,7 +25,6 @@ from difftune.train.state import TrainState
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
-from difftune.train.dist import Dist
 from difftune.train.optim import make_optimizer, make_scheduler
 from difftune.train.setup import Run, batch_loss
 

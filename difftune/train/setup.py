@@ -83,7 +83,7 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     device = resolve_device(cfg.train.device)
     savers.check(cfg, family, device, current().world)
     policy = replace(PrecisionPolicy.from_config(cfg.precision, device),
-                     denoiser_device=savers.denoiser_home(cfg, device))
+                     denoiser_device=savers.denoiser_home(cfg))
     log.info("loading %s model (%s)", family.name, cfg.model.flavor or cfg.model.path or "files")
     comps = family.load(cfg.model, policy)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
