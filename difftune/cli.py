@@ -12,11 +12,14 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from difftune import __version__
 from difftune.errors import DifftuneError
 from difftune.logs import current_run_log, setup_console
+
+if TYPE_CHECKING:
+    from difftune.train.loop import StepFailed
 
 log = logging.getLogger("difftune")
 
@@ -66,7 +69,7 @@ def _train(args: argparse.Namespace) -> int:
     from difftune.config import load_config
 
     from difftune.train.dist import current
-    from difftune.train.loop import Interrupted
+    from difftune.train.loop import Interrupted, StepFailed
 
     if args.resume and args.init_lora:
         print("error: --resume continues a run and --init-lora starts a new one; give one",
@@ -77,16 +80,43 @@ def _train(args: argparse.Namespace) -> int:
         result = run_train(cfg, show_progress=not args.no_progress, resume=args.resume,
                            init_lora=args.init_lora)
     except Interrupted as stop:
-        dist = current()
-        sets = "".join(f" --set {o}" for o in args.overrides)
-        sets += f" --num-processes {dist.world}" if dist.world > 1 else ""
-        if dist.main:
+        if current().main:
             print(f"stopped after step {stop.step}; checkpoint saved to {stop.path}\n"
-                  f"resume with: difftune train {args.config}{sets} --resume latest")
+                  + _resume_hint(args))
         return 0
+    except StepFailed as failed:
+        return _step_failed(failed, args)
     if current().main:
         print(f"LoRA written to {result.lora}")
     return 0
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    """The command that continues this run from its latest checkpoint."""
+    from difftune.train.dist import current
+
+    world = current().world
+    sets = "".join(f" --set {o}" for o in args.overrides)
+    sets += f" --num-processes {world}" if world > 1 else ""
+    return f"resume with: difftune train {args.config}{sets} --resume latest"
+
+
+def _step_failed(failed: StepFailed, args: argparse.Namespace) -> int:
+    """A step failed mid-run: the error as usual, then where the last good step was saved
+    and how to resume once the cause is fixed."""
+    cause = failed.cause
+    log.debug("step %d failed:\n%s", failed.step, "".join(
+        traceback.format_exception(type(cause), cause, cause.__traceback__)))
+    where = current_run_log()
+    if isinstance(cause, DifftuneError):
+        print(f"{_rank_tag()}error: {cause}", file=sys.stderr)
+    else:
+        print(f"{_rank_tag()}internal error at step {failed.step}: {type(cause).__name__}: "
+              f"{cause}" + (f" (traceback in {where})" if where else ""), file=sys.stderr)
+    if failed.path is not None:
+        print(f"the last good step ({failed.step - 1}) was saved to {failed.path}; once the "
+              f"cause is fixed, {_resume_hint(args)}", file=sys.stderr)
+    return cause.exit_code if isinstance(cause, DifftuneError) else 1
 
 
 def _peer_failed(err: Exception) -> bool:

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from difftune import families
 from difftune.adapters.lora import lora_parameters
 from difftune.cache.disk import DiskStore
 from difftune.config import RunConfig
@@ -24,12 +25,14 @@ from difftune.memory import savers
 from difftune.precision import resolve_device
 from difftune.report import Reporter, SilentReporter
 from difftune.sample import SampleRunner
-from difftune.train.checkpoint import CheckpointManager, refuse_overwrite
+from difftune.train.checkpoint import CheckpointManager
 from difftune.train.dist import Dist, init as init_dist
 from difftune.train import resume as resume_mod
 from difftune.train.resume import Checkpoint
 from difftune.train.init_lora import load_init_lora
 from difftune.train.loop import Hooks, Result, set_training, train
+from difftune.train.rundir import (LOCK_NAME, RunLock, clean_leftovers, clear_for_overwrite,
+                                   refuse_overwrite)
 from difftune.train.setup import (Run, batch_loss, fill_caches, load_data, prepare,
                                   report_bad_entries)
 
@@ -57,9 +60,24 @@ def run_train(cfg: RunConfig, show_progress: bool = True, resume: str | None = N
     new one from a LoRA file's weights. An incompatible resume fails before anything is written.
     """
     dist = join(cfg)
-    checkpoint = _open_run(cfg, resume, dist)
+    lock = RunLock(cfg.save.dir)
+    try:
+        checkpoint = _open_run(cfg, resume, dist, lock)
+        return _run_locked(cfg, dist, checkpoint, show_progress, init_lora)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
+                show_progress: bool, init_lora: Path | None) -> Result:
+    """The run once its folder is held: data (checked against a resumed checkpoint before the
+    model loads), model, caches, training."""
     started = time.perf_counter()
-    run = prepare(cfg, show_progress=show_progress)
+    data = load_data(cfg, families.get(cfg.model.family))
+    if checkpoint is not None:
+        resume_mod.check_data(checkpoint, data, cfg.train.batch_size * dist.world,
+                              cfg.train.seed)
+    run = prepare(cfg, dataset=data, show_progress=show_progress)
     ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, run.data.summary(),
                              run.embeddings, writes=dist.main)
     if checkpoint is not None:
@@ -72,11 +90,14 @@ def run_train(cfg: RunConfig, show_progress: bool = True, resume: str | None = N
     fill_caches(run, dist.broadcast(_sample_prompts(sampler) if sampler else []), show_progress)
     start = checkpoint.step if checkpoint else 0
     reporter = (Reporter(cfg.save.dir, cfg.train.steps, start_step=start, bar=show_progress,
-                         append=checkpoint is not None) if dist.main else SilentReporter())
+                         append=checkpoint is not None, every=cfg.train.log_every)
+                if dist.main else SilentReporter())
     if sampler:
         sampler.reporter = reporter
     try:
         with stop_signals() as stop:
+            if sampler:
+                sampler.stop = stop
             result = train(run, Hooks(reporter, ckpt, sampler, stop), checkpoint)
     finally:
         reporter.close()
@@ -85,9 +106,13 @@ def run_train(cfg: RunConfig, show_progress: bool = True, resume: str | None = N
     return result
 
 
-def _open_run(cfg: RunConfig, resume: str | None, dist: Dist) -> Checkpoint | None:
-    """Check what the run would overwrite or resume from (every process, before rank 0 writes
-    anything), then open the output folder and its log; returns the checkpoint to resume."""
+def _open_run(cfg: RunConfig, resume: str | None, dist: Dist,
+              lock: RunLock) -> Checkpoint | None:
+    """Hold the output folder (rank 0), check what the run would overwrite or resume from
+    (every process, before rank 0 writes anything), then clean what an interrupted run left
+    and open the run log; returns the checkpoint to resume."""
+    if dist.main:
+        lock.acquire()  # a second run on this folder stops here
     checkpoint = resume_mod.read(resume_mod.find(cfg.save.dir, resume)) if resume else None
     if checkpoint is None:
         refuse_overwrite(cfg)
@@ -95,7 +120,9 @@ def _open_run(cfg: RunConfig, resume: str | None, dist: Dist) -> Checkpoint | No
         resume_mod.check_compatible(checkpoint, resume_mod.config_identity(cfg), cfg)
     dist.barrier()
     if dist.main:
-        cfg.save.dir.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(cfg.save.dir)
+        if checkpoint is None:
+            clear_for_overwrite(cfg)
         attach_run_log(cfg.save.dir / "difftune.log")  # appends: a refused resume loses nothing
     if dist.world > 1:
         log.info("data-parallel run: %d processes, global batch %d (train.batch_size %d per "
@@ -122,9 +149,12 @@ def stop_signals() -> Iterator[Callable[[], bool]]:
         return
 
     def ask(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
         if not asked:
-            log.warning("stop requested (%s): finishing this step and saving a checkpoint",
-                        signal.Signals(signum).name)
+            log.warning("stop requested (%s): finishing this step and saving a checkpoint", name)
+        else:  # a second signal never cuts a save short
+            log.warning("%s again: already stopping; the checkpoint is being saved, wait for "
+                        "it (kill -9 loses the steps since the last checkpoint)", name)
         asked.append(signum)
 
     old = {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -222,9 +252,9 @@ def run_check(cfg: RunConfig) -> list[str]:
     """`difftune check`: everything a run does, once, at the smallest size; returns the report."""
     report = ["config: valid"]
     refuse_overwrite(cfg)
+    if (cfg.save.dir / LOCK_NAME).exists():
+        RunLock(cfg.save.dir).acquire().release()  # raises while another run holds it
     report.append(f"output folder: {cfg.save.dir} (nothing would be overwritten)")
-    from difftune import families
-
     data = load_data(cfg, families.get(cfg.model.family))
     report += _describe_data(data)
     run = prepare(cfg, dataset=data, show_progress=False)

@@ -7,17 +7,20 @@ sample is closer to its own training image than to any other: the evidence that 
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from difftune.commands import run_train
-from difftune.config import load_config
-from importlib import resources
+from difftune.config import RunConfig, parse_config
+from difftune.errors import ConfigError
 from difftune.plots import labelled_rows, loss_curve
 from difftune.sample import PromptSpec, read_prompts
+from difftune.train.rundir import previous_outputs
 
 
 def demo_config_path() -> Path:
@@ -61,13 +64,36 @@ def _event_samples(samples_dir: Path, step: int, count: int) -> list[Path]:
     return [next(samples_dir.glob(f"step-{step:06d}_{i:02d}_*.png")) for i in range(count)]
 
 
-def run_demo(out: Path, steps: int | None = None, show_progress: bool = True) -> str:
-    """Train the demo, draw its figures, and return a short report."""
-    overrides = [f'save.dir="{out.resolve().as_posix()}"', "save.overwrite=true"]
+def demo_config(out: Path, steps: int | None = None) -> RunConfig:
+    """The demo's run config writing to `out`, with `steps` optimizer steps (any >= 1).
+
+    Built as data, not as TOML text: any folder name works (quotes, backslashes, spaces), and
+    it is an absolute path, never resolved against the packaged demo's folder.
+    """
+    path = demo_config_path()
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    data["save"]["dir"] = str(out.expanduser().resolve())
     if steps is not None:
-        overrides.append(f"train.steps={steps}")
-        overrides.append(f"sample.every_n_steps={max(1, steps // 3)}")
-    cfg = load_config(demo_config_path(), overrides)
+        if steps < 1:
+            raise ConfigError(f"--steps {steps}: the demo needs at least one step")
+        train = data["train"]
+        train["steps"] = steps
+        # The packaged schedule warms up for 20 of 800 steps; keep that share for short runs.
+        train["warmup_steps"] = min(train["warmup_steps"], steps // 40)
+        data["sample"]["every_n_steps"] = max(1, steps // 3)
+    return parse_config(data, path.parent, f"demo config ({path})")
+
+
+def run_demo(out: Path, steps: int | None = None, show_progress: bool = True) -> str:
+    """Train the demo, draw its figures, and return a short report.
+
+    Like `train`, it refuses a folder that holds a previous run's outputs."""
+    cfg = demo_config(out, steps)
+    found = previous_outputs(cfg.save.dir)
+    if found:
+        raise ConfigError(f"--out {out}: the folder already holds a run's outputs "
+                          f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}); "
+                          "difftune never overwrites them: give another --out, or delete it")
     result = run_train(cfg, show_progress=show_progress)
     final = cfg.train.steps
     prompts = read_prompts(cfg.sample.prompts, PromptSpec("", "", 64, 64, 8, 0, 3.5, 1.0))

@@ -12,7 +12,9 @@ and no samples. Nothing here raises: a prompt file edited mid-run can never stop
 from __future__ import annotations
 
 import logging
+import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -56,15 +58,46 @@ def parse_line(line: str, default: PromptSpec) -> PromptSpec:
     return spec
 
 
+MAX_BYTES = 1 << 20  # a prompt file is text someone wrote; anything bigger is a mistake
+
+
+def _read_regular(path: Path) -> str:
+    """The text of a regular file of at most `MAX_BYTES`, opened without blocking (a FIFO or
+    a device named as the prompt file must never hang training); raises OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"not a regular file ({_kind(os.fstat(fd).st_mode)})")
+        data = os.read(fd, MAX_BYTES + 1)
+        while data and len(data) <= MAX_BYTES and (more := os.read(fd, MAX_BYTES + 1 - len(data))):
+            data += more
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BYTES:
+        raise OSError(f"larger than {MAX_BYTES // 2**20} MiB")
+    return data.decode("utf-8-sig")
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in a word."""
+    for test, word in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return word
+    return "not a file"
+
+
 def read_prompts(path: Path, default: PromptSpec) -> list[PromptSpec]:
     """All valid prompts of a `.txt` or `.toml` file; bad entries are skipped with a warning."""
     try:
-        raw = path.read_text(encoding="utf-8-sig")
+        raw = _read_regular(path)
     except FileNotFoundError:
         log.warning("sample prompt file %s does not exist; no samples this time", path)
         return []
     except (OSError, UnicodeDecodeError) as err:
-        log.warning("sample prompt file %s cannot be read (%s); no samples this time", path, err)
+        why = err.strerror if isinstance(err, OSError) and err.strerror else err
+        log.warning("sample prompt file %s cannot be read (%s); no samples this time", path, why)
         return []
     reader = _read_toml if path.suffix.lower() == ".toml" else _read_txt
     specs = reader(path, raw, default)

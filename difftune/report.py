@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,33 +23,43 @@ class Reporter:
     """Per-step reporting to the console bar, metrics.jsonl and TensorBoard."""
 
     def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, bar: bool = True, append: bool = False) -> None:
+                 tensorboard: bool = True, bar: bool = True, append: bool = False,
+                 every: int = 1) -> None:
         self.metrics_path = out_dir / "metrics.jsonl"
+        self.total, self.every = total_steps, every
         # Kept open (line-buffered) for the run: reopening it every step costs more than the
         # write itself on small models.
-        self._metrics = self._open_metrics("a" if append else "w")
+        self._metrics = self._open_metrics(start_step if append else None)
         self.smoothed: float | None = None
         self.start_time = time.perf_counter()
         self.start_step = start_step
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                         dynamic_ncols=True, disable=not bar)
-        self.writer = self._tensorboard(out_dir / "tensorboard") if tensorboard else None
+        self.writer = (self._tensorboard(out_dir / "tensorboard", start_step if append else None)
+                       if tensorboard else None)
         self._broken: set[str] = set()
 
-    def _open_metrics(self, mode: str) -> Any:
-        """metrics.jsonl: a new run starts it afresh ("w"), a resumed one appends ("a")."""
+    def _open_metrics(self, resumed_at: int | None) -> Any:
+        """metrics.jsonl: a new run starts it afresh; a run resumed after step N keeps the
+        rows up to N and appends, so steps redone after a crash appear once."""
         try:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            return open(self.metrics_path, mode, encoding="utf-8", buffering=1)
+            if resumed_at is None:
+                return open(self.metrics_path, "w", encoding="utf-8", buffering=1)
+            _keep_rows_until(self.metrics_path, resumed_at)
+            return open(self.metrics_path, "a", encoding="utf-8", buffering=1)
         except OSError as err:  # reporting never stops training
             log.warning("metrics.jsonl is off: %s", err)
             return None
 
-    def _tensorboard(self, path: Path) -> Any:
+    def _tensorboard(self, path: Path, resumed_at: int | None) -> Any:
+        """A TensorBoard writer; on a resume, events of steps after the checkpoint (written
+        before a crash, redone now) are purged by TensorBoard itself."""
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            return SummaryWriter(log_dir=str(path))
+            purge = None if resumed_at is None else resumed_at + 1
+            return SummaryWriter(log_dir=str(path), purge_step=purge)
         except Exception as err:  # reporting never stops training
             log.warning("TensorBoard logging is off: %s", err)
             return None
@@ -71,10 +82,11 @@ class Reporter:
         rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
         row = {"step": step, "loss": loss, "loss_smoothed": self.smoothed, "lr": lr,
                "it_per_s": rate, "time": elapsed, **(extra or {})}
-        if self._metrics is not None:
-            self._guard("metrics.jsonl", self._write_jsonl, row)
-        if self.writer is not None:
-            self._guard("tensorboard", self._write_tb, row)
+        if step % self.every == 0 or step == self.total:  # train.log_every
+            if self._metrics is not None:
+                self._guard("metrics.jsonl", self._write_jsonl, row)
+            if self.writer is not None:
+                self._guard("tensorboard", self._write_tb, row)
         self._guard("progress", self._update_bar, row)
 
     def _write_jsonl(self, row: dict[str, float]) -> None:
@@ -102,6 +114,23 @@ class Reporter:
             self._guard("metrics.jsonl", self._metrics.close)
         if self.writer is not None:
             self._guard("tensorboard", self.writer.close)
+
+
+def _keep_rows_until(path: Path, step: int) -> None:
+    """Rewrite metrics.jsonl with only its rows of steps up to `step` (atomically); lines cut
+    short by a kill are dropped too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 class SilentReporter(Reporter):

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import re
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -24,6 +23,7 @@ from PIL import Image
 
 from difftune.config import SampleConfig
 from difftune.prompts import PromptSpec, parse_line, read_prompts  # noqa: F401 (re-exported)
+from difftune.train.state import GlobalRngs
 
 if TYPE_CHECKING:
     from difftune.cache.sources import TextSource
@@ -54,16 +54,10 @@ class _RngGuard:
     """Save and restore every RNG (python, numpy, torch CPU and CUDA) around sampling."""
 
     def __enter__(self) -> None:
-        self.states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                       torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        self.states = GlobalRngs.capture()
 
     def __exit__(self, *exc: Any) -> None:
-        py, npy, cpu, cuda = self.states
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        self.states.restore()
 
 
 def _failed(what: str, err: Exception) -> None:
@@ -86,6 +80,9 @@ class SampleRunner:
         self.default = PromptSpec("", "", cfg.width or w, cfg.height or h, cfg.steps, cfg.seed,
                                   cfg.guidance, scale)
         self._pipe: Any = None
+        # Polled before each image: a stop request (SIGTERM) ends an event after the
+        # current image instead of after all of them.
+        self.stop: Callable[[], bool] = lambda: False
 
     def use_pipeline(self, pipe: Any) -> None:
         """Sample through this pipeline (e.g. one with LoRAs loaded) instead of a new one."""
@@ -135,6 +132,10 @@ class SampleRunner:
         self.texts.fill(texts)  # every new text of the event at once (one reload at most)
         paths, images = [], []
         for i, spec in enumerate(specs):
+            if self.stop():
+                log.info("sampling at step %d ends early (stop requested): %d of %d images",
+                         step, len(paths), len(specs))
+                break
             try:
                 image = self.generate(spec)
             except Exception as err:  # one bad prompt (a size, memory) spares the others

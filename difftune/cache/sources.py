@@ -13,9 +13,11 @@ import gc
 import logging
 import random
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from PIL import Image
 
 from difftune.cache.keys import entry_key, latent_fields, text_fields
 from difftune.adapters.embeddings import Embeddings
@@ -50,6 +52,7 @@ class LatentSource:
         # Keys are derived once per (item, flip): hashing image bytes every step would cost
         # more than the cache saves on small models.
         self._keys: dict[tuple[int, bool], tuple[str, dict[str, object]]] = {}
+        self.unreadable: set[Path] = set()  # images that failed mid-run (warned once each)
 
     def box(self, index: int) -> tuple[int, int, int, int]:
         """The item's cached crop box; a "random" crop is drawn once per item from the run seed."""
@@ -90,6 +93,22 @@ class LatentSource:
         if hit is not None:
             return hit["latent"].float()
         return self._make(index, flip).float()
+
+    def readable(self, index: int, flip: bool, sample_seed: int | None = None
+                 ) -> torch.Tensor | None:
+        """`get`, or None when the image can no longer be read (deleted, replaced by a damaged
+        file mid-run, with latents not cached): that sample is skipped with one warning per
+        file, and training goes on with the rest."""
+        try:
+            return self.get(index, flip, sample_seed)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+            path = self.items[index].path
+            if path not in self.unreadable:
+                self.unreadable.add(path)
+                log.warning("image %s cannot be read any more (%s: %s); its samples are "
+                            "skipped from now on (training goes on)", path,
+                            type(err).__name__, err)
+            return None
 
     def _make(self, index: int, flip: bool) -> torch.Tensor:
         """Encode one (item, flip) variant with its cached crop and store it."""

@@ -140,7 +140,7 @@ class BucketBatchSampler:
         for batch in self.batches():
             yield list(batch.indices)
 
-    def _identity(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, Any]:
         """What must match for a saved position to mean the same batches.
 
         The fingerprint covers each item's file name, bucket and repeats (not the full path, so
@@ -156,15 +156,15 @@ class BucketBatchSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """The resume state: the next batch's (epoch, position) plus the sampler's identity."""
-        return {"epoch": self.epoch, "position": self.position, **self._identity()}
+        return {"epoch": self.epoch, "position": self.position, **self.identity()}
 
     def state_after(self, batch: Batch) -> dict[str, Any]:
         """The state that resumes right after `batch` (robust to prefetching ahead)."""
-        return {"epoch": batch.epoch, "position": batch.position + 1, **self._identity()}
+        return {"epoch": batch.epoch, "position": batch.position + 1, **self.identity()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a `state_dict()`; refuses one made for other data or settings."""
-        mine = self._identity()
+        mine = self.identity()
         diff = [f"{k} {state.get(k)} -> {v}" for k, v in mine.items() if state.get(k) != v]
         if diff:
             raise CheckpointError(

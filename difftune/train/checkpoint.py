@@ -24,26 +24,11 @@ from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.formats import merged_adapter_metadata, save_lora
 from difftune.adapters.lora import lora_state
 from difftune.config import RunConfig
-from difftune.errors import ConfigError
 from difftune.families.base import Components, Family
 from difftune.precision import DTYPES
 from difftune.train.state import (TrainState, optimizer_groups, optimizer_tensors, rng_state)
 
 log = logging.getLogger("difftune")
-
-
-def refuse_overwrite(cfg: RunConfig) -> None:
-    """Stop before anything heavy when save.dir already holds LoRA files we would replace."""
-    out = cfg.save.dir
-    if cfg.save.overwrite or not out.is_dir():
-        return
-    existing = sorted(p.name for p in out.glob("*.safetensors"))
-    if existing:
-        raise ConfigError(
-            f"save.dir {out} already holds LoRA files ({', '.join(existing[:3])}"
-            f"{', ...' if len(existing) > 3 else ''}); difftune never overwrites what a run made. "
-            "Choose a new save.dir, or set save.overwrite = true"
-        )
 
 
 class CheckpointManager:

@@ -21,7 +21,7 @@ from difftune.adapters.lora import lora_parameters
 from difftune.data.sampler import Batch, BucketBatchSampler
 from difftune.train.guard import NonFiniteGuard, TrainingDiverged
 from difftune.train.resume import Checkpoint, restore
-from difftune.train.state import TrainState
+from difftune.train.state import GlobalRngs, TrainState
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
@@ -39,6 +39,16 @@ class Hooks:
     checkpoints: CheckpointManager
     sampler: SampleRunner | None
     stop: Callable[[], bool] = lambda: False
+
+
+class StepFailed(Exception):
+    """Step `step` failed with `cause`; the state after the step before it (the last good
+    one) was saved to `path` (None when it could not be: nothing trained yet, several
+    processes, or weights already half-updated)."""
+
+    def __init__(self, step: int, path: Path | None, cause: BaseException) -> None:
+        super().__init__(f"step {step} failed: {type(cause).__name__}: {cause}")
+        self.step, self.path, self.cause = step, path, cause
 
 
 class Interrupted(Exception):
@@ -86,7 +96,7 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
     result = Result()
     set_training(run, True)
     for step in range(start + 1, cfg.train.steps + 1):
-        loss, epoch, lr = _step(run, hooks, loop, batches, step)
+        loss, epoch, lr = _guarded_step(run, hooks, loop, batches, step)
         result.losses.append(loss)
         hooks.reporter.step(step, loss, lr, {"epoch": epoch, **loop.guard.counts()})
         if step < cfg.train.steps:
@@ -119,6 +129,7 @@ class _Loop:
     sampler: BucketBatchSampler
     params: list[torch.nn.Parameter]
     guard: NonFiniteGuard
+    updating: bool = False  # inside the optimizer's update (weights may be half-changed)
 
     @classmethod
     def build(cls, run: Run) -> "_Loop":
@@ -141,6 +152,58 @@ class _Loop:
         """Where the run stands after `step` (the sampler names the next batch)."""
         return TrainState(step, self.sampler.state_dict(), self.guard.state())
 
+    def snapshot(self, step: int) -> "_Snapshot":
+        """What a rescue checkpoint after `step` needs, taken before the next step draws."""
+        return _Snapshot(step, self.sampler.epoch, self.sampler.position, self.guard.state(),
+                         self.generator.get_state(), GlobalRngs.capture())
+
+
+@dataclass
+class _Snapshot:
+    """The run's position and random states between two steps (cheap: no weights)."""
+
+    step: int
+    epoch: int
+    position: int
+    guard: dict[str, float]
+    generator: torch.Tensor
+    rngs: GlobalRngs
+
+
+def _guarded_step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
+                  step: int) -> tuple[float, int, float]:
+    """`_step`, and when it fails before the optimizer touched the weights, a checkpoint of
+    the step before (the last good one) so the run resumes from there once the cause is
+    fixed; the failure is raised as `StepFailed`."""
+    snap = loop.snapshot(step - 1)
+    try:
+        return _step(run, hooks, loop, batches, step)
+    except TrainingDiverged:
+        raise
+    except Exception as err:
+        path = None
+        # With fused_backward the weights change during backward: no state is whole then.
+        if (snap.step > 0 and run.dist.world == 1 and not loop.updating
+                and not run.cfg.train.fused_backward):
+            path = _rescue(hooks, loop, snap)
+        raise StepFailed(step, path, err) from err
+
+
+def _rescue(hooks: Hooks, loop: _Loop, snap: _Snapshot) -> Path | None:
+    """Save the checkpoint of `snap`'s step; None (logged) if that fails too."""
+    loop.opt.zero_grad(set_to_none=True)
+    loop.generator.set_state(snap.generator)
+    snap.rngs.restore()
+    loop.guard.load(snap.guard)
+    state = TrainState(snap.step, {**loop.sampler.state_dict(), "epoch": snap.epoch,
+                                   "position": snap.position}, snap.guard)
+    try:
+        return hooks.checkpoints.save_checkpoint(state, loop.opt, loop.sched, loop.scaler,
+                                                 loop.generator)
+    except Exception:  # the original failure is the one to report
+        log.exception("the checkpoint of the last good step could not be saved")
+        return None
+
 
 def _step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
           step: int) -> tuple[float, int, float]:
@@ -148,8 +211,10 @@ def _step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
     loss, epoch = _accumulate(run, batches, loop.generator, loop.scaler, step - 1)
     loss = run.dist.average(loop.params, loss)  # one process: nothing to do
     if not loop.guard.skip(step, loss):
+        loop.updating = True
         lr = _optimizer_step(loop.opt, loop.sched, loop.scaler, loop.params,
                              run.cfg.train.max_grad_norm)
+        loop.updating = False
         loop.guard.scaler_skipped(loop.scaler)
         return loss, epoch, lr
     # Nothing is applied: gradients dropped, schedule advanced to stay on the step count.
@@ -220,7 +285,7 @@ def _share_loss(run: Run, batch: Batch, generator: torch.Generator,
         return None
     loss = batch_loss(run, list(batch.indices[rows]), list(batch.flips[rows]), generator,
                       list(batch.seeds[rows]), done, rows=(rows, n))
-    return loss * (len(mine) * run.dist.world / n)
+    return None if loss is None else loss * (len(mine) * run.dist.world / n)
 
 
 def _optimizer_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
@@ -239,20 +304,23 @@ def _optimizer_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.
 
 
 def _between_steps(run: Run, hooks: Hooks, loop: _Loop, step: int) -> None:
-    """Save and sample when due; on a stop request, checkpoint and raise `Interrupted`."""
+    """Save and sample when due; on a stop request, checkpoint and raise `Interrupted`.
+
+    The stop request is read after sampling, which itself ends early when asked to: a
+    SIGTERM during a sample event stops after the current image."""
     cfg = run.cfg
     saved = None
-    asked = hooks.stop()
-    stop = run.dist.any(asked)  # every process stops after the same step
-    if stop and not asked:
-        log.warning("another process of this run was asked to stop: stopping after step %d",
-                    step)
     if _due(step, cfg.save.every_n_steps):
         hooks.checkpoints.save_lora(step)
         saved = hooks.checkpoints.save_checkpoint(loop.state(step), loop.opt, loop.sched,
                                                   loop.scaler, loop.generator)
     if hooks.sampler and _due(step, cfg.sample.every_n_steps):
         hooks.sampler.run(step)
+    asked = hooks.stop()
+    stop = run.dist.any(asked)  # every process stops after the same step
+    if stop and not asked:
+        log.warning("another process of this run was asked to stop: stopping after step %d",
+                    step)
     if stop:
         saved = saved or hooks.checkpoints.save_checkpoint(
             loop.state(step), loop.opt, loop.sched, loop.scaler, loop.generator)

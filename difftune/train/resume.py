@@ -23,7 +23,11 @@ from difftune.config import RunConfig
 from difftune.errors import CheckpointError
 from difftune.safefiles import is_pickle, pickle_refusal
 from difftune.train.dist import current
+from difftune.data.discover import DataSet
+from difftune.data.sampler import BucketBatchSampler
 from difftune.train.checkpoint import CHECKPOINT_FORMAT, CheckpointManager, complete_checkpoints
+from difftune.train.ckpt_check import (check_against_run, check_doc, check_optimizer, check_rng,
+                                       check_trainable)
 from difftune.train.optim import lr_factor
 from difftune.train.state import TrainState, load_optimizer, set_rng_state
 
@@ -71,14 +75,19 @@ def read(path: Path) -> Checkpoint:
             raise CheckpointError(f"checkpoint {path} holds {item.name}: " + pickle_refusal(item))
     try:
         doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
-        tensors = [load_file(str(path / name)) for name in FILES[:3]]
+        if isinstance(doc, dict) and (doc.get("format") != CHECKPOINT_FORMAT
+                                      or not doc.get("complete")):
+            raise CheckpointError(f"checkpoint {path} has format {doc.get('format')!r}; this "
+                                  f"difftune reads format {CHECKPOINT_FORMAT}")
+        check_doc(doc, path / "state.json")
+        trainable, optimizer, rng = (load_file(str(path / name)) for name in FILES[:3])
     except (OSError, ValueError, SafetensorError) as err:
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
                               "it is damaged or not a difftune checkpoint") from None
-    if doc.get("format") != CHECKPOINT_FORMAT or not doc.get("complete"):
-        raise CheckpointError(f"checkpoint {path} has format {doc.get('format')!r}; this "
-                              f"difftune reads format {CHECKPOINT_FORMAT}")
-    return Checkpoint(path, doc, *tensors)
+    check_rng(rng, path / FILES[2])
+    check_trainable(trainable, int(doc["identity"]["rank"]), path / FILES[0])
+    check_optimizer(optimizer, trainable, path / FILES[1])
+    return Checkpoint(path, doc, trainable, optimizer, rng)
 
 
 def config_identity(cfg: RunConfig) -> dict[str, Any]:
@@ -113,6 +122,26 @@ def check_compatible(ckpt: Checkpoint, now: dict[str, Any], cfg: RunConfig) -> N
                               f"is {cfg.train.steps}: nothing left to train; raise train.steps")
 
 
+def check_data(ckpt: Checkpoint, data: DataSet, global_batch: int, seed: int) -> None:
+    """Refuse a resume whose datasets changed since the checkpoint (images added, removed,
+    renamed, re-bucketed or repeated otherwise): its saved position would name other batches.
+    Runs on the scanned data, before the model loads and the caches fill."""
+    saved = ckpt.doc["sampler"]
+    now = BucketBatchSampler(data, global_batch, seed).identity()
+    if saved.get("num_items") != now["num_items"] or saved.get("fingerprint") != now["fingerprint"]:
+        raise CheckpointError(
+            f"cannot resume from {ckpt.path}: the datasets changed since it was saved "
+            f"({saved.get('num_items')} items then, {now['num_items']} now, or other file "
+            "names, buckets or repeats); resume with the datasets as they were, or start a "
+            f"new run from its weights with --init-lora {_lora_file(ckpt.path)}")
+
+
+def _lora_file(folder: Path) -> Path:
+    """The LoRA file a checkpoint folder holds beside its state files."""
+    found = [p for p in sorted(folder.glob("*.safetensors")) if p.name not in FILES]
+    return found[0] if found else folder
+
+
 def _check_global_batch(ckpt: Checkpoint, cfg: RunConfig) -> None:
     """The data order is planned in global batches (train.batch_size x processes): a resume
     on another number of processes continues exactly when the global batch is kept."""
@@ -133,8 +162,7 @@ def restore(ckpt: Checkpoint, manager: CheckpointManager, cfg: RunConfig,
             scaler: torch.amp.GradScaler, generator: torch.Generator) -> TrainState:
     """Put weights, optimizer, schedule, scaler and RNGs back; returns where to go on from."""
     params = manager.trainable()
-    if set(params) != set(ckpt.trainable):
-        raise CheckpointError(f"checkpoint {ckpt.path} holds other trained weights than this run")
+    check_against_run(ckpt.trainable, params, ckpt.path / FILES[0])
     with torch.no_grad():
         for name, value in ckpt.trainable.items():
             params[name].copy_(value)

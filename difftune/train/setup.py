@@ -193,8 +193,9 @@ def report_bad_entries(run: Run) -> None:
 
 def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch.Generator,
                seeds: list[int | None] | None = None, step: int = 0,
-               rows: tuple[slice, int] | None = None) -> torch.Tensor:
-    """The training loss of one batch (forward only; the caller runs backward).
+               rows: tuple[slice, int] | None = None) -> torch.Tensor | None:
+    """The training loss of one batch (forward only; the caller runs backward), or None when
+    none of its images can be read any more (see `LatentSource.readable`).
 
     `flips` and `seeds` are the sampler's per-occurrence augmentation decisions; `step` the
     optimizer step (token warm-up). Latents and texts are looked up by item and variant.
@@ -203,11 +204,19 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     """
     device = run.policy.device
     per_sample = seeds if seeds is not None else [None] * len(indices)
-    latents = torch.stack([run.latents.get(i, f, s)
-                           for i, f, s in zip(indices, flips, per_sample)]).to(device)
+    found = [run.latents.readable(i, f, s) for i, f, s in zip(indices, flips, per_sample)]
+    keep = [k for k, latent in enumerate(found) if latent is not None]
+    if not keep:
+        return None
+    like = found[keep[0]]
+    latents = torch.stack([x if x is not None else torch.zeros_like(like) for x in found])
+    # Drawn for every row, read or not, so the noise of later steps stays the same.
+    draw = _draw(run, latents.to(device), generator, rows)
+    if len(keep) < len(found):
+        draw = draw.rows(torch.tensor(keep))
+        indices, per_sample = [indices[k] for k in keep], [per_sample[k] for k in keep]
     captions = [run.captions.text(i, s, step) for i, s in zip(indices, per_sample)]
     embeds = run.texts.get(captions).to(device)
-    draw = _draw(run, latents, generator, rows)
     cond = conditioning(run, indices, per_sample)
     with run.policy.autocast():
         pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)

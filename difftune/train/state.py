@@ -82,6 +82,32 @@ def load_optimizer(opt: torch.optim.Optimizer, names: dict[int, str],
         opt.state.setdefault(param, {})[item] = int(value) if plain else value.to(param.device)
 
 
+@dataclass
+class GlobalRngs:
+    """The process-global RNG states a step draws from (python, numpy, torch CPU and CUDA):
+    captured before something that must leave no trace (a sample event, a step that may
+    fail) and put back after it."""
+
+    python: Any
+    numpy: Any
+    cpu: torch.Tensor
+    cuda: list[torch.Tensor] | None
+
+    @classmethod
+    def capture(cls) -> "GlobalRngs":
+        """The states now."""
+        return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                   torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+    def restore(self) -> None:
+        """Put the captured states back."""
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
 def rng_state(generator: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every RNG a step touches: (tensors for safetensors, JSON for python and numpy)."""
     tensors = {"torch_cpu": torch.get_rng_state(), "generator": generator.get_state()}
