@@ -82,6 +82,7 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
                              run.embeddings, writes=dist.main)
     if checkpoint is not None:
         resume_mod.check_compatible(checkpoint, ckpt.identity(), cfg)
+    ckpt.check_space()
     if init_lora is not None:
         load_init_lora(init_lora, ckpt)
     ckpt.write_config()

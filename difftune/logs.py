@@ -52,6 +52,16 @@ def quiet_libraries() -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+class _RunLogHandler(logging.FileHandler):
+    """The run log; when it cannot be written (a full disk), one line says so and the log is
+    off, instead of a traceback on the console for every message."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        logging.getLogger(LOGGER).removeHandler(self)
+        print(f"warning: the run log {self.baseFilename} cannot be written any more "
+              f"({sys.exc_info()[1]}); training goes on without it", file=sys.stderr)
+
+
 def attach_run_log(path: Path) -> Path:
     """Append every difftune record, DEBUG and up, to the run's log file (one run log at a time)."""
     logger = logging.getLogger(LOGGER)
@@ -63,7 +73,7 @@ def attach_run_log(path: Path) -> Path:
                 return path
             logger.removeHandler(h)
             h.close()
-    handler = logging.FileHandler(target, encoding="utf-8")
+    handler = _RunLogHandler(target, encoding="utf-8")
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter(_FORMAT))
     logger.addHandler(handler)

@@ -25,13 +25,15 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from difftune.errors import EnvironmentProblem
+from difftune.diskspace import check_free, no_room
 
 _SUFFIX = ".safetensors"
 _TMP = ".tmp-"
 _KEY = re.compile(r"[0-9a-f]{2,}")
 _STALE_TMP_S = 3600.0
 _MAX_QUEUED = 64  # entries waiting for the writer thread at most
+_HEADER_BYTES = 1024  # a safetensors header with difftune's metadata, about
+_FIX = "free space there, or set cache.dir to a folder with room"
 # What a checked read learned about an entry: (file size, data start, data CRC, tensor infos).
 _Layout = tuple[int, int, int, tuple[tuple[str, dict], ...]]
 _DTYPES: dict[str, torch.dtype] = {  # safetensors dtype names -> torch dtypes
@@ -101,6 +103,8 @@ class DiskStore:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._futures: list[Future] = []
+        self._expected = 0  # entries the current fill will write (from `missing`)
+        self._entry_bytes = 0  # size of the last entry put
 
     def path(self, key: str) -> Path:
         """Where the entry for `key` lives (keys are lowercase hex, so they cannot escape)."""
@@ -184,13 +188,18 @@ class DiskStore:
         model's fill otherwise). `flush` waits for the queue and raises a failed write.
         """
         cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        self._entry_bytes = sum(v.nbytes for v in cpu.values()) + _HEADER_BYTES
+        if self._expected:  # the first entry of a fill: is there room for all of them?
+            check_free(self.dir, f"{self._expected} cache entries",
+                       self._expected * self._entry_bytes, _FIX)
+            self._expected = 0
         with self._lock:
             self._pending[key] = cpu
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="difftune-cache")
         self._futures.append(self._pool.submit(self._write_pending, key, cpu, meta))
         if len(self._futures) > _MAX_QUEUED:  # bound the memory held by queued entries
-            self._futures.pop(0).result()
+            self._wait(self._futures.pop(0))
 
     def _write_pending(self, key: str, cpu: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
         try:
@@ -203,12 +212,18 @@ class DiskStore:
         """Wait until every queued entry is on disk; a failed write raises `EnvironmentProblem`."""
         futures, self._futures = self._futures, []
         for future in futures:
-            try:
-                future.result()
-            except OSError as err:
-                raise EnvironmentProblem(
-                    f"cannot write the cache in {self.dir} ({err.strerror or err}); free space "
-                    "there, or set cache.dir to a writable folder with room") from err
+            self._wait(future)
+
+    def _wait(self, future: Future) -> None:
+        """A queued write's outcome: a failed one (a full disk) as `EnvironmentProblem`
+        naming the folder, the space free and the space the queued entries need."""
+        try:
+            future.result()
+        except OSError as err:
+            for queued in self._futures:  # nothing more is written after a failure
+                queued.cancel()
+            need = (len(self._futures) + 1) * self._entry_bytes
+            raise no_room(self.dir, "the cache", need, _FIX, err.strerror or str(err)) from err
 
     def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
         """Write the entry now, atomically (temp file, then rename); skip if a valid one exists."""
@@ -263,7 +278,9 @@ class DiskStore:
         files are found, dropped and reported here, before training).
         """
         present = set(self.keys()) | set(self._pending)
-        return {k for k in keys if k not in present or k not in self}
+        out = {k for k in keys if k not in present or k not in self}
+        self._expected = len(out)  # a fill computes these next: its first put checks the room
+        return out
 
     def meta(self, key: str) -> dict[str, str] | None:
         """The stored metadata of an entry (its inputs plus key and crc), or None."""

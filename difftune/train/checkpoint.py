@@ -24,6 +24,7 @@ from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.formats import merged_adapter_metadata, save_lora
 from difftune.adapters.lora import lora_state
 from difftune.config import RunConfig
+from difftune.diskspace import check_free, writing
 from difftune.families.base import Components, Family
 from difftune.precision import DTYPES
 from difftune.train.state import (TrainState, optimizer_groups, optimizer_tensors, rng_state)
@@ -101,8 +102,9 @@ class CheckpointManager:
         if self.embeddings is not None:  # pivotal tuning: the placeholders travel with the LoRA
             tensors.update({f"{BUNDLE}{name}.{key}": value for name, vectors in
                             self.embeddings.file_tensors().items() for key, value in vectors.items()})
-        path = save_lora(path or self.lora_path(step, final), tensors, meta,
-                         DTYPES[self.cfg.save.dtype])
+        path = path or self.lora_path(step, final)
+        with writing(path.parent, f"LoRA {path.name}", self.bytes_needed(), _FIX):
+            path = save_lora(path, tensors, meta, DTYPES[self.cfg.save.dtype])
         log.info("saved LoRA %s", path)
         return path
 
@@ -119,8 +121,9 @@ class CheckpointManager:
             stem = re.sub(r"[^A-Za-z0-9_.-]+", "", name) or "embedding"
             meta = {"difftune.placeholder": name, "difftune.family": self.family.name,
                     "difftune.steps": str(step)}
-            paths.append(save_lora(folder / f"{stem}{suffix}.safetensors", vectors, meta,
-                                   torch.float32))
+            with writing(folder, f"embedding {stem}", self.bytes_needed(), _FIX):
+                paths.append(save_lora(folder / f"{stem}{suffix}.safetensors", vectors, meta,
+                                       torch.float32))
         return paths
 
     # ------------------------------------------------------------------ resume checkpoints
@@ -147,15 +150,41 @@ class CheckpointManager:
                 "text_encoders": sorted(a.text_encoders),
                 "embeddings": [e.model_dump(mode="json") for e in a.embeddings]}
 
+    def bytes_needed(self) -> int:
+        """About what one save takes: a checkpoint (fp32 weights, two optimizer moments, the
+        LoRA) and the LoRA file beside it."""
+        n = sum(p.numel() for p in self.trainable().values())
+        return n * (4 + 8 + 2 * DTYPES[self.cfg.save.dtype].itemsize) + (64 << 10)
+
+    def check_space(self) -> None:
+        """Refuse to start when save.dir has no room for one save."""
+        if self.writes:
+            check_free(self.out, "checkpoints and the LoRA", self.bytes_needed(), _FIX)
+
     def save_checkpoint(self, state: TrainState, opt: torch.optim.Optimizer,
                         sched: torch.optim.lr_scheduler.LRScheduler,
                         scaler: torch.amp.GradScaler, generator: torch.Generator) -> Path:
-        """Everything an exact resume needs, written atomically; returns the folder."""
+        """Everything an exact resume needs, written atomically; returns the folder. A failed
+        write (a full disk) removes the half-written folder and raises `EnvironmentProblem`;
+        earlier checkpoints stay as they were."""
         root = self.out / "checkpoints"
         final = root / f"step-{state.step:06d}"
         if not self.writes:
             return final
         tmp = root / f".tmp-step-{state.step:06d}-{os.getpid()}"
+        try:
+            with writing(root, f"checkpoint {final.name}", self.bytes_needed(), _FIX):
+                self._write_checkpoint(tmp, final, state, opt, sched, scaler, generator)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone when renamed; a failure's remains
+        self._prune(root)
+        log.info("saved checkpoint %s", final)
+        return final
+
+    def _write_checkpoint(self, tmp: Path, final: Path, state: TrainState,
+                          opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+                          scaler: torch.amp.GradScaler, generator: torch.Generator) -> None:
+        """The checkpoint's files into `tmp`, then `tmp` renamed to `final`."""
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         params = self.trainable()
@@ -173,9 +202,6 @@ class CheckpointManager:
                "config": self.cfg.model_dump(mode="json"), "versions": versions()}
         _write_text(tmp / "state.json", json.dumps(doc, indent=1))  # last: marks it complete
         _replace_dir(tmp, final)
-        self._prune(root)
-        log.info("saved checkpoint %s", final)
-        return final
 
     def _prune(self, root: Path) -> None:
         """Keep the `save.keep_last` newest complete checkpoints."""
@@ -187,6 +213,7 @@ class CheckpointManager:
 
 
 CHECKPOINT_FORMAT = 1
+_FIX = "free space there, or set save.dir to a folder with room"
 BUNDLE = "bundle_emb."  # pivotal tuning: embeddings inside the LoRA file, as kohya names them
 _ADAPTER = re.compile(r"\.default(?=\.weight$)")
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from difftune.config import RunConfig
-from difftune.errors import ConfigError
+from difftune.errors import ConfigError, EnvironmentProblem
 
 log = logging.getLogger("difftune")
 
@@ -109,8 +109,13 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         """Take the lock, or raise `ConfigError` naming the run that holds it."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise EnvironmentProblem(f"cannot write in save.dir {self.path.parent} "
+                                     f"({err.strerror or err}); choose a folder you can write "
+                                     "to") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
