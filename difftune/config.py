@@ -289,7 +289,8 @@ class SaveConfig(_Section):
         "diffusers", description="diffusers/PEFT keys, or kohya/ComfyUI keys."
     )
     dtype: DType = Field("bf16", description="dtype of the saved LoRA tensors.")
-    overwrite: bool = Field(False, description="Allow writing into a folder holding a LoRA.")
+    overwrite: bool = Field(False, description="Allow a new run in a folder holding a "
+                            "previous run's outputs (its checkpoints are removed).")
 
 
 class RunConfig(_Section):
