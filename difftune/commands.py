@@ -18,7 +18,7 @@ from difftune import families
 from difftune.adapters.lora import lora_parameters
 from difftune.cache.disk import DiskStore
 from difftune.config import RunConfig
-from difftune.errors import ConfigError
+from difftune.errors import ConfigError, DataError
 from difftune.data.discover import DataSet
 from difftune.logs import attach_run_log, quiet_rank
 from difftune.memory import savers
@@ -267,6 +267,9 @@ def run_check(cfg: RunConfig) -> list[str]:
     gen = torch.Generator("cpu").manual_seed(cfg.train.seed)
     set_training(run, True)
     loss = batch_loss(run, [smallest], [False], gen)
+    if loss is None:
+        raise DataError(f"{data.items[smallest].path} cannot be read (see the warning above); "
+                        "replace or remove it")
     if loss.requires_grad:  # false only when nothing trained is used (a caption without
         loss.backward()     # the placeholder of a textual-inversion run)
     value = float(loss.detach())
