@@ -26,6 +26,7 @@ from difftune.adapters.lora import lora_state
 from difftune.config import RunConfig
 from difftune.errors import ConfigError
 from difftune.families.base import Components, Family
+from difftune.filenames import embedding_stem
 from difftune.precision import DTYPES
 from difftune.train.state import (TrainState, optimizer_groups, optimizer_tensors, rng_state)
 
@@ -131,7 +132,7 @@ class CheckpointManager:
         suffix = "" if final or folder_of is not None else f"-step{step:06d}"
         paths = []
         for name, vectors in self.embeddings.file_tensors().items():
-            stem = re.sub(r"[^A-Za-z0-9_.-]+", "", name) or "embedding"
+            stem = embedding_stem(name)
             meta = {"difftune.placeholder": name, "difftune.family": self.family.name,
                     "difftune.steps": str(step)}
             paths.append(save_lora(folder / f"{stem}{suffix}.safetensors", vectors, meta,
