@@ -45,8 +45,8 @@ class SubsetConfig(_Section):
     )
     token_warmup_min: int = Field(1, ge=1, description="Tags kept at step 0 of the warm-up.")
     token_warmup_steps: int = Field(
-        0, ge=0, description="Steps over which the tag count grows to the full caption (0: off)."
-    )
+        0, ge=0, description="Steps over which the tag count grows to the full caption (0: off; "
+                              "smaller than train.steps).")
 
     @field_validator("caption_ext")
     @classmethod
