@@ -15,10 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from difftune.config_base import Beta, ClipNorm
 from difftune.config_base import Section as _Section
 from difftune.config_data import CacheConfig, DatasetConfig, SubsetConfig
 from difftune.config_errors import format_validation_error, parse_override
-from difftune.errors import ConfigError, ModelFileError
+from difftune.errors import ConfigError
 
 DType = Literal["fp32", "fp16", "bf16"]
 # Default text-encoder LoRA targets: attention and MLP Linear layers of CLIP and of T5.
@@ -182,11 +183,12 @@ class TrainConfig(_Section):
         "adamw", description="adamw, or adamw8bit (bitsandbytes, CUDA only: 8-bit moments, "
         "a quarter of AdamW's optimizer-state memory).")
     weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0)
     scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip gradients (unset: off).")
+    max_grad_norm: ClipNorm = Field(
+        1.0, description="Clip the global gradient norm to this; 0 turns clipping off.")
     gradient_checkpointing: bool = False
     blocks_to_swap: int = Field(
         0, ge=0, description="Memory saver: the denoiser's last N blocks stay in host memory "
@@ -254,10 +256,7 @@ class SampleConfig(_Section):
     """Sample images during training, from a prompt file."""
 
     prompts: Path | None = Field(None, description="Prompt file (one prompt a line).")
-    every_n_steps: int | None = Field(
-        None, ge=1, description="Also save the LoRA and a resume checkpoint every N steps.")
-    keep_last: int | None = Field(
-        None, ge=1, description="Keep only the K newest checkpoints (default: all).")
+    every_n_steps: int | None = Field(None, ge=1, description="Sample every N steps.")
     at_start: bool = Field(False, description="Sample before the first step (a baseline).")
     at_end: bool = Field(True, description="Sample after the last step (needs prompts).")
     width: int | None = Field(None, ge=16, description="Default width (default: resolution).")
@@ -296,7 +295,7 @@ class SaveConfig(_Section):
 class RunConfig(_Section):
     """The whole run."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: ModelConfig  # required: the default (no source) is never valid
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     datasets: list[DatasetConfig] = Field(..., min_length=1)
@@ -322,6 +321,7 @@ class RunConfig(_Section):
         problems += checks.text_encoder_problems(self.model, self.adapter, self.save.format, p)
         problems += checks.unload_problems(self)
         problems += checks.embedding_problems(self)
+        problems += checks.warmup_problems(self)
         problems += checks.memory_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
@@ -366,33 +366,32 @@ def parse_config(data: dict[str, Any], base: Path, source: str = "config") -> Ru
     if cfg.cache.dir is None:
         cfg.cache.dir = cfg.save.dir / "cache"
     warn_ignored(cfg)
-    problems = model_file_problems(cfg.model)
-    if problems:
-        raise ModelFileError(f"{source}: model files:\n  - " + "\n  - ".join(problems))
+    check_paths(cfg, source)
     return cfg
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a TOML run file, apply `a.b=value` overrides, and validate everything at once."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; pass the path of a .toml run file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass the path of a .toml run file")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path} is not valid TOML: {err}; fix the syntax at that place") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read ({err.strerror}); check its "
+                          "permissions") from None
     for item in overrides or []:
         parse_override(data, item)
     return parse_config(data, path.resolve().parent, str(path))
 
 
 # Cross-field checks live in config_checks.py; these names are re-exported for callers.
-from difftune.config_checks import (  # noqa: E402
-    CLIP_HIDDEN,
-    TEXT_ENCODERS,
-    model_file_problems,
-    warn_ignored,
-)
+from difftune.config_checks import (CLIP_HIDDEN, TEXT_ENCODERS, check_paths,  # noqa: E402
+                                    model_file_problems, warn_ignored)
 
 __all__ = ["CLIP_HIDDEN", "TEXT_ENCODERS", "CacheConfig", "DatasetConfig", "RunConfig",
            "SubsetConfig", "load_config", "model_file_problems", "parse_config", "warn_ignored"]

@@ -8,9 +8,12 @@ step with the family classes by a unit test (config must not import the heavy fa
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftune.config import QUANT_BACKENDS
+from difftune.errors import ConfigError, ModelFileError
+from difftune.filenames import embedding_stem, name_too_long
 from difftune.safefiles import is_pickle, pickle_refusal
 
 if TYPE_CHECKING:
@@ -97,6 +100,7 @@ def embedding_problems(cfg: "RunConfig") -> list[str]:
     seen = [e.name for e in a.embeddings]
     if len(set(seen)) != len(seen):
         problems.append("adapter.embeddings: a placeholder name is used twice; give each its own")
+    problems += shared_file_problems(seen)
     for i, e in enumerate(a.embeddings):
         bad = [n for n in e.encoders or () if n not in names]
         if bad:
@@ -106,6 +110,32 @@ def embedding_problems(cfg: "RunConfig") -> list[str]:
         problems.append("cache.unload_text_encoders with adapter.embeddings: captions with a "
                         "placeholder are encoded live every step, so the encoders must stay")
     return problems
+
+
+def shared_file_problems(names: list[str]) -> list[str]:
+    """Placeholders whose embedding files would have one name (the later would overwrite the
+    earlier): a file name keeps only some characters, and some file systems ignore case."""
+    first: dict[str, int] = {}
+    problems = []
+    for i, name in enumerate(names):
+        stem = embedding_stem(name)
+        j = first.setdefault(stem.casefold(), i)
+        if j != i and names[j] != name:  # the same name twice is reported on its own
+            problems.append(
+                f"adapter.embeddings[{i}].name: {name!r} and adapter.embeddings[{j}].name "
+                f"{names[j]!r} would both be saved as embeddings/{stem}.safetensors (file names "
+                "keep only A-Z a-z 0-9 _ . - and may ignore case); rename one")
+    return problems
+
+
+def warmup_problems(cfg: "RunConfig") -> list[str]:
+    """Token warm-ups that would not end before the run does (the full captions never trained)."""
+    steps = cfg.train.steps
+    return [f"datasets[{d}].subsets[{i}].token_warmup_steps ({sub.token_warmup_steps}) must be "
+            f"smaller than train.steps ({steps}): the warm-up would not end before the run "
+            "does, so the full captions would never be trained; lower it"
+            for d, ds in enumerate(cfg.datasets) for i, sub in enumerate(ds.subsets)
+            if sub.token_warmup_steps >= steps]
 
 
 def unload_problems(cfg: "RunConfig") -> list[str]:
@@ -159,6 +189,48 @@ def model_file_problems(model: ModelConfig) -> list[str]:
         elif path.suffix.lower() != ".safetensors":
             problems.append(f"model.{name}: {path} is not a .safetensors file")
     return problems
+
+
+def folder_problem(field: str, folder: Path) -> str | None:
+    """Why `folder` cannot be created or written into (it, or a folder above it, is a file)."""
+    for place in (folder, *folder.parents):
+        if place.is_dir():
+            return None
+        if place.exists():
+            where = "" if place == folder else f" (above {field} = {folder})"
+            return (f"{field}: {place}{where} is not a folder; choose a folder (it is created "
+                    "when missing), or move that file away")
+    return None
+
+
+def output_problems(cfg: "RunConfig") -> list[str]:
+    """Output paths a run could not write: a folder that is a file, file names too long for the
+    file system (known now, instead of an ENAMETOOLONG after training)."""
+    save, cache = cfg.save, cfg.cache.dir
+    found = [folder_problem("save.dir", save.dir)]
+    if cache is not None and not cache.is_relative_to(save.dir):
+        found.append(folder_problem("cache.dir", cache))
+    steps = cfg.train.steps
+    why = name_too_long(save.name, steps, save.dir)
+    found.append(f"save.name: {why}" if why else None)
+    for i, e in enumerate(cfg.adapter.embeddings):
+        stem = embedding_stem(e.name)
+        why = name_too_long(stem, steps, save.dir / "embeddings")
+        found.append(f"adapter.embeddings[{i}].name: {e.name!r} is saved as {stem!r}, and {why}"
+                     if why else None)
+    return [p for p in found if p is not None]
+
+
+def check_paths(cfg: "RunConfig", source: str) -> None:
+    """Refuse, all at once, model files and output paths that cannot work (cheap checks of the
+    file system, after relative paths were resolved)."""
+    model, output = model_file_problems(cfg.model), output_problems(cfg)
+    parts = ([("model files", model)] if model else []) + ([("output", output)] if output else [])
+    if not parts:
+        return
+    error = ConfigError if output else ModelFileError
+    raise error(f"{source}: " + "\n".join(f"{head}:\n  - " + "\n  - ".join(lines)
+                                          for head, lines in parts))
 
 
 def memory_problems(cfg: "RunConfig") -> list[str]:

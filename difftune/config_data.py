@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from difftune.config_base import Section as _Section
+
+# A file extension, with or without its dot: not empty, not a bare dot, no folder separator.
+_EXTENSION = re.compile(r"\.?[^./\\][^/\\]*")
 
 
 class SubsetConfig(_Section):
@@ -15,7 +19,7 @@ class SubsetConfig(_Section):
 
     path: Path = Field(..., description="Folder of png/jpg/webp images (searched recursively).")
     repeats: int = Field(1, ge=1, description="How many times each image appears per epoch.")
-    caption_ext: str = Field(".txt", description="Caption file extension.")
+    caption_ext: str = Field(".txt", description="Caption file extension (e.g. .txt, .caption).")
     default_caption: str = Field("", description="Caption for images with no caption file.")
     recursive: bool = Field(True, description="Search sub-folders too.")
     flip: bool = Field(False, description="Random horizontal flip (per sample).")
@@ -41,8 +45,16 @@ class SubsetConfig(_Section):
     )
     token_warmup_min: int = Field(1, ge=1, description="Tags kept at step 0 of the warm-up.")
     token_warmup_steps: int = Field(
-        0, ge=0, description="Steps over which the tag count grows to the full caption (0: off)."
-    )
+        0, ge=0, description="Steps over which the tag count grows to the full caption (0: off; "
+                              "smaller than train.steps).")
+
+    @field_validator("caption_ext")
+    @classmethod
+    def _extension(cls, ext: str) -> str:
+        """An extension a caption file can have (an empty one would name no file at all)."""
+        if not _EXTENSION.fullmatch(ext):
+            raise ValueError(f"{ext!r} is not a file extension; write one such as \".txt\"")
+        return ext
 
     def ignored_caption_options(self) -> list[str]:
         """Caption options set to a value that has no effect with the others (to warn about)."""

@@ -13,6 +13,19 @@ _FIXES = {
     "extra_forbidden": "unknown key: remove it or check its spelling (see the README's config reference)",
     "missing": "required: add it",
     "literal_error": "choose one of the allowed values",
+    "finite_number": "write a finite number (inf and nan are not values this field can take)",
+}
+# Required sections and fields, with what to write (an empty file lists them all at once).
+_MISSING = {
+    "model": 'add a [model] section: flavor = "tiny", path = a diffusers folder, or single files',
+    "datasets": "add a [[datasets]] table with path = a folder of images and captions",
+    "save": "add a [save] section with dir = the output folder",
+    "save.dir": "add dir = the output folder",
+}
+# Keys that are not options, with what to use instead.
+_NOT_OPTIONS = {
+    "sample.keep_last": "not an option: samples are never deleted (nothing a run made is "
+                        "removed); to keep only the K newest checkpoints use save.keep_last",
 }
 
 
@@ -29,12 +42,21 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
+def _fix(kind: str, where: str) -> str | None:
+    """What to do about one problem: the field's own advice where it has some, else its kind's."""
+    if kind == "missing" and where in _MISSING:
+        return _MISSING[where]
+    if kind == "extra_forbidden" and where in _NOT_OPTIONS:
+        return _NOT_OPTIONS[where]
+    return _FIXES.get(kind)
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
     """One message listing every problem, each with its dotted field and a fix."""
     lines = [f"{source}: {err.error_count()} problem(s) in the configuration:"]
     for e in err.errors():
         msg = e["msg"].removeprefix("Value error, ")
-        fix = _FIXES.get(e["type"])
+        fix = _fix(e["type"], _dotted(e["loc"]))
         if e["type"] not in ("missing", "extra_forbidden", "value_error") and "input" in e:
             msg += f" (got {e['input']!r})"
         lines.append(f"  - {_dotted(e['loc'])}: {msg}" + (f" — {fix}" if fix else ""))

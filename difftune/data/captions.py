@@ -159,9 +159,19 @@ class Captions:
 
 
 def _warmup_steps(aug: CaptionAugment, text: str) -> list[int]:
-    """One step per distinct warm-up tag count of `text` (and the end of the warm-up)."""
+    """One step per distinct warm-up tag count of `text` (and the end of the warm-up).
+
+    The count grows in integer jumps, so the first step that reaches each candidate count is
+    solved for directly: the cost is the number of tags, not of warm-up steps (walking every
+    step of a long warm-up never returned).
+    """
     total = len(aug._tags(text))
+    span, steps = total - aug.warmup_min, aug.warmup_steps
+    # warmup_min + span * s // steps (tag_count) reaches c first at
+    # s = ceil((c - warmup_min) * steps / span).
+    starts = [0] + ([-(-(c - aug.warmup_min) * steps // span)
+                     for c in range(aug.warmup_min + 1, total + 1)] if span > 0 else [])
     first: dict[int, int] = {}
-    for step in range(aug.warmup_steps + 1):
+    for step in sorted(set(starts + [steps])):
         first.setdefault(aug.tag_count(total, step), step)
     return list(first.values())

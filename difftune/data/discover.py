@@ -19,7 +19,7 @@ from typing import Any
 from difftune.config import DatasetConfig, SubsetConfig
 from difftune.data.captions import WILDCARD, CaptionAugment
 from difftune.data.buckets import Bucket, assign_bucket, make_buckets, square_bucket
-from difftune.data.images import probe_image
+from difftune.data.images import probe_image, upscale_problem
 from difftune.errors import DataError
 
 log = logging.getLogger("difftune.data")
@@ -129,6 +129,16 @@ def _probe_all(paths: list[Path]) -> list[tuple[int, int] | str]:
         return list(pool.map(one, paths))
 
 
+def _place(probed: tuple[int, int] | str, buckets: list[Bucket]
+           ) -> tuple[tuple[int, int], Bucket] | str:
+    """A probed image's (size, bucket), or why it is skipped (unreadable, or so far from every
+    bucket's shape that covering its bucket would make it enormous)."""
+    if isinstance(probed, str):
+        return probed
+    bucket = assign_bucket(probed, buckets)
+    return upscale_problem(probed, bucket) or (probed, bucket)
+
+
 def _subset_items(
     sub: SubsetConfig, d: int, s: int, buckets: list[Bucket], out: DataSet
 ) -> list[Item]:
@@ -142,10 +152,12 @@ def _subset_items(
     augment = CaptionAugment.from_subset(sub)
     items = []
     for path, probed in zip(paths, _probe_all(paths), strict=True):
-        if isinstance(probed, str):
-            log.warning("skipping image %s: %s", path, probed)
-            out.skipped.append((path, probed))
+        placed = _place(probed, buckets)
+        if isinstance(placed, str):
+            log.warning("skipping image %s: %s", path, placed)
+            out.skipped.append((path, placed))
             continue
+        size, bucket = placed
         caption = read_caption(path, sub.caption_ext)
         if caption is None:
             log.warning(
@@ -153,12 +165,11 @@ def _subset_items(
             )
             out.missing_captions.append(path)
             caption = sub.default_caption
-        bucket = assign_bucket(probed, buckets)
         items.append(
             Item(
                 path=path,
                 caption=caption,
-                size=probed,
+                size=size,
                 bucket=bucket,
                 dataset=d,
                 subset=s,

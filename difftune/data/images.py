@@ -2,8 +2,10 @@
 
 Decoding is strict: a truncated file is an error, never a silently grey-padded image, whatever
 another library may have set `PIL.ImageFile.LOAD_TRUNCATED_IMAGES` to. Pixels are produced the
-same way every time (EXIF orientation applied, alpha composited on white, LANCZOS resize to cover
-the bucket, crop, optional mirror), so a cached latent and a freshly computed one agree.
+same way every time (EXIF orientation applied, 16-bit gray scaled to 8 bits, alpha composited on
+white, LANCZOS resize to cover the bucket, crop, optional mirror), so a cached latent and a
+freshly computed one agree. An image whose resize to cover its bucket would be enormous (a tiny
+1x600000 PNG becomes gigabytes) is refused like a decompression bomb.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from PIL import Image, ImageFile, ImageOps
 
 from difftune.data.buckets import Bucket, cover_size
+from difftune.errors import DataError
 
 # EXIF orientations 5-8 rotate by 90 degrees, so width and height swap (exif_transpose semantics).
 _ORIENTATION_TAG = 0x0112
@@ -104,8 +107,44 @@ def crop_box(
     return (left, top, left + bw, top + bh)
 
 
+# PIL's modes for one channel of more than 8 bits (16-bit PNGs open as I;16; I is 32-bit).
+_WIDE_GRAY = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N"})
+# 16 bits to 8, rounded: v * 255 / 65535 is v / 257 exactly; values outside 0..65535 clip.
+_TO_8_BITS = [(v + 128) // 257 for v in range(65536)]
+
+
+def _to_8_bits(img: Image.Image) -> Image.Image:
+    """`img` with 16-bit gray scaled to 8 bits ("L", or "LA" keeping a tRNS transparent value);
+    PIL's own conversion clips every value above 255 to white. Other modes are returned as
+    they are (PIL already reads 16-bit RGB and gray-with-alpha PNGs as 8-bit RGB / RGBA)."""
+    if img.mode not in _WIDE_GRAY:
+        return img
+    wide = img.convert("I")
+    gray = wide.point(_TO_8_BITS, "L")
+    key = img.info.get("transparency")
+    if not isinstance(key, int):
+        return gray
+    opaque = wide.point([0 if v == key else 255 for v in range(65536)], "L")
+    return Image.merge("LA", (gray, opaque))
+
+
+def upscale_problem(size: tuple[int, int], bucket: Bucket) -> str | None:
+    """Why an image of upright `size` must not be resized to cover `bucket` (None when it may):
+    the resized image would hold more pixels than PIL's decompression-bomb limit
+    (`PIL.Image.MAX_IMAGE_PIXELS`), which only an extreme aspect ratio reaches."""
+    w, h = cover_size(size, bucket)
+    limit = Image.MAX_IMAGE_PIXELS
+    if not limit or w * h <= limit:
+        return None
+    return (f"its {size[0]}x{size[1]} pixels would be resized to {w}x{h} to cover the "
+            f"{bucket[0]}x{bucket[1]} bucket, over the decompression-bomb limit of {limit} "
+            "pixels; crop it to a less extreme aspect ratio")
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
-    """RGB version of `img`; any transparency is composited over white (not black)."""
+    """RGB version of `img` (16-bit gray scaled to 8 bits first); any transparency is
+    composited over white (not black)."""
+    img = _to_8_bits(img)
     has_alpha = img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
     if not has_alpha:
         return img.convert("RGB")
@@ -125,6 +164,9 @@ def load_pixels(
     """
     with strict_decoding(), Image.open(path) as raw:
         img = _to_rgb(ImageOps.exif_transpose(raw))
+    why = upscale_problem(img.size, bucket)
+    if why:
+        raise DataError(f"image {path}: {why}")
     target = cover_size(img.size, bucket)
     if img.size != target:
         img = img.resize(target, Image.Resampling.LANCZOS, reducing_gap=3.0)

@@ -26,6 +26,7 @@ from difftune.adapters.lora import lora_state
 from difftune.config import RunConfig
 from difftune.diskspace import check_free, writing
 from difftune.families.base import Components, Family
+from difftune.filenames import embedding_stem
 from difftune.precision import DTYPES
 from difftune.train.state import (TrainState, optimizer_groups, optimizer_tensors, rng_state)
 
@@ -118,7 +119,7 @@ class CheckpointManager:
         suffix = "" if final or folder_of is not None else f"-step{step:06d}"
         paths = []
         for name, vectors in self.embeddings.file_tensors().items():
-            stem = re.sub(r"[^A-Za-z0-9_.-]+", "", name) or "embedding"
+            stem = embedding_stem(name)
             meta = {"difftune.placeholder": name, "difftune.family": self.family.name,
                     "difftune.steps": str(step)}
             with writing(folder, f"embedding {stem}", self.bytes_needed(), _FIX):

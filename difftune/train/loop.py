@@ -253,7 +253,9 @@ def _accumulate(run: Run, batches: Iterator[Batch], generator: torch.Generator,
                 scaler: torch.amp.GradScaler, done: int) -> tuple[float, int]:
     """Forward and backward over `grad_accum` micro-batches; returns (mean loss, epoch).
 
-    `done` is the number of optimizer steps already taken (what token warm-up counts).
+    `done` is the number of optimizer steps already taken (what token warm-up counts). A loss
+    that reaches no trained weight (textual inversion on captions without the placeholder) is
+    counted but has nothing to backpropagate.
     """
     accum = run.cfg.train.grad_accum
     total: torch.Tensor | float = 0.0
@@ -264,7 +266,8 @@ def _accumulate(run: Run, batches: Iterator[Batch], generator: torch.Generator,
             continue
         # Skipping the no-op division and scaling keeps the common case free of extra kernels.
         scaled = loss / accum if accum > 1 else loss
-        if bool(torch.isfinite(scaled)):  # a non-finite loss is never backpropagated
+        # A non-finite loss is never backpropagated.
+        if scaled.requires_grad and bool(torch.isfinite(scaled)):
             (scaler.scale(scaled) if scaler.is_enabled() else scaled).backward()
         total = total + scaled.detach()
     return float(total), batch.epoch
@@ -291,12 +294,18 @@ def _share_loss(run: Run, batch: Batch, generator: torch.Generator,
 def _optimizer_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
                     scaler: torch.amp.GradScaler, params: list[torch.nn.Parameter],
                     max_norm: float | None) -> float:
-    """Clip, step, advance the schedule and clear gradients; returns the lr that was used."""
-    if max_norm is not None:
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-    scaler.step(opt)
-    scaler.update()
+    """Clip, step, advance the schedule and clear gradients; returns the lr that was used.
+
+    A step without any gradient (no caption used a placeholder that alone trains) applies
+    nothing (AdamW skips parameters without a gradient) and counts like any other. The fp16
+    loss scaler is not asked then: with no gradient to check for overflow it refuses to step.
+    """
+    if not scaler.is_enabled() or any(p.grad is not None for p in params):
+        if max_norm is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        scaler.step(opt)
+        scaler.update()
     lr = opt.param_groups[0]["lr"]  # the rate this step used
     sched.step()
     opt.zero_grad(set_to_none=True)

@@ -112,3 +112,16 @@ def test_ignored_caption_options_are_named(field: str, value: object) -> None:
     assert any(o.startswith(field) for o in sub.ignored_caption_options())
     assert not SubsetConfig(path=Path("x"), shuffle_caption=True, token_warmup_steps=5,
                             **{field: value}).ignored_caption_options()
+
+
+@pytest.mark.parametrize("warmup_min, steps", [(1, 3), (2, 8), (1, 5), (3, 40), (6, 9), (9, 4)])
+def test_warmup_texts_are_every_truncation_a_step_can_show(warmup_min: int, steps: int) -> None:
+    c = Captions([item(warmup_min=warmup_min, warmup_steps=steps)], seed=1)
+    shown = {c.text(0, 7, step) for step in range(steps + 2)}
+    assert set(c.known_texts(0)) == shown
+
+
+def test_a_long_warmup_is_listed_without_walking_its_steps() -> None:
+    """known_texts once walked every warm-up step: 10**12 of them never returned."""
+    c = Captions([item(warmup_steps=10**12)], seed=1)
+    assert c.known_texts(0) == [", ".join(TAGS[:n]) for n in range(1, len(TAGS) + 1)]

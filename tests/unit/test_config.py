@@ -125,3 +125,94 @@ def test_zero_terminal_snr_needs_v_prediction(tmp_path: Path) -> None:
     text = GOOD.replace("steps = 10", 'steps = 10\nzero_terminal_snr = true\nprediction = "epsilon"')
     with pytest.raises(ConfigError, match="zero_terminal_snr needs prediction"):
         load_config(write(tmp_path, text))
+
+
+def problems(tmp_path: Path, text: str, overrides: list[str] | None = None) -> str:
+    """The message of the ConfigError that loading `text` (with `overrides`) raises."""
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), overrides)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("train.lr", "inf"), ("train.lr", "nan"), ("adapter.text_encoder_lr", "inf"),
+    ("adapter.embedding_lr", "inf"), ("adapter.alpha", "inf"), ("train.weight_decay", "inf"),
+    ("train.eps", "inf"), ("train.shift", "inf"), ("train.guidance", "inf"),
+    ("train.sigmoid_mean", "nan"), ("train.sigmoid_std", "inf"), ("train.max_grad_norm", "inf"),
+    ("sample.guidance", "inf"), ("sample.cfg", "inf"), ("train.betas", "[0.9, nan]")])
+def test_non_finite_floats_are_refused_naming_the_field(tmp_path: Path, field: str,
+                                                        value: str) -> None:
+    msg = problems(tmp_path, GOOD, [f"{field}={value}"])
+    assert field in msg and "finite" in msg, msg
+
+
+@pytest.mark.parametrize("betas", ["[1.0, 0.999]", "[0.9, 1.5]", "[-0.1, 0.999]"])
+def test_betas_outside_zero_one_are_refused(tmp_path: Path, betas: str) -> None:
+    msg = problems(tmp_path, GOOD, [f"train.betas={betas}"])
+    assert "train.betas[" in msg and ("less than 1" in msg or "greater than or equal to 0" in msg)
+
+
+@pytest.mark.parametrize("ext", ['""', '"."', '"a/b"'])
+def test_unusable_caption_ext_is_refused(tmp_path: Path, ext: str) -> None:
+    msg = problems(tmp_path, GOOD, [f"datasets.0.caption_ext={ext}"])
+    assert "datasets[0].subsets[0].caption_ext" in msg
+
+
+def test_token_warmup_that_outlasts_the_run_is_refused(tmp_path: Path) -> None:
+    msg = problems(tmp_path, GOOD, ["datasets.0.token_warmup_steps=10"])  # train.steps = 10
+    assert "datasets[0].subsets[0].token_warmup_steps (10)" in msg and "train.steps" in msg
+    load_config(write(tmp_path, GOOD), ["datasets.0.token_warmup_steps=9"])  # ends in the run
+
+
+def test_empty_config_lists_every_missing_section_at_once(tmp_path: Path) -> None:
+    msg = problems(tmp_path, "# nothing yet\n")
+    assert "3 problem(s)" in msg
+    for section in ("  - model:", "  - datasets:", "  - save:"):
+        assert section in msg, msg
+    assert 'flavor = "tiny"' in msg and "dir = " in msg
+
+
+def test_sample_keep_last_is_refused_with_what_to_use(tmp_path: Path) -> None:
+    msg = problems(tmp_path, GOOD + "\n[sample]\nkeep_last = 3\n")
+    assert "sample.keep_last" in msg and "save.keep_last" in msg
+
+
+def test_max_grad_norm_zero_turns_clipping_off(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, GOOD), ["train.max_grad_norm=0"])
+    assert cfg.train.max_grad_norm is None
+    assert load_config(write(tmp_path, GOOD)).train.max_grad_norm == 1.0
+    msg = problems(tmp_path, GOOD, ["train.max_grad_norm=true"])
+    assert "train.max_grad_norm" in msg and "0" in msg
+    assert "train.max_grad_norm" in problems(tmp_path, GOOD, ["train.max_grad_norm=-1"])
+
+
+EMBEDDING = '\n[[adapter.embeddings]]\nname = "{}"\n'
+
+
+@pytest.mark.parametrize("a, b", [("<sks>", "sks"), ("a/b", "ab"), ("<Sks>", "sks")])
+def test_placeholders_sharing_a_file_name_are_refused(tmp_path: Path, a: str, b: str) -> None:
+    text = GOOD.replace("[[datasets]]", EMBEDDING.format(a) + EMBEDDING.format(b) + "\n[[datasets]]")
+    msg = problems(tmp_path, text)
+    assert "adapter.embeddings[1].name" in msg and a in msg and b in msg
+
+
+def test_names_too_long_for_the_file_system_are_refused(tmp_path: Path) -> None:
+    long = "x" * 230
+    text = GOOD.replace("[[datasets]]", EMBEDDING.format(f"<{long}>") + "\n[[datasets]]")
+    msg = problems(tmp_path, text.replace('dir = "out"', f'dir = "out"\nname = "{long}"'))
+    assert "save.name" in msg and "adapter.embeddings[0].name" in msg and "too long" in msg
+    assert "at most 218 bytes" in msg  # 255 - len("-step000010.safetensors") - 14 (temp name)
+    load_config(write(tmp_path, GOOD.replace('dir = "out"', f'dir = "out"\nname = "{"x" * 218}"')))
+
+
+def test_save_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "out").write_text("not a folder")
+    msg = problems(tmp_path, GOOD)
+    assert "save.dir" in msg and "not a folder" in msg
+    msg = problems(tmp_path, GOOD.replace('dir = "out"', 'dir = "out/run"'))
+    assert "save.dir" in msg and str(tmp_path / "out") in msg
+
+
+def test_config_path_that_is_a_folder(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(tmp_path)

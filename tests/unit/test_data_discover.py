@@ -179,3 +179,17 @@ def test_dataset_bucket_step_overrides_family_default(tmp_path: Path) -> None:
 def test_upscaled_counted(tmp_path: Path) -> None:
     _img(tmp_path / "tiny.png", 8, 8)
     assert build([_ds(tmp_path)], bucket_step=16).summary()["upscaled"] == 1
+
+
+def test_an_image_that_would_upscale_enormously_is_skipped(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A 1x600000 PNG is a few KB, but covering its 32x128 bucket makes it 32x19200000 (614 M
+    pixels): skipped with the reason, like a decompression bomb."""
+    _img(tmp_path / "good.png")
+    Image.new("L", (1, 600_000), 128).save(tmp_path / "line.png")
+    with caplog.at_level(logging.WARNING, logger="difftune.data"):
+        data = build([_ds(tmp_path)], bucket_step=16)
+    assert [it.path.name for it in data.items] == ["good.png"]
+    reasons = {p.name: why for p, why in data.skipped}
+    assert set(reasons) == {"line.png"} and "decompression-bomb limit" in reasons["line.png"]
+    assert "32x19200000" in reasons["line.png"] and "line.png" in caplog.text

@@ -13,6 +13,7 @@ from PIL import Image, ImageFile
 
 from difftune.data.buckets import cover_size
 from difftune.data.images import crop_box, load_pixels, probe_image, strict_decoding
+from difftune.errors import DataError
 
 
 def _save(path: Path, img: Image.Image, **kw: object) -> Path:
@@ -120,3 +121,55 @@ def test_grayscale_and_palette_become_rgb(tmp_path: Path) -> None:
     assert torch.all(load_pixels(gray, (16, 16), (0, 0, 16, 16), False) == -1.0)
     red = load_pixels(pal, (16, 16), (0, 0, 16, 16), False)
     assert red.shape == (3, 16, 16) and torch.all(red[0] == 1.0) and torch.all(red[1] == -1.0)
+
+
+def _png_16bit_gray(path: Path, values: np.ndarray, transparent: int | None = None) -> Path:
+    """A 16-bit grayscale PNG written byte by byte (optionally with a tRNS key), as a scanner
+    or a 16-bit export makes it; PIL opens it as mode I;16."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    h, w = values.shape
+    rows = b"".join(b"\x00" + values[y].astype(">u2").tobytes() for y in range(h))
+    trns = chunk(b"tRNS", struct.pack(">H", transparent)) if transparent is not None else b""
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 0, 0, 0, 0))
+                     + trns + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return path
+
+
+WIDE = np.array([[0, 16448, 32896, 65535]], dtype=np.uint16)  # 8-bit 0, 64, 128, 255 x 257
+
+
+@pytest.mark.parametrize("mode, suffix", [("I;16", ".png"), ("I;16B", ".tif"), ("I", ".tif")])
+def test_16_bit_images_train_as_the_picture_they_are(tmp_path: Path, mode: str,
+                                                     suffix: str) -> None:
+    """16-bit values were clipped to 255 (a near-white picture); they are scaled to 8 bits."""
+    path = tmp_path / f"wide{suffix}"
+    if suffix == ".png":
+        _png_16bit_gray(path, WIDE)
+    elif mode == "I":
+        Image.fromarray(WIDE.astype(np.int32)).save(path)
+    else:
+        Image.frombytes(mode, (4, 1), WIDE.astype(">u2").tobytes()).save(path)
+    with Image.open(path) as img:
+        assert img.mode == mode
+    x = load_pixels(path, (4, 1), (0, 0, 4, 1), flip=False)
+    expected = torch.tensor([0, 64, 128, 255]).float() / 127.5 - 1.0
+    assert torch.equal(x, expected.expand(3, 1, 4))
+
+
+def test_16_bit_transparency_is_white(tmp_path: Path) -> None:
+    path = _png_16bit_gray(tmp_path / "t.png", WIDE, transparent=16448)
+    x = load_pixels(path, (4, 1), (0, 0, 4, 1), flip=False)
+    expected = torch.tensor([0, 255, 128, 255]).float() / 127.5 - 1.0
+    assert torch.equal(x, expected.expand(3, 1, 4))
+
+
+def test_an_enormous_upscale_is_refused(tmp_path: Path) -> None:
+    """A 1x600000 PNG (a few KB) would be resized to cover a 32x128 bucket as 32x19200000."""
+    path = _save(tmp_path / "line.png", Image.new("L", (1, 600_000), 128))
+    with pytest.raises(DataError, match="decompression"):
+        load_pixels(path, (32, 128), (0, 0, 32, 128), flip=False)
