@@ -25,7 +25,7 @@ from difftune.memory import savers
 from difftune.precision import resolve_device
 from difftune.report import Reporter, SilentReporter
 from difftune.sample import SampleRunner
-from difftune.train.checkpoint import CheckpointManager
+from difftune.train.checkpoint import CheckpointManager, lora_format
 from difftune.train.dist import Dist, init as init_dist
 from difftune.train import resume as resume_mod
 from difftune.train.resume import Checkpoint
@@ -262,6 +262,8 @@ def run_check(cfg: RunConfig) -> list[str]:
     report.append(f"model: {run.comps.name} loaded on {run.policy.device}; LoRA rank "
                   f"{cfg.adapter.rank} on {len(run.targets)} layers")
     report.append(savers.describe(cfg, run.family, run.comps.denoiser))
+    if cfg.adapter.type == "lora":
+        report.append(_format_line(run))
     areas = [it.bucket[0] * it.bucket[1] for it in data.items]
     smallest = areas.index(min(areas))
     gen = torch.Generator("cpu").manual_seed(cfg.train.seed)
@@ -284,6 +286,15 @@ def run_check(cfg: RunConfig) -> list[str]:
     report += describe_captions(run)
     report += _check_sample(run)
     return report
+
+
+def _format_line(run: Run) -> str:
+    """Which key layout the LoRA will be written in, and why."""
+    save = run.cfg.save
+    why = ("set by save.format" if save.format else
+           f"the {run.family.name} default: the layout ComfyUI and diffusers both read "
+           "fully; set save.format to choose")
+    return f"LoRA file format: {lora_format(save, run.family)} ({why})"
 
 
 def _gradient_flow(run: Run, caption: str) -> list[str]:

@@ -284,9 +284,10 @@ class SaveConfig(_Section):
         None, ge=1, description="Also save the LoRA and a resume checkpoint every N steps.")
     keep_last: int | None = Field(
         None, ge=1, description="Keep only the K newest checkpoints (default: all).")
-    format: Literal["diffusers", "kohya"] = Field(
-        "diffusers", description="diffusers/PEFT keys, or kohya/ComfyUI keys."
-    )
+    format: Literal["diffusers", "kohya"] | None = Field(
+        None, description="diffusers/PEFT keys, or kohya/ComfyUI keys (default: the family's "
+        "own, the layout ComfyUI and diffusers both read fully: kohya for SDXL, diffusers for "
+        "FLUX.1 and SD3).")
     dtype: DType = Field("bf16", description="dtype of the saved LoRA tensors.")
     overwrite: bool = Field(False, description="Allow a new run in a folder holding a "
                             "previous run's outputs (its checkpoints are removed).")

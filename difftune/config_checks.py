@@ -35,7 +35,7 @@ KOHYA_TEXT_ENCODERS_REFUSED: dict[str, str] = {
 }
 
 
-def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str,
+def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str | None,
                           precision: PrecisionConfig | None = None) -> list[str]:
     """Text-encoder options the family cannot honour (unknown names, masks, skips, formats)."""
     family = model.family

@@ -33,3 +33,7 @@ class CheckpointError(DifftuneError):
 
 class EnvironmentProblem(DifftuneError):
     """The machine lacks something the run needs (a device, a package, disk space)."""
+
+
+class NonFiniteError(DifftuneError):
+    """Weights to be written, or a file's tensors to be used, hold NaN or inf."""

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from difftune import families, lowbit
+from difftune.adapters.formats import describe_non_finite, load_lora_file, non_finite
 from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
 from difftune.config import RunConfig
-from difftune.errors import CheckpointError, ConfigError
+from difftune.errors import CheckpointError, ConfigError, NonFiniteError
 from difftune.families.text import EncodeOptions
 from difftune.precision import PrecisionPolicy, resolve_device
 from difftune.safefiles import is_pickle, pickle_refusal
@@ -46,7 +47,7 @@ class LoraArg:
         return cls(Path(text).expanduser())
 
     def check(self) -> None:
-        """Refuse a missing, pickle or non-safetensors file with the fix."""
+        """Refuse a missing, pickle, non-safetensors or non-finite file with the fix."""
         if is_pickle(self.path):
             raise CheckpointError(pickle_refusal(self.path))
         if not self.path.is_file():
@@ -54,6 +55,11 @@ class LoraArg:
                                   ".safetensors LoRA (optionally PATH:WEIGHT)")
         if self.path.suffix.lower() != ".safetensors":
             raise CheckpointError(f"--lora {self.path}: not a .safetensors file")
+        bad = non_finite(load_lora_file(self.path)[0])
+        if bad:  # it would turn every image black
+            raise NonFiniteError(f"--lora {self.path}: {describe_non_finite(bad)}; the LoRA is "
+                                 "broken (its training diverged). Use one saved before that "
+                                 "(an earlier -stepNNNNNN file or checkpoint)")
 
 
 def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,

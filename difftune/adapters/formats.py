@@ -18,15 +18,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
+import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from difftune.errors import CheckpointError
+from difftune.errors import CheckpointError, NonFiniteError
 from difftune.safefiles import is_pickle, pickle_refusal
 
 LORA_A = "lora_A.weight"
@@ -36,6 +38,13 @@ LORA_B = "lora_B.weight"
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 # Prefixes peft puts in front of module names when a model is wrapped with `get_peft_model`.
 _PEFT_WRAPPER_PREFIXES = ("base_model.model.",)
+# Where a CLIP text model's layers sit in the names every LoRA reader maps (diffusers,
+# ComfyUI's `model_lora_keys_clip`, kohya): `text_encoder.text_model.encoder.layers.N...`.
+# transformers 5 flattened CLIPTextModel (`encoder.layers.N` at its top), so a live model may
+# lack the root; CLIPTextModelWithProjection keeps it, and its `text_projection` sits outside.
+CLIP_ROOT = "text_model."
+_OUTSIDE_CLIP_ROOT = ("text_projection",)
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,43 @@ def pairs_to_diffusers(pairs: dict[str, LoraPair]) -> tuple[dict[str, torch.Tens
     return out, {module: pair.alpha for module, pair in pairs.items()}
 
 
+def fold_scale(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The same LoRA with `scale` (alpha/rank) multiplied into every up factor (`lora_B`).
+
+    A file so written has scale 1 (alpha = rank) and reads right in every loader, including
+    those that take alpha from neither metadata nor tensors (ComfyUI reads diffusers-layout
+    files so). Other entries are left as they are.
+    """
+    return {k: (v * scale if k.endswith(f".{LORA_B}") else v) for k, v in state.items()}
+
+
+def with_clip_root(state: dict[str, V], roots: dict[str, str]) -> dict[str, V]:
+    """Rename the CLIP entries of a LoRA dict (keys `<prefix>.<module>...`) to a given root.
+
+    `roots` maps each CLIP component prefix (`text_encoder`) to the root its modules should sit
+    under: `CLIP_ROOT` for files, or the live model's own root (`families.text.clip_root`) to
+    read a file into it. Keys with or without the root are accepted; other components pass
+    unchanged.
+    """
+    out: dict[str, V] = {}
+    for key, value in state.items():
+        prefix, _, rest = key.partition(".")
+        if prefix in roots and rest:
+            rest = rest.removeprefix(CLIP_ROOT)
+            rest = rest if rest.startswith(_OUTSIDE_CLIP_ROOT) else roots[prefix] + rest
+            key = f"{prefix}.{rest}"
+        out[key] = value
+    return out
+
+
+def _module_pattern(module: str) -> str:
+    """An exact-name regex for one module; the CLIP root is optional, because diffusers strips
+    `text_model.` from the keys before injecting into a flattened CLIPTextModel."""
+    if module.startswith(CLIP_ROOT):
+        return f"(?:{re.escape(CLIP_ROOT)})?{re.escape(module.removeprefix(CLIP_ROOT))}"
+    return re.escape(module)
+
+
 def diffusers_adapter_metadata(
     state: dict[str, torch.Tensor], rank: int, alpha: float, prefix: str = "transformer"
 ) -> dict[str, str]:
@@ -149,7 +195,7 @@ def diffusers_adapter_metadata(
     config = {
         "r": int(rank),
         "lora_alpha": float(alpha),
-        "target_modules": "^(?:" + "|".join(re.escape(m) for m in modules) + ")$",
+        "target_modules": "^(?:" + "|".join(_module_pattern(m) for m in modules) + ")$",
         "rank_pattern": {},
         "alpha_pattern": {},
         "use_dora": False,
@@ -184,12 +230,14 @@ def save_lora(
     metadata: dict[str, str],
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write a LoRA as safetensors with string metadata, atomically.
+    """Write a LoRA (or embedding) file as safetensors with string metadata, atomically.
 
     Floating tensors with at least one dimension are cast to `dtype` (None keeps them); scalar
-    tensors such as kohya alphas are kept as they are. The file is written
-    to a temporary name in the destination folder and moved into place with `os.replace`, so a
-    crash never leaves a half-written LoRA under the final name.
+    tensors such as kohya alphas are kept as they are. Tensors holding NaN or inf (before or
+    after the cast) are refused with `NonFiniteError`: such a file would only make black images.
+    The file is written to a temporary name in the destination folder and moved into place with
+    `os.replace`, so a crash never leaves a half-written LoRA under the final name; it gets the
+    mode the umask gives ordinary files.
     """
     path = Path(path)
     bad = {k: type(v).__name__ for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
@@ -200,18 +248,70 @@ def save_lora(
         value = value.detach().to("cpu")
         # Scalars (kohya alphas) keep their precision: bf16 cannot hold e.g. alpha=12.3 exactly.
         if dtype is not None and value.is_floating_point() and value.ndim > 0:
-            value = value.to(dtype)
-        out[key] = value.contiguous()
+            out[key] = value.to(dtype).contiguous()
+        else:
+            out[key] = value.contiguous()
+    _refuse_non_finite(path, tensors, out, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        save_file(out, tmp, metadata=dict(metadata))
+        write_safetensors(tmp, out, dict(metadata))
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> None:
+    """`safetensors.torch.save_file`, but the file gets the mode the umask gives any new file.
+
+    safetensors always makes its files 0600, so a ComfyUI or web server running as another
+    user could not read a LoRA. The mode is learned by creating the file as `open()` would
+    (0666 less the umask, and any default ACL), without touching the process-wide umask.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, mode)
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{key: "N NaN, M inf"} for every floating tensor that is not all finite."""
+    found = {}
+    for key, value in tensors.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            nan = int(torch.isnan(value).sum())
+            found[key] = f"{nan} NaN, {int(torch.isinf(value).sum())} inf"
+    return found
+
+
+def describe_non_finite(found: dict[str, str]) -> str:
+    """`found` (from `non_finite`) as a short list: the first few tensors and the count."""
+    named = "; ".join(f"{k}: {v}" for k, v in list(found.items())[:3])
+    more = f"; and {len(found) - 3} more" if len(found) > 3 else ""
+    return f"{len(found)} tensor(s) are not finite ({named}{more})"
+
+
+def _refuse_non_finite(path: Path, source: dict[str, torch.Tensor],
+                       cast: dict[str, torch.Tensor], dtype: torch.dtype | None) -> None:
+    """Raise `NonFiniteError` naming the tensors and the likely fix, if any is not finite."""
+    diverged = non_finite(source)
+    if diverged:
+        raise NonFiniteError(
+            f"refusing to write {path}: {describe_non_finite(diverged)}: the trained weights "
+            "diverged. Lower train.lr (and with precision.mixed = \"fp16\" try \"bf16\", whose "
+            "range is far wider), then train again; earlier checkpoints are kept")
+    overflow = non_finite(cast)
+    if overflow:
+        raise NonFiniteError(
+            f"refusing to write {path}: {describe_non_finite(overflow)} once cast to {dtype}: "
+            "the weights are too large for that dtype. Set save.dtype = \"bf16\" or \"fp32\" "
+            "(or lower train.lr if such large weights are unexpected)")
 
 
 def load_lora_file(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

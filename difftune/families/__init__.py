@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 
 from difftune.errors import ConfigError
-from difftune.families.base import Components, Conditioning, Family, TextEmbeds, TextEncoderSpec
+from difftune.families.base import (Components, Conditioning, Family, ModelSpec, TextEmbeds,
+                                    TextEncoderSpec)
 
 # name -> (module, class); modules are imported only when their family is used.
 _FAMILIES: dict[str, tuple[str, str]] = {
@@ -23,4 +24,5 @@ def get(name: str) -> Family:
     return getattr(importlib.import_module(module), cls)()
 
 
-__all__ = ["Components", "Conditioning", "Family", "TextEmbeds", "TextEncoderSpec", "get"]
+__all__ = ["Components", "Conditioning", "Family", "ModelSpec", "TextEmbeds", "TextEncoderSpec",
+           "get"]

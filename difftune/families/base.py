@@ -82,6 +82,22 @@ class Conditioning:
     target_sizes: list[tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """How the tools users share LoRAs with name a base model (written into every LoRA file).
+
+    `architecture` and `implementation` are Stability's model-spec values as kohya sd-scripts
+    writes them (`modelspec.architecture` gets "/lora" or "/textual-inversion" appended);
+    `base_version` and `network_module` are kohya's `ss_base_model_version` and
+    `ss_network_module` for this model. Model sites and managers show and filter by them.
+    """
+
+    architecture: str
+    implementation: str
+    base_version: str
+    network_module: str
+
+
 @dataclass
 class Components:
     """The loaded parts of a base model.
@@ -128,6 +144,9 @@ class Family(Protocol):
     # train.compile compiles one by one.
     swap_blocks: tuple[str, ...]
     compile_blocks: tuple[str, ...]
+    # The LoRA key layout written when save.format is unset ("diffusers" or "kohya"): the one
+    # that ComfyUI and diffusers both read completely for this family.
+    default_format: str
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Load (or build, for the tiny flavor) all components from local files."""
@@ -182,6 +201,10 @@ class Family(Protocol):
     def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
                         guidance: float, cfg: float) -> dict[str, Any]:
         """Pipeline keyword arguments: precomputed (negative) embeddings, guidance, CFG scale."""
+        ...
+
+    def model_spec(self, c: Components) -> ModelSpec:
+        """The names other tools give the loaded base model (variant read from its config)."""
         ...
 
     def lora_to_format(

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.families import text
-from difftune.families.base import Components, Conditioning, TextEmbeds, TextEncoderSpec
+from difftune.families.base import (Components, Conditioning, ModelSpec, TextEmbeds,
+                                    TextEncoderSpec)
 from difftune.train.objectives import FlowMatching
 
 if TYPE_CHECKING:
@@ -95,6 +96,8 @@ class FluxFamily:
     denoiser_prefix = "transformer"
     text_encoder_prefixes = {"clip_l": "text_encoder", "t5": "text_encoder_2"}
     default_cfg = 1.0  # guidance-distilled: true CFG off unless a prompt asks for it
+    # diffusers keys: read by diffusers and ComfyUI alike (alpha folded into the up factors).
+    default_format = "diffusers"
     # Kept out of fp8 storage and quantization (regexes on module names, per part): the
     # timestep/guidance/text embedders and the input and output projections.
     swap_blocks = ("transformer_blocks", "single_transformer_blocks")
@@ -239,6 +242,13 @@ class FluxFamily:
             kwargs["negative_pooled_prompt_embeds"] = negative.tensors["pooled_prompt_embeds"]
             kwargs["true_cfg_scale"] = cfg
         return kwargs
+
+    def model_spec(self, c: Components) -> ModelSpec:
+        """FLUX.1 dev (guidance-distilled) or schnell, as kohya and model sites name them."""
+        from difftune.families import flux_keys as keys
+
+        return ModelSpec(keys.ARCHITECTURE[bool(c.denoiser.config.guidance_embeds)],
+                         keys.IMPLEMENTATION, keys.BASE_VERSION, keys.NETWORK_MODULE)
 
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

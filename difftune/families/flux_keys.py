@@ -44,6 +44,14 @@ from difftune.errors import CheckpointError
 
 KOHYA_PREFIX = "lora_unet_"
 DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
+# How kohya sd-scripts names FLUX.1 in its LoRA files' metadata: `ss_base_model_version`
+# (library/flux_utils.py MODEL_VERSION_FLUX_V1), `ss_network_module` (its FLUX LoRA module),
+# and the model-spec architecture and implementation (library/sai_model_spec.py
+# ARCH_FLUX_1_DEV / ARCH_FLUX_1_SCHNELL / IMPL_FLUX). Guidance-distilled checkpoints are dev.
+BASE_VERSION = "flux1"
+NETWORK_MODULE = "networks.lora_flux"
+ARCHITECTURE = {True: "flux-1-dev", False: "flux-1-schnell"}  # by `guidance_embeds`
+IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
 # FLUX.1's MLP width is 4x the hidden size (mlp_ratio in BFL's code); needed to size the
 # `proj_mlp` rows of a single block's fused `linear1` when that part was not trained.
 MLP_RATIO = 4

@@ -15,7 +15,8 @@ import torch
 
 from difftune.errors import ModelFileError
 from difftune.families import text
-from difftune.families.base import Components, Conditioning, TextEmbeds, TextEncoderSpec
+from difftune.families.base import (Components, Conditioning, ModelSpec, TextEmbeds,
+                                    TextEncoderSpec)
 from difftune.families.flux import frozen_encoders, place
 from difftune.train.objectives import FlowMatching
 
@@ -120,6 +121,8 @@ class SD3Family:
     text_encoder_prefixes = {"clip_l": "text_encoder", "clip_g": "text_encoder_2",
                              "t5": "text_encoder_3"}
     default_cfg = 5.0
+    # diffusers keys: read by diffusers and ComfyUI alike (diffusers reads no SD3 kohya file).
+    default_format = "diffusers"
     # Kept out of fp8 storage and quantization (regexes on module names, per part).
     swap_blocks = ("transformer_blocks",)
     compile_blocks = ("transformer_blocks",)
@@ -269,6 +272,14 @@ class SD3Family:
             kwargs["negative_prompt_embeds"] = negative.tensors["prompt_embeds"]
             kwargs["negative_pooled_prompt_embeds"] = negative.tensors["pooled_prompt_embeds"]
         return kwargs
+
+    def model_spec(self, c: Components) -> ModelSpec:
+        """SD3 medium, SD3.5 medium or large (told apart by the transformer's config)."""
+        from difftune.families import sd3_keys as keys
+
+        config = c.denoiser.config
+        kind = keys.variant(config.qk_norm, tuple(config.dual_attention_layers or ()))
+        return ModelSpec(keys.VARIANTS[kind], keys.IMPLEMENTATION, kind, keys.NETWORK_MODULE)
 
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

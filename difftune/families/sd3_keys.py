@@ -44,6 +44,23 @@ from difftune.errors import CheckpointError
 
 KOHYA_PREFIX = "lora_unet_"
 DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
+# How kohya sd-scripts names SD3 models in its LoRA files' metadata. Its
+# `analyze_state_dict_state` (library/sd3_utils.py) tells the variants apart as here: no
+# q/k norm is SD3 medium; with it, x-block self-attention layers mean SD3.5 medium, none SD3.5
+# large; that model type is its `ss_base_model_version`. The model-spec architecture is
+# "stable-diffusion-3" followed by the variant (library/sai_model_spec.py ARCH_SD3_M), written
+# here as Stability names the models; kohya's implementation value for SD3 LoRAs is "diffusers".
+VARIANTS = {"3-medium": "stable-diffusion-3-medium", "3-5-medium": "stable-diffusion-3-5-medium",
+            "3-5-large": "stable-diffusion-3-5-large"}
+NETWORK_MODULE = "networks.lora_sd3"
+IMPLEMENTATION = "diffusers"
+
+
+def variant(qk_norm: str | None, dual_attention_layers: tuple[int, ...] | list[int]) -> str:
+    """kohya's SD3 model type of a transformer config (its `qk_norm`, `dual_attention_layers`)."""
+    if qk_norm is None:
+        return "3-medium"
+    return "3-5-medium" if dual_attention_layers else "3-5-large"
 
 # (MMDiT name inside joint_blocks.N, diffusers modules inside transformer_blocks.N).
 BLOCK: tuple[tuple[str, tuple[str, ...]], ...] = (

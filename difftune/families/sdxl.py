@@ -15,7 +15,8 @@ import torch
 
 from difftune.errors import ModelFileError
 from difftune.families import text
-from difftune.families.base import Components, Conditioning, TextEmbeds, TextEncoderSpec
+from difftune.families.base import (Components, Conditioning, ModelSpec, TextEmbeds,
+                                    TextEncoderSpec)
 from difftune.families.flux import frozen_encoders, place
 from difftune.train.ddpm import DDPMObjective, DDPMSchedule
 
@@ -102,6 +103,9 @@ class SDXLFamily:
     denoiser_prefix = "unet"
     text_encoder_prefixes = {"clip_l": "text_encoder", "clip_g": "text_encoder_2"}
     default_cfg = 5.0  # SDXL base is not guidance-distilled: samples need CFG
+    # kohya keys: ComfyUI maps no UNet attention key of the diffusers (PEFT) layout, while
+    # diffusers and ComfyUI both read every key of the kohya one.
+    default_format = "kohya"
     # Kept out of fp8 storage and quantization (regexes on module names, per part).
     # The UNet checkpoints inside its blocks (per resnet and attention), so a block's
     # recompute in backward would not pass its hooks: no block swap.
@@ -281,16 +285,23 @@ class SDXLFamily:
             kwargs["negative_pooled_prompt_embeds"] = negative.tensors["pooled_prompt_embeds"]
         return kwargs
 
+    def model_spec(self, c: Components) -> ModelSpec:
+        """SDXL base, as kohya and model sites name it."""
+        from difftune.families import sdxl_keys as keys
+
+        return ModelSpec(keys.ARCHITECTURE, keys.IMPLEMENTATION, keys.BASE_VERSION,
+                         keys.NETWORK_MODULE)
+
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """A LoRA file's tensors in diffusers names, and per-module alphas (kohya files)."""
         if not any(k.startswith(("lora_unet_", "lora_te")) for k in tensors):
             return dict(tensors), {}
-        from difftune.families.sdxl_keys import UNetLayout, kohya_to_diffusers, text_encoder_root
+        from difftune.families.sdxl_keys import UNetLayout, kohya_to_diffusers
+        from difftune.families.text import model_clip_roots
 
-        roots = {self.text_encoder_prefixes[n]: text_encoder_root(m)
-                 for n, m in c.text_encoders.items() if m is not None}
-        return kohya_to_diffusers(tensors, UNetLayout.from_config(c.denoiser.config), roots)
+        return kohya_to_diffusers(tensors, UNetLayout.from_config(c.denoiser.config),
+                                  model_clip_roots(self, c))
 
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float

@@ -23,8 +23,8 @@ transformer models (proj_in/out, transformer_blocks.N.attn1/attn2/ff) share diff
 Text encoders: kohya always writes `lora_teN_text_model_encoder_layers_...`. transformers 5's
 CLIPTextModel has no `text_model.` level (CLIPTextModelWithProjection still has), so diffusers
 names from it lack the root; `diffusers_to_kohya` accepts both, and `kohya_to_diffusers` writes
-the root each model uses (`text_encoder_root`). diffusers' own loader strips `text_model.` itself
-when the encoder lacks it.
+the root each model uses (`families.text.clip_root`). diffusers' own loader strips
+`text_model.` itself when the encoder lacks it.
 
 Checked against diffusers 0.42: `StableDiffusionXLPipeline.lora_state_dict(..., unet_config=...)`
 reads every linear and conv layer of these files (attention, feed-forward, proj_in/out, resnets,
@@ -48,6 +48,14 @@ from difftune.adapters.formats import LORA_A, LORA_B, split_lora_key
 from difftune.errors import CheckpointError
 
 DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
+# How kohya sd-scripts names SDXL in its LoRA files' metadata: `ss_base_model_version`
+# (library/sdxl_model_util.py MODEL_VERSION_SDXL_BASE_V1_0), `ss_network_module`, and the
+# model-spec architecture and implementation (library/sai_model_spec.py ARCH_SD_XL_V1_BASE,
+# IMPL_STABILITY_AI).
+BASE_VERSION = "sdxl_base_v1-0"
+NETWORK_MODULE = "networks.lora"
+ARCHITECTURE = "stable-diffusion-xl-v1-base"
+IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
 UNET_PREFIX = "unet"
 KOHYA_UNET = "lora_unet_"
 # diffusers component name -> kohya prefix for the two CLIP text encoders.
@@ -80,7 +88,7 @@ TOP_LEVEL: tuple[tuple[str, str], ...] = (
 )
 # CLIP modules inside the text transformer. kohya (and transformers 4) spell them under
 # `text_model.`; transformers 5's CLIPTextModel has them at its top level, so a diffusers name may
-# carry the root or not (`text_encoder_root` tells which a loaded model uses).
+# carry the root or not (`families.text.clip_root` tells which a loaded model uses).
 TEXT_LAYERS: tuple[tuple[str, str], ...] = tuple(
     (p, p)
     for p in (
@@ -257,7 +265,7 @@ def kohya_to_diffusers(
     Returns the tensors (`<component>.<module>.lora_A/B.weight`) and each module's alpha
     (`<component>.<module>` -> alpha; a missing kohya alpha means alpha = rank). Keys that are not
     `lora_unet_` / `lora_te1_` / `lora_te2_` LoRA entries of this UNet and CLIP raise
-    `CheckpointError`. `text_roots` gives each text encoder's root (`text_encoder_root(model)`);
+    `CheckpointError`. `text_roots` gives each text encoder's root (`families.text.clip_root`);
     missing components get `text_model.`, the spelling of diffusers files made with transformers 4.
     """
     layout = layout if isinstance(layout, UNetLayout) else UNetLayout.from_config(layout)
@@ -320,18 +328,6 @@ def _diffusers_text_name(name: str, inner: str, root: str) -> str:
     if not inner.startswith(underscored_root) or layer is None:
         raise CheckpointError(f"kohya entry {name} is not a CLIP text-encoder module difftune knows.")
     return root + layer
-
-
-def text_encoder_root(model: torch.nn.Module) -> str:
-    """`"text_model."` or `""`: where a CLIP model's layers sit in its module tree.
-
-    transformers 5 flattened CLIPTextModel (layers at `encoder.layers.N`) but not
-    CLIPTextModelWithProjection (`text_model.encoder.layers.N`). Found through the public
-    `get_input_embeddings()`: the root is whatever precedes its `embeddings.token_embedding`.
-    """
-    embeddings = model.get_input_embeddings()
-    name = next(n for n, m in model.named_modules() if m is embeddings)
-    return name.removesuffix("embeddings.token_embedding")
 
 
 def _diffusers_name(name: str, layout: UNetLayout, roots: Mapping[str, str]) -> str:

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from difftune.families.base import Components, TextEncoderSpec
+from difftune.adapters.formats import CLIP_ROOT
+from difftune.families.base import Components, Family, TextEncoderSpec
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
@@ -20,6 +21,35 @@ def module_device(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def clip_root(model: torch.nn.Module) -> str:
+    """`CLIP_ROOT` or `""`: where a CLIP model's layers sit in its own module tree.
+
+    transformers 5 flattened CLIPTextModel (layers at `encoder.layers.N`) but not
+    CLIPTextModelWithProjection (`text_model.encoder.layers.N`). Found through the public
+    `get_input_embeddings()`: the root is whatever precedes its `embeddings.token_embedding`.
+    """
+    embeddings = model.get_input_embeddings()
+    name = next(n for n, m in model.named_modules() if m is embeddings)
+    return name.removesuffix("embeddings.token_embedding")
+
+
+def clip_prefixes(family: Family) -> list[str]:
+    """The LoRA key prefixes (`text_encoder`, ...) of the family's CLIP encoders (not T5)."""
+    return [family.text_encoder_prefixes[s.name] for s in family.text_encoders if s.kind != "t5"]
+
+
+def file_clip_roots(family: Family) -> dict[str, str]:
+    """{CLIP prefix: `CLIP_ROOT`}: the naming LoRA files use, whatever the live model's."""
+    return {prefix: CLIP_ROOT for prefix in clip_prefixes(family)}
+
+
+def model_clip_roots(family: Family, c: Components) -> dict[str, str]:
+    """{CLIP prefix: root} of the loaded CLIP encoders: the naming their parameters use."""
+    return {family.text_encoder_prefixes[s.name]: clip_root(c.text_encoders[s.name])
+            for s in family.text_encoders
+            if s.kind != "t5" and c.text_encoders.get(s.name) is not None}
 
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:

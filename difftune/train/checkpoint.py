@@ -17,20 +17,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from difftune import __version__
 from difftune.adapters.embeddings import Embeddings
-from difftune.adapters.formats import merged_adapter_metadata, save_lora
+from difftune.adapters.formats import (fold_scale, merged_adapter_metadata, save_lora,
+                                       with_clip_root, write_safetensors)
 from difftune.adapters.lora import lora_state
-from difftune.config import RunConfig
+from difftune.adapters.metadata import FileFacts, embedding_keys, lora_keys
+from difftune.config import RunConfig, SaveConfig
 from difftune.diskspace import check_free, writing
 from difftune.families.base import Components, Family
+from difftune.families.text import file_clip_roots
 from difftune.filenames import embedding_stem
 from difftune.precision import DTYPES
 from difftune.train.state import (TrainState, optimizer_groups, optimizer_tensors, rng_state)
 
 log = logging.getLogger("difftune")
+
+
+def lora_format(save: SaveConfig, family: Family) -> str:
+    """The key layout LoRA files are written in: save.format, or else the family's default
+    (the layout ComfyUI and diffusers both read completely for that family)."""
+    return save.format or family.default_format
 
 
 class CheckpointManager:
@@ -49,6 +57,8 @@ class CheckpointManager:
         self.out: Path = cfg.save.dir
         self.base_name, self.targets = comps.name, targets
         self.dataset_summary = dataset_summary
+        # Resolved once, so the files, config.resolved.json and checkpoints all say the same.
+        cfg.save.format = lora_format(cfg.save, family)
 
     def write_config(self) -> Path:
         """The resolved config as JSON (every default filled in)."""
@@ -64,23 +74,30 @@ class CheckpointManager:
         name = self.cfg.save.name
         return self.out / (f"{name}.safetensors" if final else f"{name}-step{step:06d}.safetensors")
 
-    def metadata(self, step: int) -> dict[str, str]:
-        """What the file is: family, base, rank, alpha, targets, steps, data, version."""
+    def metadata(self, step: int, alpha: float) -> dict[str, str]:
+        """What the file is: family, base, rank, targets, steps, data, version, and the keys
+        other tools read. `alpha` is the one the file's tensors are read with (the rank when
+        the scale was folded into them); `difftune.trained_alpha` is adapter.alpha."""
         a = self.cfg.adapter
+        facts = FileFacts(self.cfg.save.name, self.resolution, step, self.cfg.train.steps)
         return {
             "difftune.version": __version__,
             "difftune.family": self.family.name,
             "difftune.base_model": self.base_name,
-            "difftune.format": self.cfg.save.format,
+            "difftune.format": str(self.cfg.save.format),
             "difftune.rank": str(a.rank),
-            "difftune.alpha": str(a.scale_alpha),
+            "difftune.alpha": str(float(alpha)),
+            "difftune.trained_alpha": str(float(a.scale_alpha)),
             "difftune.targets": json.dumps(self.targets),
             "difftune.text_encoders": json.dumps(a.text_encoders),
             "difftune.steps": str(step),
             "difftune.dataset": json.dumps(self.dataset_summary),
-            "ss_network_dim": str(a.rank),
-            "ss_network_alpha": str(a.scale_alpha),
-        }
+        } | lora_keys(self.family.model_spec(self.comps), facts, a.rank, alpha)
+
+    @property
+    def resolution(self) -> int:
+        """The training resolution written into the files (the largest dataset's)."""
+        return max(d.resolution for d in self.cfg.datasets)
 
     def save_lora(self, step: int, final: bool = False, path: Path | None = None) -> Path:
         """Export the trained LoRA (denoiser and text encoders) in the configured format (with
@@ -91,15 +108,19 @@ class CheckpointManager:
         files = self.save_embeddings(step, final, path)
         if self.cfg.adapter.type == "embedding":
             return files[0]
-        a = self.cfg.adapter
+        a, fmt = self.cfg.adapter, str(self.cfg.save.format)
         modules = self.modules()
         state = {k: v for prefix, m in modules.items() for k, v in lora_state(m, prefix).items()}
-        prefixes = list(modules)
-        meta = self.metadata(step)
-        if self.cfg.save.format == "diffusers":
-            meta.update(merged_adapter_metadata(state, a.rank, a.scale_alpha, prefixes))
-        tensors = self.family.lora_to_format(self.comps, state, self.cfg.save.format, a.rank,
-                                             a.scale_alpha)
+        # CLIP modules as every reader maps them (`text_encoder.text_model.encoder...`).
+        state = with_clip_root(state, file_clip_roots(self.family))
+        alpha, meta = a.scale_alpha, {}
+        if fmt == "diffusers":
+            # ComfyUI takes no alpha from a diffusers-layout file (neither metadata nor tensor):
+            # the scale goes into the up factors, and the file says alpha = rank everywhere.
+            state, alpha = fold_scale(state, a.scale_alpha / a.rank), float(a.rank)
+            meta = merged_adapter_metadata(state, a.rank, alpha, list(modules))
+        meta |= self.metadata(step, alpha)
+        tensors = self.family.lora_to_format(self.comps, state, fmt, a.rank, alpha)
         if self.embeddings is not None:  # pivotal tuning: the placeholders travel with the LoRA
             tensors.update({f"{BUNDLE}{name}.{key}": value for name, vectors in
                             self.embeddings.file_tensors().items() for key, value in vectors.items()})
@@ -121,7 +142,8 @@ class CheckpointManager:
         for name, vectors in self.embeddings.file_tensors().items():
             stem = embedding_stem(name)
             meta = {"difftune.placeholder": name, "difftune.family": self.family.name,
-                    "difftune.steps": str(step)}
+                    "difftune.steps": str(step)} | embedding_keys(
+                        self.family.model_spec(self.comps), name, self.resolution)
             with writing(folder, f"embedding {stem}", self.bytes_needed(), _FIX):
                 paths.append(save_lora(folder / f"{stem}{suffix}.safetensors", vectors, meta,
                                        torch.float32))
@@ -247,8 +269,8 @@ def _fsync(path: Path) -> None:
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """A safetensors file, synced to disk."""
-    save_file(tensors, str(path))
+    """A safetensors file (with the mode the umask gives), synced to disk."""
+    write_safetensors(path, tensors)
     _fsync(path)
 
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from difftune.adapters.formats import LORA_B, split_lora_key
-from difftune.errors import CheckpointError
+from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_non_finite,
+                                       non_finite, split_lora_key, with_clip_root)
+from difftune.errors import CheckpointError, NonFiniteError
+from difftune.families.text import model_clip_roots
 from difftune.safefiles import is_pickle, pickle_refusal
 from difftune.train.checkpoint import BUNDLE, CheckpointManager
 
@@ -39,19 +42,32 @@ def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 
 def load_init_lora(path: Path, manager: CheckpointManager) -> None:
-    """Copy a LoRA file's factors into this run's trainable parameters."""
+    """Copy a LoRA file's factors into this run's trainable parameters.
+
+    CLIP modules are matched whether the file names them under `text_model.` (what every
+    reader maps, and difftune writes) or not (difftune's files before that), and a file
+    holding NaN or inf, or a bad alpha, is refused before anything is copied."""
     raw, meta = read_lora(path)
+    bad = non_finite(raw)
+    if bad:
+        raise NonFiniteError(f"--init-lora {path}: {describe_non_finite(bad)}; this file would "
+                             "start the run from broken weights. Use a LoRA saved before its "
+                             "training diverged (an earlier -stepNNNNNN file or checkpoint)")
+    file_alpha = _file_alpha(path, meta)
     raw = _take_embeddings(path, raw, meta, manager)
     if not raw:
         return
     tensors, alphas = manager.family.lora_from_format(manager.comps, raw)
+    roots = model_clip_roots(manager.family, manager.comps)
+    tensors, alphas = with_clip_root(tensors, roots), with_clip_root(alphas, roots)
+    for module, alpha in alphas.items():
+        _positive(path, f"{module}.alpha", alpha)
     params = {k: v for k, v in manager.trainable().items() if not k.startswith("emb.")}
     unknown = sorted(k for k in tensors if k not in params)
     if unknown:
         raise CheckpointError(f"--init-lora {path} has modules this run does not train "
                               f"({', '.join(unknown[:4])}{', ...' if len(unknown) > 4 else ''}); "
                               "set adapter.targets / target_modules / text_encoders to cover them")
-    file_alpha = _file_alpha(meta)
     ours = manager.cfg.adapter.scale_alpha / manager.cfg.adapter.rank
     with torch.no_grad():
         for key, value in tensors.items():
@@ -94,13 +110,38 @@ def _take_embeddings(path: Path, raw: dict[str, torch.Tensor], meta: dict[str, s
     return rest
 
 
-def _file_alpha(meta: dict[str, str]) -> float | None:
-    """A diffusers-layout file's alpha, from difftune's or PEFT's metadata (None: alpha = rank)."""
+def _file_alpha(path: Path, meta: dict[str, str]) -> float | None:
+    """A diffusers-layout file's alpha, from difftune's or PEFT's metadata (None: alpha = rank).
+
+    The alpha of the file's tensors: files since the scale is folded say the rank, older ones
+    the trained alpha with unscaled up factors; both give the delta they were saved with. A
+    value that is not a positive finite number is refused, naming the file and the key."""
     if "difftune.alpha" in meta:
-        return float(meta["difftune.alpha"])
-    packed = meta.get("lora_adapter_metadata")
-    if packed:
-        values = {v for k, v in json.loads(packed).items() if k.endswith("lora_alpha")}
-        if len(values) == 1:
-            return float(values.pop())
+        return _positive(path, "difftune.alpha", meta["difftune.alpha"])
+    packed = meta.get(ADAPTER_METADATA_KEY)
+    if not packed:
+        return None
+    try:
+        config = json.loads(packed)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"--init-lora {path}: its {ADAPTER_METADATA_KEY} metadata is not "
+                              f"valid JSON ({err}); re-export the LoRA") from None
+    values = {v for k, v in config.items() if k.endswith("lora_alpha")} if isinstance(
+        config, dict) else set()
+    if len(values) == 1:
+        return _positive(path, f"{ADAPTER_METADATA_KEY} lora_alpha", values.pop())
     return None
+
+
+def _positive(path: Path, key: str, value: object) -> float:
+    """`value` as a positive finite float, or a CheckpointError naming the file and the key."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or number <= 0:
+        raise CheckpointError(
+            f"--init-lora {path}: metadata {key} = {value!r} is not a positive number, so the "
+            "LoRA's strength is unknown; fix that metadata entry (or remove it, if the "
+            "file's other metadata gives the alpha) and try again")
+    return number

@@ -107,7 +107,9 @@ def test_kohya_file_matches_diffusers_file(trained: Path, images: Path, sd3_prom
     num_layers = TINY_SD3_TRANSFORMER_CONFIG["num_layers"]
     state, alphas = kohya_to_diffusers(kohya, num_layers=num_layers)
     back = group_modules(state, alphas)
-    ref = group_modules(load_file(str(trained / "lora.safetensors")), 8.0)
+    with safe_open(str(trained / "lora.safetensors"), "pt") as f:
+        file_alpha = float(f.metadata()["difftune.alpha"])  # = rank: the scale is in lora_B
+    ref = group_modules(load_file(str(trained / "lora.safetensors")), file_alpha)
     assert back.keys() <= ref.keys()
     for module, pair in ref.items():
         # The reader leaves out all-zero parts of fused modules. The last block is context

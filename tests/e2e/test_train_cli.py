@@ -72,7 +72,9 @@ def test_metadata(trained: Path) -> None:
         meta = f.metadata()
     assert meta["difftune.family"] == "flux"
     assert meta["difftune.base_model"] == "difftune/tiny-flux"
-    assert meta["difftune.rank"] == "4" and meta["difftune.alpha"] == "8.0"
+    # diffusers layout: the scale (8/4) is folded into the up factors, so the file's alpha is 4
+    assert meta["difftune.rank"] == "4" and meta["difftune.alpha"] == "4.0"
+    assert meta["difftune.trained_alpha"] == "8.0"
     assert meta["difftune.steps"] == "4"
     assert json.loads(meta["difftune.dataset"])["images"] == 6
     assert json.loads(meta["difftune.targets"])

@@ -46,6 +46,7 @@ from difftune.adapters.formats import (
 from difftune.errors import CheckpointError
 from difftune.families import sd3_keys, sdxl_keys
 from difftune.families.sdxl_keys import UNetLayout
+from difftune.families.text import clip_root
 
 RANK, ALPHA = 4, 6.0
 UNET_CONFIG = dict(
@@ -276,7 +277,7 @@ def test_sdxl_round_trip_is_exact(sdxl, sdxl_lora, tmp_path: Path) -> None:
     alphas_in = {k.rsplit(".", 2)[0]: ALPHA + (i % 3) for i, k in enumerate(sorted(state))}  # per-module alphas
     path = save_lora(tmp_path / "k.safetensors", sdxl_keys.diffusers_to_kohya(state, alphas_in, RANK, layout), {})
 
-    roots = {name: sdxl_keys.text_encoder_root(sdxl[name]) for name in ("text_encoder", "text_encoder_2")}
+    roots = {name: clip_root(sdxl[name]) for name in ("text_encoder", "text_encoder_2")}
     tensors, alphas = sdxl_keys.kohya_to_diffusers(load_lora_file(path)[0], layout, roots)
 
     assert tensors.keys() == state.keys()
@@ -503,3 +504,30 @@ def test_sd3_unmapped_modules_are_errors() -> None:
         sd3_keys.kohya_to_diffusers(kohya("lora_te1_text_model_encoder_layers_0_mlp_fc1"), 2)
     with pytest.raises(CheckpointError, match="has 2 blocks"):
         sd3_keys.kohya_to_diffusers(kohya("lora_unet_joint_blocks_2_x_block_mlp_fc1"), 2)
+
+
+# ---------------------------------------------------------------- defaults and names per family
+
+
+def test_each_family_declares_the_format_every_reader_reads_fully(tmp_path: Path) -> None:
+    """ComfyUI maps no UNet attention key of SDXL's diffusers (PEFT) layout, so SDXL defaults
+    to kohya; FLUX.1 and SD3 to diffusers. save.format unset means that default."""
+    from difftune import families
+    from difftune.config import SaveConfig
+    from difftune.train.checkpoint import lora_format
+
+    defaults = {n: families.get(n).default_format for n in ("flux", "sd3", "sdxl")}
+    assert defaults == {"flux": "diffusers", "sd3": "diffusers", "sdxl": "kohya"}
+    unset, explicit = SaveConfig(dir=tmp_path), SaveConfig(dir=tmp_path, format="diffusers")
+    assert unset.format is None
+    assert lora_format(unset, families.get("sdxl")) == "kohya"
+    assert lora_format(explicit, families.get("sdxl")) == "diffusers"
+
+
+def test_sd3_variants_are_named_as_kohya_tells_them_apart() -> None:
+    """kohya's analyze_state_dict_state (library/sd3_utils.py): no q/k norm is SD3 medium;
+    with it, x-block self-attention layers mean SD3.5 medium, none SD3.5 large."""
+    assert sd3_keys.variant(None, ()) == "3-medium"
+    assert sd3_keys.variant("rms_norm", (0, 1, 2)) == "3-5-medium"
+    assert sd3_keys.variant("rms_norm", ()) == "3-5-large"
+    assert sd3_keys.VARIANTS["3-5-large"] == "stable-diffusion-3-5-large"
