@@ -31,8 +31,7 @@ from difftune.train import resume as resume_mod
 from difftune.train.resume import Checkpoint
 from difftune.train.init_lora import load_init_lora
 from difftune.train.loop import Hooks, Result, set_training, train
-from difftune.train.rundir import (LOCK_NAME, RunLock, clean_leftovers, clear_for_overwrite,
-                                   refuse_overwrite)
+from difftune.train.rundir import RunLock, clean_leftovers, clear_for_overwrite, refuse_overwrite
 from difftune.train.setup import (Run, batch_loss, fill_caches, load_data, prepare,
                                   report_bad_entries)
 
@@ -253,7 +252,7 @@ def run_check(cfg: RunConfig) -> list[str]:
     """`difftune check`: everything a run does, once, at the smallest size; returns the report."""
     report = ["config: valid"]
     refuse_overwrite(cfg)
-    if (cfg.save.dir / LOCK_NAME).exists():
+    if cfg.save.dir.is_dir():
         RunLock(cfg.save.dir).acquire().release()  # raises while another run holds it
     report.append(f"output folder: {cfg.save.dir} (nothing would be overwritten)")
     data = load_data(cfg, families.get(cfg.model.family))

@@ -43,8 +43,9 @@ class Hooks:
 
 class StepFailed(Exception):
     """Step `step` failed with `cause`; the state after the step before it (the last good
-    one) was saved to `path` (None when it could not be: nothing trained yet, several
-    processes, or weights already half-updated)."""
+    one) was saved to `path` (None when it could not be: nothing trained yet, or the
+    weights already half-updated). Single-process runs only: in a multi-process run the
+    failure is raised as it is, and every process stops."""
 
     def __init__(self, step: int, path: Path | None, cause: BaseException) -> None:
         super().__init__(f"step {step} failed: {type(cause).__name__}: {cause}")
@@ -181,10 +182,11 @@ def _guarded_step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
     except TrainingDiverged:
         raise
     except Exception as err:
+        if run.dist.world > 1:  # the other processes stop too; the CLI says which failed
+            raise
         path = None
         # With fused_backward the weights change during backward: no state is whole then.
-        if (snap.step > 0 and run.dist.world == 1 and not loop.updating
-                and not run.cfg.train.fused_backward):
+        if snap.step > 0 and not loop.updating and not run.cfg.train.fused_backward:
             path = _rescue(hooks, loop, snap)
         raise StepFailed(step, path, err) from err
 

@@ -15,7 +15,6 @@ import fcntl
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
 
 from difftune.config import RunConfig
@@ -23,7 +22,6 @@ from difftune.errors import ConfigError, EnvironmentProblem
 
 log = logging.getLogger("difftune")
 
-LOCK_NAME = ".difftune.lock"
 CHECKPOINTS = "checkpoints"
 
 
@@ -100,42 +98,41 @@ def clean_leftovers(out: Path) -> None:
 
 
 class RunLock:
-    """An exclusive lock on a run folder for as long as the run lives (`fcntl.flock` on
-    `<save.dir>/.difftune.lock`; the kernel drops it when the process ends, even by kill -9)."""
+    """An exclusive lock on a run folder for as long as the run lives: `fcntl.flock` on the
+    folder itself, so nothing is written to take it, and the kernel drops it when the
+    process ends, even by kill -9."""
 
     def __init__(self, out: Path) -> None:
-        self.path = out / LOCK_NAME
+        self.out = out
         self._fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        """Take the lock, or raise `ConfigError` naming the run that holds it."""
+        """Take the lock (creating the folder), or raise `ConfigError` naming the process
+        that holds it."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as err:
-            raise EnvironmentProblem(f"cannot write in save.dir {self.path.parent} "
-                                     f"({err.strerror or err}); choose a folder you can write "
-                                     "to") from None
+            raise EnvironmentProblem(f"cannot use save.dir {self.out} ({err.strerror or err}); "
+                                     "choose a folder you can write to") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
-            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+            holder = _holder(os.fstat(fd).st_ino)
             os.close(fd)
             if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                log.warning("cannot lock %s (%s): two runs on this folder would not be "
-                            "stopped", self.path, err)
+                log.warning("cannot lock %s (%s): a second run on this folder would not be "
+                            "stopped", self.out, err)
                 return self
             raise ConfigError(
-                f"save.dir {self.path.parent} is in use by another difftune run"
-                f"{f' ({holder})' if holder else ''}; wait for it to end, or choose another "
-                "save.dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+                f"save.dir {self.out} is in use by another difftune run"
+                f"{f' (pid {holder})' if holder else ''}; wait for it to end, or choose "
+                "another save.dir") from None
         self._fd = fd
         return self
 
     def release(self) -> None:
-        """Drop the lock (the file stays: removing it could race with a new run's lock)."""
+        """Drop the lock."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -147,3 +144,18 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _holder(inode: int) -> str | None:
+    """The pid holding a flock on the file with this inode, from /proc/locks (Linux; None
+    elsewhere or when not found)."""
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5].rsplit(":", 1)[-1] == str(inode):
+            return parts[4]
+    return None

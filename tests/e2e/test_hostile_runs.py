@@ -41,7 +41,7 @@ def steps_of(out: Path) -> list[int]:
     return [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def files(out: Path, skip: tuple[str, ...] = ("difftune.log", ".difftune.lock")) -> dict:
+def files(out: Path, skip: tuple[str, ...] = ("difftune.log",)) -> dict:
     return {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name not in skip}
 
 

@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from difftune.adapters.formats import with_clip_root
 from difftune.adapters.lora import lora_state
 from difftune.config import parse_config
 from difftune.errors import ConfigError
+from difftune.families.text import file_clip_roots
 from difftune.families.tiny import demo_dir
 from difftune.lowbit import Fp8Linear
 from difftune.report import Reporter
@@ -56,7 +58,8 @@ def config(tmp: Path, family: str, mixed: str, base: str, text: str, trained: bo
         "cache": {"text": text},
         "train": {"steps": 1, "batch_size": 1, "lr": 1e-3, "device": device},
         "sample": {"prompts": str(prompts), "at_end": True},
-        "save": {"dir": str(tmp / "out"), "dtype": "fp32"},
+        # The diffusers layout: its keys are the modules' own (CLIP under text_model.).
+        "save": {"dir": str(tmp / "out"), "dtype": "fp32", "format": "diffusers"},
     }, tmp)
 
 
@@ -98,6 +101,7 @@ def check_cell(tmp_path: Path, family: str, mixed: str, base: str, text: str, tr
     if trained:
         name = FIRST_ENCODER[family]
         ours |= lora_state(run.comps.text_encoders[name], run.family.text_encoder_prefixes[name])
+    ours = with_clip_root(ours, file_clip_roots(run.family))  # alpha = rank: nothing folded
     assert set(saved) == set(ours) and all(".lora_" in k for k in saved)
     for key, value in ours.items():
         assert torch.equal(saved[key], value.float().cpu()), key
