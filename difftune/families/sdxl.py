@@ -3,7 +3,7 @@
 The UNet reads the concatenated penultimate hidden states of CLIP-L and CLIP-G as its
 cross-attention context, and CLIP-G's projected pooled output plus six "time ids" (original
 size, crop top-left, target size) as its added conditioning. It is trained with epsilon or
-v-prediction on the scheduler's scaled-linear schedule (`difftune.train.ddpm`).
+v-prediction on the scheduler's scaled-linear schedule (`difftune.train.objectives.ddpm`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from difftune.families import text
 from difftune.families.base import (Components, Conditioning, ModelSpec, TextEmbeds,
                                     TextEncoderSpec)
 from difftune.families.flux import frozen_encoders, place
-from difftune.train.ddpm import DDPMObjective, DDPMSchedule
+from difftune.train.objectives.ddpm import DDPMObjective, DDPMSchedule
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from difftune.config import RunConfig
-from difftune.config_checks import EIGHT_BIT_CPU
+from difftune.config.checks import EIGHT_BIT_CPU
 from difftune.errors import ConfigError, EnvironmentProblem
 from difftune.families.base import Family, blocks_of
 from difftune.memory.blockswap import BlockSwap

@@ -7,7 +7,8 @@ import torch
 from diffusers import DDPMScheduler
 
 from difftune.errors import ConfigError
-from difftune.train import ddpm
+from difftune.train.objectives import ddpm
+from difftune.train.objectives.base import weighted_mse
 
 
 def sdxl_scheduler(zero_snr: bool) -> DDPMScheduler:
@@ -151,9 +152,9 @@ def test_weighted_mse() -> None:
     pred = torch.zeros(3, 2, 2, dtype=torch.bfloat16)
     tgt = torch.stack([torch.full((2, 2), v) for v in (1.0, 2.0, 3.0)]).bfloat16()
     weights = torch.tensor([1.0, 0.5, 0.0])
-    loss = ddpm.weighted_mse(pred, tgt, weights)
+    loss = weighted_mse(pred, tgt, weights)
     assert loss.dtype == torch.float32
     # Per-sample MSEs 1, 4, 9 weighted 1, 0.5, 0 -> (1 + 2 + 0) / 3.
     assert loss.item() == pytest.approx(1.0)
     ones = torch.ones(3)
-    assert ddpm.weighted_mse(pred, tgt, ones).item() == pytest.approx(14 / 3)
+    assert weighted_mse(pred, tgt, ones).item() == pytest.approx(14 / 3)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from difftune.config import TrainConfig
-from difftune.train import objectives
+from difftune.train.objectives import flow as objectives
 from difftune.train.optim import lr_factor
 
 

@@ -10,7 +10,8 @@ import torch
 from difftune import families
 from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
-from difftune.config import CLIP_HIDDEN, TEXT_ENCODERS, load_config
+from difftune.config import load_config
+from difftune.config.checks import CLIP_HIDDEN, TEXT_ENCODERS
 from difftune.errors import ConfigError
 from difftune.families.base import Components
 from difftune.families.text import EncodeOptions

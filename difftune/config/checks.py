@@ -11,14 +11,15 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from difftune.config import QUANT_BACKENDS
+from difftune.config.base import QUANT_BACKENDS
 from difftune.errors import ConfigError, ModelFileError
 from difftune.filenames import embedding_stem, name_too_long
 from difftune.safefiles import is_pickle, pickle_refusal
 
 if TYPE_CHECKING:
-    from difftune.config import (AdapterConfig, ModelConfig, PrecisionConfig, RunConfig,
-                                 TrainConfig)
+    from difftune.config.run import RunConfig
+    from difftune.config.sections import (AdapterConfig, ModelConfig, PrecisionConfig,
+                                          TrainConfig)
 
 log = logging.getLogger("difftune")
 

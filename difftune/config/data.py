@@ -1,4 +1,4 @@
-"""The data and cache sections of a run configuration (re-exported by `difftune.config`)."""
+"""The data and cache sections of a run configuration: datasets, subsets and the disk cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from difftune.config_base import Section as _Section
+from difftune.config.base import Section as _Section
 
 # A file extension, with or without its dot: not empty, not a bare dot, no folder separator.
 _EXTENSION = re.compile(r"\.?[^./\\][^/\\]*")

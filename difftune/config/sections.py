@@ -1,4 +1,4 @@
-"""The run configuration: pydantic models for every section, and `load_config`.
+"""The sections of a run configuration: one pydantic model per TOML table.
 
 A run is one TOML file with the sections `model`, `precision`, `adapter`, `[[datasets]]`,
 `cache`, `train`, `sample` and `save`. Everything is validated here, before anything heavy
@@ -9,17 +9,13 @@ Relative paths are taken relative to the config file's folder.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from difftune.config_base import Beta, ClipNorm
-from difftune.config_base import Section as _Section
-from difftune.config_data import CacheConfig, DatasetConfig, SubsetConfig
-from difftune.config_errors import format_validation_error, parse_override
-from difftune.errors import ConfigError
+from difftune.config.base import Beta, ClipNorm
+from difftune.config.base import Section as _Section
 
 DType = Literal["fp32", "fp16", "bf16"]
 # Default text-encoder LoRA targets: attention and MLP Linear layers of CLIP and of T5.
@@ -76,12 +72,7 @@ class ModelConfig(_Section):
 
 StorageDType = Literal["fp32", "fp16", "bf16", "fp8"]
 Quantization = Literal["none", "int8", "fp8", "qint8", "qfloat8", "nf4"]
-# Which library quantizes each setting (and the pip package a user installs for it).
-QUANT_BACKENDS: dict[str, tuple[str, str]] = {
-    "int8": ("torchao", "torchao"), "fp8": ("torchao", "torchao"),
-    "qint8": ("optimum.quanto", "optimum-quanto"), "qfloat8": ("optimum.quanto", "optimum-quanto"),
-    "nf4": ("bitsandbytes", "bitsandbytes"),
-}
+
 
 
 class QuantizeConfig(_Section):
@@ -291,108 +282,3 @@ class SaveConfig(_Section):
     dtype: DType = Field("bf16", description="dtype of the saved LoRA tensors.")
     overwrite: bool = Field(False, description="Allow a new run in a folder holding a "
                             "previous run's outputs (its checkpoints are removed).")
-
-
-class RunConfig(_Section):
-    """The whole run."""
-
-    model: ModelConfig  # required: the default (no source) is never valid
-    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
-    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
-    datasets: list[DatasetConfig] = Field(..., min_length=1)
-    cache: CacheConfig = Field(default_factory=CacheConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    sample: SampleConfig = Field(default_factory=SampleConfig)
-    save: SaveConfig
-
-    @model_validator(mode="after")
-    def _cross(self) -> "RunConfig":
-        problems = []
-        p = self.precision
-        low = [f"precision.{k} = \"{v}\"" for k, v in p.dtype_names().items() if v != "fp32"]
-        if p.mixed == "no" and low:
-            problems.append(
-                f"{', '.join(low)} needs precision.mixed = \"bf16\" or \"fp16\" (fp32 compute "
-                "on low-precision weights fails); set precision.mixed or keep those at fp32"
-            )
-        from difftune import config_checks as checks
-
-        problems += checks.quantize_problems(p, self.train.device)
-        problems += checks.objective_problems(self.model.family, self.train)
-        problems += checks.text_encoder_problems(self.model, self.adapter, self.save.format, p)
-        problems += checks.unload_problems(self)
-        problems += checks.embedding_problems(self)
-        problems += checks.warmup_problems(self)
-        problems += checks.memory_problems(self)
-        every = self.save.every_n_steps
-        if every is not None and every > self.train.steps:
-            problems.append(
-                f"save.every_n_steps ({every}) is larger than train.steps ({self.train.steps}); "
-                "lower it or leave it unset (the end of the run is always saved)"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-
-def _resolve_paths(node: Any, base: Path) -> None:
-    """Make every Path field of `node` (recursively) absolute, relative to `base`."""
-    if isinstance(node, list):
-        for item in node:
-            _resolve_paths(item, base)
-        return
-    if not isinstance(node, BaseModel):
-        return
-    for name in type(node).model_fields:
-        value = getattr(node, name)
-        if isinstance(value, Path) and not value.is_absolute():
-            object.__setattr__(node, name, (base / value.expanduser()).resolve())
-        elif isinstance(value, Path):
-            object.__setattr__(node, name, value.expanduser())
-        else:
-            _resolve_paths(value, base)
-
-
-def parse_config(data: dict[str, Any], base: Path, source: str = "config") -> RunConfig:
-    """Validate a config mapping; relative paths are resolved against `base`.
-
-    Also checks the model paths (cheap: existence and kind), so a wrong file is reported in
-    seconds rather than after the data has been scanned.
-    """
-    try:
-        cfg = RunConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(format_validation_error(err, source)) from None
-    _resolve_paths(cfg, base)
-    if cfg.cache.dir is None:
-        cfg.cache.dir = cfg.save.dir / "cache"
-    warn_ignored(cfg)
-    check_paths(cfg, source)
-    return cfg
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read a TOML run file, apply `a.b=value` overrides, and validate everything at once."""
-    path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"config file {path} is a folder; pass the path of a .toml run file")
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass the path of a .toml run file")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path} is not valid TOML: {err}; fix the syntax at that place") from None
-    except OSError as err:
-        raise ConfigError(f"config file {path} cannot be read ({err.strerror}); check its "
-                          "permissions") from None
-    for item in overrides or []:
-        parse_override(data, item)
-    return parse_config(data, path.resolve().parent, str(path))
-
-
-# Cross-field checks live in config_checks.py; these names are re-exported for callers.
-from difftune.config_checks import (CLIP_HIDDEN, TEXT_ENCODERS, check_paths,  # noqa: E402
-                                    model_file_problems, warn_ignored)
-
-__all__ = ["CLIP_HIDDEN", "TEXT_ENCODERS", "CacheConfig", "DatasetConfig", "RunConfig",
-           "SubsetConfig", "load_config", "model_file_problems", "parse_config", "warn_ignored"]

@@ -12,14 +12,12 @@ and draws randomness only from the generator it is given, so a resumed run repla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
 from difftune.errors import ConfigError
-
-if TYPE_CHECKING:
-    from difftune.train.objectives import Draw
+from difftune.train.objectives.base import Draw
 
 Prediction = Literal["epsilon", "v_prediction"]
 
@@ -216,16 +214,9 @@ def min_snr_weights(
     raise ConfigError(f"prediction must be 'epsilon' or 'v_prediction', got {prediction!r}")
 
 
-def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean squared error in fp32, times per-sample weights, averaged over the batch."""
-    err = (pred.float() - target.float()).pow(2)
-    per_sample = err.flatten(1).mean(dim=1) if err.dim() > 1 else err
-    return (per_sample * weights.to(per_sample.device, torch.float32)).mean()
-
-
 class DDPMObjective:
     """Discrete DDPM training (SDXL): integer t, epsilon or v target, optional noise offset
-    and Min-SNR-gamma weighting. Satisfies `difftune.train.objectives.Objective`."""
+    and Min-SNR-gamma weighting. Satisfies `difftune.train.objectives.base.Objective`."""
 
     def __init__(self, schedule: DDPMSchedule, prediction: Prediction, noise_offset: float = 0.0,
                  min_snr_gamma: float | None = None) -> None:
@@ -233,10 +224,8 @@ class DDPMObjective:
         self.schedule, self.prediction = schedule, prediction
         self.noise_offset, self.min_snr_gamma = noise_offset, min_snr_gamma
 
-    def draw(self, latents: torch.Tensor, generator: torch.Generator) -> "Draw":
+    def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
         """Noise (with offset), then t uniform over the training steps (all from `generator`)."""
-        from difftune.train.objectives import Draw
-
         noise = torch.randn(latents.shape, generator=generator)
         noise = offset_noise(noise, self.noise_offset, generator).to(latents.device)
         t = sample_timesteps(latents.shape[0], generator, self.schedule.num_train_timesteps)

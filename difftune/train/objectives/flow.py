@@ -7,37 +7,12 @@ noise), and the model predicts the velocity noise - x_0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from difftune.config import TrainConfig
-from difftune.train.ddpm import weighted_mse
+from difftune.train.objectives.base import Draw
 
-
-@dataclass
-class Draw:
-    """One batch's noising: the denoiser's time input (in the objective's units), its noisy
-    input, the regression target and optional per-sample loss weights."""
-
-    t: torch.Tensor
-    noisy: torch.Tensor
-    target: torch.Tensor
-    weights: torch.Tensor | None = None
-
-    def rows(self, where: slice) -> "Draw":
-        """The draw of some rows of the batch (one process's share of a global batch)."""
-        return Draw(self.t[where], self.noisy[where], self.target[where],
-                    None if self.weights is None else self.weights[where])
-
-
-class Objective(Protocol):
-    """How a family is trained: noise, timesteps, target and weighting for clean latents."""
-
-    def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
-        """Noise a batch of clean latents (randomness from `generator` only)."""
-        ...
 
 # FLUX.1's resolution-dependent shift: mu grows linearly with the image token count from
 # base_shift at 256 tokens to max_shift at 4096 tokens (the FLUX.1-dev scheduler settings).
@@ -94,11 +69,3 @@ class FlowMatching:
         t = sample_timesteps(self.cfg, latents.shape[0], tokens, generator).to(latents.device)
         noisy, target = noisy_and_target(latents, noise, t)
         return Draw(t, noisy, target)
-
-
-def loss(pred: torch.Tensor, target: torch.Tensor,
-         weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean squared error in fp32 whatever the autocast dtype; per-sample weighted if given."""
-    if weights is None:
-        return torch.nn.functional.mse_loss(pred.float(), target.float())
-    return weighted_mse(pred, target, weights)

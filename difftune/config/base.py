@@ -34,3 +34,11 @@ def _zero_is_off(value: float | None) -> float | None:
 # A gradient-norm limit: a positive number, or 0 for no clipping (held as None).
 ClipNorm = Annotated[float | None, BeforeValidator(_no_bool), Field(ge=0),
                      AfterValidator(_zero_is_off)]
+
+
+# Which library quantizes each setting (and the pip package a user installs for it).
+QUANT_BACKENDS: dict[str, tuple[str, str]] = {
+    "int8": ("torchao", "torchao"), "fp8": ("torchao", "torchao"),
+    "qint8": ("optimum.quanto", "optimum-quanto"), "qfloat8": ("optimum.quanto", "optimum-quanto"),
+    "nf4": ("bitsandbytes", "bitsandbytes"),
+}

@@ -1,0 +1,69 @@
+"""Reading a run file: TOML, `--set` overrides, validation, paths resolved against the file."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from difftune.config.checks import check_paths, warn_ignored
+from difftune.config.errors import format_validation_error, parse_override
+from difftune.config.run import RunConfig
+from difftune.errors import ConfigError
+
+
+def _resolve_paths(node: Any, base: Path) -> None:
+    """Make every Path field of `node` (recursively) absolute, relative to `base`."""
+    if isinstance(node, list):
+        for item in node:
+            _resolve_paths(item, base)
+        return
+    if not isinstance(node, BaseModel):
+        return
+    for name in type(node).model_fields:
+        value = getattr(node, name)
+        if isinstance(value, Path) and not value.is_absolute():
+            object.__setattr__(node, name, (base / value.expanduser()).resolve())
+        elif isinstance(value, Path):
+            object.__setattr__(node, name, value.expanduser())
+        else:
+            _resolve_paths(value, base)
+
+
+def parse_config(data: dict[str, Any], base: Path, source: str = "config") -> RunConfig:
+    """Validate a config mapping; relative paths are resolved against `base`.
+
+    Also checks the model paths (cheap: existence and kind), so a wrong file is reported in
+    seconds rather than after the data has been scanned.
+    """
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+    _resolve_paths(cfg, base)
+    if cfg.cache.dir is None:
+        cfg.cache.dir = cfg.save.dir / "cache"
+    warn_ignored(cfg)
+    check_paths(cfg, source)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML run file, apply `a.b=value` overrides, and validate everything at once."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; pass the path of a .toml run file")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass the path of a .toml run file")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}; fix the syntax at that place") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read ({err.strerror}); check its "
+                          "permissions") from None
+    for item in overrides or []:
+        parse_override(data, item)
+    return parse_config(data, path.resolve().parent, str(path))
