@@ -3,7 +3,9 @@
 Randomness (noise, timesteps) comes from one CPU generator seeded from `train.seed`, the data
 order from the seeded bucket sampler and the LoRA init from the same seed, so the same config
 gives the same LoRA on the CPU. Hooks (reporting, saving, sampling) run between steps and never
-touch that generator.
+touch that generator. Everything that changes as the run trains (besides the weights) is one
+`TrainState` (state.py), which the checkpoint manager saves and loads; a batch's loss comes
+from step.py.
 """
 
 from __future__ import annotations
@@ -114,13 +116,15 @@ def build_state(run: Run, names: dict[int, str]) -> TrainState:
     groups = param_groups(run)
     opt = make_optimizer(groups, cfg.train)
     return TrainState(
-        opt, make_scheduler(opt, cfg.train),
-        torch.amp.GradScaler(run.policy.device.type, enabled=cfg.precision.mixed == "fp16"),
-        RunRngs(torch.Generator("cpu").manual_seed(cfg.train.seed)),
+        opt=opt, sched=make_scheduler(opt, cfg.train),
+        scaler=torch.amp.GradScaler(run.policy.device.type,
+                                    enabled=cfg.precision.mixed == "fp16"),
+        rngs=RunRngs(torch.Generator("cpu").manual_seed(cfg.train.seed)),
         # The global batch: each of the processes trains on its rows of it.
-        BucketBatchSampler(run.data, cfg.train.batch_size * run.dist.world, cfg.train.seed),
-        NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.precision.mixed, cfg.train.lr),
-        names, cfg.train, [p for g in groups for p in g["params"]])
+        sampler=BucketBatchSampler(run.data, cfg.train.batch_size * run.dist.world,
+                                   cfg.train.seed),
+        guard=NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.precision.mixed, cfg.train.lr),
+        names=names, train=cfg.train, params=[p for g in groups for p in g["params"]])
 
 
 def _guarded_step(run: Run, hooks: Hooks, state: TrainState, batches: Iterator[Batch],

@@ -77,7 +77,9 @@ def _advance(state: TrainState) -> None:
     for loss in (float("nan"), 1.0, float("nan"), float("inf")):
         state.guard.skip(1, loss)
     torch.rand(3, generator=state.generator)
-    random.random(), np.random.rand(), torch.rand(1)
+    random.random()
+    np.random.rand()
+    torch.rand(1)
     state.step = 5
 
 
@@ -88,6 +90,7 @@ def _draws(state: TrainState) -> list[object]:
 
 
 def _position(state: TrainState) -> tuple[object, ...]:
+    """Step, sampler position, guard counters and the next batch (which it then consumes)."""
     return (state.step, state.sampler.epoch, state.sampler.position, state.guard.state_dict(),
             next(state.sampler.batches()))
 
