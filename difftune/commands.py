@@ -25,15 +25,14 @@ from difftune.memory import savers
 from difftune.precision import resolve_device
 from difftune.report import Reporter, SilentReporter
 from difftune.sample import SampleRunner
-from difftune.train.checkpoint import CheckpointManager, lora_format
+from difftune.train.checkpoint import Checkpoint, CheckpointManager
+from difftune.train.checkpoint.lora import lora_format
 from difftune.train.dist import Dist, init as init_dist
-from difftune.train import resume as resume_mod
-from difftune.train.resume import Checkpoint
 from difftune.train.init_lora import load_init_lora
 from difftune.train.loop import Hooks, Result, set_training, train
 from difftune.train.rundir import RunLock, clean_leftovers, clear_for_overwrite, refuse_overwrite
-from difftune.train.setup import (Run, batch_loss, fill_caches, load_data, prepare,
-                                  report_bad_entries)
+from difftune.train.setup import Run, fill_caches, load_data, prepare, report_bad_entries
+from difftune.train.step import batch_loss
 
 log = logging.getLogger("difftune")
 
@@ -74,13 +73,13 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
     started = time.perf_counter()
     data = load_data(cfg, families.get(cfg.model.family))
     if checkpoint is not None:
-        resume_mod.check_data(checkpoint, data, cfg.train.batch_size * dist.world,
-                              cfg.train.seed)
+        CheckpointManager.check_data(checkpoint, data, cfg.train.batch_size * dist.world,
+                                     cfg.train.seed)
     run = prepare(cfg, dataset=data, show_progress=show_progress)
     ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, run.data.summary(),
                              run.embeddings, writes=dist.main)
     if checkpoint is not None:
-        resume_mod.check_compatible(checkpoint, ckpt.identity(), cfg)
+        ckpt.check_compatible(checkpoint)
     ckpt.check_space()
     if init_lora is not None:
         load_init_lora(init_lora, ckpt)
@@ -113,11 +112,9 @@ def _open_run(cfg: RunConfig, resume: str | None, dist: Dist,
     and open the run log; returns the checkpoint to resume."""
     if dist.main:
         lock.acquire()  # a second run on this folder stops here
-    checkpoint = resume_mod.read(resume_mod.find(cfg.save.dir, resume)) if resume else None
+    checkpoint = CheckpointManager.open(cfg, resume) if resume else None
     if checkpoint is None:
         refuse_overwrite(cfg)
-    else:
-        resume_mod.check_compatible(checkpoint, resume_mod.config_identity(cfg), cfg)
     dist.barrier()
     if dist.main:
         clean_leftovers(cfg.save.dir)

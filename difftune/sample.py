@@ -23,7 +23,7 @@ from PIL import Image
 
 from difftune.config import SampleConfig
 from difftune.prompts import PromptSpec, parse_line, read_prompts  # noqa: F401 (re-exported)
-from difftune.train.state import GlobalRngs
+from difftune.train.rng import GlobalRngs
 
 if TYPE_CHECKING:
     from difftune.cache.sources import TextSource

@@ -57,13 +57,13 @@ class NonFiniteGuard:
             log.debug("fp16 gradients overflowed; the scaler skipped the step (scale %g)", scale)
         self._scale = scale
 
-    def state(self) -> dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         """Everything a resume needs to go on counting as if it never stopped."""
         return {"in_row": self.in_row, "skipped": self.skipped, "overflow": self.overflow,
                 "scale": self._scale if self._scale is not None else -1.0}
 
-    def load(self, state: dict[str, float]) -> None:
-        """Continue from `state()`."""
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Continue from `state_dict()`."""
         self.in_row = int(state.get("in_row", 0))
         self.skipped = int(state.get("skipped", 0))
         self.overflow = int(state.get("overflow", 0))

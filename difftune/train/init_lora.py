@@ -22,7 +22,8 @@ from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_no
 from difftune.errors import CheckpointError, NonFiniteError
 from difftune.families.text import model_clip_roots
 from difftune.safefiles import is_pickle, pickle_refusal
-from difftune.train.checkpoint import BUNDLE, CheckpointManager
+from difftune.train.checkpoint import CheckpointManager
+from difftune.train.checkpoint.lora import BUNDLE
 
 log = logging.getLogger("difftune")
 

@@ -3,30 +3,31 @@
 Randomness (noise, timesteps) comes from one CPU generator seeded from `train.seed`, the data
 order from the seeded bucket sampler and the LoRA init from the same seed, so the same config
 gives the same LoRA on the CPU. Hooks (reporting, saving, sampling) run between steps and never
-touch that generator.
+touch that generator. Everything that changes as the run trains (besides the weights) is one
+`TrainState` (state.py), which the checkpoint manager saves and loads; a batch's loss comes
+from step.py.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 
 from difftune.adapters.lora import lora_parameters
 from difftune.data.sampler import Batch, BucketBatchSampler
-from difftune.train.guard import NonFiniteGuard, TrainingDiverged
-from difftune.train.resume import Checkpoint, restore
-from difftune.train.state import GlobalRngs, TrainState
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
-from difftune.train.checkpoint import CheckpointManager
+from difftune.train.checkpoint import Checkpoint, CheckpointManager
+from difftune.train.guard import NonFiniteGuard, TrainingDiverged
 from difftune.train.optim import make_optimizer, make_scheduler
-from difftune.train.setup import Run, batch_loss
+from difftune.train.rng import RunRngs, seed_everything
+from difftune.train.setup import Run
+from difftune.train.state import Snapshot, TrainState
+from difftune.train.step import batch_loss
 
 log = logging.getLogger("difftune")
 
@@ -77,108 +78,63 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
     per-step losses and the final LoRA path. Raises `Interrupted` after saving a checkpoint
     when `hooks.stop()` turns true."""
     cfg = run.cfg
-    loop = _Loop.build(run)
-    start = 0
+    state = build_state(run, hooks.checkpoints.names())
     if resume is not None:
-        state = restore(resume, hooks.checkpoints, cfg, loop.opt, loop.sched, loop.scaler,
-                        loop.generator)
-        loop.sampler.load_state_dict(state.sampler)
-        loop.guard.load(state.counters)
-        start = state.step
-        log.info("resumed from %s at step %d", resume.path, start)
+        hooks.checkpoints.load(resume, state)
+        log.info("resumed from %s at step %d", resume.path, state.step)
     else:
         seed_everything(cfg.train.seed)
         if cfg.sample.at_start and hooks.sampler:
             hooks.sampler.run(0)
-    run.dist.broadcast_params(loop.params)
+    start = state.step
+    run.dist.broadcast_params(state.params)
     if run.dist.rank > 0:  # its own dropout masks (rank 0 keeps the single-process stream)
         seed_everything(cfg.train.seed + 7919 * run.dist.rank + start)
-    batches = loop.sampler.batches()
+    batches = state.sampler.batches()
     result = Result()
     set_training(run, True)
     for step in range(start + 1, cfg.train.steps + 1):
-        loss, epoch, lr = _guarded_step(run, hooks, loop, batches, step)
+        loss, epoch, lr = _guarded_step(run, hooks, state, batches, step)
+        state.step = step
         result.losses.append(loss)
-        hooks.reporter.step(step, loss, lr, {"epoch": epoch, **loop.guard.counts()})
+        hooks.reporter.step(step, loss, lr, {"epoch": epoch, **state.guard.counts()})
         if step < cfg.train.steps:
-            _between_steps(run, hooks, loop, step)
+            _between_steps(run, hooks, state, step)
     set_training(run, False)
     result.lora = hooks.checkpoints.save_lora(cfg.train.steps, final=True)
-    hooks.checkpoints.save_checkpoint(loop.state(cfg.train.steps), loop.opt, loop.sched,
-                                      loop.scaler, loop.generator)
+    hooks.checkpoints.save(state)
     if cfg.sample.at_end and hooks.sampler:
         hooks.sampler.run(cfg.train.steps)
     return result
 
 
-def seed_everything(seed: int) -> None:
-    """Seed the global RNGs (python, numpy, torch CPU and CUDA) a step draws from (LoRA
-    dropout, for one): a run depends on its seed alone, not on what ran before it."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+def build_state(run: Run, names: dict[int, str]) -> TrainState:
+    """A fresh training state: AdamW over the LoRA groups, schedule, scaler, noise
+    generator, data sampler and non-finite guard; `names` are the parameters' canonical
+    names (the checkpoint manager's)."""
+    cfg = run.cfg
+    groups = param_groups(run)
+    opt = make_optimizer(groups, cfg.train)
+    return TrainState(
+        opt=opt, sched=make_scheduler(opt, cfg.train),
+        scaler=torch.amp.GradScaler(run.policy.device.type,
+                                    enabled=cfg.precision.mixed == "fp16"),
+        rngs=RunRngs(torch.Generator("cpu").manual_seed(cfg.train.seed)),
+        # The global batch: each of the processes trains on its rows of it.
+        sampler=BucketBatchSampler(run.data, cfg.train.batch_size * run.dist.world,
+                                   cfg.train.seed),
+        guard=NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.precision.mixed, cfg.train.lr),
+        names=names, train=cfg.train, params=[p for g in groups for p in g["params"]])
 
 
-@dataclass
-class _Loop:
-    """The optimizer-side objects of a run, created once and checkpointed together."""
-
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LambdaLR
-    scaler: torch.amp.GradScaler
-    generator: torch.Generator
-    sampler: BucketBatchSampler
-    params: list[torch.nn.Parameter]
-    guard: NonFiniteGuard
-    updating: bool = False  # inside the optimizer's update (weights may be half-changed)
-
-    @classmethod
-    def build(cls, run: Run) -> "_Loop":
-        """Fresh optimizer (AdamW over the LoRA groups), schedule, scaler, noise generator."""
-        cfg = run.cfg
-        groups = param_groups(run)
-        opt = make_optimizer(groups, cfg.train)
-        return cls(opt, make_scheduler(opt, cfg.train),
-                   torch.amp.GradScaler(run.policy.device.type,
-                                        enabled=cfg.precision.mixed == "fp16"),
-                   torch.Generator("cpu").manual_seed(cfg.train.seed),
-                   # The global batch: each of the processes trains on its rows of it.
-                   BucketBatchSampler(run.data, cfg.train.batch_size * run.dist.world,
-                                      cfg.train.seed),
-                   [p for g in groups for p in g["params"]],
-                   NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.precision.mixed,
-                                  cfg.train.lr))
-
-    def state(self, step: int) -> TrainState:
-        """Where the run stands after `step` (the sampler names the next batch)."""
-        return TrainState(step, self.sampler.state_dict(), self.guard.state())
-
-    def snapshot(self, step: int) -> "_Snapshot":
-        """What a rescue checkpoint after `step` needs, taken before the next step draws."""
-        return _Snapshot(step, self.sampler.epoch, self.sampler.position, self.guard.state(),
-                         self.generator.get_state(), GlobalRngs.capture())
-
-
-@dataclass
-class _Snapshot:
-    """The run's position and random states between two steps (cheap: no weights)."""
-
-    step: int
-    epoch: int
-    position: int
-    guard: dict[str, float]
-    generator: torch.Tensor
-    rngs: GlobalRngs
-
-
-def _guarded_step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
+def _guarded_step(run: Run, hooks: Hooks, state: TrainState, batches: Iterator[Batch],
                   step: int) -> tuple[float, int, float]:
     """`_step`, and when it fails before the optimizer touched the weights, a checkpoint of
     the step before (the last good one) so the run resumes from there once the cause is
     fixed; the failure is raised as `StepFailed`."""
-    snap = loop.snapshot(step - 1)
+    snap = state.snapshot()  # after step - 1
     try:
-        return _step(run, hooks, loop, batches, step)
+        return _step(run, hooks, state, batches, step)
     except TrainingDiverged:
         raise
     except Exception as err:
@@ -186,47 +142,41 @@ def _guarded_step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
             raise
         path = None
         # With fused_backward the weights change during backward: no state is whole then.
-        if snap.step > 0 and not loop.updating and not run.cfg.train.fused_backward:
-            path = _rescue(hooks, loop, snap)
+        if snap.step > 0 and not state.updating and not run.cfg.train.fused_backward:
+            path = _rescue(hooks, state, snap)
         raise StepFailed(step, path, err) from err
 
 
-def _rescue(hooks: Hooks, loop: _Loop, snap: _Snapshot) -> Path | None:
+def _rescue(hooks: Hooks, state: TrainState, snap: Snapshot) -> Path | None:
     """Save the checkpoint of `snap`'s step; None (logged) if that fails too."""
-    loop.opt.zero_grad(set_to_none=True)
-    loop.generator.set_state(snap.generator)
-    snap.rngs.restore()
-    loop.guard.load(snap.guard)
-    state = TrainState(snap.step, {**loop.sampler.state_dict(), "epoch": snap.epoch,
-                                   "position": snap.position}, snap.guard)
+    state.rewind(snap)
     try:
-        return hooks.checkpoints.save_checkpoint(state, loop.opt, loop.sched, loop.scaler,
-                                                 loop.generator)
+        return hooks.checkpoints.save(state)
     except Exception:  # the original failure is the one to report
         log.exception("the checkpoint of the last good step could not be saved")
         return None
 
 
-def _step(run: Run, hooks: Hooks, loop: _Loop, batches: Iterator[Batch],
+def _step(run: Run, hooks: Hooks, state: TrainState, batches: Iterator[Batch],
           step: int) -> tuple[float, int, float]:
     """One optimizer step (or a skipped one); returns (loss, epoch, lr used)."""
-    loss, epoch = _accumulate(run, batches, loop.generator, loop.scaler, step - 1)
-    loss = run.dist.average(loop.params, loss)  # one process: nothing to do
-    if not loop.guard.skip(step, loss):
-        loop.updating = True
-        lr = _optimizer_step(loop.opt, loop.sched, loop.scaler, loop.params,
+    loss, epoch = _accumulate(run, batches, state.generator, state.scaler, step - 1)
+    loss = run.dist.average(state.params, loss)  # one process: nothing to do
+    if not state.guard.skip(step, loss):
+        state.updating = True
+        lr = _optimizer_step(state.opt, state.sched, state.scaler, state.params,
                              run.cfg.train.max_grad_norm)
-        loop.updating = False
-        loop.guard.scaler_skipped(loop.scaler)
+        state.updating = False
+        state.guard.scaler_skipped(state.scaler)
         return loss, epoch, lr
     # Nothing is applied: gradients dropped, schedule advanced to stay on the step count.
-    loop.opt.zero_grad(set_to_none=True)
-    lr = loop.opt.param_groups[0]["lr"]
-    loop.sched.step()
-    if loop.guard.exhausted:
+    state.opt.zero_grad(set_to_none=True)
+    lr = state.opt.param_groups[0]["lr"]
+    state.sched.step()
+    if state.guard.exhausted:
         set_training(run, False)
         path = hooks.checkpoints.save_lora(step)
-        raise TrainingDiverged(loop.guard.message(step, path))
+        raise TrainingDiverged(state.guard.message(step, path))
     return loss, epoch, lr
 
 
@@ -314,7 +264,7 @@ def _optimizer_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.
     return lr
 
 
-def _between_steps(run: Run, hooks: Hooks, loop: _Loop, step: int) -> None:
+def _between_steps(run: Run, hooks: Hooks, state: TrainState, step: int) -> None:
     """Save and sample when due; on a stop request, checkpoint and raise `Interrupted`.
 
     The stop request is read after sampling, which itself ends early when asked to: a
@@ -323,8 +273,7 @@ def _between_steps(run: Run, hooks: Hooks, loop: _Loop, step: int) -> None:
     saved = None
     if _due(step, cfg.save.every_n_steps):
         hooks.checkpoints.save_lora(step)
-        saved = hooks.checkpoints.save_checkpoint(loop.state(step), loop.opt, loop.sched,
-                                                  loop.scaler, loop.generator)
+        saved = hooks.checkpoints.save(state)
     if hooks.sampler and _due(step, cfg.sample.every_n_steps):
         hooks.sampler.run(step)
     asked = hooks.stop()
@@ -333,6 +282,5 @@ def _between_steps(run: Run, hooks: Hooks, loop: _Loop, step: int) -> None:
         log.warning("another process of this run was asked to stop: stopping after step %d",
                     step)
     if stop:
-        saved = saved or hooks.checkpoints.save_checkpoint(
-            loop.state(step), loop.opt, loop.sched, loop.scaler, loop.generator)
+        saved = saved or hooks.checkpoints.save(state)
         raise Interrupted(step, saved)

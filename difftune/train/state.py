@@ -1,41 +1,122 @@
-"""Exact-resume state: what a checkpoint folder holds besides the LoRA, and how it comes back.
+"""The state a run continues from: one object the loop hands the checkpoint manager.
 
-Everything is tensors in safetensors files or plain JSON, so loading a checkpoint never runs
-code (no pickle, no `torch.load`). Parameters are named canonically, by their diffusers LoRA
-key (`transformer.<module>.lora_A.weight`), never by position or by peft / quantizer internals,
-so a checkpoint resumes on a base quantized differently, or not at all.
+`TrainState` holds every part of a run that changes as it trains, besides the weights (which
+the checkpoint manager names and saves itself): optimizer, LR schedule, loss scaler, random
+generators, data sampler, non-finite guard and the step count. Each part that has state saves
+and restores itself (`state_dict` / `load_state_dict`); `TrainState.state_dict` gathers them,
+so a new piece of resumable state is one field here and one entry in each of the two methods.
 
-Folder layout (`checkpoints/step-000123/`):
-- `trainable.safetensors`: the trained weights (fp32) by canonical name;
-- `optimizer.safetensors`: each parameter's optimizer state as `<name>::<key>`;
-- `rng.safetensors`: torch CPU, each CUDA device, and the run's noise generator;
-- `state.json`: step, sampler position, optimizer groups, LR schedule, loss scaler, python and
-  numpy RNG, counters, identity of the adapter, resolved config, versions; written last, so a
-  folder without it is an interrupted save;
-- the LoRA in the configured format.
+The optimizer is saved by parameter name (`names`: id(param) -> canonical LoRA key), never by
+position, so a checkpoint resumes on a base quantized differently, or not at all.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from difftune.config import TrainConfig
+from difftune.data.sampler import BucketBatchSampler
 from difftune.errors import CheckpointError
+from difftune.train.guard import NonFiniteGuard
+from difftune.train.optim import lr_factor
+from difftune.train.rng import GlobalRngs, RunRngs
 
 SEP = "::"
 
 
 @dataclass
-class TrainState:
-    """Where a run stands after an optimizer step; what `train` continues from."""
+class Snapshot:
+    """The run's position and random states between two steps (cheap: no weights, no
+    dataset fingerprint), what a rescue checkpoint of that step needs."""
 
+    step: int
+    epoch: int
+    position: int
+    guard: dict[str, float]
+    generator: torch.Tensor
+    rngs: GlobalRngs
+
+
+@dataclass
+class TrainState:
+    """Where a run stands after `step` optimizer steps; what a checkpoint saves besides the
+    weights, and what a resumed run continues from.
+
+    `params` are the trained parameters in optimizer order and `updating` says the optimizer
+    is inside its update (weights may be half-changed); neither is saved.
+    """
+
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    rngs: RunRngs
+    sampler: BucketBatchSampler
+    guard: NonFiniteGuard
+    names: dict[int, str]
+    train: TrainConfig
+    params: list[torch.nn.Parameter]
     step: int = 0
-    sampler: dict[str, Any] = field(default_factory=dict)
-    counters: dict[str, int] = field(default_factory=dict)
+    updating: bool = False
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The run's noise generator (timesteps, noise)."""
+        return self.rngs.generator
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every part's state: plain values (JSON) and tensors (under "optimizer" and "rng")."""
+        return {"step": self.step, "sampler": self.sampler.state_dict(),
+                "counters": self.guard.state_dict(),
+                "optimizer": {"groups": optimizer_groups(self.opt, self.names),
+                              "tensors": optimizer_tensors(self.opt, self.names)},
+                "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
+                "rng": self.rngs.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`; this config's peak rates and schedule govern from the
+        next step on (see `_configured_rates`)."""
+        configured = [g["initial_lr"] for g in self.opt.param_groups]  # this config's peaks
+        load_optimizer(self.opt, self.names, state["optimizer"]["groups"],
+                       state["optimizer"]["tensors"])
+        self.sched.load_state_dict(state["scheduler"])
+        _configured_rates(self.opt, self.sched, configured, self.train)
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.rngs.load_state_dict(state["rng"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.guard.load_state_dict(state["counters"])
+        self.step = int(state["step"])
+
+    def snapshot(self) -> Snapshot:
+        """What a rescue checkpoint of the current step needs, taken before the next draws."""
+        return Snapshot(self.step, self.sampler.epoch, self.sampler.position,
+                        self.guard.state_dict(), self.generator.get_state(),
+                        GlobalRngs.capture())
+
+    def rewind(self, snap: Snapshot) -> None:
+        """Back to `snap` (gradients dropped): the state a failed step started from."""
+        self.opt.zero_grad(set_to_none=True)
+        self.generator.set_state(snap.generator)
+        snap.rngs.restore()
+        self.guard.load_state_dict(snap.guard)
+        self.sampler.load_state_dict({**self.sampler.state_dict(), "epoch": snap.epoch,
+                                      "position": snap.position})
+        self.step = snap.step
+
+
+def _configured_rates(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+                      configured: list[float], train: TrainConfig) -> None:
+    """This config's peak rates and schedule govern from the next step on: a changed lr (any
+    group's), step count or schedule takes effect; an unchanged config recomputes the very
+    values the checkpoint holds (the same formula as the scheduler's)."""
+    sched.base_lrs = list(configured)
+    factor = lr_factor(sched.last_epoch, train)
+    for group, base in zip(opt.param_groups, configured):
+        group["initial_lr"] = base
+        group["lr"] = base * factor
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, torch.Tensor]:
@@ -80,56 +161,3 @@ def load_optimizer(opt: torch.optim.Optimizer, names: dict[int, str],
         # Plain numbers were saved as 0-d int64 tensors (bitsandbytes keeps "step" an int).
         plain = value.dim() == 0 and value.dtype == torch.int64
         opt.state.setdefault(param, {})[item] = int(value) if plain else value.to(param.device)
-
-
-@dataclass
-class GlobalRngs:
-    """The process-global RNG states a step draws from (python, numpy, torch CPU and CUDA):
-    captured before something that must leave no trace (a sample event, a step that may
-    fail) and put back after it."""
-
-    python: Any
-    numpy: Any
-    cpu: torch.Tensor
-    cuda: list[torch.Tensor] | None
-
-    @classmethod
-    def capture(cls) -> "GlobalRngs":
-        """The states now."""
-        return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                   torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-    def restore(self) -> None:
-        """Put the captured states back."""
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-
-
-def rng_state(generator: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every RNG a step touches: (tensors for safetensors, JSON for python and numpy)."""
-    tensors = {"torch_cpu": torch.get_rng_state(), "generator": generator.get_state()}
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda_{i}"] = state
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, py_state, py_gauss = random.getstate()
-    return tensors, {"python": [version, list(py_state), py_gauss],
-                     "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
-
-
-def set_rng_state(generator: torch.Generator, tensors: dict[str, torch.Tensor],
-                  plain: dict[str, Any]) -> None:
-    """Restore what `rng_state` saved (CUDA states only for the devices present now)."""
-    torch.set_rng_state(tensors["torch_cpu"])
-    generator.set_state(tensors["generator"])
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            if f"cuda_{i}" in tensors:
-                torch.cuda.set_rng_state(tensors[f"cuda_{i}"], i)
-    version, py_state, py_gauss = plain["python"]
-    random.setstate((version, tuple(py_state), py_gauss))
-    kind, keys, pos, has_gauss, gauss = plain["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))

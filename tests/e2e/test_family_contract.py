@@ -20,7 +20,8 @@ from difftune.sample import PromptSpec, SampleRunner
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import param_groups
 from difftune.train.optim import make_optimizer
-from difftune.train.setup import Run, batch_loss, fill_caches, prepare
+from difftune.train.setup import Run, fill_caches, prepare
+from difftune.train.step import batch_loss
 
 FAMILIES = ["flux", "sd3", "sdxl"]
 

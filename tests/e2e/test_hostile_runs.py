@@ -26,6 +26,7 @@ from difftune.prompts import PromptSpec, read_prompts
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.rundir import RunLock
+from difftune.train.state import TrainState
 
 from .conftest import run_toml
 
@@ -203,17 +204,17 @@ def test_a_disk_filling_up_mid_run_loses_nothing(
     out = disk / "out"
     cfg = run_toml(tmp_path, images)
     cfg.write_text(cfg.read_text().replace((tmp_path / "out").as_posix(), out.as_posix()))
-    real = CheckpointManager.save_checkpoint
+    real = CheckpointManager.save
 
-    def fill_then_save(self: CheckpointManager, state: object, *args: object) -> Path:
+    def fill_then_save(self: CheckpointManager, state: TrainState) -> Path:
         if state.step == 4:  # something else filled the disk meanwhile
             with open(disk / "filler", "wb") as f, pytest.raises(OSError):
                 while True:
                     f.write(b"\0" * (1 << 16))
                     f.flush()
-        return real(self, state, *args)
+        return real(self, state)
 
-    monkeypatch.setattr(CheckpointManager, "save_checkpoint", fill_then_save)
+    monkeypatch.setattr(CheckpointManager, "save", fill_then_save)
     assert train(cfg, "train.steps=4", "save.every_n_steps=2") == 2
     err = capsys.readouterr().err
     assert str(out) in err and "needed" in err and "Traceback" not in err, err
@@ -221,7 +222,7 @@ def test_a_disk_filling_up_mid_run_loses_nothing(
     assert [p.name for p in ckpts.iterdir()] == ["step-000002"]  # no half-written folder
     saved = files(ckpts)
     (disk / "filler").unlink()
-    monkeypatch.setattr(CheckpointManager, "save_checkpoint", real)
+    monkeypatch.setattr(CheckpointManager, "save", real)
     assert train(cfg, "train.steps=4", "save.every_n_steps=2", extra=["--resume", "latest"]) == 0
     assert {p: b for p, b in files(ckpts).items() if "step-000002" in str(p)} == saved
 

@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from difftune.cli import main
-from difftune.train import setup
+from difftune.train import step as train_step
 
 from .conftest import run_toml
 
 
 def _poison(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int] | None) -> None:
     """Make the loss NaN on the given micro-batches (all of them when None)."""
-    real = setup.objectives.loss
+    real = train_step.objectives.loss
     calls = [0]
 
     def loss(*args: object, **kwargs: object) -> torch.Tensor:
@@ -27,7 +27,7 @@ def _poison(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int] | None) -> None
             return value * float("nan")
         return value
 
-    monkeypatch.setattr(setup.objectives, "loss", loss)
+    monkeypatch.setattr(train_step.objectives, "loss", loss)
 
 
 def _rows(out: Path) -> list[dict]:

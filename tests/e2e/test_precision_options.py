@@ -10,7 +10,8 @@ import torch
 from difftune.cli import main
 from difftune.config import load_config
 from difftune.lowbit import Fp8Linear
-from difftune.train.setup import batch_loss, fill_caches, prepare
+from difftune.train.setup import fill_caches, prepare
+from difftune.train.step import batch_loss
 
 from .conftest import run_toml
 

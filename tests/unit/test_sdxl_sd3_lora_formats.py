@@ -514,7 +514,7 @@ def test_each_family_declares_the_format_every_reader_reads_fully(tmp_path: Path
     to kohya; FLUX.1 and SD3 to diffusers. save.format unset means that default."""
     from difftune import families
     from difftune.config import SaveConfig
-    from difftune.train.checkpoint import lora_format
+    from difftune.train.checkpoint.lora import lora_format
 
     defaults = {n: families.get(n).default_format for n in ("flux", "sd3", "sdxl")}
     assert defaults == {"flux": "diffusers", "sd3": "diffusers", "sdxl": "kohya"}

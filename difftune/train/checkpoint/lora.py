@@ -1,18 +1,15 @@
-"""The one owner of everything written as a run's result: LoRA files and resume checkpoints.
+"""The LoRA files a run writes (every N steps and at the end), and what they are made of.
 
 LoRA files are written atomically (temporary file, then rename) in the configured key layout,
-with safetensors metadata saying what they are. Checkpoints (`checkpoints/step-NNNNNN/`, see
-`state.py` for their contents) are written into a temporary folder, synced, and renamed into
-place, so an interrupted save is never taken for the latest; `save.keep_last` prunes old ones.
+with safetensors metadata saying what they are. `LoraFiles` also names the trained parameters
+canonically (`trainable()`), which the checkpoint manager built on it saves and restores.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +17,7 @@ import torch
 
 from difftune import __version__
 from difftune.adapters.embeddings import Embeddings
-from difftune.adapters.formats import (fold_scale, merged_adapter_metadata, save_lora,
-                                       with_clip_root, write_safetensors)
+from difftune.adapters.formats import fold_scale, merged_adapter_metadata, save_lora, with_clip_root
 from difftune.adapters.lora import lora_state
 from difftune.adapters.metadata import FileFacts, embedding_keys, lora_keys
 from difftune.config import RunConfig, SaveConfig
@@ -30,7 +26,6 @@ from difftune.families.base import Components, Family
 from difftune.families.text import file_clip_roots
 from difftune.filenames import embedding_stem
 from difftune.precision import DTYPES
-from difftune.train.state import (TrainState, optimizer_groups, optimizer_tensors, rng_state)
 
 log = logging.getLogger("difftune")
 
@@ -41,7 +36,7 @@ def lora_format(save: SaveConfig, family: Family) -> str:
     return save.format or family.default_format
 
 
-class CheckpointManager:
+class LoraFiles:
     """Writes the LoRA (every N steps and at the end) and the resolved config.
 
     With `writes` False (every process but rank 0 of a multi-process run, whose trained
@@ -125,7 +120,7 @@ class CheckpointManager:
             tensors.update({f"{BUNDLE}{name}.{key}": value for name, vectors in
                             self.embeddings.file_tensors().items() for key, value in vectors.items()})
         path = path or self.lora_path(step, final)
-        with writing(path.parent, f"LoRA {path.name}", self.bytes_needed(), _FIX):
+        with writing(path.parent, f"LoRA {path.name}", self.bytes_needed(), FIX):
             path = save_lora(path, tensors, meta, DTYPES[self.cfg.save.dtype])
         log.info("saved LoRA %s", path)
         return path
@@ -144,12 +139,10 @@ class CheckpointManager:
             meta = {"difftune.placeholder": name, "difftune.family": self.family.name,
                     "difftune.steps": str(step)} | embedding_keys(
                         self.family.model_spec(self.comps), name, self.resolution)
-            with writing(folder, f"embedding {stem}", self.bytes_needed(), _FIX):
+            with writing(folder, f"embedding {stem}", self.bytes_needed(), FIX):
                 paths.append(save_lora(folder / f"{stem}{suffix}.safetensors", vectors, meta,
                                        torch.float32))
         return paths
-
-    # ------------------------------------------------------------------ resume checkpoints
 
     def modules(self) -> dict[str, torch.nn.Module]:
         """Every module that carries a trained LoRA, by its LoRA key prefix."""
@@ -165,14 +158,6 @@ class CheckpointManager:
                for n, p in module.named_parameters() if ".lora_" in n}
         return out | (self.embeddings.parameters() if self.embeddings is not None else {})
 
-    def identity(self) -> dict[str, Any]:
-        """What a resumed run must share with the checkpoint (else the weights mean nothing)."""
-        a = self.cfg.adapter
-        return {"family": self.family.name, "adapter": a.type, "rank": a.rank,
-                "alpha": a.scale_alpha, "targets": sorted(self.targets),
-                "text_encoders": sorted(a.text_encoders),
-                "embeddings": [e.model_dump(mode="json") for e in a.embeddings]}
-
     def bytes_needed(self) -> int:
         """About what one save takes: a checkpoint (fp32 weights, two optimizer moments, the
         LoRA) and the LoRA file beside it."""
@@ -182,111 +167,9 @@ class CheckpointManager:
     def check_space(self) -> None:
         """Refuse to start when save.dir has no room for one save."""
         if self.writes:
-            check_free(self.out, "checkpoints and the LoRA", self.bytes_needed(), _FIX)
-
-    def save_checkpoint(self, state: TrainState, opt: torch.optim.Optimizer,
-                        sched: torch.optim.lr_scheduler.LRScheduler,
-                        scaler: torch.amp.GradScaler, generator: torch.Generator) -> Path:
-        """Everything an exact resume needs, written atomically; returns the folder. A failed
-        write (a full disk) removes the half-written folder and raises `EnvironmentProblem`;
-        earlier checkpoints stay as they were."""
-        root = self.out / "checkpoints"
-        final = root / f"step-{state.step:06d}"
-        if not self.writes:
-            return final
-        tmp = root / f".tmp-step-{state.step:06d}-{os.getpid()}"
-        try:
-            with writing(root, f"checkpoint {final.name}", self.bytes_needed(), _FIX):
-                self._write_checkpoint(tmp, final, state, opt, sched, scaler, generator)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # gone when renamed; a failure's remains
-        self._prune(root)
-        log.info("saved checkpoint %s", final)
-        return final
-
-    def _write_checkpoint(self, tmp: Path, final: Path, state: TrainState,
-                          opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-                          scaler: torch.amp.GradScaler, generator: torch.Generator) -> None:
-        """The checkpoint's files into `tmp`, then `tmp` renamed to `final`."""
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        params = self.trainable()
-        names = {id(p): n for n, p in params.items()}
-        rng_tensors, rng_plain = rng_state(generator)
-        _write(tmp / "trainable.safetensors",
-               {n: p.detach().float().cpu().contiguous() for n, p in params.items()})
-        _write(tmp / "optimizer.safetensors", optimizer_tensors(opt, names))
-        _write(tmp / "rng.safetensors", rng_tensors)
-        self.save_lora(state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
-        doc = {"format": CHECKPOINT_FORMAT, "complete": True, "step": state.step,
-               "sampler": state.sampler, "counters": state.counters,
-               "optimizer": optimizer_groups(opt, names), "scheduler": sched.state_dict(),
-               "scaler": scaler.state_dict(), "rng": rng_plain, "identity": self.identity(),
-               "config": self.cfg.model_dump(mode="json"), "versions": versions()}
-        _write_text(tmp / "state.json", json.dumps(doc, indent=1))  # last: marks it complete
-        _replace_dir(tmp, final)
-
-    def _prune(self, root: Path) -> None:
-        """Keep the `save.keep_last` newest complete checkpoints."""
-        keep = self.cfg.save.keep_last
-        if keep is None:
-            return
-        for old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            check_free(self.out, "checkpoints and the LoRA", self.bytes_needed(), FIX)
 
 
-CHECKPOINT_FORMAT = 1
-_FIX = "free space there, or set save.dir to a folder with room"
+FIX = "free space there, or set save.dir to a folder with room"
 BUNDLE = "bundle_emb."  # pivotal tuning: embeddings inside the LoRA file, as kohya names them
 _ADAPTER = re.compile(r"\.default(?=\.weight$)")
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint folders with a complete state.json, oldest first (by step)."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step-*") if p.is_dir() and (p / "state.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
-def versions() -> dict[str, str]:
-    """Library versions recorded with a checkpoint."""
-    import diffusers
-    import peft
-    import transformers
-
-    return {"difftune": __version__, "torch": torch.__version__,
-            "diffusers": diffusers.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__}
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """A safetensors file (with the mode the umask gives), synced to disk."""
-    write_safetensors(path, tensors)
-    _fsync(path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.write_text(text, encoding="utf-8")
-    _fsync(path)
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename the finished temporary folder into place (replacing a same-step checkpoint)."""
-    _fsync(tmp)
-    if final.exists():
-        old = final.with_name(f".old-{final.name}-{os.getpid()}")
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-    _fsync(final.parent)

@@ -1,0 +1,161 @@
+"""A checkpoint folder on disk: its files, finding it, reading it safely, writing it atomically.
+
+Folder layout (`checkpoints/step-000123/`):
+- `trainable.safetensors`: the trained weights (fp32) by canonical name (the diffusers LoRA
+  key, never a position or a peft / quantizer internal name);
+- `optimizer.safetensors`: each parameter's optimizer state as `<name>::<key>`;
+- `rng.safetensors`: torch CPU, each CUDA device, and the run's noise generator;
+- `state.json`: step, sampler position, optimizer groups, LR schedule, loss scaler, python and
+  numpy RNG, counters, identity of the adapter, resolved config, versions; written last, so a
+  folder without it is an interrupted save;
+- the LoRA in the configured format.
+
+`--resume latest|PATH` picks a complete checkpoint folder (an interrupted save has no
+state.json and is never picked). Only safetensors and JSON are read: a pickle-based file is
+refused before anything opens it, so loading a checkpoint never runs code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from difftune import __version__
+from difftune.adapters.formats import write_safetensors
+from difftune.errors import CheckpointError
+from difftune.safefiles import is_pickle, pickle_refusal
+from difftune.train.checkpoint.check import check_doc, check_optimizer, check_rng, check_trainable
+
+CHECKPOINT_FORMAT = 1
+FILES = ("trainable.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder's contents, read without running any code."""
+
+    path: Path
+    doc: dict[str, Any]
+    trainable: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    rng: dict[str, torch.Tensor]
+
+    @property
+    def step(self) -> int:
+        """The optimizer step the checkpoint was taken after."""
+        return int(self.doc["step"])
+
+    def train_state(self) -> dict[str, Any]:
+        """The saved state in the shape `TrainState.load_state_dict` takes."""
+        doc = self.doc
+        return {"step": doc["step"], "sampler": doc["sampler"],
+                "counters": doc.get("counters", {}),
+                "optimizer": {"groups": doc["optimizer"], "tensors": self.optimizer},
+                "scheduler": doc["scheduler"], "scaler": doc["scaler"],
+                "rng": {"tensors": self.rng, "plain": doc["rng"]}}
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint folders with a complete state.json, oldest first (by step)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if p.is_dir() and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def find(out: Path, which: str) -> Path:
+    """The folder `--resume` names: "latest" in `out`, or a path."""
+    if which == "latest":
+        found = complete_checkpoints(out / "checkpoints")
+        if not found:
+            raise CheckpointError(f"--resume latest: no complete checkpoint in {out / 'checkpoints'}"
+                                  "; start without --resume, or give a checkpoint folder")
+        return found[-1]
+    path = Path(which).expanduser()
+    if is_pickle(path):
+        raise CheckpointError(pickle_refusal(path))
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"--resume {path}: not a complete difftune checkpoint folder (no "
+                              "state.json: an interrupted save, or another file); use latest")
+    return path
+
+
+def read(path: Path) -> Checkpoint:
+    """Load a checkpoint folder: safetensors and JSON only; pickles are refused unopened."""
+    for item in path.iterdir():
+        if is_pickle(item):
+            raise CheckpointError(f"checkpoint {path} holds {item.name}: " + pickle_refusal(item))
+    try:
+        doc = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        if isinstance(doc, dict) and (doc.get("format") != CHECKPOINT_FORMAT
+                                      or not doc.get("complete")):
+            raise CheckpointError(f"checkpoint {path} has format {doc.get('format')!r}; this "
+                                  f"difftune reads format {CHECKPOINT_FORMAT}")
+        check_doc(doc, path / "state.json")
+        trainable, optimizer, rng = (load_file(str(path / name)) for name in FILES[:3])
+    except (OSError, ValueError, SafetensorError) as err:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
+                              "it is damaged or not a difftune checkpoint") from None
+    check_rng(rng, path / FILES[2])
+    check_trainable(trainable, int(doc["identity"]["rank"]), path / FILES[0])
+    check_optimizer(optimizer, trainable, path / FILES[1])
+    return Checkpoint(path, doc, trainable, optimizer, rng)
+
+
+def lora_file(folder: Path) -> Path:
+    """The LoRA file a checkpoint folder holds beside its state files."""
+    found = [p for p in sorted(folder.glob("*.safetensors")) if p.name not in FILES]
+    return found[0] if found else folder
+
+
+def versions() -> dict[str, str]:
+    """Library versions recorded with a checkpoint."""
+    import diffusers
+    import peft
+    import transformers
+
+    return {"difftune": __version__, "torch": torch.__version__,
+            "diffusers": diffusers.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__}
+
+
+def fsync(path: Path) -> None:
+    """Flush a file's or folder's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file (with the mode the umask gives), synced to disk."""
+    write_safetensors(path, tensors)
+    fsync(path)
+
+
+def write_text(path: Path, text: str) -> None:
+    """A UTF-8 text file, synced to disk."""
+    path.write_text(text, encoding="utf-8")
+    fsync(path)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the finished temporary folder into place (replacing a same-step checkpoint)."""
+    fsync(tmp)
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    fsync(final.parent)

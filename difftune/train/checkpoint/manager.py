@@ -1,0 +1,122 @@
+"""The one checkpoint manager: save, find, load, compatibility and pruning of resume checkpoints.
+
+A checkpoint (`checkpoints/step-NNNNNN/`, see `files.py` for its contents) is written into a
+temporary folder, synced, and renamed into place, so an interrupted save is never taken for the
+latest; `save.keep_last` prunes old ones. The loop hands `save` one `TrainState`, which knows
+its own state; the manager adds the trained weights (by canonical name), the identity of the
+adapter, the resolved config and the library versions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from difftune.config import RunConfig
+from difftune.data.discover import DataSet
+from difftune.diskspace import writing
+from difftune.train.checkpoint import files
+from difftune.train.checkpoint.check import check_against_run
+from difftune.train.checkpoint.files import CHECKPOINT_FORMAT, FILES, Checkpoint
+from difftune.train.checkpoint.identity import check_compatible, check_data, resume_identity
+from difftune.train.checkpoint.lora import FIX, LoraFiles
+from difftune.train.state import TrainState
+
+log = logging.getLogger("difftune")
+
+
+class CheckpointManager(LoraFiles):
+    """Writes the LoRA files (see `LoraFiles`) and owns the resume checkpoints.
+
+    With `writes` False (every process but rank 0 of a multi-process run, whose trained
+    weights are the same) the save methods return the paths rank 0 writes and write nothing.
+    `open` and `check_data` need no model: they run before it loads, so a resume that cannot
+    work fails in seconds.
+    """
+
+    @classmethod
+    def open(cls, cfg: RunConfig, which: str) -> Checkpoint:
+        """The checkpoint `--resume which` names in cfg.save.dir ("latest" or a folder), read
+        and checked against what the config alone says of the adapter."""
+        ckpt = files.read(files.find(cfg.save.dir, which))
+        check_compatible(ckpt, resume_identity(cfg), cfg)
+        return ckpt
+
+    @staticmethod
+    def check_data(ckpt: Checkpoint, data: DataSet, global_batch: int, seed: int) -> None:
+        """Refuse a resume whose scanned datasets differ from the checkpoint's."""
+        check_data(ckpt, data, global_batch, seed)
+
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint (else the weights mean nothing)."""
+        return resume_identity(self.cfg, self.targets)
+
+    def check_compatible(self, ckpt: Checkpoint) -> None:
+        """Refuse `ckpt` when the loaded adapter (its targets included) differs from it."""
+        check_compatible(ckpt, self.identity(), self.cfg)
+
+    def names(self) -> dict[int, str]:
+        """id(param) -> canonical name, for every trained parameter."""
+        return {id(p): n for n, p in self.trainable().items()}
+
+    def save(self, state: TrainState) -> Path:
+        """Everything an exact resume needs, written atomically; returns the folder. A failed
+        write (a full disk) removes the half-written folder and raises `EnvironmentProblem`;
+        earlier checkpoints stay as they were."""
+        root = self.out / "checkpoints"
+        final = root / f"step-{state.step:06d}"
+        if not self.writes:
+            return final
+        tmp = root / f".tmp-step-{state.step:06d}-{os.getpid()}"
+        try:
+            with writing(root, f"checkpoint {final.name}", self.bytes_needed(), FIX):
+                self._write(tmp, final, state)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone when renamed; a failure's remains
+        self.prune()
+        log.info("saved checkpoint %s", final)
+        return final
+
+    def _write(self, tmp: Path, final: Path, state: TrainState) -> None:
+        """The checkpoint's files into `tmp`, then `tmp` renamed to `final`."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        params = self.trainable()
+        saved = state.state_dict()
+        files.write_tensors(tmp / FILES[0], {n: p.detach().float().cpu().contiguous()
+                                             for n, p in params.items()})
+        files.write_tensors(tmp / FILES[1], saved["optimizer"]["tensors"])
+        files.write_tensors(tmp / FILES[2], saved["rng"]["tensors"])
+        self.save_lora(state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
+        doc = {"format": CHECKPOINT_FORMAT, "complete": True, "step": saved["step"],
+               "sampler": saved["sampler"], "counters": saved["counters"],
+               "optimizer": saved["optimizer"]["groups"], "scheduler": saved["scheduler"],
+               "scaler": saved["scaler"], "rng": saved["rng"]["plain"],
+               "identity": self.identity(), "config": self.cfg.model_dump(mode="json"),
+               "versions": files.versions()}
+        files.write_text(tmp / FILES[3], json.dumps(doc, indent=1))  # last: marks it complete
+        files.replace_dir(tmp, final)
+
+    def load(self, ckpt: Checkpoint, state: TrainState) -> None:
+        """Put the checkpoint's weights into the model and the rest into `state` (optimizer,
+        schedule, scaler, RNGs, sampler position, counters, step)."""
+        params = self.trainable()
+        check_against_run(ckpt.trainable, params, ckpt.path / FILES[0])
+        with torch.no_grad():
+            for name, value in ckpt.trainable.items():
+                params[name].copy_(value)
+        state.load_state_dict(ckpt.train_state())
+
+    def prune(self) -> None:
+        """Keep the `save.keep_last` newest complete checkpoints."""
+        keep = self.cfg.save.keep_last
+        if keep is None:
+            return
+        for old in files.complete_checkpoints(self.out / "checkpoints")[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
