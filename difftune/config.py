@@ -13,7 +13,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from difftune.config_base import Beta, ClipNorm
 from difftune.config_base import Section as _Section
@@ -30,7 +31,7 @@ TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2",
 class ModelConfig(_Section):
     """Which base model to fine-tune and where its files are (local files only)."""
 
-    family: Literal["flux", "sd3", "sdxl"] = Field("flux", description="Model family.")
+    family: str = Field("flux", description="Model family (one of `families.registry.names()`).")
     flavor: Literal["tiny"] | None = Field(
         None, description='"tiny" builds the built-in tiny model that needs no files.'
     )
@@ -53,6 +54,19 @@ class ModelConfig(_Section):
         0, ge=0, le=8,
         description="Extra CLIP layers skipped from the declared hidden state (0 = as declared)."
     )
+
+    @field_validator("family")
+    @classmethod
+    def _registered(cls, family: str) -> str:
+        """A family the registry knows (reported as a choice among its names)."""
+        from difftune.families.registry import names
+
+        choices = names()
+        if family not in choices:
+            expected = " or ".join([", ".join(repr(n) for n in choices[:-1]), repr(choices[-1])])
+            raise PydanticCustomError("literal_error", "Input should be {expected}",
+                                      {"expected": expected})
+        return family
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":
@@ -391,8 +405,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 
 
 # Cross-field checks live in config_checks.py; these names are re-exported for callers.
-from difftune.config_checks import (CLIP_HIDDEN, TEXT_ENCODERS, check_paths,  # noqa: E402
-                                    model_file_problems, warn_ignored)
+from difftune.config_checks import (check_paths, model_file_problems,  # noqa: E402
+                                    warn_ignored)
 
-__all__ = ["CLIP_HIDDEN", "TEXT_ENCODERS", "CacheConfig", "DatasetConfig", "RunConfig",
+__all__ = ["CacheConfig", "DatasetConfig", "RunConfig",
            "SubsetConfig", "load_config", "model_file_problems", "parse_config", "warn_ignored"]

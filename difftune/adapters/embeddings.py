@@ -21,7 +21,7 @@ import torch
 
 from difftune.config import EmbeddingConfig
 from difftune.errors import ConfigError
-from difftune.families import text
+from difftune.families.common import text
 from difftune.families.base import Components, Family
 
 log = logging.getLogger("difftune")

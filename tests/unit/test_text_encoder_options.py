@@ -13,9 +13,9 @@ from difftune.cache.sources import TextSource
 from difftune.config import CLIP_HIDDEN, TEXT_ENCODERS, load_config
 from difftune.errors import ConfigError
 from difftune.families.base import Components
-from difftune.families.text import EncodeOptions
-from difftune.families.tiny import build_tiny_flux
-from difftune.families.tiny_sd import build_tiny_sdxl
+from difftune.families.common.text import EncodeOptions
+from difftune.families.flux.tiny import build_tiny_flux
+from difftune.families.sdxl.tiny import build_tiny_sdxl
 
 BASE = """
 [model]

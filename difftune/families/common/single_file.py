@@ -1,9 +1,7 @@
-"""Reading model components from single safetensors files, safely.
+"""Reading model weights from single safetensors files, safely.
 
-Used by the family loaders: safetensors reading with clear errors (pickle refused), prefix
-stripping and casting, meta-device assignment, and the single-file autoencoder, CLIP and T5
-loaders whose configs are derived from tensor shapes (standard CLIP-L / T5-XXL values where the
-shapes are silent).
+Used by every family's single-file loader: safetensors reading with clear errors (pickle
+refused), prefix stripping and casting, meta-device assignment and the weights' fingerprint.
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ import torch
 from difftune.errors import ModelFileError
 from difftune.safefiles import is_pickle, pickle_refusal
 
-_CLIP_PREFIXES = ("cond_stage_model.transformer.", "transformer.", "clip_l.", "te1.")
-_CLIP_TOWER = ("embeddings", "encoder", "final_layer_norm")
 _T5_PREFIXES = ("text_encoders.t5xxl.transformer.", "t5xxl.transformer.", "t5xxl.", "te2.")
 
 # ---------------------------------------------------------------------------------------------
@@ -113,133 +109,12 @@ def assign_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], path: Path
     return model.eval()
 
 
-# ---------------------------------------------------------------------------------------------
-# Single-file autoencoder and text encoders
+def prefixed(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix`, with it removed."""
+    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
 
 
-def load_vae_file(path: Path, dtype: torch.dtype) -> Any:
-    """The FLUX.1 autoencoder from `ae.safetensors` (BFL/LDM layout) or a diffusers-layout file."""
-    from diffusers import AutoencoderKL
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-
-    sd = read_safetensors(path, "FLUX.1 autoencoder (ae.safetensors)")
-    ldm = "encoder.conv_in.weight" in sd and any(k.startswith("encoder.down.") for k in sd)
-    if not ldm and "encoder.conv_in.weight" not in sd:
-        sd = strip_prefix(sd, ("first_stage_model.", "vae."))
-        ldm = any(k.startswith("encoder.down.") for k in sd)
-    if "encoder.conv_in.weight" not in sd or "decoder.conv_out.weight" not in sd:
-        raise ModelFileError(f"{path} does not look like an autoencoder: no encoder.conv_in / "
-                             "decoder.conv_out tensors")
-    config = _vae_config(sd, ldm)
-    if ldm:
-        sd = convert_ldm_vae_checkpoint(sd, config)
-    with torch.device("meta"):
-        model = AutoencoderKL(**config)
-    return assign_state(model, cast_state(sd, dtype), path, "FLUX.1 autoencoder")
-
-
-def _vae_config(sd: dict[str, torch.Tensor], ldm: bool) -> dict[str, Any]:
-    """AutoencoderKL config from shapes; FLUX.1's scaling/shift (not stored in the file)."""
-    down = "encoder.down.{}.block.0.conv1.weight" if ldm else \
-        "encoder.down_blocks.{}.resnets.0.conv1.weight"
-    n = count_blocks(sd, "encoder.down." if ldm else "encoder.down_blocks.")
-    block0 = "encoder.down.0.block." if ldm else "encoder.down_blocks.0.resnets."
-    return {
-        "in_channels": sd["encoder.conv_in.weight"].shape[1],
-        "out_channels": sd["decoder.conv_out.weight"].shape[0],
-        "down_block_types": ["DownEncoderBlock2D"] * n,
-        "up_block_types": ["UpDecoderBlock2D"] * n,
-        "block_out_channels": [sd[down.format(i)].shape[0] for i in range(n)],
-        "layers_per_block": count_blocks(sd, block0),
-        "latent_channels": sd["encoder.conv_out.weight"].shape[0] // 2,
-        "norm_num_groups": _norm_groups(sd["encoder.conv_in.weight"].shape[0]),
-        "use_quant_conv": "quant_conv.weight" in sd,
-        "use_post_quant_conv": "post_quant_conv.weight" in sd,
-        "scaling_factor": 0.3611, "shift_factor": 0.1159,  # FLUX.1's ae
-    }
-
-
-def _norm_groups(first_width: int) -> int:
-    """GroupNorm groups (not visible in shapes): FLUX.1's 32, or 4-channel groups when narrower.
-
-    The FLUX.1 autoencoder starts at 128 channels with 32 groups; small test autoencoders
-    (such as the tiny flavor's, 32 channels, 8 groups) keep 4 channels a group.
-    """
-    return 32 if first_width >= 128 else max(1, first_width // 4)
-
-
-def load_clip_file(path: Path, dtype: torch.dtype, tokenizer: Any) -> Any:
-    """CLIP-L text encoder from `clip_l.safetensors`; sizes derived from shapes."""
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    sd = strip_prefix(read_safetensors(path, "CLIP-L text encoder"), _CLIP_PREFIXES)
-    # Files name tensors "text_model.*" (transformers 4 / ComfyUI) or without it (transformers
-    # 5); keep the text tower under the names without it, dropping projection and logit scale.
-    sd = strip_prefix(sd, ("text_model.",))
-    sd = {k: v for k, v in sd.items() if k.split(".", 1)[0] in _CLIP_TOWER}
-    try:
-        vocab, hidden = sd["embeddings.token_embedding.weight"].shape
-        config = CLIPTextConfig(
-            vocab_size=vocab, hidden_size=hidden,
-            intermediate_size=sd["encoder.layers.0.mlp.fc1.weight"].shape[0],
-            num_hidden_layers=count_blocks(sd, "encoder.layers."),
-            # CLIP-L has 64-wide heads; tiny variants use 16-wide ones.
-            num_attention_heads=hidden // 64 if hidden >= 64 else max(1, hidden // 16),
-            max_position_embeddings=sd["embeddings.position_embedding.weight"].shape[0],
-            projection_dim=hidden, hidden_act="quick_gelu",
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id)
-    except KeyError as err:
-        raise ModelFileError(f"{path} does not look like a CLIP text encoder: tensor {err} is "
-                             "missing") from None
-    return _pretrained_from_state(CLIPTextModel, config, cast_state(sd, dtype), dtype, path, "CLIP-L")
-
-
-def load_t5_file(path: Path, dtype: torch.dtype) -> Any:
-    """T5 encoder (T5-XXL v1.1) from `t5xxl_*.safetensors`, fp16/bf16/fp8; sizes from shapes."""
-    sd = strip_prefix(read_safetensors(path, "T5-XXL text encoder"), _T5_PREFIXES)
-    return t5_from_state(sd, path, dtype)
-
-
-def t5_from_state(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> Any:
-    """T5 encoder from transformers-layout tensors (prefix removed); `path` names the source."""
-    from transformers import T5Config, T5EncoderModel
-
-    if "shared.weight" not in sd and "encoder.embed_tokens.weight" in sd:
-        sd["shared.weight"] = sd["encoder.embed_tokens.weight"]
-    sd = {k: v for k, v in sd.items() if not k.startswith("decoder.") and k != "lm_head.weight"}
-    try:
-        vocab, d_model = sd["shared.weight"].shape
-        heads = sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].shape
-        gated = "encoder.block.0.layer.1.DenseReluDense.wi_0.weight" in sd
-        wi = "wi_0" if gated else "wi"
-        config = T5Config(
-            vocab_size=vocab, d_model=d_model, num_heads=heads[1],
-            relative_attention_num_buckets=heads[0],
-            d_kv=sd["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0] // heads[1],
-            d_ff=sd[f"encoder.block.0.layer.1.DenseReluDense.{wi}.weight"].shape[0],
-            num_layers=count_blocks(sd, "encoder.block."),
-            feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=False)
-    except KeyError as err:
-        raise ModelFileError(f"{path} does not look like a T5 encoder: tensor {err} is "
-                             "missing") from None
-    sd.setdefault("encoder.embed_tokens.weight", sd["shared.weight"])
-    return _pretrained_from_state(T5EncoderModel, config, cast_state(sd, dtype), dtype, path, "T5")
-
-
-def _pretrained_from_state(cls: Any, config: Any, sd: dict, dtype: torch.dtype, path: Path,
-                           what: str) -> Any:
-    """A transformers model from an in-memory state dict (meta init, buffers handled)."""
-    missing = {k for k in _expected_keys(cls, config) if k not in sd}
-    if missing:
-        raise ModelFileError(f"{path} is not a complete {what} text encoder: "
-                             f"{len(missing)} tensors missing, e.g. {sorted(missing)[:3]}")
-    model = cls.from_pretrained(None, config=config, state_dict=sd, torch_dtype=dtype)
-    return model.eval()
-
-
-def _expected_keys(cls: Any, config: Any) -> list[str]:
-    """Persistent parameter/buffer names of a model class, without allocating its weights."""
-    with torch.device("meta"):
-        model = cls(config)
-    return list(model.state_dict().keys())
+def missing_error(path: Path, what: str, err: Exception) -> ModelFileError:
+    """The error for a checkpoint lacking a tensor its layout needs."""
+    return ModelFileError(f"{path} does not look like {what}: tensor {err} is missing or "
+                          "misshapen; expected an original-layout (SGM/Stability) checkpoint")

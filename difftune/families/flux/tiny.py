@@ -5,25 +5,27 @@ a second and needs no download. Every component here is the library class the re
 (FluxTransformer2DModel, AutoencoderKL, CLIPTextModel, T5EncoderModel, their tokenizers and
 FlowMatchEulerDiscreteScheduler), only with tiny sizes, so code paths are the real ones.
 
-The tokenizers and a small pretrained autoencoder ship as files in `difftune/assets/tiny/`
-(made by `difftune/assets/make_tiny_assets.py`); the transformer and the text encoders are
-random-initialised from a fixed seed, without touching the caller's global RNG state.
+The tokenizers and the small pretrained autoencoder are the shared tiny assets
+(`families.common.tiny`); the transformer and the text encoders are random-initialised from a
+fixed seed, without touching the caller's global RNG state.
 """
 
 from __future__ import annotations
 
-import json
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import torch
 
-# Sizes of the tiny model. T5's d_model feeds the transformer's context embedder and CLIP's
-# pooled output feeds its vector embedder, so those widths must agree with the transformer.
-TEXT_WIDTH = 32
+from difftune.families.common.tiny import (
+    TEXT_WIDTH,
+    load_tiny_tokenizers,
+    load_tiny_vae,
+    tiny_clip_config,
+    tiny_t5_config,
+)
+from difftune.families.flux.files import DEV_SCHEDULER_CONFIG
+
 T5_MAX_LENGTH = 32
-CLIP_MAX_LENGTH = 77
 SEED = 1234
 
 TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
@@ -40,118 +42,6 @@ TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
     "guidance_embeds": True,
     "axes_dims_rope": (8, 28, 28),  # sums to attention_head_dim; the rule FLUX.1 follows at 128
 }
-
-# The autoencoder's architecture; scaling/shift factors are measured on its latents by
-# make_tiny_assets.py and stored with the weights (vae_config.json).
-TINY_VAE_ARCH: dict[str, Any] = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ["DownEncoderBlock2D"] * 4,  # 4 blocks: downscale 8, like FLUX.1
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [32, 32, 32, 32],
-    "layers_per_block": 1,
-    "latent_channels": 16,
-    "norm_num_groups": 8,  # 4 channels a group: 1-channel groups would erase flat colors
-    "sample_size": 64,
-    "use_quant_conv": False,  # the FLUX.1 autoencoder has neither quant conv
-    "use_post_quant_conv": False,
-}
-
-# FLUX.1-dev's sampling schedule (its scheduler_config.json).
-FLUX_DEV_SCHEDULER_CONFIG: dict[str, Any] = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}
-
-
-def assets_dir() -> Path:
-    """Folder of the shipped tiny assets (works from a checkout and from an installed wheel)."""
-    return Path(str(resources.files("difftune") / "assets" / "tiny"))
-
-
-def demo_dir() -> Path:
-    """Folder of the shipped demo dataset (images, same-stem captions, prompts.txt)."""
-    return Path(str(resources.files("difftune") / "assets" / "demo"))
-
-
-def load_tiny_tokenizers() -> tuple[Any, Any]:
-    """The offline CLIP-style and T5-style tokenizers shipped in the assets folder."""
-    from transformers import CLIPTokenizer, T5TokenizerFast
-
-    base = assets_dir()
-    clip = CLIPTokenizer.from_pretrained(str(base / "tokenizer"), local_files_only=True)
-    t5 = T5TokenizerFast.from_pretrained(str(base / "tokenizer_2"), local_files_only=True)
-    return clip, t5
-
-
-def tiny_clip_config(vocab_size: int, bos_id: int, eos_id: int) -> Any:
-    """CLIP text-encoder config: CLIP-L's shape (quick_gelu, 77 positions), tiny widths.
-
-    eos_token_id must be the tokenizer's real id: CLIPTextModel pools at the first eos token
-    (it only falls back to argmax(input_ids) for the legacy id 2).
-    """
-    from transformers import CLIPTextConfig
-
-    return CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=TEXT_WIDTH,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=CLIP_MAX_LENGTH,
-        projection_dim=TEXT_WIDTH,
-        hidden_act="quick_gelu",
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-    )
-
-
-def tiny_t5_config(vocab_size: int, pad_id: int, eos_id: int) -> Any:
-    """T5 v1.1 encoder config (gated-gelu, untied), tiny widths."""
-    from transformers import T5Config
-
-    return T5Config(
-        vocab_size=vocab_size,
-        d_model=TEXT_WIDTH,
-        d_kv=16,
-        d_ff=64,
-        num_layers=2,
-        num_heads=2,
-        feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        decoder_start_token_id=pad_id,
-    )
-
-
-def new_tiny_vae(extra: dict[str, Any] | None = None) -> Any:
-    """An AutoencoderKL with the tiny architecture (random weights; global RNG is used)."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(**{**TINY_VAE_ARCH, **(extra or {})})
-
-
-def load_tiny_vae() -> Any:
-    """The pretrained tiny autoencoder from the assets folder, in eval mode.
-
-    Building the module draws its (then overwritten) initial weights from the global RNG;
-    `build_tiny_flux` shields callers from that.
-    """
-    from safetensors.torch import load_file
-
-    base = assets_dir()
-    cfg = json.loads((base / "vae_config.json").read_text(encoding="utf-8"))
-    vae = new_tiny_vae({k: cfg[k] for k in ("scaling_factor", "shift_factor")})
-    state = {k: v.float() for k, v in load_file(str(base / "vae.safetensors")).items()}
-    vae.load_state_dict(state, strict=True)
-    return vae.eval()
 
 
 def _seeded_models(clip_tok: Any, t5_tok: Any) -> dict[str, Any]:
@@ -187,6 +77,6 @@ def build_tiny_flux() -> dict[str, Any]:
         "vae": vae,
         "tokenizer": clip_tok,
         "tokenizer_2": t5_tok,
-        "scheduler": FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER_CONFIG),
+        "scheduler": FlowMatchEulerDiscreteScheduler(**DEV_SCHEDULER_CONFIG),
         "t5_max_length": T5_MAX_LENGTH,
     }

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families import text
-from difftune.families.base import (Components, Conditioning, ModelSpec, TextEmbeds,
-                                    TextEncoderSpec)
-from difftune.families.flux import frozen_encoders, place
+from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
+from difftune.families.common import text
+from difftune.families.common.family import FamilyBase
+from difftune.families.sdxl.spec import SPEC
 from difftune.train.ddpm import DDPMObjective, DDPMSchedule
 
 if TYPE_CHECKING:
@@ -43,148 +43,54 @@ PRESETS: dict[str, list[str]] = {
     "all_linear": _ATTENTION + _MLP + _OTHER,
 }
 
-# stable-diffusion-xl-base-1.0 layout: (subfolder, class name, holds weights).
-_FOLDER_PARTS: tuple[tuple[str, str, bool], ...] = (
-    ("unet", "diffusers.UNet2DConditionModel", True),
-    ("vae", "diffusers.AutoencoderKL", True),
-    ("text_encoder", "transformers.CLIPTextModel", True),
-    ("text_encoder_2", "transformers.CLIPTextModelWithProjection", True),
-    ("tokenizer", "transformers.CLIPTokenizer", False),
-    ("tokenizer_2", "transformers.CLIPTokenizer", False),
-    ("scheduler", "diffusers.EulerDiscreteScheduler", False),
-)
-
-
-def _class(qualified: str) -> Any:
-    """The class named "module.Class" (imported lazily: diffusers/transformers are slow to load)."""
-    import importlib
-
-    module, name = qualified.rsplit(".", 1)
-    return getattr(importlib.import_module(module), name)
-
-
-def load_sdxl_folder(folder: Path, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
-    """All components of a diffusers SDXL folder, keyed as StableDiffusionXLPipeline names them.
-
-    `dtypes` maps "unet", "vae" and "text_encoders" to the dtype each is read in. Adds
-    "fingerprint" (path/size/mtime of every component file, so caches follow the files).
-    """
-    from difftune.families.component_files import fingerprint
-    from difftune.families.folders import check_folder, folder_files, from_folder
-
-    check_folder(folder, "SDXL")
-    parts: dict[str, Any] = {}
-    for sub, cls, weights in _FOLDER_PARTS:
-        dtype = dtypes.get(sub, dtypes["text_encoders"]) if weights else None
-        parts[sub] = from_folder(_class(cls), folder, sub, dtype, "SDXL")
-    parts["fingerprint"] = fingerprint(folder_files(folder, [p[0] for p in _FOLDER_PARTS]))
-    parts["name"] = folder.name
-    return parts
-
-
 def time_ids(cond: Conditioning, like: torch.Tensor) -> torch.Tensor:
     """(B, 6) SDXL micro-conditioning: original (h, w), crop (top, left), target (h, w)."""
     rows = [[*o, *c, *t] for o, c, t in zip(cond.original_sizes, cond.crops, cond.target_sizes)]
     return torch.tensor(rows, device=like.device, dtype=like.dtype)
 
 
-class SDXLFamily:
+class SDXLFamily(FamilyBase):
     """The SDXL family."""
 
-    name = "sdxl"
-    text_encoders = (
-        TextEncoderSpec("clip_l", "clip", max_length=77, hidden="penultimate", pooled=False),
-        TextEncoderSpec("clip_g", "clip_projection", max_length=77, hidden="penultimate",
-                        pooled=True),
-    )
-    # VAE downscale 8 x two UNet downsamplings need multiples of 32; SDXL was trained (and
-    # kohya buckets) in multiples of 64, which also keeps every UNet level's size even.
-    bucket_step = 64
-    denoiser_prefix = "unet"
-    text_encoder_prefixes = {"clip_l": "text_encoder", "clip_g": "text_encoder_2"}
-    default_cfg = 5.0  # SDXL base is not guidance-distilled: samples need CFG
-    # kohya keys: ComfyUI maps no UNet attention key of the diffusers (PEFT) layout, while
-    # diffusers and ComfyUI both read every key of the kohya one.
-    default_format = "kohya"
-    # Kept out of fp8 storage and quantization (regexes on module names, per part).
-    # The UNet checkpoints inside its blocks (per resnet and attention), so a block's
-    # recompute in backward would not pass its hooks: no block swap.
-    swap_blocks = ()
-    compile_blocks = ("down_blocks", "mid_block", "up_blocks")
-    keep_high = {
-        "denoiser": (r"^time_embedding\.", r"^add_embedding\.", r"^conv_in$", r"^conv_out$"),
-        "text_encoders": (r"embeddings", r"text_projection"),
-        "vae": (r"conv_in$", r"conv_out$", r"quant_conv$"),
-    }
+    spec = SPEC
+    presets = PRESETS
 
-    def load(self, cfg: ModelConfig, policy: PrecisionPolicy) -> Components:
-        """Build the tiny flavor or read a diffusers SDXL folder, frozen, in the policy's dtypes."""
+    def _parts(self, cfg: ModelConfig, policy: PrecisionPolicy) -> dict[str, Any]:
+        """The tiny flavor's parts, one SGM checkpoint's, or a diffusers folder's."""
         if cfg.flavor == "tiny":
-            from difftune.families.tiny_sd import build_tiny_sdxl
+            from difftune.families.sdxl.tiny import build_tiny_sdxl
 
             parts = build_tiny_sdxl()
             parts.update(name="difftune/tiny-sdxl", fingerprint="tiny-sdxl-v1")
-        elif cfg.transformer is not None:  # one SGM-layout checkpoint (+ tokenizers in path)
-            from difftune.families.sd_files import load_sdxl_file
+            return parts
+        dtypes = {"unet": policy.denoiser, "vae": policy.vae,
+                  "text_encoders": policy.text_encoders}
+        if cfg.transformer is not None:  # one SGM-layout checkpoint (+ tokenizers in path)
+            from difftune.families.sdxl.files import load_sdxl_file
 
-            parts = load_sdxl_file(cfg, {"unet": policy.denoiser, "vae": policy.vae,
-                                         "text_encoders": policy.text_encoders})
-        elif cfg.path is not None:
-            dtypes = {"unet": policy.denoiser, "vae": policy.vae,
-                      "text_encoders": policy.text_encoders}
-            parts = load_sdxl_folder(Path(cfg.path), dtypes)
-        else:
-            raise ModelFileError(
-                "no SDXL source: set model.transformer to a single SDXL checkpoint "
-                "(sd_xl_base_1.0.safetensors layout) or model.path to a diffusers-format folder")
-        return self._components(parts, cfg, policy)
+            return load_sdxl_file(cfg, dtypes)
+        if cfg.path is not None:
+            from difftune.families.sdxl.files import load_sdxl_folder
 
-    def _components(self, parts: dict[str, Any], cfg: ModelConfig,
-                    policy: PrecisionPolicy) -> Components:
-        """Place the loaded parts on the device in the policy's dtypes, frozen and in eval mode."""
-        dev = policy.device
-        comps = Components(
-            denoiser=place(parts["unet"], policy.denoiser_home, policy.denoiser),
-            vae=place(parts["vae"], dev, policy.vae),
-            text_encoders={
-                "clip_l": place(parts["text_encoder"], dev, policy.text_encoders),
-                "clip_g": place(parts["text_encoder_2"], dev, policy.text_encoders),
-            },
-            tokenizers={"clip_l": parts["tokenizer"], "clip_g": parts["tokenizer_2"]},
-            scheduler=parts["scheduler"],
-            name=cfg.name or parts["name"],
-            fingerprint=parts["fingerprint"],
-        )
-        for module in (comps.denoiser, comps.vae, *comps.text_encoders.values()):
-            module.requires_grad_(False)
-            module.eval()
-        return comps
+            return load_sdxl_folder(Path(cfg.path), dtypes)
+        raise ModelFileError(
+            "no SDXL source: set model.transformer to a single SDXL checkpoint "
+            "(sd_xl_base_1.0.safetensors layout) or model.path to a diffusers-format folder")
 
-    def load_text_encoders(self, cfg: ModelConfig, policy: PrecisionPolicy
-                           ) -> dict[str, torch.nn.Module]:
-        """CLIP-L and CLIP-G alone, frozen, placed as `load` places them (a reload)."""
+    def _text_parts(self, cfg: ModelConfig, policy: PrecisionPolicy) -> dict[str, Any]:
+        """CLIP-L and CLIP-G alone, from the same source as `_parts`."""
         if cfg.flavor == "tiny":
-            from difftune.families.tiny_sd import build_tiny_sdxl
+            from difftune.families.sdxl.tiny import build_tiny_sdxl
 
-            parts = build_tiny_sdxl()
-        elif cfg.transformer is not None:
-            from difftune.families.sd_files import load_sdxl_file
+            return build_tiny_sdxl()
+        if cfg.transformer is not None:
+            from difftune.families.sdxl.files import load_sdxl_file
 
-            parts = load_sdxl_file(cfg, {"text_encoders": policy.text_encoders}, text_only=True)
-        else:
-            from difftune.families.folders import from_folder
+            return load_sdxl_file(cfg, {"text_encoders": policy.text_encoders}, text_only=True)
+        from difftune.families.sdxl.files import load_sdxl_folder_text_encoders
 
-            assert cfg.path is not None  # ModelConfig guarantees a source
-            parts = {sub: from_folder(_class(cls), Path(cfg.path), sub, policy.text_encoders,
-                                      "SDXL")
-                     for sub, cls, _ in _FOLDER_PARTS if sub.startswith("text_encoder")}
-        return frozen_encoders({"clip_l": parts["text_encoder"],
-                                "clip_g": parts["text_encoder_2"]}, policy)
-
-    def encode_text(self, c: Components, texts: list[str],
-                    options: text.EncodeOptions | None = None) -> TextEmbeds:
-        """Encode with every text encoder (no grad) and combine, for sampling."""
-        return self.combine_text(c, text.encode_all(self.text_encoders, c, texts, options))
+        assert cfg.path is not None  # ModelConfig guarantees a source
+        return load_sdxl_folder_text_encoders(Path(cfg.path), policy.text_encoders)
 
     def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
         """As StableDiffusionXLPipeline.encode_prompt: both penultimate states side by side
@@ -245,10 +151,6 @@ class SDXLFamily:
         return c.denoiser(noisy, t, encoder_hidden_states=embeds.tensors["prompt_embeds"],
                           added_cond_kwargs=added, return_dict=False)[0]
 
-    def lora_targets(self, preset: str) -> list[str]:
-        """Full-match regexes of UNet module names for a preset."""
-        return list(PRESETS[preset])
-
     def pipeline(self, c: Components) -> DiffusionPipeline:
         """A StableDiffusionXLPipeline over the loaded components."""
         from diffusers import StableDiffusionXLPipeline
@@ -287,7 +189,7 @@ class SDXLFamily:
 
     def model_spec(self, c: Components) -> ModelSpec:
         """SDXL base, as kohya and model sites name it."""
-        from difftune.families import sdxl_keys as keys
+        from difftune.families.sdxl import keys
 
         return ModelSpec(keys.ARCHITECTURE, keys.IMPLEMENTATION, keys.BASE_VERSION,
                          keys.NETWORK_MODULE)
@@ -297,18 +199,15 @@ class SDXLFamily:
         """A LoRA file's tensors in diffusers names, and per-module alphas (kohya files)."""
         if not any(k.startswith(("lora_unet_", "lora_te")) for k in tensors):
             return dict(tensors), {}
-        from difftune.families.sdxl_keys import UNetLayout, kohya_to_diffusers
-        from difftune.families.text import model_clip_roots
+        from difftune.families.common.text import model_clip_roots
+        from difftune.families.sdxl.keys import UNetLayout, kohya_to_diffusers
 
         return kohya_to_diffusers(tensors, UNetLayout.from_config(c.denoiser.config),
                                   model_clip_roots(self, c))
 
-    def lora_to_format(
-        self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
-    ) -> dict[str, torch.Tensor]:
-        """diffusers-named LoRA ("unet.<module>...") -> "diffusers" (as is) or "kohya" keys."""
-        if fmt == "diffusers":
-            return dict(state)
-        from difftune.families.sdxl_keys import UNetLayout, diffusers_to_kohya
+    def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
+                 ) -> dict[str, torch.Tensor]:
+        """diffusers-named LoRA ("unet.<module>...") -> kohya keys (SGM names, lora_te1/2)."""
+        from difftune.families.sdxl.keys import UNetLayout, diffusers_to_kohya
 
         return diffusers_to_kohya(state, alpha, rank, UNetLayout.from_config(c.denoiser.config))
