@@ -35,7 +35,8 @@ class FamilySpec:
     `objective` is "flow" (rectified flow) or "ddpm"; `kohya_text_encoders_refused` says why a
     kohya-format file cannot hold its text-encoder LoRA (None: it can); `denoiser_part` is the
     pipeline's name for the denoiser ("transformer", "unet") and `encoder_parts` gives, per text
-    encoder, its pipeline component and tokenizer names.
+    encoder, its pipeline component and tokenizer names; `pipeline_class` is the diffusers pipeline
+that samples it.
     """
 
     name: str
@@ -52,6 +53,7 @@ class FamilySpec:
     compile_blocks: tuple[str, ...]
     denoiser_part: str
     encoder_parts: tuple[tuple[str, str, str], ...]
+    pipeline_class: str
 
     @property
     def encoder_names(self) -> tuple[str, ...]:

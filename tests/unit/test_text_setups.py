@@ -18,8 +18,8 @@ from difftune.adapters.lora import add_lora, lora_parameters, suffix_patterns
 from difftune.cache import MemoryStore, NullStore
 from difftune.cache.sources import TextSource
 from difftune.config import TEXT_ENCODER_TARGETS
-from difftune.families.common import text
 from difftune.families.base import Components, TextEmbeds
+from difftune.families.common import text
 from difftune.families.specs import TextEncoderSpec
 from difftune.families.sd3.tiny import build_tiny_sd3
 

@@ -13,15 +13,9 @@ from typing import Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.common.single_file import (
-    assign_state,
-    cast_state,
-    count_blocks,
-    missing_error,
-    prefixed,
-    read_safetensors,
-    strip_prefix,
-)
+from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
+                                                  missing_error, prefixed, read_safetensors,
+                                                  strip_prefix)
 
 _CLIP_PREFIXES = ("cond_stage_model.transformer.", "transformer.", "clip_l.", "te1.")
 _CLIP_TOWER = ("embeddings", "encoder", "final_layer_norm")

@@ -1,14 +1,16 @@
 """What every family implementation shares: facts from its spec, build-then-freeze, encoding.
 
-A family class names its `spec` and `presets` and says how to read its parts (`_parts`,
-`_text_parts`); placing them on the policy's device in its dtypes, freezing them, running the
+A family class names its `spec`, `presets` and `loaders` (the functions of its `tiny.py` and
+`files.py` that read its parts); placing them on the policy's device in its dtypes, freezing them, running the
 text encoders, picking LoRA targets and writing the diffusers layout are the same for all
 families and are written once here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
@@ -18,6 +20,8 @@ from difftune.families.specs import FamilySpec
 from difftune.train.objectives import FlowMatching
 
 if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
     from difftune.config import ModelConfig, TrainConfig
     from difftune.precision import PrecisionPolicy
     from difftune.train.objectives import Objective
@@ -49,13 +53,35 @@ def frozen_encoders(modules: dict[str, torch.nn.Module], policy: "PrecisionPolic
     return out
 
 
+def prompt_kwargs(embeds: TextEmbeds, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A pipeline's precomputed `prompt_embeds` and `pooled_prompt_embeds` arguments (with
+    `prefix` "negative_" for the negative prompt's)."""
+    return {f"{prefix}prompt_embeds": embeds.tensors["prompt_embeds"],
+            f"{prefix}pooled_prompt_embeds": embeds.tensors["pooled_prompt_embeds"]}
+
+
+class Loaders(NamedTuple):
+    """The functions that read a family's parts, by name in its folder's role modules.
+
+    `tiny` (in tiny.py) builds the tiny flavor's components; `files(cfg, dtypes)` (in files.py)
+    reads every component from local files in `dtypes` (keys: the denoiser's part name,
+    "text_encoders", "vae") plus "name" and "fingerprint"; `text_files(cfg, dtype)` reads the
+    text encoders alone from the same files (a reload after unloading).
+    """
+
+    tiny: str
+    files: str
+    text_files: str
+
+
 class FamilyBase:
-    """The generic half of a family: subclasses set `spec` and `presets` and implement
-    `_parts` / `_text_parts` (and the family-specific protocol methods)."""
+    """The generic half of a family: subclasses set `spec`, `presets` and `loaders` (and
+    implement the family-specific protocol methods)."""
 
     spec: ClassVar[FamilySpec]
     # LoRA preset -> full-match regexes of denoiser module names.
     presets: ClassVar[dict[str, list[str]]]
+    loaders: ClassVar[Loaders]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Copy the spec's facts onto the class (`FluxFamily.keep_high` needs no object)."""
@@ -63,14 +89,29 @@ class FamilyBase:
         for fact in FACTS:
             setattr(cls, fact, getattr(cls.spec, fact))
 
+    def _role(self, role: str, function: str) -> Callable[..., dict[str, Any]]:
+        """A function of one of the family folder's role modules ("tiny", "files"), imported
+        only now (they import diffusers and transformers)."""
+        package = type(self).__module__.rsplit(".", 1)[0]
+        return getattr(importlib.import_module(f"{package}.{role}"), function)
+
     def _parts(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> dict[str, Any]:
         """Every component by its pipeline name, plus "name" and "fingerprint" (and
         "t5_max_length" where the loaded T5 declares one)."""
-        raise NotImplementedError
+        if cfg.flavor == "tiny":
+            parts = self._role("tiny", self.loaders.tiny)()
+            name = self.spec.name
+            parts.update(name=f"difftune/tiny-{name}", fingerprint=f"tiny-{name}-v1")
+            return parts
+        dtypes = {self.spec.denoiser_part: policy.denoiser,
+                  "text_encoders": policy.text_encoders, "vae": policy.vae}
+        return self._role("files", self.loaders.files)(cfg, dtypes)
 
     def _text_parts(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> dict[str, Any]:
         """The text encoders alone, by pipeline name, from the same sources as `_parts`."""
-        raise NotImplementedError
+        if cfg.flavor == "tiny":
+            return self._role("tiny", self.loaders.tiny)()
+        return self._role("files", self.loaders.text_files)(cfg, policy.text_encoders)
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Build the tiny flavor or read local files, frozen, in the policy's dtypes."""
@@ -132,6 +173,20 @@ class FamilyBase:
         z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
         shift = vae.config.shift_factor or 0.0
         return (z - shift) * vae.config.scaling_factor
+
+    def pipeline(self, c: Components) -> "DiffusionPipeline":
+        """The family's diffusers pipeline over the loaded components (text encoders wherever
+        they now live), for sampling."""
+        import diffusers
+
+        spec = self.spec
+        parts: dict[str, Any] = {spec.denoiser_part: c.denoiser, "vae": c.vae,
+                                 "scheduler": c.scheduler}
+        for name, te, tok in spec.encoder_parts:
+            parts.update({te: c.text_encoders[name], tok: c.tokenizers[name]})
+        pipe = getattr(diffusers, spec.pipeline_class)(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float

@@ -107,14 +107,16 @@ def new_tiny_vae(extra: dict[str, Any] | None = None) -> Any:
 def load_tiny_vae() -> Any:
     """The pretrained tiny autoencoder from the assets folder, in eval mode.
 
-    Building the module draws its (then overwritten) initial weights from the global RNG;
-    the tiny builders shield callers from that (they fork the RNG).
+    Building the module would draw its (then overwritten) initial weights from the global RNG,
+    so it is built inside a forked RNG: callers' random streams are left as they were.
     """
+    import torch
     from safetensors.torch import load_file
 
     base = assets_dir()
     cfg = json.loads((base / "vae_config.json").read_text(encoding="utf-8"))
-    vae = new_tiny_vae({k: cfg[k] for k in ("scaling_factor", "shift_factor")})
+    with torch.random.fork_rng(devices=[]):
+        vae = new_tiny_vae({k: cfg[k] for k in ("scaling_factor", "shift_factor")})
     state = {k: v.float() for k, v in load_file(str(base / "vae.safetensors")).items()}
     vae.load_state_dict(state, strict=True)
     return vae.eval()

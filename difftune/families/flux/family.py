@@ -7,20 +7,13 @@ value as an input.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
-from difftune.families.common.family import FamilyBase
+from difftune.families.common.family import FamilyBase, Loaders, prompt_kwargs
 from difftune.families.flux.spec import SPEC
-
-if TYPE_CHECKING:
-    from diffusers import DiffusionPipeline
-
-    from difftune.config import ModelConfig, TrainConfig
-    from difftune.precision import PrecisionPolicy
-    from difftune.train.objectives import Objective
 
 # Module-name patterns (full match against the transformer's module names) for LoRA presets.
 _BLOCK = r"(?:transformer_blocks|single_transformer_blocks)\.\d+\."
@@ -70,43 +63,15 @@ class FluxFamily(FamilyBase):
 
     spec = SPEC
     presets = PRESETS
-
-    def _parts(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> dict[str, Any]:
-        """The tiny flavor's parts, or FLUX.1's from local files."""
-        if cfg.flavor == "tiny":
-            from difftune.families.flux.tiny import build_tiny_flux
-
-            parts = build_tiny_flux()
-            parts.update(name="difftune/tiny-flux", fingerprint="tiny-flux-v1")
-            return parts
-        from difftune.families.flux.files import load_flux_files
-
-        return load_flux_files(cfg, {"transformer": policy.denoiser,
-                                     "text_encoders": policy.text_encoders, "vae": policy.vae})
-
-    def _text_parts(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> dict[str, Any]:
-        """CLIP-L and T5 alone, from the same sources as `_parts`."""
-        if cfg.flavor == "tiny":
-            from difftune.families.flux.tiny import build_tiny_flux
-
-            return build_tiny_flux()
-        from difftune.families.flux.files import load_flux_text_encoders
-
-        return load_flux_text_encoders(cfg, policy.text_encoders)
+    loaders = Loaders("build_tiny_flux", "load_flux_files", "load_flux_text_encoders")
 
     def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
         """CLIP-L pooled output and T5 last hidden states, as FluxPipeline.encode_prompt."""
         return TextEmbeds({"pooled_prompt_embeds": outputs["clip_l"]["pooled"],
                            "prompt_embeds": outputs["t5"]["hidden"]})
 
-    def predict(
-        self,
-        c: Components,
-        noisy: torch.Tensor,
-        embeds: TextEmbeds,
-        t: torch.Tensor,
-        cond: Conditioning,
-    ) -> torch.Tensor:
+    def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
+                cond: Conditioning) -> torch.Tensor:
         """Velocity prediction for noisy latents at t in [0, 1] (1 = pure noise)."""
         model = c.denoiser
         b, _, h, w = noisy.shape
@@ -127,33 +92,12 @@ class FluxFamily(FamilyBase):
         )[0]
         return unpack(out, h, w)
 
-    def pipeline(self, c: Components) -> "DiffusionPipeline":
-        """A FluxPipeline over the loaded components (text encoders wherever they now live)."""
-        from diffusers import FluxPipeline
-
-        pipe = FluxPipeline(
-            scheduler=c.scheduler,
-            vae=c.vae,
-            text_encoder=c.text_encoders["clip_l"],
-            tokenizer=c.tokenizers["clip_l"],
-            text_encoder_2=c.text_encoders["t5"],
-            tokenizer_2=c.tokenizers["t5"],
-            transformer=c.denoiser,
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
     def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
                         guidance: float, cfg: float) -> dict[str, Any]:
         """FluxPipeline arguments: precomputed embeddings, distilled guidance and true CFG."""
-        kwargs: dict[str, Any] = {
-            "prompt_embeds": embeds.tensors["prompt_embeds"],
-            "pooled_prompt_embeds": embeds.tensors["pooled_prompt_embeds"],
-            "guidance_scale": guidance,
-        }
+        kwargs: dict[str, Any] = {**prompt_kwargs(embeds), "guidance_scale": guidance}
         if negative is not None and cfg > 1.0:
-            kwargs["negative_prompt_embeds"] = negative.tensors["prompt_embeds"]
-            kwargs["negative_pooled_prompt_embeds"] = negative.tensors["pooled_prompt_embeds"]
+            kwargs.update(prompt_kwargs(negative, "negative_"))
             kwargs["true_cfg_scale"] = cfg
         return kwargs
 

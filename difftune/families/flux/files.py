@@ -21,14 +21,8 @@ import torch
 from difftune.errors import ModelFileError
 from difftune.families.common.components import load_clip_file, load_t5_file, vae_config
 from difftune.families.common.folders import check_folder, folder_files, from_folder, model_folder
-from difftune.families.common.single_file import (
-    assign_state,
-    cast_state,
-    count_blocks,
-    fingerprint,
-    read_safetensors,
-    strip_prefix,
-)
+from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
+                                                  fingerprint, read_safetensors, strip_prefix)
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig

@@ -35,4 +35,5 @@ SPEC = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
                    ("t5", "text_encoder_2", "tokenizer_2")),
+    pipeline_class="FluxPipeline",
 )

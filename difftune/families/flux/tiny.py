@@ -16,13 +16,8 @@ from typing import Any
 
 import torch
 
-from difftune.families.common.tiny import (
-    TEXT_WIDTH,
-    load_tiny_tokenizers,
-    load_tiny_vae,
-    tiny_clip_config,
-    tiny_t5_config,
-)
+from difftune.families.common.tiny import (TEXT_WIDTH, load_tiny_tokenizers, load_tiny_vae,
+                                           tiny_clip_config, tiny_t5_config)
 from difftune.families.flux.files import DEV_SCHEDULER_CONFIG
 
 T5_MAX_LENGTH = 32
@@ -69,12 +64,9 @@ def build_tiny_flux() -> dict[str, Any]:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     clip_tok, t5_tok = load_tiny_tokenizers()
-    parts = _seeded_models(clip_tok, t5_tok)
-    with torch.random.fork_rng(devices=[]):  # its (overwritten) init would draw from the RNG
-        vae = load_tiny_vae()
     return {
-        **parts,
-        "vae": vae,
+        **_seeded_models(clip_tok, t5_tok),
+        "vae": load_tiny_vae(),
         "tokenizer": clip_tok,
         "tokenizer_2": t5_tok,
         "scheduler": FlowMatchEulerDiscreteScheduler(**DEV_SCHEDULER_CONFIG),

@@ -8,21 +8,13 @@ Training is the same rectified flow as FLUX.1 (`FlowMatching`).
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
-from difftune.families.common.family import FamilyBase
+from difftune.families.common.family import FamilyBase, Loaders, prompt_kwargs
 from difftune.families.sd3.spec import SPEC
-
-if TYPE_CHECKING:
-    from diffusers import DiffusionPipeline
-
-    from difftune.config import ModelConfig, TrainConfig
-    from difftune.precision import PrecisionPolicy
-    from difftune.train.objectives import Objective
 
 # Module-name patterns (full match against the transformer's module names) for LoRA presets.
 # attn2 exists only in SD3.5's dual-attention blocks; the pattern simply matches nothing in SD3.
@@ -44,34 +36,7 @@ class SD3Family(FamilyBase):
 
     spec = SPEC
     presets = PRESETS
-
-    def _parts(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> dict[str, Any]:
-        """The tiny flavor's parts, or a checkpoint's, or a diffusers folder's."""
-        if cfg.flavor == "tiny":
-            from difftune.families.sd3.tiny import build_tiny_sd3
-
-            parts = build_tiny_sd3()
-            parts.update(name="difftune/tiny-sd3", fingerprint="tiny-sd3-v1")
-            return parts
-        from difftune.families.sd3.files import source_parts
-
-        return source_parts(cfg, {"transformer": policy.denoiser,
-                                  "text_encoders": policy.text_encoders, "vae": policy.vae})
-
-    def _text_parts(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> dict[str, Any]:
-        """CLIP-L, CLIP-G and T5 alone, from the same source as `_parts`."""
-        if cfg.flavor == "tiny":
-            from difftune.families.sd3.tiny import build_tiny_sd3
-
-            return build_tiny_sd3()
-        if cfg.transformer is not None:
-            from difftune.families.sd3.files import load_sd3_file
-
-            return load_sd3_file(cfg, {"text_encoders": policy.text_encoders}, text_only=True)
-        from difftune.families.sd3.files import load_sd3_folder_text_encoders
-
-        assert cfg.path is not None  # ModelConfig guarantees a source
-        return load_sd3_folder_text_encoders(Path(cfg.path), policy.text_encoders)
+    loaders = Loaders("build_tiny_sd3", "source_parts", "text_parts")
 
     def combine_text(self, c: Components, enc: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
         """Joint context and pooled vector, as StableDiffusion3Pipeline.encode_prompt builds them."""
@@ -84,14 +49,8 @@ class SD3Family(FamilyBase):
         pooled = torch.cat([enc["clip_l"]["pooled"], enc["clip_g"]["pooled"]], dim=-1)
         return TextEmbeds({"prompt_embeds": prompt, "pooled_prompt_embeds": pooled})
 
-    def predict(
-        self,
-        c: Components,
-        noisy: torch.Tensor,
-        embeds: TextEmbeds,
-        t: torch.Tensor,
-        cond: Conditioning,
-    ) -> torch.Tensor:
+    def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
+                cond: Conditioning) -> torch.Tensor:
         """Velocity (noise - x0) for noisy latents at t in [0, 1] (1 = pure noise).
 
         SD3Transformer2DModel embeds the timestep on the scheduler's 0..1000 scale (the pipeline
@@ -106,24 +65,6 @@ class SD3Family(FamilyBase):
             return_dict=False,
         )[0]
 
-    def pipeline(self, c: Components) -> "DiffusionPipeline":
-        """A StableDiffusion3Pipeline over the loaded components."""
-        from diffusers import StableDiffusion3Pipeline
-
-        pipe = StableDiffusion3Pipeline(
-            scheduler=c.scheduler,
-            vae=c.vae,
-            text_encoder=c.text_encoders["clip_l"],
-            tokenizer=c.tokenizers["clip_l"],
-            text_encoder_2=c.text_encoders["clip_g"],
-            tokenizer_2=c.tokenizers["clip_g"],
-            text_encoder_3=c.text_encoders["t5"],
-            tokenizer_3=c.tokenizers["t5"],
-            transformer=c.denoiser,
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
     def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
                         guidance: float, cfg: float) -> dict[str, Any]:
         """StableDiffusion3Pipeline arguments: precomputed (negative) embeddings and CFG scale.
@@ -131,14 +72,9 @@ class SD3Family(FamilyBase):
         SD3 is not guidance-distilled, so `guidance` has no input; CFG is the pipeline's
         `guidance_scale` (on when > 1).
         """
-        kwargs: dict[str, Any] = {
-            "prompt_embeds": embeds.tensors["prompt_embeds"],
-            "pooled_prompt_embeds": embeds.tensors["pooled_prompt_embeds"],
-            "guidance_scale": cfg,
-        }
+        kwargs: dict[str, Any] = {**prompt_kwargs(embeds), "guidance_scale": cfg}
         if negative is not None and cfg > 1.0:
-            kwargs["negative_prompt_embeds"] = negative.tensors["prompt_embeds"]
-            kwargs["negative_pooled_prompt_embeds"] = negative.tensors["pooled_prompt_embeds"]
+            kwargs.update(prompt_kwargs(negative, "negative_"))
         return kwargs
 
     def model_spec(self, c: Components) -> ModelSpec:

@@ -20,33 +20,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.common.components import (
-    UNET_PREFIX,
-    VAE_PREFIX,
-    clip_from_state,
-    head_width,
-    load_t5_file,
-    load_vae,
-    t5_from_state,
-)
-from difftune.families.common.folders import (
-    check_folder,
-    folder_files,
-    from_folder,
-    from_folder_or_fail,
-    model_folder,
-    tokenizers,
-)
+from difftune.families.common.components import (UNET_PREFIX, VAE_PREFIX, clip_from_state,
+                                                 head_width, load_t5_file, load_vae, t5_from_state)
+from difftune.families.common.folders import (check_folder, folder_files, from_folder,
+                                              from_folder_or_fail, model_folder, tokenizers)
+from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
+                                                  fingerprint, missing_error, prefixed,
+                                                  read_safetensors)
 from difftune.families.sd3.spec import SPEC
-from difftune.families.common.single_file import (
-    assign_state,
-    cast_state,
-    count_blocks,
-    fingerprint,
-    missing_error,
-    prefixed,
-    read_safetensors,
-)
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -241,3 +222,11 @@ def source_parts(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str
             "start from the checkpoint (model.transformer); set it, or use only model.path")
     assert cfg.path is not None  # ModelConfig guarantees a source
     return load_sd3_folder(Path(cfg.path), dtypes)
+
+
+def text_parts(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
+    """The three text encoders alone, from the checkpoint or the folder (a reload)."""
+    if cfg.transformer is not None:
+        return load_sd3_file(cfg, {"text_encoders": dtype}, text_only=True)
+    assert cfg.path is not None  # ModelConfig guarantees a source
+    return load_sd3_folder_text_encoders(Path(cfg.path), dtype)

@@ -40,4 +40,5 @@ SPEC = FamilySpec(
     encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
                    ("clip_g", "text_encoder_2", "tokenizer_2"),
                    ("t5", "text_encoder_3", "tokenizer_3")),
+    pipeline_class="StableDiffusion3Pipeline",
 )

@@ -18,14 +18,8 @@ from typing import Any
 
 import torch
 
-from difftune.families.common.tiny import (
-    CLIP_G_WIDTH,
-    CLIP_L_WIDTH,
-    clip_encoder,
-    load_tiny_tokenizers,
-    load_tiny_vae,
-    t5_encoder,
-)
+from difftune.families.common.tiny import (CLIP_G_WIDTH, CLIP_L_WIDTH, clip_encoder,
+                                           load_tiny_tokenizers, load_tiny_vae, t5_encoder)
 from difftune.families.sd3.files import SD3_SCHEDULER_CONFIG
 
 SEED = 4321
@@ -74,12 +68,9 @@ def build_tiny_sd3() -> dict[str, Any]:
 
     clip_tok, t5_tok = load_tiny_tokenizers()
     clip_tok_2, _ = load_tiny_tokenizers()
-    parts = _sd3_models(clip_tok, t5_tok)
-    with torch.random.fork_rng(devices=[]):  # its (overwritten) init would draw from the RNG
-        vae = load_tiny_vae()
     return {
-        **parts,
-        "vae": vae,
+        **_sd3_models(clip_tok, t5_tok),
+        "vae": load_tiny_vae(),
         "tokenizer": clip_tok,
         "tokenizer_2": clip_tok_2,
         "tokenizer_3": t5_tok,

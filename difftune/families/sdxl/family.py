@@ -8,23 +8,18 @@ v-prediction on the scheduler's scaled-linear schedule (`difftune.train.ddpm`).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from difftune.errors import ModelFileError
 from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
 from difftune.families.common import text
-from difftune.families.common.family import FamilyBase
+from difftune.families.common.family import FamilyBase, Loaders, prompt_kwargs
 from difftune.families.sdxl.spec import SPEC
 from difftune.train.ddpm import DDPMObjective, DDPMSchedule
 
 if TYPE_CHECKING:
-    from diffusers import DiffusionPipeline
-
-    from difftune.config import ModelConfig, TrainConfig
-    from difftune.precision import PrecisionPolicy
+    from difftune.config import TrainConfig
     from difftune.train.objectives import Objective
 
 # Module-name patterns (full match against the UNet's module names) for LoRA presets.
@@ -54,43 +49,7 @@ class SDXLFamily(FamilyBase):
 
     spec = SPEC
     presets = PRESETS
-
-    def _parts(self, cfg: ModelConfig, policy: PrecisionPolicy) -> dict[str, Any]:
-        """The tiny flavor's parts, one SGM checkpoint's, or a diffusers folder's."""
-        if cfg.flavor == "tiny":
-            from difftune.families.sdxl.tiny import build_tiny_sdxl
-
-            parts = build_tiny_sdxl()
-            parts.update(name="difftune/tiny-sdxl", fingerprint="tiny-sdxl-v1")
-            return parts
-        dtypes = {"unet": policy.denoiser, "vae": policy.vae,
-                  "text_encoders": policy.text_encoders}
-        if cfg.transformer is not None:  # one SGM-layout checkpoint (+ tokenizers in path)
-            from difftune.families.sdxl.files import load_sdxl_file
-
-            return load_sdxl_file(cfg, dtypes)
-        if cfg.path is not None:
-            from difftune.families.sdxl.files import load_sdxl_folder
-
-            return load_sdxl_folder(Path(cfg.path), dtypes)
-        raise ModelFileError(
-            "no SDXL source: set model.transformer to a single SDXL checkpoint "
-            "(sd_xl_base_1.0.safetensors layout) or model.path to a diffusers-format folder")
-
-    def _text_parts(self, cfg: ModelConfig, policy: PrecisionPolicy) -> dict[str, Any]:
-        """CLIP-L and CLIP-G alone, from the same source as `_parts`."""
-        if cfg.flavor == "tiny":
-            from difftune.families.sdxl.tiny import build_tiny_sdxl
-
-            return build_tiny_sdxl()
-        if cfg.transformer is not None:
-            from difftune.families.sdxl.files import load_sdxl_file
-
-            return load_sdxl_file(cfg, {"text_encoders": policy.text_encoders}, text_only=True)
-        from difftune.families.sdxl.files import load_sdxl_folder_text_encoders
-
-        assert cfg.path is not None  # ModelConfig guarantees a source
-        return load_sdxl_folder_text_encoders(Path(cfg.path), policy.text_encoders)
+    loaders = Loaders("build_tiny_sdxl", "source_parts", "text_parts")
 
     def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
         """As StableDiffusionXLPipeline.encode_prompt: both penultimate states side by side
@@ -137,35 +96,13 @@ class SDXLFamily(FamilyBase):
         return DDPMObjective(schedule, prediction, noise_offset=cfg.noise_offset,
                              min_snr_gamma=cfg.min_snr_gamma)
 
-    def predict(
-        self,
-        c: Components,
-        noisy: torch.Tensor,
-        embeds: TextEmbeds,
-        t: torch.Tensor,
-        cond: Conditioning,
-    ) -> torch.Tensor:
+    def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
+                cond: Conditioning) -> torch.Tensor:
         """UNet output (epsilon or v, as trained) for noisy latents at integer timesteps t."""
         added = {"text_embeds": embeds.tensors["pooled_prompt_embeds"],
                  "time_ids": time_ids(cond, noisy)}
         return c.denoiser(noisy, t, encoder_hidden_states=embeds.tensors["prompt_embeds"],
                           added_cond_kwargs=added, return_dict=False)[0]
-
-    def pipeline(self, c: Components) -> DiffusionPipeline:
-        """A StableDiffusionXLPipeline over the loaded components."""
-        from diffusers import StableDiffusionXLPipeline
-
-        pipe = StableDiffusionXLPipeline(
-            vae=c.vae,
-            text_encoder=c.text_encoders["clip_l"],
-            text_encoder_2=c.text_encoders["clip_g"],
-            tokenizer=c.tokenizers["clip_l"],
-            tokenizer_2=c.tokenizers["clip_g"],
-            unet=c.denoiser,
-            scheduler=c.scheduler,
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
 
     def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
                         guidance: float, cfg: float) -> dict[str, Any]:
@@ -175,16 +112,11 @@ class SDXLFamily(FamilyBase):
         embeddings are required: the core always encodes the negative prompt ("" by default),
         so the pipeline never silently substitutes its own (zero) negative embeddings.
         """
-        kwargs: dict[str, Any] = {
-            "prompt_embeds": embeds.tensors["prompt_embeds"],
-            "pooled_prompt_embeds": embeds.tensors["pooled_prompt_embeds"],
-            "guidance_scale": cfg,
-        }
+        kwargs: dict[str, Any] = {**prompt_kwargs(embeds), "guidance_scale": cfg}
         if cfg > 1.0:
             if negative is None:
                 raise ValueError("SDXL sampling with CFG > 1 needs negative embeddings")
-            kwargs["negative_prompt_embeds"] = negative.tensors["prompt_embeds"]
-            kwargs["negative_pooled_prompt_embeds"] = negative.tensors["pooled_prompt_embeds"]
+            kwargs.update(prompt_kwargs(negative, "negative_"))
         return kwargs
 
     def model_spec(self, c: Components) -> ModelSpec:

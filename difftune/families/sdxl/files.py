@@ -18,32 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.common.components import (
-    UNET_PREFIX,
-    VAE_PREFIX,
-    clip_from_state,
-    head_width,
-    load_vae,
-    norm_groups,
-    open_clip_state,
-)
-from difftune.families.common.folders import (
-    check_folder,
-    folder_files,
-    from_folder,
-    from_folder_or_fail,
-    model_folder,
-    tokenizers,
-)
-from difftune.families.common.single_file import (
-    assign_state,
-    cast_state,
-    count_blocks,
-    fingerprint,
-    missing_error,
-    prefixed,
-    read_safetensors,
-)
+from difftune.families.common.components import (UNET_PREFIX, VAE_PREFIX, clip_from_state,
+                                                 head_width, load_vae, norm_groups,
+                                                 open_clip_state)
+from difftune.families.common.folders import (check_folder, folder_files, from_folder,
+                                              from_folder_or_fail, model_folder, tokenizers)
+from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
+                                                  fingerprint, missing_error, prefixed,
+                                                  read_safetensors)
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -243,3 +225,20 @@ def load_sdxl_file(cfg: ModelConfig, dtypes: dict[str, torch.dtype],
             "name": path.stem, "fingerprint": fingerprint(files + more)}
 
 
+def source_parts(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """One SGM checkpoint's parts (+ tokenizers in model.path), or a diffusers folder's."""
+    if cfg.transformer is not None:
+        return load_sdxl_file(cfg, dtypes)
+    if cfg.path is not None:
+        return load_sdxl_folder(Path(cfg.path), dtypes)
+    raise ModelFileError(
+        "no SDXL source: set model.transformer to a single SDXL checkpoint "
+        "(sd_xl_base_1.0.safetensors layout) or model.path to a diffusers-format folder")
+
+
+def text_parts(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """CLIP-L and CLIP-G alone, from the checkpoint or the folder (a reload)."""
+    if cfg.transformer is not None:
+        return load_sdxl_file(cfg, {"text_encoders": dtype}, text_only=True)
+    assert cfg.path is not None  # ModelConfig guarantees a source
+    return load_sdxl_folder_text_encoders(Path(cfg.path), dtype)

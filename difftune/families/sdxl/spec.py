@@ -38,4 +38,5 @@ SPEC = FamilySpec(
     denoiser_part="unet",
     encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
                    ("clip_g", "text_encoder_2", "tokenizer_2")),
+    pipeline_class="StableDiffusionXLPipeline",
 )

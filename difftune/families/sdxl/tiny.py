@@ -17,13 +17,8 @@ from typing import Any
 
 import torch
 
-from difftune.families.common.tiny import (
-    CLIP_G_WIDTH,
-    CLIP_L_WIDTH,
-    clip_encoder,
-    load_tiny_tokenizers,
-    new_tiny_vae,
-)
+from difftune.families.common.tiny import (CLIP_G_WIDTH, CLIP_L_WIDTH, clip_encoder,
+                                           load_tiny_tokenizers, new_tiny_vae)
 from difftune.families.sdxl.files import SDXL_SCHEDULER_CONFIG
 
 SEED = 4321
