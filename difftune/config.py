@@ -408,5 +408,5 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 from difftune.config_checks import (check_paths, model_file_problems,  # noqa: E402
                                     warn_ignored)
 
-__all__ = ["CacheConfig", "DatasetConfig", "RunConfig",
-           "SubsetConfig", "load_config", "model_file_problems", "parse_config", "warn_ignored"]
+__all__ = ["CacheConfig", "DatasetConfig", "RunConfig", "SubsetConfig", "load_config",
+           "model_file_problems", "parse_config", "warn_ignored"]

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("difftune")
 
 
-
 def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str | None,
                           precision: PrecisionConfig | None = None) -> list[str]:
     """Text-encoder options the family cannot honour (unknown names, masks, skips, formats)."""

@@ -2,8 +2,8 @@
 
 Core code (data, cache, train, sample) talks to a model family only through `Family`. A family
 never branches on another family's name and core code never branches on a family's name: what
-differs between families is declared in each family's `spec.py` (text-encoder specs, bucket step, key
-layouts; `difftune.families.specs`) or implemented behind these methods.
+differs between families is declared in each family's `spec.py` (text-encoder specs, bucket
+step, key layouts; `difftune.families.specs`) or implemented behind these methods.
 """
 
 from __future__ import annotations

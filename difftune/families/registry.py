@@ -8,9 +8,13 @@ torch and the model libraries only then).
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from difftune.errors import ConfigError
 from difftune.families.specs import FamilySpec
+
+if TYPE_CHECKING:
+    from difftune.families.base import Family
 
 # name -> (module holding SPEC, "module.Class" of the Family implementation).
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -37,7 +41,7 @@ def spec(name: str) -> FamilySpec:
     return importlib.import_module(FAMILIES[name][0]).SPEC
 
 
-def get(name: str) -> "Family":  # noqa: F821 - the protocol lives in the torch-using base
+def get(name: str) -> "Family":
     """A new object of the family registered under `name`."""
     _check(name)
     module, cls = FAMILIES[name][1].rsplit(".", 1)

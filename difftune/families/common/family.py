@@ -1,9 +1,9 @@
 """What every family implementation shares: facts from its spec, build-then-freeze, encoding.
 
 A family class names its `spec`, `presets` and `loaders` (the functions of its `tiny.py` and
-`files.py` that read its parts); placing them on the policy's device in its dtypes, freezing them, running the
-text encoders, picking LoRA targets and writing the diffusers layout are the same for all
-families and are written once here.
+`files.py` that read its parts); placing them on the policy's device in its dtypes, freezing
+them, running the text encoders, picking LoRA targets, building the sampling pipeline and
+writing the diffusers layout are the same for all families and are written once here.
 """
 
 from __future__ import annotations
