@@ -49,8 +49,8 @@ def test_bfl_file_loads_like_diffusers_from_single_file(tmp_path: Path) -> None:
 def test_ae_file_loads_like_diffusers_from_single_file(tmp_path: Path) -> None:
     from diffusers import AutoencoderKL
 
-    from difftune.families.flux.files import load_vae_file
     from difftune.families.common.tiny import load_tiny_vae
+    from difftune.families.flux.files import load_vae_file
 
     from .test_flux_files import to_ldm_vae
 

@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 from difftune.config import ModelConfig
 from difftune.errors import ModelFileError
 from difftune.families.sd3.files import load_sd3_file
-from difftune.families.sdxl.files import load_sdxl_file
 from difftune.families.sd3.tiny import TINY_SD3_TRANSFORMER_CONFIG, build_tiny_sd3
+from difftune.families.sdxl.files import load_sdxl_file
 from difftune.families.sdxl.tiny import TINY_SDXL_UNET_CONFIG, build_tiny_sdxl
 
 from .test_flux_files import to_ldm_vae

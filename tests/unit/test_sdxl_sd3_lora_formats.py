@@ -44,10 +44,10 @@ from difftune.adapters.formats import (
     save_lora,
 )
 from difftune.errors import CheckpointError
+from difftune.families.common.text import clip_root
 from difftune.families.sd3 import keys as sd3_keys
 from difftune.families.sdxl import keys as sdxl_keys
 from difftune.families.sdxl.keys import UNetLayout
-from difftune.families.common.text import clip_root
 
 RANK, ALPHA = 4, 6.0
 UNET_CONFIG = dict(
