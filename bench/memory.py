@@ -33,7 +33,7 @@ def build(base: str, checkpointing: bool) -> tuple[torch.nn.Module, list[torch.n
     from diffusers import FluxTransformer2DModel
 
     from difftune.adapters.lora import add_lora
-    from difftune.families.flux import FluxFamily
+    from difftune.families.flux.family import FluxFamily
     from difftune.lowbit import quantize, store_fp8
 
     default = torch.get_default_dtype()
@@ -59,7 +59,7 @@ def build(base: str, checkpointing: bool) -> tuple[torch.nn.Module, list[torch.n
 
 def inputs(resolution: int) -> dict[str, torch.Tensor]:
     """One packed batch: 4096 image tokens at 1024x1024, 512 text tokens."""
-    from difftune.families.flux import image_ids
+    from difftune.families.flux.family import image_ids
 
     side = resolution // 16  # VAE /8, then 2x2 packing
     dev, dt = torch.device(DEVICE), torch.bfloat16

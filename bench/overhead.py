@@ -25,8 +25,8 @@ import torch
 
 from difftune.adapters.lora import lora_parameters
 from difftune.config import RunConfig, parse_config
-from difftune.families.flux import image_ids, pack
-from difftune.families.tiny import demo_dir
+from difftune.demo import demo_dir
+from difftune.families.flux.family import image_ids, pack
 from difftune.report import Reporter
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import Hooks, train

@@ -79,7 +79,7 @@ def build(s: Setup, saver: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]
 
     from difftune.adapters.lora import add_lora
     from difftune.families.base import blocks_of
-    from difftune.families.flux import FluxFamily
+    from difftune.families.flux.family import FluxFamily
     from difftune.memory.blockswap import BlockSwap
 
     home = torch.device("cpu") if saver == "swap" else s.device
@@ -122,7 +122,7 @@ def optimizer(model: torch.nn.Module, saver: str) -> torch.optim.Optimizer:
 
 def inputs(s: Setup) -> dict[str, torch.Tensor]:
     """One packed batch: (resolution/16)^2 image tokens, 512 text tokens, bf16."""
-    from difftune.families.flux import image_ids
+    from difftune.families.flux.family import image_ids
 
     side, dev, dt, c = s.resolution // 16, s.device, torch.bfloat16, s.config
     return dict(

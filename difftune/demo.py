@@ -23,6 +23,11 @@ from difftune.sample import PromptSpec, read_prompts
 from difftune.train.rundir import previous_outputs
 
 
+def demo_dir() -> Path:
+    """Folder of the shipped demo dataset (images, same-stem captions, prompts.txt)."""
+    return Path(str(resources.files("difftune") / "assets" / "demo"))
+
+
 def demo_config_path() -> Path:
     """The packaged demo run file."""
     return Path(str(resources.files("difftune") / "assets" / "demo.toml"))

@@ -20,7 +20,7 @@ from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
 from difftune.config import RunConfig
 from difftune.errors import CheckpointError, ConfigError, NonFiniteError
-from difftune.families.text import EncodeOptions
+from difftune.families.common.text import EncodeOptions
 from difftune.precision import PrecisionPolicy, resolve_device
 from difftune.safefiles import is_pickle, pickle_refusal
 from difftune.sample import SampleRunner

@@ -21,8 +21,8 @@ import torch
 
 from difftune.config import EmbeddingConfig
 from difftune.errors import ConfigError
-from difftune.families import text
 from difftune.families.base import Components, Family
+from difftune.families.common import text
 
 log = logging.getLogger("difftune")
 

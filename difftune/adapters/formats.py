@@ -1,6 +1,6 @@
 """LoRA file formats: diffusers naming, safetensors I/O, and fused (kohya-style) layouts.
 
-Everything here is family-agnostic. A family's key table (e.g. `families/flux_keys.py`) says which
+Everything here is family-agnostic. A family's key table (e.g. `families/flux/keys.py`) says which
 diffusers modules map onto which original module; this module supplies the numerics to fuse and
 split LoRAs and to read and write files.
 
@@ -67,7 +67,7 @@ class LoraPair:
     def baked(self) -> "LoraPair":
         """The same delta with the scale folded into `up` and alpha set to the rank (scale 1).
 
-        Used for readers that ignore alpha for some modules (see `flux_keys`)."""
+        Used for readers that ignore alpha for some modules (see `families.flux.keys`)."""
         scale = self.alpha / self.rank
         return LoraPair(self.down, self.up * scale, float(self.rank))
 
@@ -156,7 +156,7 @@ def with_clip_root(state: dict[str, V], roots: dict[str, str]) -> dict[str, V]:
     """Rename the CLIP entries of a LoRA dict (keys `<prefix>.<module>...`) to a given root.
 
     `roots` maps each CLIP component prefix (`text_encoder`) to the root its modules should sit
-    under: `CLIP_ROOT` for files, or the live model's own root (`families.text.clip_root`) to
+    under: `CLIP_ROOT` for files, or the live model's own root (`families.common.text.clip_root`) to
     read a file into it. Keys with or without the root are accepted; other components pass
     unchanged.
     """

@@ -245,7 +245,7 @@ def train_vae(steps: int, batch: int = 16, log: bool = True) -> torch.nn.Module:
     It trains on 32x32 crops of 64x64 shape images: the same shapes at the same scale for a
     quarter of the compute (the network is convolutional, so it then works on whole images).
     """
-    from difftune.families.tiny import new_tiny_vae
+    from difftune.families.common.tiny import new_tiny_vae
 
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -292,7 +292,7 @@ def save_vae(vae: torch.nn.Module, out: Path) -> dict[str, float]:
     """Write vae.safetensors (fp16, < 1 MB) and vae_config.json with measured factors."""
     from safetensors.torch import save_file
 
-    from difftune.families.tiny import TINY_VAE_ARCH
+    from difftune.families.common.tiny import TINY_VAE_ARCH
 
     shift, std = latent_stats(vae)
     out.mkdir(parents=True, exist_ok=True)

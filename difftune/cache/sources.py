@@ -24,9 +24,9 @@ from difftune.adapters.embeddings import Embeddings
 from difftune.cache.store import Store
 from difftune.data.discover import Item
 from difftune.data.images import crop_box, load_pixels
-from difftune.families import text
 from difftune.families.base import Components, Family, TextEmbeds
-from difftune.families.text import EncodeOptions
+from difftune.families.common import text
+from difftune.families.common.text import EncodeOptions
 
 Progress = Callable[[Iterable, str, int], Iterable]
 Reload = Callable[[], dict[str, torch.nn.Module]]

@@ -1,8 +1,8 @@
 """Cross-field checks of a run configuration, each returning the problems it finds.
 
 `RunConfig` calls them when a config loads, so every conflict is reported at once, with the
-dotted field and the fix, before anything heavy runs. The per-family tables here are kept in
-step with the family classes by a unit test (config must not import the heavy families).
+dotted field and the fix, before anything heavy runs. What they know about a family comes from
+its light spec (`families.registry.spec`, no torch), never from a table keyed by family name.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from difftune.config.base import QUANT_BACKENDS
 from difftune.errors import ConfigError, ModelFileError
+from difftune.families import registry
 from difftune.filenames import embedding_stem, name_too_long
 from difftune.safefiles import is_pickle, pickle_refusal
 
@@ -24,23 +25,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("difftune")
 
 
-# The text encoders each family declares (kept in sync with the family classes by a unit test),
-# and the families whose CLIP hidden states reach the denoiser (where clip_skip means something).
-TEXT_ENCODERS: dict[str, tuple[str, ...]] = {
-    "flux": ("clip_l", "t5"), "sd3": ("clip_l", "clip_g", "t5"), "sdxl": ("clip_l", "clip_g")}
-CLIP_HIDDEN: dict[str, bool] = {"flux": False, "sd3": True, "sdxl": True}
-# Why a kohya-format file cannot hold a text-encoder LoRA for a family (absent: it can).
-KOHYA_TEXT_ENCODERS_REFUSED: dict[str, str] = {
-    "flux": "difftune's FLUX.1 kohya key table covers the transformer only",
-    "sd3": "there is no kohya key layout for SD3 text encoders that diffusers reads back",
-}
-
-
 def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str | None,
                           precision: PrecisionConfig | None = None) -> list[str]:
     """Text-encoder options the family cannot honour (unknown names, masks, skips, formats)."""
     family = model.family
-    names = TEXT_ENCODERS.get(family, ())
+    spec = registry.spec(family)
+    names = spec.encoder_names
     problems = [f"adapter.text_encoders: {n!r} is not a text encoder of model.family = "
                 f"\"{family}\"; choose from {', '.join(names)}"
                 for n in adapter.text_encoders if n not in names]
@@ -52,12 +42,13 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
         problems.append("adapter.text_encoders lists an encoder twice; list each once")
     if model.t5_mask and "t5" not in names:
         problems.append(f"model.t5_mask: model.family = \"{family}\" has no T5 encoder; remove it")
-    if model.clip_skip and not CLIP_HIDDEN.get(family, False):
+    if model.clip_skip and not spec.clip_hidden:
         problems.append(f"model.clip_skip: model.family = \"{family}\" reads no CLIP hidden "
                         "state (only CLIP's pooled output), so there is nothing to skip; remove it")
-    if fmt == "kohya" and adapter.text_encoders and family in KOHYA_TEXT_ENCODERS_REFUSED:
+    refused = spec.kohya_text_encoders_refused
+    if fmt == "kohya" and adapter.text_encoders and refused is not None:
         problems.append(f"save.format = \"kohya\" cannot hold the text-encoder LoRA of "
-                        f"model.family = \"{family}\" ({KOHYA_TEXT_ENCODERS_REFUSED[family]}); "
+                        f"model.family = \"{family}\" ({refused}); "
                         "use save.format = \"diffusers\" or train the denoiser only")
     return problems
 
@@ -90,7 +81,7 @@ def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:
 
 def embedding_problems(cfg: "RunConfig") -> list[str]:
     """Textual-inversion settings that cannot work (checked at load, not mid-run)."""
-    a, names = cfg.adapter, TEXT_ENCODERS.get(cfg.model.family, ())
+    a, names = cfg.adapter, registry.spec(cfg.model.family).encoder_names
     problems = []
     if a.type == "embedding" and not a.embeddings:
         problems.append("adapter.type = \"embedding\" needs at least one [[adapter.embeddings]] "
@@ -156,8 +147,7 @@ def unload_problems(cfg: "RunConfig") -> list[str]:
     return []
 
 
-# What each family is trained with; options of one objective are refused for the other.
-OBJECTIVES: dict[str, str] = {"flux": "flow", "sd3": "flow", "sdxl": "ddpm"}
+# Options of one objective ("flow" or "ddpm", from the family's spec) refused for the other.
 _DDPM_ONLY = {"prediction": "auto", "zero_terminal_snr": False, "noise_offset": 0.0,
               "min_snr_gamma": None}
 _FLOW_ONLY = {"timesteps": "sigmoid", "sigmoid_mean": 0.0, "sigmoid_std": 1.0, "shift": 3.0}
@@ -165,7 +155,7 @@ _FLOW_ONLY = {"timesteps": "sigmoid", "sigmoid_mean": 0.0, "sigmoid_std": 1.0, "
 
 def objective_problems(family: str, train: TrainConfig) -> list[str]:
     """Options set for the objective this family does not train with (never silently ignored)."""
-    kind = OBJECTIVES.get(family)
+    kind = registry.spec(family).objective
     ignored = _DDPM_ONLY if kind == "flow" else _FLOW_ONLY if kind == "ddpm" else {}
     set_here = [k for k, default in ignored.items()
                 if k in train.model_fields_set and getattr(train, k) != default]
@@ -242,6 +232,9 @@ def memory_problems(cfg: "RunConfig") -> list[str]:
                         "loss scaler must see every gradient before any step; use bf16")
     if t.optimizer == "adamw8bit" and t.device == "cpu":
         problems.append(EIGHT_BIT_CPU)
+    spec = registry.spec(cfg.model.family)
+    if t.blocks_to_swap and not spec.swap_blocks:
+        problems.append(no_swap(spec.name))
     if t.blocks_to_swap and t.compile:
         problems.append("train.compile with train.blocks_to_swap: a compiled block's weights "
                         "cannot be swapped between calls; choose one of the two")
@@ -250,6 +243,13 @@ def memory_problems(cfg: "RunConfig") -> list[str]:
                         "bitsandbytes' 4-bit weights cannot be moved by block swap; use int8 or "
                         "fp8, or no block swap")
     return problems
+
+
+def no_swap(family: str) -> str:
+    """The refusal of train.blocks_to_swap for a family whose spec lists no swap blocks."""
+    return (f"train.blocks_to_swap: the {family} family cannot swap blocks (its checkpointing "
+            "runs inside blocks); use gradient_checkpointing, an 8-bit optimizer or a low-bit "
+            "base (precision.quantize) instead")
 
 
 EIGHT_BIT_CPU = ("train.optimizer = \"adamw8bit\" runs on CUDA only (bitsandbytes' 8-bit "

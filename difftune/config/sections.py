@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from difftune.config.base import Beta, ClipNorm
 from difftune.config.base import Section as _Section
@@ -26,7 +27,7 @@ TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2",
 class ModelConfig(_Section):
     """Which base model to fine-tune and where its files are (local files only)."""
 
-    family: Literal["flux", "sd3", "sdxl"] = Field("flux", description="Model family.")
+    family: str = Field("flux", description="Model family (one of `families.registry.names()`).")
     flavor: Literal["tiny"] | None = Field(
         None, description='"tiny" builds the built-in tiny model that needs no files.'
     )
@@ -49,6 +50,19 @@ class ModelConfig(_Section):
         0, ge=0, le=8,
         description="Extra CLIP layers skipped from the declared hidden state (0 = as declared)."
     )
+
+    @field_validator("family")
+    @classmethod
+    def _registered(cls, family: str) -> str:
+        """A family the registry knows (reported as a choice among its names)."""
+        from difftune.families.registry import names
+
+        choices = names()
+        if family not in choices:
+            expected = " or ".join([", ".join(repr(n) for n in choices[:-1]), repr(choices[-1])])
+            raise PydanticCustomError("literal_error", "Input should be {expected}",
+                                      {"expected": expected})
+        return family
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

@@ -1,28 +1,12 @@
-"""Model families behind one protocol; `get(name)` returns the family object."""
+"""Model families behind one protocol; `get(name)` returns the family object.
+
+Importing this package imports no torch: the registry and the specs are light, and a family's
+heavy modules are imported when `get` builds it. The protocol and the data passed between the
+parts of a run are in `difftune.families.base`.
+"""
 
 from __future__ import annotations
 
-import importlib
+from difftune.families.registry import get, names, spec
 
-from difftune.errors import ConfigError
-from difftune.families.base import (Components, Conditioning, Family, ModelSpec, TextEmbeds,
-                                    TextEncoderSpec)
-
-# name -> (module, class); modules are imported only when their family is used.
-_FAMILIES: dict[str, tuple[str, str]] = {
-    "flux": ("difftune.families.flux", "FluxFamily"),
-    "sd3": ("difftune.families.sd3", "SD3Family"),
-    "sdxl": ("difftune.families.sdxl", "SDXLFamily"),
-}
-
-
-def get(name: str) -> Family:
-    """The family registered under `name`."""
-    if name not in _FAMILIES:
-        raise ConfigError(f"model.family = {name!r} is unknown; choose one of {sorted(_FAMILIES)}")
-    module, cls = _FAMILIES[name]
-    return getattr(importlib.import_module(module), cls)()
-
-
-__all__ = ["Components", "Conditioning", "Family", "ModelSpec", "TextEmbeds", "TextEncoderSpec",
-           "get"]
+__all__ = ["get", "names", "spec"]

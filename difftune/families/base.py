@@ -2,41 +2,26 @@
 
 Core code (data, cache, train, sample) talks to a model family only through `Family`. A family
 never branches on another family's name and core code never branches on a family's name: what
-differs between families is declared here (text-encoder specs, bucket step, LoRA presets, key
-layouts) or implemented behind these methods.
+differs between families is declared in each family's `spec.py` (text-encoder specs, bucket
+step, key layouts; `difftune.families.specs`) or implemented behind these methods.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from difftune.families.specs import TextEncoderSpec
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
     from difftune.config import ModelConfig, TrainConfig
-    from difftune.families.text import EncodeOptions
+    from difftune.families.common.text import EncodeOptions
     from difftune.precision import PrecisionPolicy
     from difftune.train.objectives import Objective
-
-
-@dataclass(frozen=True)
-class TextEncoderSpec:
-    """What a family needs from one text encoder, declared rather than sniffed.
-
-    `kind` picks the transformers model class; `hidden` says which hidden state the denoiser
-    reads ("last", "penultimate", or "none" when only the pooled output is used); `pooled` whether
-    the pooled/projected output is used; `mask` whether the attention mask is applied.
-    """
-
-    name: str
-    kind: Literal["clip", "clip_projection", "t5"]
-    max_length: int
-    hidden: Literal["last", "penultimate", "none"]
-    pooled: bool
-    mask: bool = False
 
 
 @dataclass

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from difftune.config import RunConfig
-from difftune.config.checks import EIGHT_BIT_CPU
+from difftune.config.checks import EIGHT_BIT_CPU, no_swap
 from difftune.errors import ConfigError, EnvironmentProblem
 from difftune.families.base import Family, blocks_of
 from difftune.memory.blockswap import BlockSwap
@@ -35,10 +35,8 @@ def check(cfg: RunConfig, family: Family, device: torch.device, world: int) -> N
         raise ConfigError("train.fused_backward frees each gradient inside backward, so there "
                           "is nothing left to average across processes; turn it off for "
                           f"multi-process runs (this one has {world})")
-    if t.blocks_to_swap and not family.swap_blocks:
-        raise ConfigError(f"train.blocks_to_swap: the {family.name} family cannot swap blocks "
-                          "(its checkpointing runs inside blocks); use gradient_checkpointing, "
-                          "an 8-bit optimizer or a low-bit base (precision.quantize) instead")
+    if t.blocks_to_swap and not family.swap_blocks:  # refused at config load already
+        raise ConfigError(no_swap(family.name))
     if t.blocks_to_swap and device.type == "cpu":
         log.warning("train.blocks_to_swap on the CPU saves nothing (host and device are one "
                     "memory); it runs, for testing")

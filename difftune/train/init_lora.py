@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_non_finite,
                                        non_finite, split_lora_key, with_clip_root)
 from difftune.errors import CheckpointError, NonFiniteError
-from difftune.families.text import model_clip_roots
+from difftune.families.common.text import model_clip_roots
 from difftune.safefiles import is_pickle, pickle_refusal
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.lora import BUNDLE

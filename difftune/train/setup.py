@@ -25,7 +25,7 @@ from difftune.config import RunConfig
 from difftune.data.captions import Captions
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family
-from difftune.families.text import EncodeOptions
+from difftune.families.common.text import EncodeOptions
 from difftune.memory import savers
 from difftune.precision import PrecisionPolicy, resolve_device
 from difftune.train.dist import Dist, current

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from difftune.cli import main
-from difftune.families.flux import FluxFamily
+from difftune.families.flux.family import FluxFamily
 
 from .conftest import run_toml
 

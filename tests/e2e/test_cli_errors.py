@@ -97,7 +97,7 @@ def test_check_passes_and_says_what_it_verified(tmp_path: Path, images: Path, pr
 def test_sampling_failure_never_stops_training(tmp_path: Path, images: Path, prompts: Path,
                                                monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    from difftune.families.flux import FluxFamily
+    from difftune.families.flux.family import FluxFamily
 
     def broken(self: FluxFamily, comps: object) -> object:
         raise RuntimeError("out of memory (simulated)")

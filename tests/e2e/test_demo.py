@@ -8,7 +8,7 @@ import pytest
 
 from difftune.cli import main
 from difftune.demo import demo_config_path, nearest_images
-from difftune.families.tiny import demo_dir
+from difftune.demo import demo_dir
 from difftune.plots import read_metric
 from difftune.sample import PromptSpec, read_prompts
 

@@ -21,7 +21,7 @@ from difftune.cli import main
 from difftune.config import load_config
 from difftune.data.images import load_pixels
 from difftune.data.sampler import BucketBatchSampler
-from difftune.families import text
+from difftune.families.common import text
 from difftune.train.setup import fill_caches, prepare
 
 from .conftest import run_toml
@@ -51,7 +51,7 @@ class Calls:
     """Counts VAE and text-encoder calls made in-process."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from difftune.families.flux import FluxFamily
+        from difftune.families.flux.family import FluxFamily
 
         self.images = 0
         self.texts: list[str] = []

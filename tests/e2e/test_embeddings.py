@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from difftune.adapters.embeddings import ExtendedEmbedding
 from difftune.cli import main
 from difftune.config import parse_config
-from difftune.families import text
-from difftune.families.tiny import demo_dir
+from difftune.demo import demo_dir
+from difftune.families.common import text
 from difftune.report import Reporter
 from difftune.sample import SampleRunner
 from difftune.train.checkpoint import CheckpointManager

@@ -15,8 +15,9 @@ import pytest
 from diffusers import FluxPipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline
 
 from difftune.cli import main
-from difftune.families.tiny import build_tiny_flux
-from difftune.families.tiny_sd import build_tiny_sd3, build_tiny_sdxl
+from difftune.families.flux.tiny import build_tiny_flux
+from difftune.families.sd3.tiny import build_tiny_sd3
+from difftune.families.sdxl.tiny import build_tiny_sdxl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PIPELINES = {"flux-dev-lora.toml": (FluxPipeline, build_tiny_flux),

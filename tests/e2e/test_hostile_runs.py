@@ -391,7 +391,7 @@ def test_a_failing_step_leaves_the_last_good_one_resumable_exactly(
     (tmp_path / "b").mkdir()
     whole, failing = run_toml(tmp_path / "a", images), run_toml(tmp_path / "b", images)
     assert train(whole, "adapter.dropout=0.1") == 0
-    from difftune.families.flux import FluxFamily
+    from difftune.families.flux.family import FluxFamily
 
     real, calls = FluxFamily.predict, []
 

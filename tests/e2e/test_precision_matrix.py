@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from difftune.adapters.formats import with_clip_root
 from difftune.adapters.lora import lora_state
 from difftune.config import parse_config
+from difftune.demo import demo_dir
 from difftune.errors import ConfigError
-from difftune.families.text import file_clip_roots
-from difftune.families.tiny import demo_dir
+from difftune.families.common.text import file_clip_roots
 from difftune.lowbit import Fp8Linear
 from difftune.report import Reporter
 from difftune.sample import SampleRunner

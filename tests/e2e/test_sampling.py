@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from difftune.cli import main
-from difftune.families.flux import FluxFamily
+from difftune.families.flux.family import FluxFamily
 from difftune.sample import SampleRunner
 
 from .conftest import run_toml

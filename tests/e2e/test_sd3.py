@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from difftune.adapters.formats import group_modules
 from difftune.cli import main
-from difftune.families.sd3_keys import kohya_to_diffusers
-from difftune.families.tiny_sd import TINY_SD3_TRANSFORMER_CONFIG, build_tiny_sd3
+from difftune.families.sd3.keys import kohya_to_diffusers
+from difftune.families.sd3.tiny import TINY_SD3_TRANSFORMER_CONFIG, build_tiny_sd3
 
 from .conftest import run_toml
 

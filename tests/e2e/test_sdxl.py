@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from difftune.cli import main
 from difftune.config import ModelConfig
 from difftune.errors import ModelFileError
-from difftune.families.sdxl import SDXLFamily
-from difftune.families.tiny_sd import build_tiny_sdxl
+from difftune.families.sdxl.family import SDXLFamily
+from difftune.families.sdxl.tiny import build_tiny_sdxl
 from difftune.precision import PrecisionPolicy
 
 from .conftest import run_toml

@@ -11,9 +11,9 @@ from diffusers import FluxPipeline, StableDiffusionXLPipeline
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from difftune.families import text
-from difftune.families.tiny import build_tiny_flux
-from difftune.families.tiny_sd import build_tiny_sdxl
+from difftune.families.common import text
+from difftune.families.flux.tiny import build_tiny_flux
+from difftune.families.sdxl.tiny import build_tiny_sdxl
 
 from .test_sdxl import train as train_sdxl
 from .test_train_cli import train as train_flux

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from difftune.cli import main
-from difftune.families.tiny import build_tiny_flux
+from difftune.families.flux.tiny import build_tiny_flux
 
 from .conftest import run_toml
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from difftune.adapters.lora import add_lora, lora_parameters
-from difftune.families.flux import FluxFamily, image_ids
+from difftune.families.flux.family import FluxFamily, image_ids
 from difftune.memory.blockswap import BlockSwap
 from difftune.memory.fused import FusedAdamW
 

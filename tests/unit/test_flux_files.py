@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 
 from difftune.config import ModelConfig
 from difftune.errors import ModelFileError
-from difftune.families import flux_files
-from difftune.families.flux_files import load_flux_files
-from difftune.families.tiny import build_tiny_flux
+from difftune.families.flux import files as flux_files
+from difftune.families.flux.files import load_flux_files
+from difftune.families.flux.tiny import build_tiny_flux
 
 FP32 = {"transformer": torch.float32, "text_encoders": torch.float32, "vae": torch.float32}
 
@@ -329,7 +329,7 @@ def test_single_files_need_tokenizers(files: dict, monkeypatch: pytest.MonkeyPat
 
 def test_text_encoders_alone_from_single_files(files: dict) -> None:
     """What a reload after `cache.unload_text_encoders` reads: the same two encoders."""
-    from difftune.families.flux_files import load_flux_text_encoders
+    from difftune.families.flux.files import load_flux_text_encoders
 
     cfg = ModelConfig(path=files["toks"], transformer=files["bfl"], vae=files["ae"],
                       clip_l=files["clip_l"], t5=files["t5"])

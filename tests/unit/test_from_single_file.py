@@ -15,7 +15,7 @@ import torch
 from diffusers import FluxTransformer2DModel
 from safetensors.torch import save_file
 
-from difftune.families.flux_files import load_transformer_file
+from difftune.families.flux.files import load_transformer_file
 
 from .test_flux_files import to_bfl
 
@@ -49,8 +49,8 @@ def test_bfl_file_loads_like_diffusers_from_single_file(tmp_path: Path) -> None:
 def test_ae_file_loads_like_diffusers_from_single_file(tmp_path: Path) -> None:
     from diffusers import AutoencoderKL
 
-    from difftune.families.flux_files import load_vae_file
-    from difftune.families.tiny import load_tiny_vae
+    from difftune.families.common.tiny import load_tiny_vae
+    from difftune.families.flux.files import load_vae_file
 
     from .test_flux_files import to_ldm_vae
 

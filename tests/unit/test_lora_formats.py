@@ -39,7 +39,7 @@ from difftune.adapters.formats import (
     with_clip_root,
 )
 from difftune.errors import CheckpointError, NonFiniteError
-from difftune.families.flux_keys import diffusers_to_kohya, kohya_to_diffusers
+from difftune.families.flux.keys import diffusers_to_kohya, kohya_to_diffusers
 
 RANK, ALPHA = 4, 8.0
 CONFIG = dict(

@@ -1,4 +1,4 @@
-"""Single original-layout SDXL and SD3/3.5 checkpoints (difftune.families.sd_files).
+"""Single original-layout SDXL and SD3/3.5 checkpoints (difftune.families.sdxl.files, difftune.families.sd3.files).
 
 The tiny models are written in the original layouts by test-only inverse mappings (written
 independently of diffusers' converters), read back by our loaders, and must compute what the
@@ -17,13 +17,10 @@ from safetensors.torch import save_file
 
 from difftune.config import ModelConfig
 from difftune.errors import ModelFileError
-from difftune.families.sd_files import load_sd3_file, load_sdxl_file
-from difftune.families.tiny_sd import (
-    TINY_SD3_TRANSFORMER_CONFIG,
-    TINY_SDXL_UNET_CONFIG,
-    build_tiny_sd3,
-    build_tiny_sdxl,
-)
+from difftune.families.sd3.files import load_sd3_file
+from difftune.families.sd3.tiny import TINY_SD3_TRANSFORMER_CONFIG, build_tiny_sd3
+from difftune.families.sdxl.files import load_sdxl_file
+from difftune.families.sdxl.tiny import TINY_SDXL_UNET_CONFIG, build_tiny_sdxl
 
 from .test_flux_files import to_ldm_vae
 
@@ -305,7 +302,8 @@ def test_sd3_transformer_matches_diffusers_from_single_file(tmp_path: Path, dual
         {"_class_name": "SD3Transformer2DModel", **config}))
     theirs = SD3Transformer2DModel.from_single_file(str(path), config=str(tmp_path),
                                                     local_files_only=True)
-    from difftune.families.sd_files import load_sd3_transformer, read_safetensors
+    from difftune.families.common.single_file import read_safetensors
+    from difftune.families.sd3.files import load_sd3_transformer
 
     ours = load_sd3_transformer(read_safetensors(path, "x"), path, torch.float32)
     assert ours.config.dual_attention_layers == dual
@@ -351,7 +349,7 @@ def test_missing_tokenizers(sdxl: tuple, tmp_path: Path) -> None:
 
 
 def test_family_load_uses_the_single_file(sdxl: tuple) -> None:
-    from difftune.families.sdxl import SDXLFamily
+    from difftune.families.sdxl.family import SDXLFamily
     from difftune.precision import PrecisionPolicy
 
     _, path, folder = sdxl

@@ -44,9 +44,10 @@ from difftune.adapters.formats import (
     save_lora,
 )
 from difftune.errors import CheckpointError
-from difftune.families import sd3_keys, sdxl_keys
-from difftune.families.sdxl_keys import UNetLayout
-from difftune.families.text import clip_root
+from difftune.families.common.text import clip_root
+from difftune.families.sd3 import keys as sd3_keys
+from difftune.families.sdxl import keys as sdxl_keys
+from difftune.families.sdxl.keys import UNetLayout
 
 RANK, ALPHA = 4, 6.0
 UNET_CONFIG = dict(

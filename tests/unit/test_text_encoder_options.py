@@ -11,12 +11,11 @@ from difftune import families
 from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
 from difftune.config import load_config
-from difftune.config.checks import CLIP_HIDDEN, TEXT_ENCODERS
 from difftune.errors import ConfigError
 from difftune.families.base import Components
-from difftune.families.text import EncodeOptions
-from difftune.families.tiny import build_tiny_flux
-from difftune.families.tiny_sd import build_tiny_sdxl
+from difftune.families.common.text import EncodeOptions
+from difftune.families.flux.tiny import build_tiny_flux
+from difftune.families.sdxl.tiny import build_tiny_sdxl
 
 BASE = """
 [model]
@@ -44,15 +43,6 @@ def load(tmp_path: Path, family: str, adapter: str = "", model: str = "",
     path = tmp_path / "run.toml"
     path.write_text(BASE.format(family=family, adapter=adapter, model=model, fmt=fmt))
     return load_config(path)
-
-
-def test_tables_match_the_family_classes() -> None:
-    for name, encoders in TEXT_ENCODERS.items():
-        family = families.get(name)
-        assert tuple(s.name for s in family.text_encoders) == encoders
-        assert set(family.text_encoder_prefixes) == set(encoders)
-        clip_hidden = any(s.kind != "t5" and s.hidden != "none" for s in family.text_encoders)
-        assert CLIP_HIDDEN[name] == clip_hidden
 
 
 def test_valid_text_encoder_settings(tmp_path: Path) -> None:

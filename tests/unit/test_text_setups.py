@@ -18,9 +18,10 @@ from difftune.adapters.lora import add_lora, lora_parameters, suffix_patterns
 from difftune.cache import MemoryStore, NullStore
 from difftune.cache.sources import TextSource
 from difftune.config import TEXT_ENCODER_TARGETS
-from difftune.families import text
-from difftune.families.base import Components, TextEmbeds, TextEncoderSpec
-from difftune.families.tiny_sd import build_tiny_sd3
+from difftune.families.base import Components, TextEmbeds
+from difftune.families.common import text
+from difftune.families.sd3.tiny import build_tiny_sd3
+from difftune.families.specs import TextEncoderSpec
 
 CLIP_L = TextEncoderSpec("clip_l", "clip_projection", 77, hidden="penultimate", pooled=True)
 CLIP_G = TextEncoderSpec("clip_g", "clip_projection", 77, hidden="penultimate", pooled=True)

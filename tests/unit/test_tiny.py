@@ -8,13 +8,15 @@ import pytest
 import torch
 from PIL import Image
 
-from difftune.families import tiny
+from difftune.demo import demo_dir
+from difftune.families.common.tiny import assets_dir
+from difftune.families.flux.tiny import build_tiny_flux
 
 
 @pytest.fixture(scope="module")
 def parts() -> dict:
     """One tiny model shared by the module's tests (building it takes about a second)."""
-    return tiny.build_tiny_flux()
+    return build_tiny_flux()
 
 
 def test_keys_and_classes(parts: dict) -> None:
@@ -37,10 +39,10 @@ def test_keys_and_classes(parts: dict) -> None:
 def test_deterministic_and_rng_untouched() -> None:
     torch.manual_seed(7)
     before = torch.get_rng_state()
-    a = tiny.build_tiny_flux()
+    a = build_tiny_flux()
     assert torch.equal(torch.get_rng_state(), before)
     torch.manual_seed(99)
-    b = tiny.build_tiny_flux()
+    b = build_tiny_flux()
     for key in ("transformer", "text_encoder", "text_encoder_2", "vae"):
         sa, sb = a[key].state_dict(), b[key].state_dict()
         assert sa.keys() == sb.keys()
@@ -81,7 +83,7 @@ def test_transformer_forward_backward(parts: dict) -> None:
 def test_vae_reconstructs_demo_image(parts: dict) -> None:
     import numpy as np
 
-    img = Image.open(tiny.demo_dir() / "red_circle.png").convert("RGB")
+    img = Image.open(demo_dir() / "red_circle.png").convert("RGB")
     x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1).permute(2, 0, 1)[None]
     vae = parts["vae"]
     with torch.no_grad():
@@ -92,7 +94,7 @@ def test_vae_reconstructs_demo_image(parts: dict) -> None:
 
 
 def test_demo_dataset() -> None:
-    demo = tiny.demo_dir()
+    demo = demo_dir()
     images = sorted(demo.glob("*.png"))
     assert len(images) >= 6
     captions = [(demo / f"{p.stem}.txt").read_text().strip() for p in images]
@@ -103,9 +105,9 @@ def test_demo_dataset() -> None:
 
 
 def test_vae_config_shipped() -> None:
-    cfg = json.loads((tiny.assets_dir() / "vae_config.json").read_text())
+    cfg = json.loads((assets_dir() / "vae_config.json").read_text())
     assert cfg["latent_channels"] == 16 and cfg["scaling_factor"] > 0
-    assert (tiny.assets_dir() / "vae.safetensors").stat().st_size < 2_000_000
+    assert (assets_dir() / "vae.safetensors").stat().st_size < 2_000_000
 
 
 def test_flux_pipeline_runs(parts: dict) -> None:

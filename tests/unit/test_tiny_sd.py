@@ -8,24 +8,26 @@ from typing import Any
 import pytest
 import torch
 
-from difftune.families import tiny_sd
+from difftune.families.common.tiny import CLIP_G_WIDTH, CLIP_L_WIDTH
+from difftune.families.sd3.tiny import SD3_T5_WIDTH, build_tiny_sd3
+from difftune.families.sdxl.tiny import build_tiny_sdxl
 
 BUILDERS: dict[str, Callable[[], dict[str, Any]]] = {
-    "sdxl": tiny_sd.build_tiny_sdxl,
-    "sd3": tiny_sd.build_tiny_sd3,
+    "sdxl": build_tiny_sdxl,
+    "sd3": build_tiny_sd3,
 }
 
 
 @pytest.fixture(scope="module")
 def sdxl() -> dict[str, Any]:
     """One tiny SDXL shared by the module's tests."""
-    return tiny_sd.build_tiny_sdxl()
+    return build_tiny_sdxl()
 
 
 @pytest.fixture(scope="module")
 def sd3() -> dict[str, Any]:
     """One tiny SD3 shared by the module's tests."""
-    return tiny_sd.build_tiny_sd3()
+    return build_tiny_sd3()
 
 
 def _modules(parts: dict[str, Any]) -> dict[str, torch.nn.Module]:
@@ -117,9 +119,9 @@ def test_sdxl_encode_prompt(sdxl: dict[str, Any]) -> None:
     emb, neg, pooled, neg_pooled = pipe.encode_prompt(
         "a red circle", device=torch.device("cpu"), num_images_per_prompt=1,
         do_classifier_free_guidance=True, negative_prompt="blurry")
-    width = tiny_sd.CLIP_L_WIDTH + tiny_sd.CLIP_G_WIDTH
+    width = CLIP_L_WIDTH + CLIP_G_WIDTH
     assert emb.shape == neg.shape == (1, 77, width)
-    assert pooled.shape == neg_pooled.shape == (1, tiny_sd.CLIP_G_WIDTH)
+    assert pooled.shape == neg_pooled.shape == (1, CLIP_G_WIDTH)
     assert not torch.equal(emb, neg)
 
 
@@ -130,10 +132,10 @@ def test_sd3_encode_prompt(sd3: dict[str, Any]) -> None:
     emb, neg, pooled, neg_pooled = pipe.encode_prompt(
         "a red circle", "a red circle", "a red circle", device=torch.device("cpu"),
         do_classifier_free_guidance=True, negative_prompt="blurry", max_sequence_length=32)
-    assert emb.shape == neg.shape == (1, 77 + 32, tiny_sd.SD3_T5_WIDTH)
-    assert pooled.shape == neg_pooled.shape == (1, tiny_sd.CLIP_L_WIDTH + tiny_sd.CLIP_G_WIDTH)
+    assert emb.shape == neg.shape == (1, 77 + 32, SD3_T5_WIDTH)
+    assert pooled.shape == neg_pooled.shape == (1, CLIP_L_WIDTH + CLIP_G_WIDTH)
     # CLIP states are zero-padded up to T5's width; the T5 part is not.
-    assert torch.all(emb[:, :77, tiny_sd.CLIP_L_WIDTH + tiny_sd.CLIP_G_WIDTH:] == 0)
+    assert torch.all(emb[:, :77, CLIP_L_WIDTH + CLIP_G_WIDTH:] == 0)
     assert emb[:, 77:].abs().sum() > 0
 
 
@@ -163,11 +165,11 @@ def test_sd3_pipeline_runs(sd3: dict[str, Any]) -> None:
 def test_sdxl_unet_forward_backward(sdxl: dict[str, Any]) -> None:
     unet = sdxl["unet"]
     gen = torch.Generator().manual_seed(0)
-    width = tiny_sd.CLIP_L_WIDTH + tiny_sd.CLIP_G_WIDTH
+    width = CLIP_L_WIDTH + CLIP_G_WIDTH
     x = torch.randn(2, 4, 8, 8, generator=gen)  # latents of two 64x64 images
     # time ids: original size, crop top-left, target size
     time_ids = torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]]).repeat(2, 1)
-    added = {"text_embeds": torch.randn(2, tiny_sd.CLIP_G_WIDTH, generator=gen),
+    added = {"text_embeds": torch.randn(2, CLIP_G_WIDTH, generator=gen),
              "time_ids": time_ids}
     out = unet(x, torch.tensor([10, 900]), encoder_hidden_states=torch.randn(2, 77, width),
                added_cond_kwargs=added).sample
@@ -182,8 +184,8 @@ def test_sd3_transformer_forward_backward(sd3: dict[str, Any]) -> None:
     tr = sd3["transformer"]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 16, 8, 8, generator=gen)
-    ctx = torch.randn(2, 77 + 32, tiny_sd.SD3_T5_WIDTH, generator=gen)
-    pooled = torch.randn(2, tiny_sd.CLIP_L_WIDTH + tiny_sd.CLIP_G_WIDTH, generator=gen)
+    ctx = torch.randn(2, 77 + 32, SD3_T5_WIDTH, generator=gen)
+    pooled = torch.randn(2, CLIP_L_WIDTH + CLIP_G_WIDTH, generator=gen)
     out = tr(hidden_states=x, encoder_hidden_states=ctx, pooled_projections=pooled,
              timestep=torch.tensor([10.0, 900.0])).sample
     assert out.shape == x.shape

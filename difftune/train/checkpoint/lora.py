@@ -23,7 +23,7 @@ from difftune.adapters.metadata import FileFacts, embedding_keys, lora_keys
 from difftune.config import RunConfig, SaveConfig
 from difftune.diskspace import check_free, writing
 from difftune.families.base import Components, Family
-from difftune.families.text import file_clip_roots
+from difftune.families.common.text import file_clip_roots
 from difftune.filenames import embedding_stem
 from difftune.precision import DTYPES
 

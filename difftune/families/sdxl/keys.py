@@ -23,7 +23,7 @@ transformer models (proj_in/out, transformer_blocks.N.attn1/attn2/ff) share diff
 Text encoders: kohya always writes `lora_teN_text_model_encoder_layers_...`. transformers 5's
 CLIPTextModel has no `text_model.` level (CLIPTextModelWithProjection still has), so diffusers
 names from it lack the root; `diffusers_to_kohya` accepts both, and `kohya_to_diffusers` writes
-the root each model uses (`families.text.clip_root`). diffusers' own loader strips
+the root each model uses (`families.common.text.clip_root`). diffusers' own loader strips
 `text_model.` itself when the encoder lacks it.
 
 Checked against diffusers 0.42: `StableDiffusionXLPipeline.lora_state_dict(..., unet_config=...)`
@@ -46,8 +46,8 @@ import torch
 
 from difftune.adapters.formats import LORA_A, LORA_B, split_lora_key
 from difftune.errors import CheckpointError
+from difftune.families.common.kohya import ALPHA, DOWN, UP
 
-DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
 # How kohya sd-scripts names SDXL in its LoRA files' metadata: `ss_base_model_version`
 # (library/sdxl_model_util.py MODEL_VERSION_SDXL_BASE_V1_0), `ss_network_module`, and the
 # model-spec architecture and implementation (library/sai_model_spec.py ARCH_SD_XL_V1_BASE,
@@ -88,7 +88,7 @@ TOP_LEVEL: tuple[tuple[str, str], ...] = (
 )
 # CLIP modules inside the text transformer. kohya (and transformers 4) spell them under
 # `text_model.`; transformers 5's CLIPTextModel has them at its top level, so a diffusers name may
-# carry the root or not (`families.text.clip_root` tells which a loaded model uses).
+# carry the root or not (`families.common.text.clip_root` tells which a loaded model uses).
 TEXT_LAYERS: tuple[tuple[str, str], ...] = tuple(
     (p, p)
     for p in (
@@ -265,7 +265,7 @@ def kohya_to_diffusers(
     Returns the tensors (`<component>.<module>.lora_A/B.weight`) and each module's alpha
     (`<component>.<module>` -> alpha; a missing kohya alpha means alpha = rank). Keys that are not
     `lora_unet_` / `lora_te1_` / `lora_te2_` LoRA entries of this UNet and CLIP raise
-    `CheckpointError`. `text_roots` gives each text encoder's root (`families.text.clip_root`);
+    `CheckpointError`. `text_roots` gives each text encoder's root (`families.common.text.clip_root`);
     missing components get `text_model.`, the spelling of diffusers files made with transformers 4.
     """
     layout = layout if isinstance(layout, UNetLayout) else UNetLayout.from_config(layout)

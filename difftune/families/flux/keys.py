@@ -27,23 +27,16 @@ Known diffusers limitations (as of diffusers 0.42), which do not affect ComfyUI 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from difftune.adapters.formats import (
-    LoraPair,
-    fuse_loras,
-    group_modules,
-    is_zero,
-    pairs_to_diffusers,
-    split_fused_lora,
-    zero_lora,
-)
-from difftune.errors import CheckpointError
+from difftune.adapters.formats import LoraPair, fuse_loras, split_fused_lora, zero_lora
+from difftune.families.common.kohya import (KohyaNames, fused_from_kohya, fused_to_kohya,
+                                            swapped)
 
-KOHYA_PREFIX = "lora_unet_"
-DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
+NAMES = KohyaNames("FLUX", "a", "BFL")
 # How kohya sd-scripts names FLUX.1 in its LoRA files' metadata: `ss_base_model_version`
 # (library/flux_utils.py MODEL_VERSION_FLUX_V1), `ss_network_module` (its FLUX LoRA module),
 # and the model-spec architecture and implementation (library/sai_model_spec.py
@@ -126,10 +119,19 @@ def _entries(double: set[int], single: set[int]) -> list[Entry]:
     return out + [Entry(k, p) for k, p in NON_BLOCK]
 
 
-def swap_scale_shift(up: torch.Tensor) -> torch.Tensor:
-    """Swap the two row halves of an up factor: (shift, scale) <-> (scale, shift)."""
-    first, second = up.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
+def _entries_for(modules: Iterable[str]) -> list[Entry]:
+    """The table for the blocks the diffusers module names mention."""
+    double = {int(m.group(1)) for k in modules if (m := _DOUBLE_RE.match(k))}
+    single = {int(m.group(1)) for k in modules if (m := _SINGLE_RE.match(k))}
+    return _entries(double, single)
+
+
+def _table_for(names: Iterable[str]) -> dict[str, Entry]:
+    """{BFL name: entry} for the blocks the kohya names (without `lora_unet_`) mention."""
+    names = list(names)
+    double = {int(m.group(1)) for k in names if (m := re.match(r"double_blocks_(\d+)_", k))}
+    single = {int(m.group(1)) for k in names if (m := re.match(r"single_blocks_(\d+)_", k))}
+    return {e.kohya: e for e in _entries(double, single)}
 
 
 # ---------------------------------------------------------------- diffusers -> kohya
@@ -144,35 +146,8 @@ def diffusers_to_kohya(
     of a fused module that were not trained are filled with zero LoRAs so the row layout is the
     full BFL one. A module with no BFL name raises `CheckpointError` rather than being dropped.
     """
-    pairs = _strip_prefix(group_modules(state, alpha), prefix)
-    for module, pair in pairs.items():
-        if pair.rank != rank:
-            raise CheckpointError(f"LoRA module {module!r} has rank {pair.rank}, expected {rank}.")
-    double = {int(m.group(1)) for k in pairs if (m := _DOUBLE_RE.match(k))}
-    single = {int(m.group(1)) for k in pairs if (m := _SINGLE_RE.match(k))}
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    for entry in _entries(double, single):
-        if not any(m in pairs for m in entry.modules):
-            continue
-        fused = _fuse_entry(entry, pairs, rank, float(alpha))
-        used.update(m for m in entry.modules if m in pairs)
-        out.update(_kohya_tensors(entry.kohya, fused))
-    unmapped = sorted(set(pairs) - used)
-    if unmapped:
-        raise CheckpointError(
-            f"these LoRA modules have no kohya/ComfyUI (BFL) name: {unmapped}; save in the diffusers "
-            "format instead, or leave them out of the LoRA targets."
-        )
-    return out
-
-
-def _strip_prefix(pairs: dict[str, LoraPair], prefix: str) -> dict[str, LoraPair]:
-    """Drop `<prefix>.` from every module name; a module without it is an error."""
-    wrong = sorted(k for k in pairs if not k.startswith(f"{prefix}."))
-    if wrong:
-        raise CheckpointError(f"LoRA modules outside '{prefix}.' cannot be written as a FLUX kohya LoRA: {wrong}")
-    return {k.removeprefix(f"{prefix}."): v for k, v in pairs.items()}
+    return fused_to_kohya(state, alpha, rank, prefix, NAMES, _entries_for,
+                          lambda entry, pairs, r: _fuse_entry(entry, pairs, r, float(alpha)))
 
 
 def _fuse_entry(entry: Entry, pairs: dict[str, LoraPair], rank: int, alpha: float) -> LoraPair:
@@ -186,20 +161,10 @@ def _fuse_entry(entry: Entry, pairs: dict[str, LoraPair], rank: int, alpha: floa
         parts = [pairs.get(m) or zero_lora(rank, in_features, w * in_features, like, alpha) for m, w in entry.parts]
         fused = fuse_loras(parts)
     if entry.kohya in SWAP_SCALE_SHIFT:
-        fused = LoraPair(fused.down, swap_scale_shift(fused.up), fused.alpha)
+        fused = swapped(fused)
     if entry.kohya in BAKE_SCALE:
         fused = fused.baked()
     return fused
-
-
-def _kohya_tensors(name: str, pair: LoraPair) -> dict[str, torch.Tensor]:
-    """The three tensors kohya stores per module; alpha as a float32 scalar."""
-    base = KOHYA_PREFIX + name
-    return {
-        f"{base}.{DOWN}": pair.down.contiguous(),
-        f"{base}.{UP}": pair.up.contiguous(),
-        f"{base}.{ALPHA}": torch.tensor(float(pair.alpha), dtype=torch.float32),
-    }
 
 
 # ---------------------------------------------------------------- kohya -> diffusers
@@ -216,49 +181,13 @@ def kohya_to_diffusers(
     `diffusers_to_kohya` writes for untrained parts) are left out. Any key that is not a FLUX
     transformer LoRA key (text-encoder LoRAs, unknown layers) raises `CheckpointError`.
     """
-    fused = _group_kohya(state)
-    double = {int(m.group(1)) for k in fused if (m := re.match(r"double_blocks_(\d+)_", k))}
-    single = {int(m.group(1)) for k in fused if (m := re.match(r"single_blocks_(\d+)_", k))}
-    table = {e.kohya: e for e in _entries(double, single)}
-    unknown = sorted(KOHYA_PREFIX + k for k in fused if k not in table)
-    if unknown:
-        raise CheckpointError(f"these LoRA entries are not FLUX transformer modules difftune knows: {unknown}")
-    pairs: dict[str, LoraPair] = {}
-    for name, pair in fused.items():
-        for module, part in _split_entry(table[name], pair).items():
-            if not is_zero(part):
-                pairs[f"{prefix}.{module}"] = part
-    return pairs_to_diffusers(pairs)
-
-
-def _group_kohya(state: dict[str, torch.Tensor]) -> dict[str, LoraPair]:
-    """{BFL name without `lora_unet_`: LoraPair} from kohya keys; malformed keys are errors."""
-    halves: dict[str, dict[str, torch.Tensor]] = {}
-    bad: list[str] = []
-    for key, value in state.items():
-        base, _, kind = key.partition(".")
-        if not base.startswith(KOHYA_PREFIX) or kind not in (DOWN, UP, ALPHA):
-            bad.append(key)
-            continue
-        halves.setdefault(base.removeprefix(KOHYA_PREFIX), {})[kind] = value
-    if bad:
-        raise CheckpointError(
-            f"these keys are not kohya FLUX LoRA keys (lora_unet_*.lora_down/lora_up/alpha): {sorted(bad)}"
-        )
-    pairs: dict[str, LoraPair] = {}
-    for name, parts in halves.items():
-        if DOWN not in parts or UP not in parts:
-            raise CheckpointError(f"kohya LoRA entry {KOHYA_PREFIX}{name} lacks its lora_down or lora_up weight.")
-        down = parts[DOWN]
-        alpha = float(parts[ALPHA].item()) if ALPHA in parts else float(down.shape[0])
-        pairs[name] = LoraPair(down, parts[UP], alpha)
-    return pairs
+    return fused_from_kohya(state, prefix, NAMES, _table_for, _split_entry)
 
 
 def _split_entry(entry: Entry, pair: LoraPair) -> dict[str, LoraPair]:
     """One BFL module's LoRA as diffusers modules, undoing the row swap of the final layer."""
     if entry.kohya in SWAP_SCALE_SHIFT:
-        pair = LoraPair(pair.down, swap_scale_shift(pair.up), pair.alpha)
+        pair = swapped(pair)
     if len(entry.parts) == 1:
         return {entry.modules[0]: pair}
     in_features = pair.down.shape[1]

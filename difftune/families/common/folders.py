@@ -3,19 +3,23 @@
 Shared by the family loaders: `model.path` must hold model_index.json and one subfolder per
 component; each is read with its class's `from_pretrained(local_files_only=True,
 use_safetensors=True)`. Every missing or unsafe part is a `ModelFileError` naming the path.
+Single-file loaders take what a checkpoint lacks (tokenizers, unbundled parts) from here too.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.component_files import pickle_error
+from difftune.families.common.single_file import pickle_error
 from difftune.safefiles import is_pickle
+
+if TYPE_CHECKING:
+    from difftune.config import ModelConfig
 
 
 def check_folder(folder: Path, what: str) -> None:
@@ -68,3 +72,29 @@ def folder_files(folder: Path, subs: list[str]) -> list[Path]:
     for sub in subs:
         files += [p for p in sorted((folder / sub).rglob("*")) if p.is_file()]
     return files
+
+
+def tokenizers(folder: Path | None, subs: tuple[str, ...], cls: Any, what: str) -> list[Any]:
+    """The tokenizers in `folder`'s `subs`: single checkpoints do not carry them."""
+    if folder is None or not all((folder / s).is_dir() for s in subs):
+        where = f"{folder} lacks some of them" if folder is not None else "model.path is not set"
+        raise ModelFileError(
+            f"a single-file {what} checkpoint needs its tokenizers ({', '.join(subs)}), which "
+            f"are not stored in checkpoints and are never downloaded, and {where}; set model.path "
+            f"to a folder holding {'/, '.join(subs)}/ (a diffusers-format {what} folder, or a "
+            "copy of just those subfolders)")
+    return [from_folder(cls, folder, s, None, what) for s in subs]
+
+
+def from_folder_or_fail(folder: Path | None, sub: str, cls: Any, dtype: torch.dtype, what: str,
+                        path: Path, hint: str) -> tuple[Any, list[Path]]:
+    """A component missing from the checkpoint, from the folder's `sub`, else a clear error."""
+    if folder is not None and (folder / sub).is_dir():
+        return from_folder(cls, folder, sub, dtype, what), folder_files(folder, [sub])[1:]
+    raise ModelFileError(f"{path} does not bundle the {sub.replace('_', ' ')} ({hint}); "
+                         f"{'set model.path to a diffusers-format ' + what + ' folder with ' + sub + '/'}")
+
+
+def model_folder(cfg: "ModelConfig") -> Path | None:
+    """model.path, expanded, if given."""
+    return Path(cfg.path).expanduser() if cfg.path is not None else None

@@ -27,23 +27,17 @@ are for ComfyUI / Forge / sd-scripts; difftune reads them back with `kohya_to_di
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from difftune.adapters.formats import (
-    LoraPair,
-    fuse_loras,
-    group_modules,
-    is_zero,
-    pairs_to_diffusers,
-    split_fused_lora,
-    zero_lora,
-)
+from difftune.adapters.formats import LoraPair, fuse_loras, split_fused_lora, zero_lora
 from difftune.errors import CheckpointError
+from difftune.families.common.kohya import (KOHYA_PREFIX, KohyaNames, fused_from_kohya,
+                                            fused_to_kohya, swapped)
 
-KOHYA_PREFIX = "lora_unet_"
-DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
+NAMES = KohyaNames("SD3", "an", "MMDiT")
 # How kohya sd-scripts names SD3 models in its LoRA files' metadata. Its
 # `analyze_state_dict_state` (library/sd3_utils.py) tells the variants apart as here: no
 # q/k norm is SD3 medium; with it, x-block self-attention layers mean SD3.5 medium, none SD3.5
@@ -114,12 +108,6 @@ def _entries(blocks: set[int], last: int) -> list[Entry]:
     return out + [Entry(k, m, k == "final_layer_adaLN_modulation_1") for k, m in NON_BLOCK]
 
 
-def swap_scale_shift(up: torch.Tensor) -> torch.Tensor:
-    """Swap the two row halves of an up factor: (shift, scale) <-> (scale, shift)."""
-    first, second = up.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
-
-
 # ---------------------------------------------------------------- diffusers -> kohya
 
 
@@ -134,33 +122,11 @@ def diffusers_to_kohya(
     down = cat(A_i), up = block-diag(B_i) and alpha * k (same scale); untrained parts of a fused
     module are zero-filled. A module with no MMDiT name raises `CheckpointError`.
     """
-    pairs = _strip_prefix(group_modules(state, alpha), prefix)
-    for module, pair in pairs.items():
-        if pair.rank != rank:
-            raise CheckpointError(f"LoRA module {module!r} has rank {pair.rank}, expected {rank}.")
-    blocks = {int(m.group(1)) for k in pairs if (m := _BLOCK_RE.match(k))}
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    for entry in _entries(blocks, num_layers - 1):
-        if not any(m in pairs for m in entry.modules):
-            continue
-        used.update(m for m in entry.modules if m in pairs)
-        out.update(_kohya_tensors(entry.kohya, _fuse_entry(entry, pairs, rank)))
-    unmapped = sorted(set(pairs) - used)
-    if unmapped:
-        raise CheckpointError(
-            f"these LoRA modules have no kohya/ComfyUI (MMDiT) name: {unmapped}; save in the diffusers "
-            "format instead, or leave them out of the LoRA targets."
-        )
-    return out
+    def entries(modules: Iterable[str]) -> list[Entry]:
+        return _entries({int(m.group(1)) for k in modules if (m := _BLOCK_RE.match(k))},
+                        num_layers - 1)
 
-
-def _strip_prefix(pairs: dict[str, LoraPair], prefix: str) -> dict[str, LoraPair]:
-    """Drop `<prefix>.` from every module name; a module without it is an error."""
-    wrong = sorted(k for k in pairs if not k.startswith(f"{prefix}."))
-    if wrong:
-        raise CheckpointError(f"LoRA modules outside '{prefix}.' cannot be written as an SD3 kohya LoRA: {wrong}")
-    return {k.removeprefix(f"{prefix}."): v for k, v in pairs.items()}
+    return fused_to_kohya(state, alpha, rank, prefix, NAMES, entries, _fuse_entry)
 
 
 def _fuse_entry(entry: Entry, pairs: dict[str, LoraPair], rank: int) -> LoraPair:
@@ -173,18 +139,8 @@ def _fuse_entry(entry: Entry, pairs: dict[str, LoraPair], rank: int) -> LoraPair
         like, rows, alpha = present[0].down, present[0].up.shape[0], present[0].alpha
         fused = fuse_loras([pairs.get(m) or zero_lora(rank, like.shape[1], rows, like, alpha) for m in entry.modules])
     if entry.swap:
-        fused = LoraPair(fused.down, swap_scale_shift(fused.up), fused.alpha)
+        fused = swapped(fused)
     return fused
-
-
-def _kohya_tensors(name: str, pair: LoraPair) -> dict[str, torch.Tensor]:
-    """The three tensors kohya stores per module; alpha as a float32 scalar."""
-    base = KOHYA_PREFIX + name
-    return {
-        f"{base}.{DOWN}": pair.down.contiguous(),
-        f"{base}.{UP}": pair.up.contiguous(),
-        f"{base}.{ALPHA}": torch.tensor(float(pair.alpha), dtype=torch.float32),
-    }
 
 
 # ---------------------------------------------------------------- kohya -> diffusers
@@ -200,50 +156,17 @@ def kohya_to_diffusers(
     (`formats.split_fused_lora`); all-zero parts (padding) are left out. Any other key
     (text-encoder LoRAs, unknown layers) raises `CheckpointError`.
     """
-    fused = _group_kohya(state)
-    blocks = {int(m.group(1)) for k in fused if (m := _KOHYA_BLOCK_RE.match(k))}
-    table = {e.kohya: e for e in _entries(blocks, num_layers - 1)}
-    unknown = sorted(KOHYA_PREFIX + k for k in fused if k not in table)
-    if unknown:
-        raise CheckpointError(f"these LoRA entries are not SD3 transformer modules difftune knows: {unknown}")
-    pairs: dict[str, LoraPair] = {}
-    for name, pair in fused.items():
-        for module, part in _split_entry(table[name], pair).items():
-            if not is_zero(part):
-                pairs[f"{prefix}.{module}"] = part
-    return pairs_to_diffusers(pairs)
+    def table(names: Iterable[str]) -> dict[str, Entry]:
+        blocks = {int(m.group(1)) for k in names if (m := _KOHYA_BLOCK_RE.match(k))}
+        return {e.kohya: e for e in _entries(blocks, num_layers - 1)}
 
-
-def _group_kohya(state: dict[str, torch.Tensor]) -> dict[str, LoraPair]:
-    """{MMDiT name without `lora_unet_`: LoraPair} from kohya keys; malformed keys are errors."""
-    halves: dict[str, dict[str, torch.Tensor]] = {}
-    bad: list[str] = []
-    for key, value in state.items():
-        base, _, kind = key.partition(".")
-        if not base.startswith(KOHYA_PREFIX) or kind not in (DOWN, UP, ALPHA):
-            bad.append(key)
-            continue
-        halves.setdefault(base.removeprefix(KOHYA_PREFIX), {})[kind] = value
-    if bad:
-        raise CheckpointError(
-            f"these keys are not kohya SD3 LoRA keys (lora_unet_*.lora_down/lora_up/alpha): {sorted(bad)}"
-        )
-    pairs: dict[str, LoraPair] = {}
-    for name, parts in halves.items():
-        if DOWN not in parts or UP not in parts:
-            raise CheckpointError(f"kohya LoRA entry {KOHYA_PREFIX}{name} lacks its lora_down or lora_up weight.")
-        down = parts[DOWN]
-        if down.ndim != 2:
-            raise CheckpointError(f"kohya LoRA entry {KOHYA_PREFIX}{name} is not a linear LoRA (shape {tuple(down.shape)}).")
-        alpha = float(parts[ALPHA].item()) if ALPHA in parts else float(down.shape[0])
-        pairs[name] = LoraPair(down, parts[UP], alpha)
-    return pairs
+    return fused_from_kohya(state, prefix, NAMES, table, _split_entry, linear_only=True)
 
 
 def _split_entry(entry: Entry, pair: LoraPair) -> dict[str, LoraPair]:
     """One MMDiT module's LoRA as diffusers modules, undoing the row swap where there is one."""
     if entry.swap:
-        pair = LoraPair(pair.down, swap_scale_shift(pair.up), pair.alpha)
+        pair = swapped(pair)
     if len(entry.modules) == 1:
         return {entry.modules[0]: pair}
     if pair.up.shape[0] % len(entry.modules):

@@ -19,18 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.component_files import (
-    assign_state,
-    cast_state,
-    count_blocks,
-    fingerprint,
-    load_clip_file,
-    load_t5_file,
-    load_vae_file,
-    read_safetensors,
-    strip_prefix,
-)
-from difftune.families.folders import check_folder, folder_files, from_folder
+from difftune.families.common.components import load_clip_file, load_t5_file, vae_config
+from difftune.families.common.folders import check_folder, folder_files, from_folder, model_folder
+from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
+                                                  fingerprint, read_safetensors, strip_prefix)
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -41,11 +33,22 @@ SUBFOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer
 # cache (never the network), as populated by any earlier download of these repositories.
 CLIP_TOKENIZER_REPO = "openai/clip-vit-large-patch14"
 T5_TOKENIZER_REPO = "google/t5-v1_1-xxl"
+# FLUX.1-dev's and schnell's sampling schedules (their scheduler_config.json).
+DEV_SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
 SCHNELL_SCHEDULER_CONFIG: dict[str, Any] = {
     "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False,
     "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
 }
 _BFL_PREFIXES = ("model.diffusion_model.",)
+VAE_SCALE = {"scaling_factor": 0.3611, "shift_factor": 0.1159}  # FLUX.1's ae (not in the file)
 
 # ---------------------------------------------------------------------------------------------
 # Single-file transformer
@@ -179,12 +182,10 @@ def _scheduler(folder: Path | None, dev: bool) -> Any:
     """The folder's scheduler, or FLUX.1-dev's / schnell's settings written in code."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from difftune.families.tiny import FLUX_DEV_SCHEDULER_CONFIG
-
     if folder is not None and (folder / "scheduler").is_dir():
         return from_folder(FlowMatchEulerDiscreteScheduler, folder, "scheduler", None, "FLUX.1")
     return FlowMatchEulerDiscreteScheduler(
-        **(FLUX_DEV_SCHEDULER_CONFIG if dev else SCHNELL_SCHEDULER_CONFIG))
+        **(DEV_SCHEDULER_CONFIG if dev else SCHNELL_SCHEDULER_CONFIG))
 
 
 def _component(folder: Path | None, file: Path | None, sub: str, cls: Any,
@@ -206,7 +207,7 @@ def load_flux_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
-    folder = Path(cfg.path).expanduser() if cfg.path is not None else None
+    folder = model_folder(cfg)
     if folder is not None:
         check_folder(folder, "FLUX.1")
     clip_tok, t5_tok = _tokenizers(folder)
@@ -232,7 +233,7 @@ def load_flux_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str,
     `load_flux_files`: to reload encoders that were unloaded after caching."""
     from transformers import CLIPTextModel, T5EncoderModel
 
-    folder = Path(cfg.path).expanduser() if cfg.path is not None else None
+    folder = model_folder(cfg)
     clip_tok, _ = _tokenizers(folder)
     clip, _ = _component(folder, cfg.clip_l, "text_encoder", CLIPTextModel,
                          lambda p, d: load_clip_file(p, d, clip_tok), dtype)
@@ -247,3 +248,39 @@ def _base_name(folder: Path | None, transformer_file: Path | None, dev: bool) ->
     if folder is not None:
         return folder.resolve().name
     return "flux.1-dev" if dev else "flux.1-schnell"
+
+
+# ---------------------------------------------------------------------------------------------
+# Single-file autoencoder
+
+
+def load_vae_file(path: Path, dtype: torch.dtype) -> Any:
+    """The FLUX.1 autoencoder from `ae.safetensors` (BFL/LDM layout) or a diffusers-layout file."""
+    from diffusers import AutoencoderKL
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    sd = read_safetensors(path, "FLUX.1 autoencoder (ae.safetensors)")
+    ldm = "encoder.conv_in.weight" in sd and any(k.startswith("encoder.down.") for k in sd)
+    if not ldm and "encoder.conv_in.weight" not in sd:
+        sd = strip_prefix(sd, ("first_stage_model.", "vae."))
+        ldm = any(k.startswith("encoder.down.") for k in sd)
+    if "encoder.conv_in.weight" not in sd or "decoder.conv_out.weight" not in sd:
+        raise ModelFileError(f"{path} does not look like an autoencoder: no encoder.conv_in / "
+                             "decoder.conv_out tensors")
+    config = {**vae_config(sd, ldm),
+              "norm_num_groups": _norm_groups(sd["encoder.conv_in.weight"].shape[0]),
+              **VAE_SCALE}
+    if ldm:
+        sd = convert_ldm_vae_checkpoint(sd, config)
+    with torch.device("meta"):
+        model = AutoencoderKL(**config)
+    return assign_state(model, cast_state(sd, dtype), path, "FLUX.1 autoencoder")
+
+
+def _norm_groups(first_width: int) -> int:
+    """GroupNorm groups (not visible in shapes): FLUX.1's 32, or 4-channel groups when narrower.
+
+    The FLUX.1 autoencoder starts at 128 channels with 32 groups; small test autoencoders
+    (such as the tiny flavor's, 32 channels, 8 groups) keep 4 channels a group.
+    """
+    return 32 if first_width >= 128 else max(1, first_width // 4)

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from difftune.adapters.formats import CLIP_ROOT
-from difftune.families.base import Components, Family, TextEncoderSpec
+from difftune.families.base import Components, Family
+from difftune.families.specs import TextEncoderSpec
 
 
 def module_device(module: torch.nn.Module) -> torch.device:

@@ -1,0 +1,202 @@
+"""What every family implementation shares: facts from its spec, build-then-freeze, encoding.
+
+A family class names its `spec`, `presets` and `loaders` (the functions of its `tiny.py` and
+`files.py` that read its parts); placing them on the policy's device in its dtypes, freezing
+them, running the text encoders, picking LoRA targets, building the sampling pipeline and
+writing the diffusers layout are the same for all families and are written once here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import torch
+
+from difftune.families.base import Components, TextEmbeds
+from difftune.families.common import text
+from difftune.families.specs import FamilySpec
+from difftune.train.objectives import FlowMatching
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+    from difftune.config import ModelConfig, TrainConfig
+    from difftune.precision import PrecisionPolicy
+    from difftune.train.objectives import Objective
+
+# The spec facts the `Family` protocol exposes as attributes of the family class.
+FACTS = ("name", "text_encoders", "bucket_step", "denoiser_prefix", "default_cfg",
+         "text_encoder_prefixes", "keep_high", "swap_blocks", "compile_blocks", "default_format")
+
+
+def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Move a module to a device, casting only when its dtype differs."""
+    if module.dtype != dtype:
+        module = module.to(dtype=dtype)
+    return module.to(device)
+
+
+def freeze(*modules: torch.nn.Module) -> None:
+    """No gradients and eval mode for every module (base weights are never trained)."""
+    for module in modules:
+        module.requires_grad_(False)
+        module.eval()
+
+
+def frozen_encoders(modules: dict[str, torch.nn.Module], policy: "PrecisionPolicy"
+                    ) -> dict[str, torch.nn.Module]:
+    """Text encoders placed on the policy's device in its text-encoder dtype, frozen, eval."""
+    out = {n: place(m, policy.device, policy.text_encoders) for n, m in modules.items()}
+    freeze(*out.values())
+    return out
+
+
+def prompt_kwargs(embeds: TextEmbeds, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A pipeline's precomputed `prompt_embeds` and `pooled_prompt_embeds` arguments (with
+    `prefix` "negative_" for the negative prompt's)."""
+    return {f"{prefix}prompt_embeds": embeds.tensors["prompt_embeds"],
+            f"{prefix}pooled_prompt_embeds": embeds.tensors["pooled_prompt_embeds"]}
+
+
+class Loaders(NamedTuple):
+    """The functions that read a family's parts, by name in its folder's role modules.
+
+    `tiny` (in tiny.py) builds the tiny flavor's components; `files(cfg, dtypes)` (in files.py)
+    reads every component from local files in `dtypes` (keys: the denoiser's part name,
+    "text_encoders", "vae") plus "name" and "fingerprint"; `text_files(cfg, dtype)` reads the
+    text encoders alone from the same files (a reload after unloading).
+    """
+
+    tiny: str
+    files: str
+    text_files: str
+
+
+class FamilyBase:
+    """The generic half of a family: subclasses set `spec`, `presets` and `loaders` (and
+    implement the family-specific protocol methods)."""
+
+    spec: ClassVar[FamilySpec]
+    # LoRA preset -> full-match regexes of denoiser module names.
+    presets: ClassVar[dict[str, list[str]]]
+    loaders: ClassVar[Loaders]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Copy the spec's facts onto the class (`FluxFamily.keep_high` needs no object)."""
+        super().__init_subclass__(**kwargs)
+        for fact in FACTS:
+            setattr(cls, fact, getattr(cls.spec, fact))
+
+    def _role(self, role: str, function: str) -> Callable[..., dict[str, Any]]:
+        """A function of one of the family folder's role modules ("tiny", "files"), imported
+        only now (they import diffusers and transformers)."""
+        package = type(self).__module__.rsplit(".", 1)[0]
+        return getattr(importlib.import_module(f"{package}.{role}"), function)
+
+    def _parts(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> dict[str, Any]:
+        """Every component by its pipeline name, plus "name" and "fingerprint" (and
+        "t5_max_length" where the loaded T5 declares one)."""
+        if cfg.flavor == "tiny":
+            parts = self._role("tiny", self.loaders.tiny)()
+            name = self.spec.name
+            parts.update(name=f"difftune/tiny-{name}", fingerprint=f"tiny-{name}-v1")
+            return parts
+        dtypes = {self.spec.denoiser_part: policy.denoiser,
+                  "text_encoders": policy.text_encoders, "vae": policy.vae}
+        return self._role("files", self.loaders.files)(cfg, dtypes)
+
+    def _text_parts(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> dict[str, Any]:
+        """The text encoders alone, by pipeline name, from the same sources as `_parts`."""
+        if cfg.flavor == "tiny":
+            return self._role("tiny", self.loaders.tiny)()
+        return self._role("files", self.loaders.text_files)(cfg, policy.text_encoders)
+
+    def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
+        """Build the tiny flavor or read local files, frozen, in the policy's dtypes."""
+        return self.components(self._parts(cfg, policy), cfg, policy)
+
+    def components(self, parts: dict[str, Any], cfg: "ModelConfig",
+                   policy: "PrecisionPolicy") -> Components:
+        """Place the loaded parts on the device in the policy's dtypes, frozen and in eval mode."""
+        spec = self.spec
+        extras: dict[str, Any] = {}
+        if "t5_max_length" in parts:
+            extras["max_length"] = {"t5": int(parts["t5_max_length"])}
+        comps = Components(
+            denoiser=place(parts[spec.denoiser_part], policy.denoiser_home, policy.denoiser),
+            vae=place(parts["vae"], policy.device, policy.vae),
+            text_encoders={name: place(parts[te], policy.device, policy.text_encoders)
+                           for name, te, _ in spec.encoder_parts},
+            tokenizers={name: parts[tok] for name, _, tok in spec.encoder_parts},
+            scheduler=parts["scheduler"],
+            name=cfg.name or parts["name"],
+            fingerprint=parts["fingerprint"],
+            extras=extras,
+        )
+        freeze(comps.denoiser, comps.vae, *comps.text_encoders.values())
+        return comps
+
+    def load_text_encoders(self, cfg: "ModelConfig", policy: "PrecisionPolicy"
+                           ) -> dict[str, torch.nn.Module]:
+        """The text encoders alone, frozen, placed as `load` places them (a reload after they
+        were unloaded)."""
+        parts = self._text_parts(cfg, policy)
+        return frozen_encoders({name: parts[te] for name, te, _ in self.spec.encoder_parts},
+                               policy)
+
+    def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]
+                     ) -> TextEmbeds:
+        """The denoiser's text inputs from each encoder's outputs (family-specific)."""
+        raise NotImplementedError
+
+    def encode_text(self, c: Components, texts: list[str],
+                    options: "text.EncodeOptions | None" = None) -> TextEmbeds:
+        """Encode with every text encoder (no grad) and combine, for sampling."""
+        return self.combine_text(c, text.encode_all(self.spec.text_encoders, c, texts, options))
+
+    def lora_targets(self, preset: str) -> list[str]:
+        """Full-match regexes of denoiser module names for a preset."""
+        return list(self.presets[preset])
+
+    def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":
+        """Rectified flow with the configured timestep sampling (DDPM families override)."""
+        return FlowMatching(cfg)
+
+    @torch.no_grad()
+    def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] -> latents normalized with the VAE's shift and scaling factors."""
+        vae = c.vae
+        device = text.module_device(vae)
+        # The mode (mean) rather than a sample: deterministic, so latents can be cached.
+        z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
+        shift = vae.config.shift_factor or 0.0
+        return (z - shift) * vae.config.scaling_factor
+
+    def pipeline(self, c: Components) -> "DiffusionPipeline":
+        """The family's diffusers pipeline over the loaded components (text encoders wherever
+        they now live), for sampling."""
+        import diffusers
+
+        spec = self.spec
+        parts: dict[str, Any] = {spec.denoiser_part: c.denoiser, "vae": c.vae,
+                                 "scheduler": c.scheduler}
+        for name, te, tok in spec.encoder_parts:
+            parts.update({te: c.text_encoders[name], tok: c.tokenizers[name]})
+        pipe = getattr(diffusers, spec.pipeline_class)(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def lora_to_format(
+        self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
+    ) -> dict[str, torch.Tensor]:
+        """diffusers-named LoRA -> the requested key layout ("diffusers" as is, or "kohya")."""
+        if fmt == "diffusers":
+            return dict(state)
+        return self.to_kohya(c, state, rank, alpha)
+
+    def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
+                 ) -> dict[str, torch.Tensor]:
+        """diffusers-named LoRA -> kohya / ComfyUI keys (family-specific)."""
+        raise NotImplementedError

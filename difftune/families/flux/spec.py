@@ -1,0 +1,39 @@
+"""FLUX.1's light facts (no torch): text encoders, objective, refusals, defaults.
+
+Read by config validation before anything heavy is imported, and by `FluxFamily`.
+"""
+
+from __future__ import annotations
+
+from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+
+SPEC = FamilySpec(
+    name="flux",
+    text_encoders=(
+        TextEncoderSpec("clip_l", "clip", max_length=77, hidden="none", pooled=True),
+        TextEncoderSpec("t5", "t5", max_length=512, hidden="last", pooled=False),
+    ),
+    objective="flow",
+    kohya_text_encoders_refused="difftune's FLUX.1 kohya key table covers the transformer only",
+    # VAE downscale 8 x 2x2 packing: bucket sides must be multiples of 16.
+    bucket_step=16,
+    denoiser_prefix="transformer",
+    default_cfg=1.0,  # guidance-distilled: true CFG off unless a prompt asks for it
+    # diffusers keys: read by diffusers and ComfyUI alike (alpha folded into the up factors).
+    default_format="diffusers",
+    text_encoder_prefixes={"clip_l": "text_encoder", "t5": "text_encoder_2"},
+    # Kept out of fp8 storage and quantization (regexes on module names, per part): the
+    # timestep/guidance/text embedders and the input and output projections.
+    keep_high={
+        "denoiser": (r"^time_text_embed\.", r"^x_embedder$", r"^context_embedder$",
+                     r"^norm_out\.", r"^proj_out$"),
+        "text_encoders": T5_KEEP_HIGH,
+        "vae": VAE_KEEP_HIGH,
+    },
+    swap_blocks=("transformer_blocks", "single_transformer_blocks"),
+    compile_blocks=("transformer_blocks", "single_transformer_blocks"),
+    denoiser_part="transformer",
+    encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
+                   ("t5", "text_encoder_2", "tokenizer_2")),
+    pipeline_class="FluxPipeline",
+)

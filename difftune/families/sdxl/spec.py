@@ -1,0 +1,42 @@
+"""SDXL's light facts (no torch): text encoders, objective, refusals, defaults.
+
+Read by config validation before anything heavy is imported, and by `SDXLFamily`.
+"""
+
+from __future__ import annotations
+
+from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+
+SPEC = FamilySpec(
+    name="sdxl",
+    text_encoders=(
+        TextEncoderSpec("clip_l", "clip", max_length=77, hidden="penultimate", pooled=False),
+        TextEncoderSpec("clip_g", "clip_projection", max_length=77, hidden="penultimate",
+                        pooled=True),
+    ),
+    objective="ddpm",
+    kohya_text_encoders_refused=None,
+    # VAE downscale 8 x two UNet downsamplings need multiples of 32; SDXL was trained (and
+    # kohya buckets) in multiples of 64, which also keeps every UNet level's size even.
+    bucket_step=64,
+    denoiser_prefix="unet",
+    default_cfg=5.0,  # SDXL base is not guidance-distilled: samples need CFG
+    # kohya keys: ComfyUI maps no UNet attention key of the diffusers (PEFT) layout, while
+    # diffusers and ComfyUI both read every key of the kohya one.
+    default_format="kohya",
+    text_encoder_prefixes={"clip_l": "text_encoder", "clip_g": "text_encoder_2"},
+    # Kept out of fp8 storage and quantization (regexes on module names, per part).
+    keep_high={
+        "denoiser": (r"^time_embedding\.", r"^add_embedding\.", r"^conv_in$", r"^conv_out$"),
+        "text_encoders": (r"embeddings", r"text_projection"),
+        "vae": VAE_KEEP_HIGH,
+    },
+    # The UNet checkpoints inside its blocks (per resnet and attention), so a block's
+    # recompute in backward would not pass its hooks: no block swap.
+    swap_blocks=(),
+    compile_blocks=("down_blocks", "mid_block", "up_blocks"),
+    denoiser_part="unet",
+    encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
+                   ("clip_g", "text_encoder_2", "tokenizer_2")),
+    pipeline_class="StableDiffusionXLPipeline",
+)

@@ -1,0 +1,72 @@
+"""Light facts about model families: the types `spec.py` modules fill in, importing no torch.
+
+Config validation and the CLI need to know a family's text encoders, objective, refusals and
+defaults before anything heavy is imported; the family classes read the same facts from here,
+so there is one place each fact is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    """What a family needs from one text encoder, declared rather than sniffed.
+
+    `kind` picks the transformers model class; `hidden` says which hidden state the denoiser
+    reads ("last", "penultimate", or "none" when only the pooled output is used); `pooled` whether
+    the pooled/projected output is used; `mask` whether the attention mask is applied.
+    """
+
+    name: str
+    kind: Literal["clip", "clip_projection", "t5"]
+    max_length: int
+    hidden: Literal["last", "penultimate", "none"]
+    pooled: bool
+    mask: bool = False
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Everything about a family that is plain data (see `families.base.Family` for meanings).
+
+    `objective` is "flow" (rectified flow) or "ddpm"; `kohya_text_encoders_refused` says why a
+    kohya-format file cannot hold its text-encoder LoRA (None: it can); `denoiser_part` is the
+    pipeline's name for the denoiser ("transformer", "unet") and `encoder_parts` gives, per text
+    encoder, its pipeline component and tokenizer names; `pipeline_class` is the diffusers pipeline
+that samples it.
+    """
+
+    name: str
+    text_encoders: tuple[TextEncoderSpec, ...]
+    objective: Literal["flow", "ddpm"]
+    kohya_text_encoders_refused: str | None
+    bucket_step: int
+    denoiser_prefix: str
+    default_cfg: float
+    default_format: str
+    text_encoder_prefixes: dict[str, str]
+    keep_high: dict[str, tuple[str, ...]]
+    swap_blocks: tuple[str, ...]
+    compile_blocks: tuple[str, ...]
+    denoiser_part: str
+    encoder_parts: tuple[tuple[str, str, str], ...]
+    pipeline_class: str
+
+    @property
+    def encoder_names(self) -> tuple[str, ...]:
+        """The text encoders' names, in declaration order."""
+        return tuple(s.name for s in self.text_encoders)
+
+    @property
+    def clip_hidden(self) -> bool:
+        """Whether a CLIP hidden state reaches the denoiser (where clip_skip means something)."""
+        return any(s.kind != "t5" and s.hidden != "none" for s in self.text_encoders)
+
+
+# Kept out of fp8 storage and quantization in every family's autoencoder.
+VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
+# T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).
+T5_KEEP_HIGH = (r"embeddings", r"embed_tokens", r"^shared$", r"text_projection", r"\.wo$")
