@@ -30,14 +30,13 @@ from difftune.adapters.formats import (
     LoraPair,
     diffusers_adapter_metadata,
     fold_scale,
-    fuse_loras,
     group_modules,
     load_lora_file,
     peft_state_to_diffusers,
     save_lora,
-    split_fused_lora,
     with_clip_root,
 )
+from difftune.adapters.fused import fuse_loras, split_fused_lora
 from difftune.errors import CheckpointError, NonFiniteError
 from difftune.families.flux.keys import diffusers_to_kohya, kohya_to_diffusers
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from difftune.adapters.formats import LoraPair, group_modules, is_zero, pairs_to_diffusers
+from difftune.adapters.formats import LoraPair, group_modules, pairs_to_diffusers
+from difftune.adapters.fused import is_zero
 from difftune.errors import CheckpointError
 
 KOHYA_PREFIX = "lora_unet_"

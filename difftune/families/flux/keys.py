@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from difftune.adapters.formats import LoraPair, fuse_loras, split_fused_lora, zero_lora
+from difftune.adapters.formats import LoraPair
+from difftune.adapters.fused import fuse_loras, split_fused_lora, zero_lora
 from difftune.families.common.kohya import (KohyaNames, fused_from_kohya, fused_to_kohya,
                                             swapped)
 
@@ -177,7 +178,7 @@ def kohya_to_diffusers(
 
     Returns the diffusers tensors (`<prefix>.<module>.lora_A/B.weight`) and each module's alpha
     (`<prefix>.<module>` -> alpha; a missing kohya alpha means alpha = rank). Fused modules are
-    split exactly (see `formats.split_fused_lora`); parts that are all zeros (the padding
+    split exactly (see `adapters.fused.split_fused_lora`); parts that are all zeros (the padding
     `diffusers_to_kohya` writes for untrained parts) are left out. Any key that is not a FLUX
     transformer LoRA key (text-encoder LoRAs, unknown layers) raises `CheckpointError`.
     """

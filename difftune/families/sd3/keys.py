@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from difftune.adapters.formats import LoraPair, fuse_loras, split_fused_lora, zero_lora
+from difftune.adapters.formats import LoraPair
+from difftune.adapters.fused import fuse_loras, split_fused_lora, zero_lora
 from difftune.errors import CheckpointError
 from difftune.families.common.kohya import (KOHYA_PREFIX, KohyaNames, fused_from_kohya,
                                             fused_to_kohya, swapped)
@@ -153,7 +154,7 @@ def kohya_to_diffusers(
 
     Returns the diffusers tensors and each module's alpha (`<prefix>.<module>` -> alpha; a
     missing kohya alpha means alpha = rank). Fused modules are split exactly
-    (`formats.split_fused_lora`); all-zero parts (padding) are left out. Any other key
+    (`adapters.fused.split_fused_lora`); all-zero parts (padding) are left out. Any other key
     (text-encoder LoRAs, unknown layers) raises `CheckpointError`.
     """
     def table(names: Iterable[str]) -> dict[str, Entry]:
