@@ -27,10 +27,9 @@ from PIL import Image
 
 from difftune.cache.disk import DiskStore
 from difftune.cache.keys import entry_key
-from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig, parse_config
 from difftune.data.images import load_pixels
-from difftune.report import Reporter
+from difftune.report.metrics import Reporter
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import Hooks, train
 from difftune.train.setup import fill_caches, prepare

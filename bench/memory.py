@@ -34,7 +34,7 @@ def build(base: str, checkpointing: bool) -> tuple[torch.nn.Module, list[torch.n
 
     from difftune.adapters.lora import add_lora
     from difftune.families.flux.family import FluxFamily
-    from difftune.lowbit import quantize, store_fp8
+    from difftune.precision.lowbit import quantize, store_fp8
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: 24 GB, never 48 GB of fp32 first

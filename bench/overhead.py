@@ -25,9 +25,9 @@ import torch
 
 from difftune.adapters.lora import lora_parameters
 from difftune.config import RunConfig, parse_config
-from difftune.demo import demo_dir
+from difftune.verbs.demo import demo_dir
 from difftune.families.flux.family import image_ids, pack
-from difftune.report import Reporter
+from difftune.report.metrics import Reporter
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import Hooks, train
 from difftune.train.optim import make_optimizer

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from difftune import __version__
 from difftune.errors import DifftuneError
-from difftune.logs import current_run_log, setup_console
+from difftune.report.logs import current_run_log, setup_console
 
 if TYPE_CHECKING:
     from difftune.train.loop import StepFailed
@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from difftune.commands import run_train
+    from difftune.verbs.train import run_train
     from difftune.config import load_config
 
     from difftune.train.dist import current
@@ -135,7 +135,7 @@ def _rank_tag() -> str:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from difftune.commands import run_check
+    from difftune.verbs.check import run_check
     from difftune.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -147,7 +147,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from difftune.commands import run_cache
+    from difftune.verbs.cache import run_cache
     from difftune.config import load_config
     from difftune.train.dist import current
 
@@ -170,7 +170,7 @@ def _one_process(verb: str) -> None:
 
 def _sample(args: argparse.Namespace) -> int:
     from difftune.config import load_config
-    from difftune.standalone import LoraArg, run_sample
+    from difftune.verbs.sample import LoraArg, run_sample
 
     cfg = load_config(args.config, args.overrides)
     loras = [LoraArg.parse(text) for text in args.lora]
@@ -182,7 +182,7 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from difftune.demo import run_demo
+    from difftune.verbs.demo import run_demo
 
     report = run_demo(args.out, steps=args.steps)
     print(report)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _one_process(args.verb)
         if getattr(args, "num_processes", 1) > 1 and not tag:
-            from difftune.launch import launch
+            from difftune.verbs.launch import launch
 
             return launch(args.num_processes, sys.argv[1:] if argv is None else argv)
         return VERBS[args.verb](args)

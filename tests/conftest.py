@@ -7,6 +7,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from difftune.logs import quiet_libraries  # noqa: E402
+from difftune.report.logs import quiet_libraries  # noqa: E402
 
 quiet_libraries()

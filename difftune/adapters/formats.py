@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from difftune.errors import CheckpointError, NonFiniteError
-from difftune.safefiles import is_pickle, pickle_refusal
+from difftune.files.safe import is_pickle, pickle_refusal
 
 LORA_A = "lora_A.weight"
 LORA_B = "lora_B.weight"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from difftune.adapters.formats import LoraPair
+from difftune.errors import CheckpointError
 
 
 def fuse_loras(parts: list[LoraPair]) -> LoraPair:

@@ -25,7 +25,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from difftune.diskspace import check_free, no_room
+from difftune.files.space import check_free, no_room
 
 _SUFFIX = ".safetensors"
 _TMP = ".tmp-"

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from difftune.config.base import QUANT_BACKENDS
 from difftune.errors import ConfigError, ModelFileError
 from difftune.families import registry
-from difftune.filenames import embedding_stem, name_too_long
-from difftune.safefiles import is_pickle, pickle_refusal
+from difftune.files.names import embedding_stem, name_too_long
+from difftune.files.safe import is_pickle, pickle_refusal
 
 if TYPE_CHECKING:
     from difftune.config.run import RunConfig

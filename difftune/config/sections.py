@@ -10,7 +10,7 @@ Relative paths are taken relative to the config file's folder.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError

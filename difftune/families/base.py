@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from difftune.config import ModelConfig, TrainConfig
     from difftune.families.common.text import EncodeOptions
-    from difftune.precision import PrecisionPolicy
+    from difftune.precision.policy import PrecisionPolicy
     from difftune.train.objectives import Objective
 
 

@@ -21,7 +21,7 @@ from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_no
                                        non_finite, split_lora_key, with_clip_root)
 from difftune.errors import CheckpointError, NonFiniteError
 from difftune.families.common.text import model_clip_roots
-from difftune.safefiles import is_pickle, pickle_refusal
+from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.lora import BUNDLE
 

@@ -19,8 +19,8 @@ import torch
 
 from difftune.adapters.lora import lora_parameters
 from difftune.data.sampler import Batch, BucketBatchSampler
-from difftune.report import Reporter
-from difftune.sample import SampleRunner
+from difftune.report.metrics import Reporter
+from difftune.sample.runner import SampleRunner
 from difftune.train.checkpoint import Checkpoint, CheckpointManager
 from difftune.train.guard import NonFiniteGuard, TrainingDiverged
 from difftune.train.optim import make_optimizer, make_scheduler

@@ -15,7 +15,9 @@ from typing import Any, Iterable
 import torch
 from tqdm import tqdm
 
-from difftune import data, families, lowbit
+from difftune import data, families
+
+from difftune.precision import lowbit
 from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.lora import add_lora, suffix_patterns
 from difftune.cache import make_store
@@ -27,7 +29,7 @@ from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family
 from difftune.families.common.text import EncodeOptions
 from difftune.memory import savers
-from difftune.precision import PrecisionPolicy, resolve_device
+from difftune.precision.policy import PrecisionPolicy, resolve_device
 from difftune.train.dist import Dist, current
 from difftune.train.objectives import Objective
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from difftune.demo import demo_dir
+from difftune.verbs.demo import demo_dir
 
 RunFile = Callable[..., Path]
 

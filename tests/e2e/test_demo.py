@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from difftune.cli import main
-from difftune.demo import demo_config_path, nearest_images
-from difftune.demo import demo_dir
-from difftune.plots import read_metric
-from difftune.sample import PromptSpec, read_prompts
+from difftune.verbs.demo import demo_config_path, nearest_images
+from difftune.verbs.demo import demo_dir
+from difftune.report.plots import read_metric
+from difftune.sample.runner import PromptSpec, read_prompts
 
 
 def test_demo_learns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from difftune.adapters.embeddings import ExtendedEmbedding
 from difftune.cli import main
 from difftune.config import parse_config
-from difftune.demo import demo_dir
+from difftune.verbs.demo import demo_dir
 from difftune.families.common import text
-from difftune.report import Reporter
-from difftune.sample import SampleRunner
+from difftune.report.metrics import Reporter
+from difftune.sample.runner import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import Hooks, train
 from difftune.train.setup import Run, fill_caches, prepare

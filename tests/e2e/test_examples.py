@@ -81,7 +81,7 @@ def test_text_encoders_reload_from_the_folder(name: str, tmp_path: Path, images:
 
     from difftune import families
     from difftune.config import load_config
-    from difftune.precision import PrecisionPolicy, resolve_device
+    from difftune.precision.policy import PrecisionPolicy, resolve_device
 
     path = _localize(EXAMPLES / name, tmp_path, images, prompts)
     cfg = load_config(path, ["precision.mixed=\"no\"", "precision.denoiser=\"fp32\"",

@@ -16,7 +16,7 @@ from PIL import Image
 
 from difftune.config import RunConfig, load_config
 from difftune.families.base import Conditioning
-from difftune.sample import PromptSpec, SampleRunner
+from difftune.sample.runner import PromptSpec, SampleRunner
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import param_groups
 from difftune.train.optim import make_optimizer

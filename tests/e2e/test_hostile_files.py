@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from difftune import families
 from difftune.cli import main
 from difftune.config import ModelConfig, PrecisionConfig
-from difftune.precision import PrecisionPolicy
+from difftune.precision.policy import PrecisionPolicy
 
 from .conftest import run_toml
 

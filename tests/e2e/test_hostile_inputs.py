@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from difftune.cli import main
-from difftune.filenames import name_max
+from difftune.files.names import name_max
 
 from .conftest import run_toml
 

@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from difftune.cache.disk import DiskStore
 from difftune.cli import main
-from difftune.demo import demo_config
+from difftune.verbs.demo import demo_config
 from difftune.errors import EnvironmentProblem
-from difftune.prompts import PromptSpec, read_prompts
-from difftune.sample import SampleRunner
+from difftune.sample.prompts import PromptSpec, read_prompts
+from difftune.sample.runner import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.rundir import RunLock
 from difftune.train.state import TrainState
@@ -366,7 +366,7 @@ def test_an_image_deleted_mid_run_is_skipped(
     shutil.copytree(images, data)
     gone, broken = sorted(data.glob("*.png"))[:2]
     cfg = run_toml(tmp_path, data, extra='[cache]\nlatents = "none"\n')
-    import difftune.commands as commands
+    import difftune.verbs.train as commands
 
     real = commands.fill_caches
 

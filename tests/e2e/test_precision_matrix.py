@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 from difftune.adapters.formats import with_clip_root
 from difftune.adapters.lora import lora_state
 from difftune.config import parse_config
-from difftune.demo import demo_dir
+from difftune.verbs.demo import demo_dir
 from difftune.errors import ConfigError
 from difftune.families.common.text import file_clip_roots
-from difftune.lowbit import Fp8Linear
-from difftune.report import Reporter
-from difftune.sample import SampleRunner
+from difftune.precision.lowbit import Fp8Linear
+from difftune.report.metrics import Reporter
+from difftune.sample.runner import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import Hooks, train
 from difftune.train.setup import fill_caches, prepare

@@ -9,7 +9,7 @@ import torch
 
 from difftune.cli import main
 from difftune.config import load_config
-from difftune.lowbit import Fp8Linear
+from difftune.precision.lowbit import Fp8Linear
 from difftune.train.setup import fill_caches, prepare
 from difftune.train.step import batch_loss
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from difftune.cli import main
-from difftune.report import Reporter
+from difftune.report.metrics import Reporter
 
 from .conftest import run_toml
 

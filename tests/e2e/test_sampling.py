@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from difftune.cli import main
 from difftune.families.flux.family import FluxFamily
-from difftune.sample import SampleRunner
+from difftune.sample.runner import SampleRunner
 
 from .conftest import run_toml
 

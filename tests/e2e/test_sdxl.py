@@ -18,7 +18,7 @@ from difftune.config import ModelConfig
 from difftune.errors import ModelFileError
 from difftune.families.sdxl.family import SDXLFamily
 from difftune.families.sdxl.tiny import build_tiny_sdxl
-from difftune.precision import PrecisionPolicy
+from difftune.precision.policy import PrecisionPolicy
 
 from .conftest import run_toml
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftune.commands import run_train
+from difftune.verbs.train import run_train
 from difftune.config import load_config
 
 from ..e2e.conftest import run_toml

@@ -26,11 +26,11 @@ def build(base: str = "fp32") -> FluxTransformer2DModel:
         model = FluxTransformer2DModel(**TINY)
     model.requires_grad_(False)
     if base == "fp8":
-        from difftune.lowbit import store_fp8
+        from difftune.precision.lowbit import store_fp8
 
         store_fp8(model, torch.float32, FluxFamily.keep_high["denoiser"])
     elif base == "int8":
-        from difftune.lowbit import quantize
+        from difftune.precision.lowbit import quantize
 
         quantize(model, "int8", torch.float32, FluxFamily.keep_high["denoiser"])
     add_lora(model, FluxFamily().lora_targets("attention"), 4, 4.0, 0.0, seed=1)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import pytest

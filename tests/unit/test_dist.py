@@ -74,7 +74,7 @@ def test_each_cache_entry_is_computed_by_exactly_one_process(tmp_path: Path,
 
 
 def test_the_launch_command_drops_only_num_processes() -> None:
-    from difftune.launch import command, without_num_processes
+    from difftune.verbs.launch import command, without_num_processes
 
     argv = ["train", "run.toml", "--num-processes", "4", "--set", "train.lr=1e-4",
             "--num-processes=4", "--resume", "latest"]

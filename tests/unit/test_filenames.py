@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from difftune.adapters.formats import save_lora
-from difftune.filenames import (TEMP_EXTRA, embedding_stem, name_max, name_too_long,
+from difftune.files.names import (TEMP_EXTRA, embedding_stem, name_max, name_too_long,
                                 step_name)
 
 

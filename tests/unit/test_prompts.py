@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from difftune.sample import PromptSpec, parse_line, read_prompts
+from difftune.sample.runner import PromptSpec, parse_line, read_prompts
 
 DEFAULT = PromptSpec("", "", 512, 512, 20, 0, 3.5, 1.0)
 

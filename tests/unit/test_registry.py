@@ -65,7 +65,7 @@ def test_spec_names_the_loaded_tiny_components(name: str) -> None:
     import torch
 
     from difftune.config import ModelConfig, PrecisionConfig
-    from difftune.precision import PrecisionPolicy
+    from difftune.precision.policy import PrecisionPolicy
 
     spec = families.spec(name)
     policy = PrecisionPolicy.from_config(PrecisionConfig(), torch.device("cpu"))

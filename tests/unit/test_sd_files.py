@@ -350,7 +350,7 @@ def test_missing_tokenizers(sdxl: tuple, tmp_path: Path) -> None:
 
 def test_family_load_uses_the_single_file(sdxl: tuple) -> None:
     from difftune.families.sdxl.family import SDXLFamily
-    from difftune.precision import PrecisionPolicy
+    from difftune.precision.policy import PrecisionPolicy
 
     _, path, folder = sdxl
     cfg = ModelConfig(family="sdxl", path=folder, transformer=path)

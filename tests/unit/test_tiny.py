@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from difftune.demo import demo_dir
+from difftune.verbs.demo import demo_dir
 from difftune.families.common.tiny import assets_dir
 from difftune.families.flux.tiny import build_tiny_flux
 

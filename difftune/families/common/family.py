@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
     from difftune.config import ModelConfig, TrainConfig
-    from difftune.precision import PrecisionPolicy
+    from difftune.precision.policy import PrecisionPolicy
     from difftune.train.objectives import Objective
 
 # The spec facts the `Family` protocol exposes as attributes of the family class.

@@ -16,7 +16,7 @@ import torch
 
 from difftune.errors import ModelFileError
 from difftune.families.common.single_file import pickle_error
-from difftune.safefiles import is_pickle
+from difftune.files.safe import is_pickle
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig

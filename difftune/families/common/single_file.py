@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.safefiles import is_pickle, pickle_refusal
+from difftune.files.safe import is_pickle, pickle_refusal
 
 _T5_PREFIXES = ("text_encoders.t5xxl.transformer.", "t5xxl.transformer.", "t5xxl.", "te2.")
 

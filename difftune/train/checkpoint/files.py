@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from difftune import __version__
 from difftune.adapters.formats import write_safetensors
 from difftune.errors import CheckpointError
-from difftune.safefiles import is_pickle, pickle_refusal
+from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.train.checkpoint.check import check_doc, check_optimizer, check_rng, check_trainable
 
 CHECKPOINT_FORMAT = 1

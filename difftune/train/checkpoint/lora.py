@@ -21,11 +21,11 @@ from difftune.adapters.formats import fold_scale, merged_adapter_metadata, save_
 from difftune.adapters.lora import lora_state
 from difftune.adapters.metadata import FileFacts, embedding_keys, lora_keys
 from difftune.config import RunConfig, SaveConfig
-from difftune.diskspace import check_free, writing
+from difftune.files.space import check_free, writing
 from difftune.families.base import Components, Family
 from difftune.families.common.text import file_clip_roots
-from difftune.filenames import embedding_stem
-from difftune.precision import DTYPES
+from difftune.files.names import embedding_stem
+from difftune.precision.policy import DTYPES
 
 log = logging.getLogger("difftune")
 

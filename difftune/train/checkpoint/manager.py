@@ -20,7 +20,7 @@ import torch
 
 from difftune.config import RunConfig
 from difftune.data.discover import DataSet
-from difftune.diskspace import writing
+from difftune.files.space import writing
 from difftune.train.checkpoint import files
 from difftune.train.checkpoint.check import check_against_run
 from difftune.train.checkpoint.files import CHECKPOINT_FORMAT, FILES, Checkpoint

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from difftune.commands import run_train
+from difftune.verbs.train import run_train
 from difftune.config import RunConfig, parse_config
 from difftune.errors import ConfigError
-from difftune.plots import labelled_rows, loss_curve
-from difftune.sample import PromptSpec, read_prompts
+from difftune.report.plots import labelled_rows, loss_curve
+from difftune.sample.runner import PromptSpec, read_prompts
 from difftune.train.rundir import previous_outputs
 
 

@@ -22,14 +22,14 @@ import torch
 from PIL import Image
 
 from difftune.config import SampleConfig
-from difftune.prompts import PromptSpec, parse_line, read_prompts  # noqa: F401 (re-exported)
+from difftune.sample.prompts import PromptSpec, parse_line, read_prompts  # noqa: F401 (re-exported)
 from difftune.train.rng import GlobalRngs
 
 if TYPE_CHECKING:
     from difftune.cache.sources import TextSource
     from difftune.families.base import Components, Family
-    from difftune.precision import PrecisionPolicy
-    from difftune.report import Reporter
+    from difftune.precision.policy import PrecisionPolicy
+    from difftune.report.metrics import Reporter
 
 log = logging.getLogger("difftune")
 

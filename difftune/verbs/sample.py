@@ -14,16 +14,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from difftune import families, lowbit
+from difftune import families
 from difftune.adapters.formats import describe_non_finite, load_lora_file, non_finite
 from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
 from difftune.config import RunConfig
 from difftune.errors import CheckpointError, ConfigError, NonFiniteError
 from difftune.families.common.text import EncodeOptions
-from difftune.precision import PrecisionPolicy, resolve_device
-from difftune.safefiles import is_pickle, pickle_refusal
-from difftune.sample import SampleRunner
+from difftune.files.safe import is_pickle, pickle_refusal
+from difftune.precision import lowbit
+from difftune.precision.policy import PrecisionPolicy, resolve_device
+from difftune.sample.runner import SampleRunner
 
 log = logging.getLogger("difftune")
 

@@ -22,7 +22,7 @@ import torch
 
 from difftune.config import QuantizeConfig
 from difftune.families.base import Components, Family
-from difftune.precision import PrecisionPolicy
+from difftune.precision.policy import PrecisionPolicy
 
 log = logging.getLogger("difftune")
 FP8 = torch.float8_e4m3fn

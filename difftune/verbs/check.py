@@ -1,0 +1,167 @@
+"""`difftune check`: everything a run would do short of training, reported in lines: the
+data and its buckets, captions and their augmentations, the LoRA layout, gradient flow, sampling."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from difftune import families
+from difftune.adapters.lora import lora_parameters
+from difftune.config import RunConfig
+from difftune.data.discover import DataSet
+from difftune.errors import DataError
+from difftune.memory import savers
+from difftune.train.checkpoint.lora import lora_format
+from difftune.train.loop import set_training
+from difftune.train.rundir import RunLock, refuse_overwrite
+from difftune.train.setup import Run, load_data, prepare
+from difftune.train.step import batch_loss
+from difftune.verbs.common import sampler_for
+
+log = logging.getLogger("difftune")
+
+
+def describe_captions(run: Run) -> list[str]:
+    """How each subset's caption augmentations reach the model (printed by check and cache)."""
+    seen: dict[tuple[int, int], int] = {}
+    for i, item in enumerate(run.data.items):
+        seen.setdefault((item.dataset, item.subset), i)
+    lines = []
+    for (d, s), i in sorted(seen.items()):
+        words = run.captions.describe(i)
+        if not words:
+            continue
+        live = ""
+        if run.embeddings is not None and any(
+                e.name in run.captions.text(i, None, 0) for e in run.cfg.adapter.embeddings):
+            live = ("; captions with a learned placeholder are encoded live by the encoders "
+                    "learning it")
+        lines.append(f"captions of datasets[{d}].subsets[{s}]: {', '.join(words)}; "
+                     + _caption_mode(run, i) + live)
+    return lines
+
+
+def _caption_mode(run: Run, index: int) -> str:
+    """Whether an item's augmented captions are cached, pre-encoded as variants, or live."""
+    cache, k = run.cfg.cache, run.cfg.cache.caption_variants
+    item = run.data.items[index]
+    random_part = item.augment.is_random(item.augment.fixed(item.caption))
+    if cache.text == "none":
+        return "text encoded every step (cache.text = \"none\")" + (
+            f", {k} variants per caption" if random_part and k else "")
+    if random_part and k:
+        return f"{k} variants per caption pre-encoded from the seed (cache.caption_variants)"
+    if random_part:
+        return ("a fresh draw per sample, encoded on demand with the cache as a memo; the "
+                "text encoders stay resident (set cache.caption_variants = K to pre-encode)")
+    return "every text it can produce is pre-encoded and cached"
+
+
+def _describe_data(data: DataSet) -> list[str]:
+    """The dataset summary lines `check` prints: counts, buckets, each skipped file and why."""
+    s = data.summary()
+    lines = [f"dataset: {s['images']} images, {s['skipped']} skipped, "
+             f"{s['captions_missing']} without caption"]
+    lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
+    lines += [f"  skipped {p}: {why}" for p, why in data.skipped]
+    return lines
+
+
+def run_check(cfg: RunConfig) -> list[str]:
+    """`difftune check`: everything a run does, once, at the smallest size; returns the report."""
+    report = ["config: valid"]
+    refuse_overwrite(cfg)
+    if cfg.save.dir.is_dir():
+        RunLock(cfg.save.dir).acquire().release()  # raises while another run holds it
+    report.append(f"output folder: {cfg.save.dir} (nothing would be overwritten)")
+    data = load_data(cfg, families.get(cfg.model.family))
+    report += _describe_data(data)
+    run = prepare(cfg, dataset=data, show_progress=False)
+    report.append(f"model: {run.comps.name} loaded on {run.policy.device}; LoRA rank "
+                  f"{cfg.adapter.rank} on {len(run.targets)} layers")
+    report.append(savers.describe(cfg, run.family, run.comps.denoiser))
+    if cfg.adapter.type == "lora":
+        report.append(_format_line(run))
+    areas = [it.bucket[0] * it.bucket[1] for it in data.items]
+    smallest = areas.index(min(areas))
+    gen = torch.Generator("cpu").manual_seed(cfg.train.seed)
+    set_training(run, True)
+    loss = batch_loss(run, [smallest], [False], gen)
+    if loss is None:
+        raise DataError(f"{data.items[smallest].path} cannot be read (see the warning above); "
+                        "replace or remove it")
+    if loss.requires_grad:  # false only when nothing trained is used (a caption without
+        loss.backward()     # the placeholder of a textual-inversion run)
+    value = float(loss.detach())
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"the check step gave a non-finite loss ({value})")
+    caption = run.captions.text(smallest, None, 0)
+    flow = _gradient_flow(run, caption)
+    report.append(f"training step: loss {value:.4f}, gradients flow into "
+                  + (", ".join(flow) if flow else "nothing this step trains (its caption "
+                     "uses no placeholder)"))
+    report += _placeholder_report(run)
+    report += describe_captions(run)
+    report += _check_sample(run)
+    return report
+
+
+def _format_line(run: Run) -> str:
+    """Which key layout the LoRA will be written in, and why."""
+    save = run.cfg.save
+    why = ("set by save.format" if save.format else
+           f"the {run.family.name} default: the layout ComfyUI and diffusers both read "
+           "fully; set save.format to choose")
+    return f"LoRA file format: {lora_format(save, run.family)} ({why})"
+
+
+def _gradient_flow(run: Run, caption: str) -> list[str]:
+    """What got a gradient in the check step (LoRAs, and embeddings `caption` uses); raises
+    if one got none."""
+    groups: dict[str, list[torch.nn.Parameter]] = {}
+    if run.cfg.adapter.type == "lora":
+        groups["the denoiser"] = lora_parameters(run.comps.denoiser)
+    groups |= {f"text encoder {n}": lora_parameters(m) for n, m in run.trained_encoders.items()}
+    if run.embeddings is not None:
+        for item in run.embeddings.learned:
+            if item.spec.name in caption:
+                groups[f"{item.spec.name} in {item.encoder}"] = [run.embeddings.tensor_of(item)]
+    for label, params in groups.items():
+        if not any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in params):
+            raise RuntimeError(f"the check step gave no gradient in {label}")
+    return list(groups)
+
+
+def _placeholder_report(run: Run) -> list[str]:
+    """How many captions use each placeholder (none is a mistake worth seeing in seconds)."""
+    if run.embeddings is None:
+        return []
+    captions = [run.captions.text(i, None, 0) for i in range(len(run.data.items))]
+    lines = []
+    for spec in run.cfg.adapter.embeddings:
+        used = sum(spec.name in c for c in captions)
+        lines.append(f"placeholder {spec.name}: in {used} of {len(captions)} captions"
+                     + ("" if used else " (none: add it to the captions or caption_prefix, or "
+                        "nothing will train it)"))
+    return lines
+
+
+def _check_sample(run: Run) -> list[str]:
+    if run.cfg.sample.prompts is None:
+        return ["sampling: no prompt file configured (sample.prompts); skipped"]
+    runner = sampler_for(run, None, Path())
+    specs = runner.prompts()
+    step = run.family.bucket_step * 2
+    probe = [replace(s, width=step, height=step, steps=1) for s in specs[:1]]
+    if not probe:
+        return [f"sampling: {run.cfg.sample.prompts} holds no usable prompt"]
+    with tempfile.TemporaryDirectory() as tmp:
+        images = runner.run(0, probe, Path(tmp))
+    if not images:
+        return ["sampling: FAILED (see the warning above); training would go on without samples"]
+    return [f"sampling: {len(specs)} prompt(s) read; a 1-step {step}x{step} sample works"]

@@ -1,0 +1,36 @@
+"""What several verbs share: this process's place in a run, and a run's sample runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from difftune.config import RunConfig
+from difftune.precision.policy import resolve_device
+from difftune.report.logs import quiet_rank
+from difftune.report.metrics import Reporter
+from difftune.sample.runner import SampleRunner
+from difftune.train.dist import Dist
+from difftune.train.dist import init as init_dist
+from difftune.train.setup import Run
+
+
+def join(cfg: RunConfig) -> Dist:
+    """This process's place in a multi-process run (launched by accelerate or torchrun), or
+    a single process; only rank 0 then speaks on the console (warnings of others: errors only)."""
+    dist = init_dist(resolve_device(cfg.train.device))
+    if dist.world > 1:
+        quiet_rank(dist.rank)
+    return dist
+
+
+def sampler_for(run: Run, reporter: Reporter | None, out: Path) -> SampleRunner:
+    """A sample runner whose default size is the first dataset's resolution."""
+    res = run.cfg.datasets[0].resolution
+    return SampleRunner(run.family, run.comps, run.texts, run.cfg.sample, out, (res, res),
+                        run.policy, reporter)
+
+
+def sample_prompts(runner: SampleRunner) -> list[str]:
+    """Prompt and negative texts of the sample file now, so they are cached with the captions."""
+    specs = runner.prompts()
+    return [s.prompt for s in specs] + [s.negative for s in specs if s.cfg > 1.0]

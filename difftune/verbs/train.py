@@ -1,0 +1,140 @@
+"""`difftune train`: open or resume a run, hold its folder's lock, train, save, sample.
+
+Signals (SIGINT, SIGTERM) stop the loop after the current step with a checkpoint saved."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from difftune import families
+from difftune.config import RunConfig
+from difftune.report.logs import attach_run_log
+from difftune.report.metrics import Reporter, SilentReporter
+from difftune.train.checkpoint import Checkpoint, CheckpointManager
+from difftune.train.dist import Dist
+from difftune.train.init_lora import load_init_lora
+from difftune.train.loop import Hooks, Result, train
+from difftune.train.rundir import (
+    RunLock,
+    clean_leftovers,
+    clear_for_overwrite,
+    refuse_overwrite,
+)
+from difftune.train.setup import (
+    fill_caches,
+    load_data,
+    prepare,
+    report_bad_entries,
+)
+from difftune.verbs.common import join, sample_prompts, sampler_for
+
+log = logging.getLogger("difftune")
+
+
+def run_train(cfg: RunConfig, show_progress: bool = True, resume: str | None = None,
+              init_lora: Path | None = None) -> Result:
+    """`difftune train`: the whole run, from config to LoRA file.
+
+    `resume` ("latest" or a checkpoint folder) continues a run exactly; `init_lora` starts a
+    new one from a LoRA file's weights. An incompatible resume fails before anything is written.
+    """
+    dist = join(cfg)
+    lock = RunLock(cfg.save.dir)
+    try:
+        checkpoint = _open_run(cfg, resume, dist, lock)
+        return _run_locked(cfg, dist, checkpoint, show_progress, init_lora)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
+                show_progress: bool, init_lora: Path | None) -> Result:
+    """The run once its folder is held: data (checked against a resumed checkpoint before the
+    model loads), model, caches, training."""
+    started = time.perf_counter()
+    data = load_data(cfg, families.get(cfg.model.family))
+    if checkpoint is not None:
+        CheckpointManager.check_data(checkpoint, data, cfg.train.batch_size * dist.world,
+                                     cfg.train.seed)
+    run = prepare(cfg, dataset=data, show_progress=show_progress)
+    ckpt = CheckpointManager(cfg, run.family, run.comps, run.targets, run.data.summary(),
+                             run.embeddings, writes=dist.main)
+    if checkpoint is not None:
+        ckpt.check_compatible(checkpoint)
+    ckpt.check_space()
+    if init_lora is not None:
+        load_init_lora(init_lora, ckpt)
+    ckpt.write_config()
+    sampler = (sampler_for(run, None, cfg.save.dir / "samples")
+               if cfg.sample.prompts and dist.main else None)
+    fill_caches(run, dist.broadcast(sample_prompts(sampler) if sampler else []), show_progress)
+    start = checkpoint.step if checkpoint else 0
+    reporter = (Reporter(cfg.save.dir, cfg.train.steps, start_step=start, bar=show_progress,
+                         append=checkpoint is not None, every=cfg.train.log_every)
+                if dist.main else SilentReporter())
+    if sampler:
+        sampler.reporter = reporter
+    try:
+        with stop_signals() as stop:
+            if sampler:
+                sampler.stop = stop
+            result = train(run, Hooks(reporter, ckpt, sampler, stop), checkpoint)
+    finally:
+        reporter.close()
+        report_bad_entries(run)
+    log.info("done in %.1f s: %s", time.perf_counter() - started, result.lora)
+    return result
+
+
+def _open_run(cfg: RunConfig, resume: str | None, dist: Dist,
+              lock: RunLock) -> Checkpoint | None:
+    """Hold the output folder (rank 0), check what the run would overwrite or resume from
+    (every process, before rank 0 writes anything), then clean what an interrupted run left
+    and open the run log; returns the checkpoint to resume."""
+    if dist.main:
+        lock.acquire()  # a second run on this folder stops here
+    checkpoint = CheckpointManager.open(cfg, resume) if resume else None
+    if checkpoint is None:
+        refuse_overwrite(cfg)
+    dist.barrier()
+    if dist.main:
+        clean_leftovers(cfg.save.dir)
+        if checkpoint is None:
+            clear_for_overwrite(cfg)
+        attach_run_log(cfg.save.dir / "difftune.log")  # appends: a refused resume loses nothing
+    if dist.world > 1:
+        log.info("data-parallel run: %d processes, global batch %d (train.batch_size %d per "
+                 "process)", dist.world, dist.world * cfg.train.batch_size, cfg.train.batch_size)
+    return checkpoint
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[Callable[[], bool]]:
+    """SIGINT/SIGTERM ask the loop to finish its step, checkpoint and stop (a second SIGINT
+    is ignored until then); yields the predicate the loop polls. Off the main thread, nothing."""
+    asked: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def ask(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if not asked:
+            log.warning("stop requested (%s): finishing this step and saving a checkpoint", name)
+        else:  # a second signal never cuts a save short
+            log.warning("%s again: already stopping; the checkpoint is being saved, wait for "
+                        "it (kill -9 loses the steps since the last checkpoint)", name)
+        asked.append(signum)
+
+    old = {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: bool(asked)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
