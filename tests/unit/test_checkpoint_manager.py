@@ -13,7 +13,7 @@ import torch
 
 from difftune.config import RunConfig, load_config
 from difftune.errors import CheckpointError
-from difftune.families.tiny import demo_dir
+from difftune.verbs.demo import demo_dir
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.files import complete_checkpoints, read
 from difftune.train.loop import build_state
