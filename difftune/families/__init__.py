@@ -16,6 +16,11 @@ _FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
+def names() -> tuple[str, ...]:
+    """Every registered family name, in registry order (what tests parametrize over)."""
+    return tuple(_FAMILIES)
+
+
 def get(name: str) -> Family:
     """The family registered under `name`."""
     if name not in _FAMILIES:
@@ -25,4 +30,4 @@ def get(name: str) -> Family:
 
 
 __all__ = ["Components", "Conditioning", "Family", "ModelSpec", "TextEmbeds", "TextEncoderSpec",
-           "get"]
+           "get", "names"]

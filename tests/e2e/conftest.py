@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import shutil
 import textwrap
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
+import torch
 
+from difftune import families
+from difftune.cli import main
+from difftune.config import ModelConfig
 from difftune.families.tiny import demo_dir
+from difftune.precision import PrecisionPolicy
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
 
 RunFile = Callable[..., Path]
 
@@ -34,8 +44,13 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_toml(folder: Path, data: Path, extra: str = "", steps: int = 4,
-             prompts: Path | None = None, fmt: str = "diffusers") -> Path:
-    """Write a small tiny-flavor run file into `folder` and return its path."""
+             prompts: Path | None = None, fmt: str = "diffusers", family: str | None = None,
+             model: str = 'flavor = "tiny"') -> Path:
+    """Write a small tiny-flavor run file into `folder` and return its path.
+
+    `family` adds `model.family` (the default family otherwise); `model` is the model source
+    line (the tiny flavor, or e.g. a `path = ...` to a saved folder)."""
+    source = (f'family = "{family}"\n' if family else "") + model
     sample = (f'[sample]\nprompts = "{prompts.as_posix()}"\nevery_n_steps = 2\nat_start = true\n'
               if prompts else "[sample]\nat_end = false\n")
     text = textwrap.dedent(f"""
@@ -64,7 +79,42 @@ def run_toml(folder: Path, data: Path, extra: str = "", steps: int = 4,
         dir = "{(folder / 'out').as_posix()}"
         format = "{fmt}"
         dtype = "fp32"
-        """) + sample + extra
+        """).replace('flavor = "tiny"', source, 1) + sample + extra
     path = folder / "run.toml"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def train_cli(folder: Path, data: Path, *sets: str, **kw: object) -> Path:
+    """Train through the real CLI (`run_toml(**kw)` plus `--set` overrides); the output folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    args = ["train", str(run_toml(folder, data, **kw)), "--no-progress"]  # type: ignore[arg-type]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    return folder / "out"
+
+
+def metrics_rows(out: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl, in order."""
+    return [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_pipeline(family: str) -> DiffusionPipeline:
+    """A fresh diffusers pipeline of `family`'s tiny flavor, fp32 on the CPU, no progress bars."""
+    fam = families.get(family)
+    policy = PrecisionPolicy(torch.device("cpu"), None, torch.float32, torch.float32,
+                             torch.float32)
+    pipe = fam.pipeline(fam.load(ModelConfig(family=family, flavor="tiny"), policy))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def pipeline_image(pipe: DiffusionPipeline, prompt: str = "a red circle", size: int = 32,
+                   **kw: Any) -> torch.Tensor:
+    """A 2-step, seed-0 image from `pipe` (T5 prompts capped at 32 tokens where it has T5)."""
+    if "max_sequence_length" in inspect.signature(pipe.__call__).parameters:
+        kw.setdefault("max_sequence_length", 32)
+    out = pipe(prompt, height=size, width=size, num_inference_steps=2,
+               generator=torch.Generator().manual_seed(0), output_type="pt", **kw)
+    return out.images
