@@ -72,8 +72,8 @@ def test_flow_matching_option_refused(images: Path, tmp_path: Path,
 
 
 def test_single_file_without_a_tokenizer_folder_is_refused(tmp_path: Path) -> None:
-    """A single-file checkpoint (`model.transformer`) with no `model.path` is refused before any
-    file is read: tokenizers are never in checkpoints, and the message says what to set."""
+    """A single-file checkpoint (`model.transformer`) with no `model.path` is refused: tokenizers
+    are never in checkpoints, and the message says what to set."""
     files = {k: tmp_path / f"{k}.safetensors" for k in ("transformer", "vae", "clip_l", "t5")}
     policy = PrecisionPolicy(torch.device("cpu"), None, torch.float32, torch.float32,
                              torch.float32)
