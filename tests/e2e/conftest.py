@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import shutil
 import textwrap
@@ -163,3 +164,27 @@ def finished(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
     cfg = run_toml(folder, images)
     assert train_exit_code(cfg, "save.every_n_steps=2") == 0
     return cfg
+
+
+def pairwise(cells: list[tuple]) -> list[tuple]:
+    """A covering subset of `cells`: every pair of values of any two axes in some chosen cell
+    (so every value of every axis too).
+
+    Greedy and deterministic: repeatedly the first cell (in `cells` order) that covers the most
+    pairs not yet covered; the same cells on every run."""
+    def pairs(cell: tuple) -> set[tuple]:
+        return {(i, cell[i], j, cell[j]) for i, j in itertools.combinations(range(len(cell)), 2)}
+    todo = set().union(*(pairs(c) for c in cells))
+    chosen: list[tuple] = []
+    while todo:
+        best = max(cells, key=lambda c: len(pairs(c) & todo))
+        chosen.append(best)
+        todo -= pairs(best)
+    return chosen
+
+
+def sampled_grid(cells: list[tuple]) -> list[Any]:
+    """`cells` as parametrize values for the tiers: the `pairwise` subset runs by default, every
+    other cell is `full_only` (runs with `pytest --full`)."""
+    keep = pairwise(cells)
+    return [c if c in keep else pytest.param(*c, marks=pytest.mark.full_only) for c in cells]

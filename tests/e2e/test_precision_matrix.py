@@ -3,10 +3,10 @@ encoder trained. Each supported cell trains one step (finite loss), samples one 
 LoRA and reads it back (only LoRA tensors, equal to the trained ones: no quantizer names leak);
 each unsupported cell is refused when the config loads, with the message asserted.
 
-Tiers: the default run executes a fixed all-pairs covering subset of the 144 cells (`PAIRWISE`,
-15 cells: every value of every axis, and every pair of values of any two axes, appears in at
-least one cell; chosen greedily in `CELLS` order, so it never changes between runs). The other
-cells are `full_only` and run with `pytest --full`."""
+Tiers: the default run executes a fixed all-pairs covering subset of the 144 cells (15 cells,
+`conftest.pairwise`: every value of every axis, and every pair of values of any two axes,
+appears in at least one cell; chosen greedily in `CELLS` order, so it never changes between
+runs). The other cells are `full_only` and run with `pytest --full`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import Hooks, train
 from difftune.train.setup import fill_caches, prepare
 
+from .conftest import sampled_grid
+
 FIRST_ENCODER = {"flux": "clip_l", "sd3": "clip_l", "sdxl": "clip_g"}
 # "half": every part stored in the mixed dtype (fp16 or bf16), the common set-up on a GPU.
 BASES = {"full": {}, "half": {}, "fp8": {"denoiser": "fp8", "text_encoders": "fp8", "vae": "fp8"},
@@ -39,23 +41,6 @@ CELLS = list(itertools.product(sorted(FIRST_ENCODER), ("no", "fp16", "bf16"),
                                ("full", "half", "fp8", "int8"), ("memory", "none"), (False, True)))
 
 
-def pairwise(cells: list[tuple]) -> list[tuple]:
-    """A covering subset of `cells`: every pair of values of any two axes in some chosen cell.
-
-    Greedy and deterministic: repeatedly the first cell (in `cells` order) that covers the most
-    pairs not yet covered."""
-    def pairs(cell: tuple) -> set[tuple]:
-        return {(i, cell[i], j, cell[j]) for i, j in itertools.combinations(range(len(cell)), 2)}
-    todo = set().union(*(pairs(c) for c in cells))
-    chosen: list[tuple] = []
-    while todo:
-        best = max(cells, key=lambda c: len(pairs(c) & todo))
-        chosen.append(best)
-        todo -= pairs(best)
-    return chosen
-
-
-PAIRWISE = pairwise(CELLS)
 
 
 def unsupported(mixed: str, base: str) -> str | None:
@@ -87,8 +72,7 @@ def config(tmp: Path, family: str, mixed: str, base: str, text: str, trained: bo
     }, tmp)
 
 
-@pytest.mark.parametrize("family, mixed, base, text, trained", [
-    c if c in PAIRWISE else pytest.param(*c, marks=pytest.mark.full_only) for c in CELLS])
+@pytest.mark.parametrize("family, mixed, base, text, trained", sampled_grid(CELLS))
 def test_cell(tmp_path: Path, family: str, mixed: str, base: str, text: str,
               trained: bool) -> None:
     check_cell(tmp_path, family, mixed, base, text, trained, "cpu")
