@@ -19,17 +19,14 @@ from difftune.errors import ConfigError
 from difftune.families import get
 from difftune.memory import savers
 
-from .conftest import run_toml
+from .conftest import run_toml, train_cli
 
 NO_CLIP = "train.max_grad_norm=1e9"  # clipping by a global norm and per tensor agree: never
 
 
 def train(folder: Path, images: Path, *sets: str, prompts: Path | None = None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = run_toml(folder, images, steps=4, prompts=prompts)
-    assert main(["train", str(cfg), "--no-progress",
-                 *[a for s in sets for a in ("--set", s)]]) == 0
-    return folder / "out"
+    """A 4-step run through the CLI; the output folder."""
+    return train_cli(folder, images, *sets, steps=4, prompts=prompts)
 
 
 def result(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
