@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from difftune.logs import quiet_libraries  # noqa: E402
 
 quiet_libraries()
-
-import pytest  # noqa: E402
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
