@@ -1,5 +1,6 @@
 """FLUX.1-only behaviour through the real CLI on the tiny flavor: the kohya layout through
-diffusers' converter, determinism, cache settings, and a mixed-options run (guidance, shift)."""
+diffusers' converter, determinism, cache settings, and one run mixing accumulation,
+checkpointing, bf16, flips, random crops, a cosine schedule and flux_shift timesteps."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from diffusers import FluxPipeline
+from safetensors.torch import load_file
 
 from ..conftest import metrics_rows, pipeline_image, tiny_pipeline, train_cli
 
