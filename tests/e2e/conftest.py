@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import inspect
+import itertools
+import json
 import shutil
 import textwrap
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
+import torch
+from safetensors import safe_open
 
+from difftune import families
+from difftune.cli import main
+from difftune.config import ModelConfig, PrecisionConfig
 from difftune.verbs.demo import demo_dir
+from difftune.precision.policy import PrecisionPolicy
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
 
 RunFile = Callable[..., Path]
 
@@ -34,8 +46,14 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_toml(folder: Path, data: Path, extra: str = "", steps: int = 4,
-             prompts: Path | None = None, fmt: str = "diffusers") -> Path:
-    """Write a small tiny-flavor run file into `folder` and return its path."""
+             prompts: Path | None = None, fmt: str | None = "diffusers",
+             family: str | None = None, model: str = 'flavor = "tiny"') -> Path:
+    """Write a small tiny-flavor run file into `folder` (made if missing); its path.
+
+    `family` adds `model.family` (the default family otherwise); `model` is the model source
+    line (the tiny flavor, or e.g. a `path = ...` to a saved folder); `fmt` None leaves
+    save.format out (the family's default format)."""
+    source = (f'family = "{family}"\n' if family else "") + model
     sample = (f'[sample]\nprompts = "{prompts.as_posix()}"\nevery_n_steps = 2\nat_start = true\n'
               if prompts else "[sample]\nat_end = false\n")
     text = textwrap.dedent(f"""
@@ -64,7 +82,109 @@ def run_toml(folder: Path, data: Path, extra: str = "", steps: int = 4,
         dir = "{(folder / 'out').as_posix()}"
         format = "{fmt}"
         dtype = "fp32"
-        """) + sample + extra
+        """).replace('flavor = "tiny"', source, 1) + sample + extra
+    if fmt is None:
+        text = text.replace('format = "None"\n', "")
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "run.toml"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def train_cli(folder: Path, data: Path, *sets: str, **kw: object) -> Path:
+    """Train through the real CLI (`run_toml(**kw)` plus `--set` overrides); the output folder."""
+    args = ["train", str(run_toml(folder, data, **kw)), "--no-progress"]  # type: ignore[arg-type]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    return folder / "out"
+
+
+def metrics_rows(out: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl, in order."""
+    return [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_pipeline(family: str) -> DiffusionPipeline:
+    """A fresh diffusers pipeline of `family`'s tiny flavor with base weights only (default
+    precision, CPU), progress bars off."""
+    fam = families.get(family)
+    policy = PrecisionPolicy.from_config(PrecisionConfig(), torch.device("cpu"))
+    pipe = fam.pipeline(fam.load(ModelConfig(family=family, flavor="tiny"), policy))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def pipeline_image(pipe: DiffusionPipeline, prompt: str = "a red circle", size: int = 32,
+                   **kw: Any) -> torch.Tensor:
+    """A 2-step, seed-0 image from `pipe` (T5 prompts capped at 32 tokens where it has T5)."""
+    if "max_sequence_length" in inspect.signature(pipe.__call__).parameters:
+        kw.setdefault("max_sequence_length", 32)
+    out = pipe(prompt, height=size, width=size, num_inference_steps=2,
+               generator=torch.Generator().manual_seed(0), output_type="pt", **kw)
+    return out.images
+
+
+def train_exit_code(cfg: Path, *sets: str, extra: list[str] | None = None) -> int:
+    """`difftune train cfg --no-progress` with `--set` overrides and `extra` arguments: its code."""
+    args = ["train", str(cfg), "--no-progress"] + [a for s in sets for a in ("--set", s)]
+    return main(args + (extra or []))
+
+
+def lora_metadata(path: Path) -> dict[str, str]:
+    """A safetensors file's metadata ({} when it has none)."""
+    with safe_open(str(path), "pt") as f:
+        return dict(f.metadata() or {})
+
+
+def steps_of(out: Path) -> list[int]:
+    """The steps a run's metrics.jsonl records, in order."""
+    return [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def output_files(out: Path, skip: tuple[str, ...] = ("difftune.log",)) -> dict:
+    """Every file under `out` (but `skip`) -> its bytes: a snapshot to compare runs by."""
+    return {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name not in skip}
+
+
+def copy_run(cfg: Path, where: Path) -> Path:
+    """A copy of a run's folder (run file, out/) whose run file points at the copy."""
+    shutil.copytree(cfg.parent, where, dirs_exist_ok=True)
+    text = cfg.read_text(encoding="utf-8").replace(cfg.parent.as_posix(), where.as_posix())
+    (where / "run.toml").write_text(text, encoding="utf-8")
+    return where / "run.toml"
+
+
+@pytest.fixture(scope="session")
+def finished(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
+    """A 4-step run with checkpoints after steps 2 and 4 (its run file; outputs in out/).
+
+    Shared read-only: tests work on a `copy_run` of it."""
+    folder = tmp_path_factory.mktemp("finished")
+    cfg = run_toml(folder, images)
+    assert train_exit_code(cfg, "save.every_n_steps=2") == 0
+    return cfg
+
+
+def pairwise(cells: list[tuple]) -> list[tuple]:
+    """A covering subset of `cells`: every pair of values of any two axes in some chosen cell
+    (so every value of every axis too).
+
+    Greedy and deterministic: repeatedly the first cell (in `cells` order) that covers the most
+    pairs not yet covered; the same cells on every run."""
+    def pairs(cell: tuple) -> set[tuple]:
+        return {(i, cell[i], j, cell[j]) for i, j in itertools.combinations(range(len(cell)), 2)}
+    todo = set().union(*(pairs(c) for c in cells))
+    chosen: list[tuple] = []
+    while todo:
+        best = max(cells, key=lambda c: len(pairs(c) & todo))
+        chosen.append(best)
+        todo -= pairs(best)
+    return chosen
+
+
+def sampled_grid(cells: list[tuple]) -> list[Any]:
+    """`cells` as parametrize values for the tiers: the `pairwise` subset runs by default, every
+    other cell is `full_only` (runs with `pytest --full`)."""
+    keep = pairwise(cells)
+    return [c if c in keep else pytest.param(*c, marks=pytest.mark.full_only) for c in cells]

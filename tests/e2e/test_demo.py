@@ -1,4 +1,10 @@
-"""`difftune demo` really learns: each prompt's final sample is nearest its own training image."""
+"""`difftune demo` really learns: each prompt's final sample is nearest its own training image.
+
+Tiers: the full-length demo (`test_demo_learns`, the packaged 800 steps) is `full_only`. The
+default tier runs the same demo shortened (`test_short_demo_writes_and_reports_everything`):
+every output file, the samples of every prompt before the first step and after the last, the
+report, and that the untrained samples do not match their prompts; only "after training every
+prompt's sample matches" and the halved loss need the full length, so only `--full` asserts it."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from difftune.report.plots import read_metric
 from difftune.sample.runner import PromptSpec, read_prompts
 
 
+@pytest.mark.full_only
 def test_demo_learns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out)]) == 0
@@ -32,4 +39,27 @@ def test_demo_learns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     losses = [v for _, v in read_metric(out / "metrics.jsonl")]
     assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:20]) / 20
     assert f"after {len(prompts)}/{len(prompts)}" in report
+    assert demo_config_path().is_file()
+
+
+SHORT = 12  # steps of the default tier's demo: samples at 0, 4, 8, 12
+
+
+def test_short_demo_writes_and_reports_everything(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--steps", str(SHORT)]) == 0
+    report = capsys.readouterr().out
+    for name in ("before_after.png", "loss.png", "demo-lora.safetensors", "metrics.jsonl"):
+        assert (out / name).is_file(), name
+    prompts = read_prompts(demo_dir() / "prompts.txt", PromptSpec("", "", 64, 64, 8, 0, 1.0, 1.0))
+    assert [s for s, _ in read_metric(out / "metrics.jsonl")] == list(range(1, SHORT + 1))
+    samples = out / "samples"
+    before = [next(samples.glob(f"step-000000_{i:02d}_*.png")) for i in range(len(prompts))]
+    assert all(next(samples.glob(f"step-{SHORT:06d}_{i:02d}_*.png")) for i in range(len(prompts)))
+    # Before training the samples do not match their prompts.
+    baseline = nearest_images(before, prompts, demo_dir())
+    assert baseline.matched < len(prompts)
+    assert (f"samples nearest to their own training image: before {baseline.matched}/"
+            f"{len(prompts)}, after ") in report
     assert demo_config_path().is_file()

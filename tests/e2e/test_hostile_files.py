@@ -20,7 +20,6 @@ its source:
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import stat
@@ -29,15 +28,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from difftune import families
 from difftune.cli import main
-from difftune.config import ModelConfig, PrecisionConfig
-from difftune.precision.policy import PrecisionPolicy
 
-from .conftest import run_toml
+from .conftest import lora_metadata, run_toml, tiny_pipeline, train_cli
 
 RANK, ALPHA = 4, 3  # scale 0.75: a file read with the wrong scale is 1.33x too strong
 CLIP_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
@@ -47,32 +42,11 @@ CLIP_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
 # ---------------------------------------------------------------------------- helpers
 
 
-def family_toml(folder: Path, images: Path, family: str, fmt: str | None = "diffusers",
-                **kw: object) -> Path:
-    """The shared tiny run file for `family`; `fmt` None leaves save.format out."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = run_toml(folder, images, fmt=fmt or "diffusers", **kw)
-    text = path.read_text().replace('flavor = "tiny"', f'family = "{family}"\nflavor = "tiny"')
-    if fmt is None:
-        text = text.replace('format = "diffusers"\n', "")
-    path.write_text(text)
-    return path
-
-
 def train(folder: Path, images: Path, family: str, *sets: str, fmt: str | None = "diffusers",
           steps: int = 1, extra: str = "") -> Path:
     """A run through the CLI (rank 4, alpha 3 unless `sets` say otherwise); the output folder."""
-    args = ["train", str(family_toml(folder, images, family, fmt, steps=steps, extra=extra)),
-            "--no-progress", "--set", f"adapter.alpha={ALPHA}"]
-    for s in sets:
-        args += ["--set", s]
-    assert main(args) == 0
-    return folder / "out"
-
-
-def metadata(path: Path) -> dict[str, str]:
-    with safe_open(str(path), "pt") as f:
-        return dict(f.metadata() or {})
+    return train_cli(folder, images, f"adapter.alpha={ALPHA}", *sets, family=family, fmt=fmt,
+                     steps=steps, extra=extra)
 
 
 def trained_deltas(out: Path, alpha: float = ALPHA) -> dict[str, torch.Tensor]:
@@ -117,14 +91,6 @@ def diffusers_deltas(pipe: object, component: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def fresh_pipeline(family: str) -> object:
-    """A tiny pipeline of `family` with base weights only."""
-    fam = families.get(family)
-    comps = fam.load(ModelConfig(family=family, flavor="tiny"),
-                     PrecisionPolicy.from_config(PrecisionConfig(), torch.device("cpu")))
-    return fam.pipeline(comps)
-
-
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert set(got) == set(want)
     for key, value in want.items():
@@ -146,10 +112,10 @@ def test_diffusers_file_reads_the_same_in_comfyui_and_diffusers(
     want = trained_deltas(out)
     assert not [k for k in file if k.endswith(".alpha")]
     assert_same(comfy_deltas(file), want)
-    pipe = fresh_pipeline(family)
+    pipe = tiny_pipeline(family)
     pipe.load_lora_weights(str(lora))  # diffusers' own loader, metadata and all
     assert_same(diffusers_deltas(pipe, "transformer"), want)
-    meta = metadata(lora)
+    meta = lora_metadata(lora)
     assert meta["ss_network_dim"] == str(RANK)
     assert float(meta["ss_network_alpha"]) == RANK  # the scale is in the up factors
     packed = json.loads(meta["lora_adapter_metadata"])
@@ -161,7 +127,7 @@ def _old_style_file(out: Path, path: Path, alpha: float = ALPHA) -> Path:
     alpha in the metadata only (difftune.alpha and lora_adapter_metadata)."""
     last = sorted((out / "checkpoints").glob("step-*"))[-1]
     state = load_file(str(last / "trainable.safetensors"))
-    meta = metadata(out / "lora.safetensors")
+    meta = lora_metadata(out / "lora.safetensors")
     packed = {k: (alpha if k.endswith("lora_alpha") else v)
               for k, v in json.loads(meta["lora_adapter_metadata"]).items()}
     meta.update({"difftune.alpha": str(float(alpha)),
@@ -184,7 +150,7 @@ def test_init_lora_gives_the_trained_weights_from_new_and_old_files(
     src = load_file(str(last / "trainable.safetensors"))
     old = _old_style_file(out, tmp_path / "old.safetensors")
     for file in (out / "lora.safetensors", old):
-        cfg = load_config(family_toml(tmp_path / file.stem, images, "flux"),
+        cfg = load_config(run_toml(tmp_path / file.stem, images, family="flux"),
                           [f"adapter.alpha={ALPHA}", 'adapter.text_encoders=["clip_l"]'])
         run = prepare(cfg, show_progress=False)
         manager = CheckpointManager(cfg, run.family, run.comps, run.targets, {})
@@ -207,14 +173,14 @@ def test_clip_lora_keys_are_the_ones_comfyui_and_diffusers_map(
                 'adapter.targets="attention"')
     lora = out / "lora.safetensors"
     file = load_file(str(lora))
-    layers = fresh_pipeline("flux").text_encoder.config.num_hidden_layers
+    layers = tiny_pipeline("flux").text_encoder.config.num_hidden_layers
     clip = {k.rsplit(".", 2)[0] for k in file if k.startswith("text_encoder.")}
     assert clip and clip <= comfy_clip_keys("text_encoder", layers)
     want = trained_deltas(out)
     comfy = {k.replace("text_encoder.text_model.", "text_encoder."): v
              for k, v in comfy_deltas(file).items()}
     assert_same(comfy, want)
-    pipe = fresh_pipeline("flux")
+    pipe = tiny_pipeline("flux")
     pipe.load_lora_weights(str(lora))
     theirs = diffusers_deltas(pipe, "transformer") | diffusers_deltas(pipe, "text_encoder")
     assert_same(theirs, want)
@@ -228,10 +194,10 @@ def test_init_lora_reads_both_clip_namings(tmp_path: Path, images: Path) -> None
     flat = {k.replace("text_encoder.text_model.", "text_encoder."): v for k, v in file.items()}
     assert flat.keys() != file.keys()
     old = tmp_path / "flat.safetensors"
-    save_file(flat, str(old), metadata=metadata(out / "lora.safetensors"))
+    save_file(flat, str(old), metadata=lora_metadata(out / "lora.safetensors"))
     for init in (out / "lora.safetensors", old):
         folder = tmp_path / f"init-{init.stem}"
-        assert main(["train", str(family_toml(folder, images, "flux", steps=1)), "--no-progress",
+        assert main(["train", str(run_toml(folder, images, family="flux", steps=1)), "--no-progress",
                      "--set", f"adapter.alpha={ALPHA}", "--set",
                      'adapter.text_encoders=["clip_l"]', "--init-lora", str(init)]) == 0
         log = (folder / "out" / "difftune.log").read_text()
@@ -246,7 +212,7 @@ def test_sdxl_defaults_to_kohya_and_check_says_so(tmp_path: Path, images: Path,
     """save.format unset: SDXL writes kohya keys (the layout ComfyUI and diffusers both read
     fully), `check` says which format and why, and the resolved config shows it; an explicit
     save.format is kept."""
-    cfg = family_toml(tmp_path / "check", images, "sdxl", fmt=None)
+    cfg = run_toml(tmp_path / "check", images, family="sdxl", fmt=None)
     assert main(["check", str(cfg)]) == 0
     said = capsys.readouterr().out
     assert re.search(r"LoRA file format: kohya \(the sdxl default", said), said
@@ -256,17 +222,17 @@ def test_sdxl_defaults_to_kohya_and_check_says_so(tmp_path: Path, images: Path,
     assert keys and all(k.startswith(("lora_unet_", "lora_te1_")) for k in keys)
     te1 = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0]
            for k in keys if k.startswith("lora_te1_")}
-    layers = fresh_pipeline("sdxl").text_encoder.config.num_hidden_layers
+    layers = tiny_pipeline("sdxl").text_encoder.config.num_hidden_layers
     assert te1 <= {f"lora_te1_text_model_encoder_layers_{b}_{c.replace('.', '_')}"
                    for b in range(layers) for c in CLIP_MODULES}
     resolved = json.loads((out / "config.resolved.json").read_text())
     assert resolved["save"]["format"] == "kohya"
-    assert metadata(out / "lora.safetensors")["difftune.format"] == "kohya"
+    assert lora_metadata(out / "lora.safetensors")["difftune.format"] == "kohya"
     explicit = train(tmp_path / "explicit", images, "sdxl", fmt="diffusers")
     assert json.loads((explicit / "config.resolved.json").read_text())["save"]["format"] == \
         "diffusers"
     assert all(k.startswith("unet.") for k in load_file(str(explicit / "lora.safetensors")))
-    flux = family_toml(tmp_path / "flux", images, "flux", fmt=None)
+    flux = run_toml(tmp_path / "flux", images, family="flux", fmt=None)
     assert main(["check", str(flux)]) == 0
     assert "LoRA file format: diffusers (the flux default" in capsys.readouterr().out
 
@@ -276,7 +242,7 @@ def test_sdxl_defaults_to_kohya_and_check_says_so(tmp_path: Path, images: Path,
 
 def test_metadata_that_model_managers_read(tmp_path: Path, images: Path) -> None:
     """kohya's ss_* keys and the SAI model spec keys, with the true values of the file."""
-    flux = metadata(train(tmp_path / "flux", images, "flux", "save.name=\"myflux\"",
+    flux = lora_metadata(train(tmp_path / "flux", images, "flux", "save.name=\"myflux\"",
                           fmt="kohya") / "myflux.safetensors")
     assert flux["ss_network_module"] == "networks.lora_flux"
     assert flux["ss_network_dim"] == str(RANK) and float(flux["ss_network_alpha"]) == ALPHA
@@ -289,7 +255,7 @@ def test_metadata_that_model_managers_read(tmp_path: Path, images: Path) -> None
     assert flux["modelspec.title"] == "myflux" and flux["modelspec.resolution"] == "64x64"
     assert abs((datetime.fromisoformat(flux["modelspec.date"]) -
                 datetime.now().astimezone()).total_seconds()) < 600
-    sdxl = metadata(train(tmp_path / "sdxl", images, "sdxl", fmt=None) / "lora.safetensors")
+    sdxl = lora_metadata(train(tmp_path / "sdxl", images, "sdxl", fmt=None) / "lora.safetensors")
     assert sdxl["ss_network_module"] == "networks.lora"
     assert sdxl["ss_base_model_version"] == "sdxl_base_v1-0"
     assert sdxl["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
@@ -313,95 +279,3 @@ def test_every_file_follows_the_umask(tmp_path: Path, images: Path) -> None:
     wrong = {str(p.relative_to(out)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
              if stat.S_IMODE(p.stat().st_mode) != 0o640}
     assert not wrong
-
-
-# ------------------------------------------------- 9, 13. bad weights and bad files
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
-    """A finished FLUX.1 run (diffusers format) whose LoRA the tests below spoil."""
-    return train(tmp_path_factory.mktemp("good"), images, "flux")
-
-
-def test_diverged_weights_are_never_written(tmp_path: Path, images: Path,
-                                            monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """An optimizer step that leaves a NaN in the LoRA (as a diverging run does, with a finite
-    loss): exit 2, the tensor named, the fix given, and no LoRA file holding it left behind."""
-    from difftune.train import loop
-
-    real = loop._optimizer_step
-
-    def diverging(opt, sched, scaler, params, max_grad_norm):  # type: ignore[no-untyped-def]
-        lr = real(opt, sched, scaler, params, max_grad_norm)
-        with torch.no_grad():
-            params[0].view(-1)[0] = math.nan
-        return lr
-
-    monkeypatch.setattr(loop, "_optimizer_step", diverging)
-    args = ["train", str(family_toml(tmp_path, images, "flux", steps=1)), "--no-progress"]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "not finite" in err and "lora_" in err and "train.lr" in err, err
-    assert "Traceback" not in err
-    assert not [p for p in (tmp_path / "out").rglob("*.safetensors")
-                if "lora" in p.name or p.name.startswith(".")]
-
-
-def test_values_that_overflow_the_save_dtype_are_refused(tmp_path: Path, images: Path,
-                                                          capsys: pytest.CaptureFixture[str]
-                                                          ) -> None:
-    """Finite fp32 weights too large for fp16: the message points at save.dtype."""
-    args = ["train", str(family_toml(tmp_path, images, "flux", steps=1)), "--no-progress",
-            "--set", "train.lr=1e6", "--set", 'save.dtype="fp16"']
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "not finite" in err and "save.dtype" in err, err
-    assert not list((tmp_path / "out").glob("*.safetensors"))
-
-
-def _spoiled(good: Path, path: Path, value: float) -> Path:
-    file = load_file(str(good / "lora.safetensors"))
-    key = sorted(k for k in file if k.endswith("lora_B.weight"))[0]
-    file[key] = file[key].clone()
-    file[key].view(-1)[0] = value
-    save_file(file, str(path), metadata=metadata(good / "lora.safetensors"))
-    return path
-
-
-@pytest.mark.parametrize("value", [math.nan, math.inf])
-def test_init_lora_with_non_finite_weights_is_refused(
-        good: Path, tmp_path: Path, images: Path, value: float,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    bad = _spoiled(good, tmp_path / "bad.safetensors", value)
-    cfg = family_toml(tmp_path / "run", images, "flux")
-    assert main(["train", str(cfg), "--no-progress", "--init-lora", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert str(bad) in err and "not finite" in err and "lora_B" in err, err
-
-
-def test_sample_with_a_non_finite_lora_is_refused(good: Path, tmp_path: Path, images: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    bad = _spoiled(good, tmp_path / "nan.safetensors", math.nan)
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("a red circle --w 32 --h 32 --s 1\n")
-    cfg = family_toml(tmp_path / "run", images, "flux")
-    assert main(["sample", str(cfg), "--lora", str(bad), "--prompts", str(prompts),
-                 "--out", str(tmp_path / "pics")]) == 2
-    err = capsys.readouterr().err
-    assert str(bad) in err and "not finite" in err, err
-    assert not list(tmp_path.rglob("*.png"))
-
-
-@pytest.mark.parametrize("alpha", ["abc", "nan", "inf", "0", "-2"])
-def test_init_lora_with_bad_alpha_metadata_is_refused(
-        good: Path, tmp_path: Path, images: Path, alpha: str,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    bad = tmp_path / "alpha.safetensors"
-    meta = metadata(good / "lora.safetensors") | {"difftune.alpha": alpha}
-    save_file(load_file(str(good / "lora.safetensors")), str(bad), metadata=meta)
-    cfg = family_toml(tmp_path / "run", images, "flux")
-    assert main(["train", str(cfg), "--no-progress", "--init-lora", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert str(bad) in err and "difftune.alpha" in err and "Traceback" not in err, err

@@ -5,7 +5,6 @@ in which no caption uses the placeholder."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 from difftune.cli import main
 from difftune.files.names import name_max
 
-from .conftest import run_toml
+from .conftest import metrics_rows, run_toml
 
 
 def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -158,10 +157,6 @@ def test_check_lists_an_enormous_upscale_and_trains_a_16_bit_png(
 # ------------------------------------------------------------- textual inversion, no placeholder
 
 
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def embedding_steps(out: Path, steps: int) -> list[torch.Tensor]:
     """The placeholder's clip_l vectors saved after each step (save.every_n_steps = 1)."""
     names = [f"sks-step{s:06d}.safetensors" for s in range(1, steps)] + ["sks.safetensors"]
@@ -177,7 +172,7 @@ def test_textual_inversion_without_the_placeholder_in_a_batch_trains_on(
     cfg = with_embeddings(run_toml(tmp_path, images, steps=2), "<sks>", only=True)
     assert main(["train", str(cfg), "--no-progress", "--set", f'precision.mixed="{mixed}"',
                  "--set", "save.every_n_steps=1"]) == 0
-    rows = metrics(tmp_path / "out")
+    rows = metrics_rows(tmp_path / "out")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in rows)
     first, last = embedding_steps(tmp_path / "out", 2)
@@ -213,7 +208,7 @@ def test_textual_inversion_resumes_exactly_across_steps_without_the_placeholder(
     assert main(["train", str(runs["parts"]), "--no-progress", *sets,
                  "--set", "train.steps=2"]) == 0
     assert main(["train", str(runs["parts"]), "--no-progress", *sets, "--resume", "latest"]) == 0
-    whole, parts = (metrics(tmp_path / n / "out") for n in ("whole", "parts"))
+    whole, parts = (metrics_rows(tmp_path / n / "out") for n in ("whole", "parts"))
     assert [r["loss"] for r in whole] == [r["loss"] for r in parts]
     resumed = load_file(str(tmp_path / "parts" / "out" / "embeddings" / "sks.safetensors"))
     assert torch.equal(vectors[-1], resumed["clip_l"])

@@ -17,7 +17,6 @@ from difftune.train.init_lora import load_init_lora
 from difftune.train.setup import prepare
 
 from .conftest import run_toml
-from .test_sdxl import sdxl_toml
 
 
 def manager(cfg_path: Path, *sets: str) -> CheckpointManager:
@@ -53,11 +52,12 @@ def test_diffusers_file_with_another_alpha(flux_run: Path, tmp_path: Path, image
 
 def test_kohya_file_with_text_encoders(tmp_path: Path, images: Path) -> None:
     src_dir = tmp_path / "src"
-    cfg = sdxl_toml(src_dir, images, fmt="kohya")
+    cfg = run_toml(src_dir, images, fmt="kohya", family="sdxl")
     assert main(["train", str(cfg), "--no-progress", "--set", "train.steps=2", "--set",
                  'adapter.text_encoders=["clip_l","clip_g"]']) == 0
     src = trained(src_dir / "out")
-    m = manager(sdxl_toml(tmp_path / "new", images), 'adapter.text_encoders=["clip_l","clip_g"]')
+    m = manager(run_toml(tmp_path / "new", images, family="sdxl"),
+                'adapter.text_encoders=["clip_l","clip_g"]')
     load_init_lora(src_dir / "out" / "lora.safetensors", m)
     got = m.trainable()
     assert {k.split(".")[0] for k in src} == {"unet", "text_encoder", "text_encoder_2"}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from safetensors.torch import load_file
 from difftune.cli import main
 from difftune.train import step as train_step
 
-from .conftest import run_toml
+from .conftest import metrics_rows, run_toml
 
 
 def _poison(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int] | None) -> None:
@@ -30,15 +29,11 @@ def _poison(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int] | None) -> None
     monkeypatch.setattr(train_step.objectives, "loss", loss)
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_a_nan_step_is_skipped_and_counted(tmp_path: Path, images: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     _poison(monkeypatch, {2})
     assert main(["train", str(run_toml(tmp_path, images, steps=4)), "--no-progress"]) == 0
-    rows = _rows(tmp_path / "out")
+    rows = metrics_rows(tmp_path / "out")
     assert [r["skipped_nonfinite"] for r in rows] == [0, 1, 1, 1]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if r["step"] != 2)
     lora = load_file(str(tmp_path / "out" / "lora.safetensors"))
@@ -58,7 +53,7 @@ def test_nan_in_a_row_stops_with_a_lora_and_the_cause(
     assert "not finite for 3 steps in a row" in err and cause in err and "Traceback" not in err
     saved = tmp_path / "out" / "lora-step000003.safetensors"
     assert saved.is_file() and str(saved) in err
-    assert [r["step"] for r in _rows(tmp_path / "out")] == [1, 2]  # the third stopped the run
+    assert [r["step"] for r in metrics_rows(tmp_path / "out")] == [1, 2]  # the third stopped the run
 
 
 @pytest.mark.parametrize("method", ["qint8", "qfloat8"])
@@ -68,7 +63,7 @@ def test_quanto_quantized_base_trains_and_samples(tmp_path: Path, images: Path, 
     assert main(["train", str(cfg), "--no-progress", "--set", 'precision.mixed="bf16"',
                  "--set", f'precision.quantize.denoiser="{method}"',
                  "--set", f'precision.quantize.text_encoders="{method}"']) == 0
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in _rows(tmp_path / "out"))
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in metrics_rows(tmp_path / "out"))
     assert list((tmp_path / "out" / "samples").glob("step-000002_00_*.png"))
     assert all(".lora_" in k for k in load_file(str(tmp_path / "out" / "lora.safetensors")))
 

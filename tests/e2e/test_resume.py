@@ -16,21 +16,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from difftune.cli import main
 from difftune.report.metrics import Reporter
 
 from .conftest import run_toml
+from .conftest import train_exit_code as train
 
 AUGMENT = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_rate=0.3",
            "datasets.0.flip=true", "train.grad_accum=2", "adapter.dropout=0.1",
            'train.scheduler="cosine"', "train.warmup_steps=2", "save.every_n_steps=3",
            "save.keep_last=2"]
 QUANTIZED = ['precision.mixed="bf16"', 'precision.quantize.denoiser="int8"']
-
-
-def train(cfg: Path, *sets: str, extra: list[str] | None = None) -> int:
-    args = ["train", str(cfg), "--no-progress"] + [a for s in sets for a in ("--set", s)]
-    return main(args + (extra or []))
 
 
 def losses(out: Path) -> list[tuple[int, float]]:

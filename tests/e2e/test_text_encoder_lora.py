@@ -4,19 +4,19 @@ that diffusers' own loaders read (FLUX.1 diffusers layout, SDXL kohya layout).""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from diffusers import FluxPipeline, StableDiffusionXLPipeline
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from difftune.families.common import text
-from difftune.families.flux.tiny import build_tiny_flux
-from difftune.families.sdxl.tiny import build_tiny_sdxl
 
-from .test_sdxl import train as train_sdxl
-from .test_train_cli import train as train_flux
+from .conftest import pipeline_image, tiny_pipeline, train_cli
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def flux_clip_run(tmp_path_factory: pytest.TempPathFactory, images: Path) -> tup
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(text, "encode", counting)
-        out = train_flux(tmp_path_factory.mktemp("flux_te"), images,
-                         'adapter.text_encoders=["clip_l"]', "adapter.text_encoder_lr=5e-3")
+        out = train_cli(tmp_path_factory.mktemp("flux_te"), images,
+                        'adapter.text_encoders=["clip_l"]', "adapter.text_encoder_lr=5e-3")
     return out, calls
 
 
@@ -47,18 +47,8 @@ def test_t5_cached_and_clip_live(flux_clip_run: tuple[Path, list], images: Path)
     assert sum(clip) == 4
 
 
-def _flux_pipe() -> FluxPipeline:
-    parts = build_tiny_flux()
-    parts.pop("t5_max_length")
-    pipe = FluxPipeline(**parts)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _flux_image(pipe: FluxPipeline) -> torch.Tensor:
-    return pipe("a red circle on a blue background", height=32, width=32, num_inference_steps=2,
-                max_sequence_length=32, generator=torch.Generator().manual_seed(0),
-                output_type="pt").images
+def _flux_image(pipe: "DiffusionPipeline") -> torch.Tensor:
+    return pipeline_image(pipe, "a red circle on a blue background")
 
 
 def test_flux_clip_lora_loads_into_pipeline(flux_clip_run: tuple[Path, list]) -> None:
@@ -68,7 +58,7 @@ def test_flux_clip_lora_loads_into_pipeline(flux_clip_run: tuple[Path, list]) ->
     assert te and not any(k.startswith("text_encoder_2.") for k in file)
     # B starts at zero: a nonzero B means CLIP-L's LoRA was trained.
     assert any(torch.count_nonzero(v) for k, v in te.items() if "lora_B" in k)
-    pipe = _flux_pipe()
+    pipe = tiny_pipeline("flux")
     before = _flux_image(pipe)
     pipe.load_lora_weights(str(out / "lora.safetensors"))
     after = _flux_image(pipe)
@@ -86,18 +76,15 @@ def test_flux_clip_lora_loads_into_pipeline(flux_clip_run: tuple[Path, list]) ->
 
 
 def test_sdxl_both_clips_kohya_loads_through_diffusers(images: Path, tmp_path: Path) -> None:
-    out = train_sdxl(tmp_path / "sdxl", images, 'adapter.text_encoders=["clip_l","clip_g"]',
-                     fmt="kohya")
+    out = train_cli(tmp_path / "sdxl", images, 'adapter.text_encoders=["clip_l","clip_g"]',
+                    family="sdxl", fmt="kohya")
     file = load_file(str(out / "lora.safetensors"))
     prefixes = {k.split("_", 2)[1] for k in file}
     assert prefixes == {"unet", "te1", "te2"}
-    pipe = StableDiffusionXLPipeline(**build_tiny_sdxl())
-    pipe.set_progress_bar_config(disable=True)
+    pipe = tiny_pipeline("sdxl")
 
     def image() -> torch.Tensor:
-        return pipe("a red circle", height=64, width=64, num_inference_steps=2,
-                    guidance_scale=5.0, generator=torch.Generator().manual_seed(0),
-                    output_type="pt").images
+        return pipeline_image(pipe, "a red circle", 64, guidance_scale=5.0)
 
     before = image()
     pipe.load_lora_weights(str(out / "lora.safetensors"))

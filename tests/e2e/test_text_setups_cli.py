@@ -1,9 +1,14 @@
 """Each family's text-encoder set-up through the real CLI: FLUX.1 (CLIP+T5), SD3 (CLIP+CLIP+T5),
 SDXL (CLIP+CLIP), with text caching on and off, no encoder trained and the last one (T5 where
-there is one) trained; unsupported combinations refused before anything loads."""
+there is one) trained; unsupported combinations refused before anything loads.
+
+Tiers: the family x caching x trained grid runs its all-pairs covering subset by default
+(`conftest.pairwise`: each family with caching on and off, and with and without a trained
+encoder); `pytest --full` runs all 12 cells."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -14,7 +19,7 @@ from safetensors.torch import load_file
 
 from difftune.cli import main
 
-from .conftest import run_toml
+from .conftest import run_toml, sampled_grid
 
 LAST = {"flux": ("t5", "text_encoder_2"), "sd3": ("t5", "text_encoder_3"),
         "sdxl": ("clip_g", "text_encoder_2")}
@@ -22,16 +27,11 @@ LAST = {"flux": ("t5", "text_encoder_2"), "sd3": ("t5", "text_encoder_3"),
 
 def toml(folder: Path, images: Path, family: str, fmt: str = "diffusers") -> Path:
     """The shared tiny run file (2 steps) switched to `family`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = run_toml(folder, images, steps=2, fmt=fmt)
-    path.write_text(path.read_text().replace('flavor = "tiny"', f'family = "{family}"\n'
-                                             'flavor = "tiny"'))
-    return path
+    return run_toml(folder, images, steps=2, fmt=fmt, family=family)
 
 
-@pytest.mark.parametrize("family", sorted(LAST))
-@pytest.mark.parametrize("cache", ["memory", "none"])
-@pytest.mark.parametrize("trained", [False, True])
+@pytest.mark.parametrize("family, cache, trained", sampled_grid(list(itertools.product(
+    sorted(LAST), ["memory", "none"], [False, True]))))
 def test_setup_trains(tmp_path: Path, images: Path, family: str, cache: str,
                       trained: bool) -> None:
     name, prefix = LAST[family]

@@ -1,4 +1,6 @@
-"""End to end through the real CLI on the tiny flavor: outputs, determinism, diffusers loading."""
+"""FLUX.1-only behaviour through the real CLI on the tiny flavor: the kohya layout through
+diffusers' converter, determinism, cache settings, and one run mixing accumulation,
+checkpointing, bf16, flips, random crops, a cosine schedule and flux_shift timesteps."""
 
 from __future__ import annotations
 
@@ -8,31 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import FluxPipeline
-from peft import get_peft_model_state_dict
-from safetensors import safe_open
 from safetensors.torch import load_file
 
-from difftune.cli import main
-from difftune.families.flux.tiny import build_tiny_flux
-
-from .conftest import run_toml
+from ..conftest import metrics_rows, pipeline_image, tiny_pipeline, train_cli
 
 
 def train(folder: Path, images: Path, *sets: str, **kw: object) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = run_toml(folder, images, **kw)
-    args = ["train", str(cfg), "--no-progress"]
-    for s in sets:
-        args += ["--set", s]
-    assert main(args) == 0
-    return folder / "out"
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, images: Path, prompts: Path) -> Path:
-    """One run with sampling and intermediate saves, diffusers format."""
-    folder = tmp_path_factory.mktemp("run")
-    return train(folder, images, "save.every_n_steps=2", prompts=prompts)
+    """A FLUX.1 run through the CLI; the output folder."""
+    return train_cli(folder, images, *sets, **kw)
 
 
 # diffusers' kohya reader splits single_blocks_N_linear1 with the full-size FLUX.1 row counts
@@ -51,63 +36,8 @@ def trained_kohya(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Pat
     return train(tmp_path_factory.mktemp("kohya"), images, DOUBLE_BLOCKS, fmt="kohya")
 
 
-def test_outputs(trained: Path) -> None:
-    names = {p.name for p in trained.iterdir()}
-    assert {"lora.safetensors", "lora-step000002.safetensors", "metrics.jsonl",
-            "config.resolved.json", "difftune.log", "samples", "tensorboard"} <= names
-    rows = [json.loads(l) for l in (trained / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["loss"] > 0 and "lr" in r and "it_per_s" in r for r in rows)
-    assert list((trained / "tensorboard").glob("events.out.tfevents.*"))
-    samples = sorted(p.name for p in (trained / "samples").glob("step-*_0*.png"))
-    # at_start (0), every 2 steps (2), and at the end (4); two prompts each, named by prompt.
-    assert samples == [f"step-{s:06d}_{i:02d}_{slug}.png" for s in (0, 2, 4)
-                       for i, slug in ((0, "a-red-circle-on-a-blue-background"), (1, "a-pink-ring"))]
-    resolved = json.loads((trained / "config.resolved.json").read_text())
-    assert resolved["train"]["steps"] == 4 and resolved["adapter"]["rank"] == 4
-
-
-def test_metadata(trained: Path) -> None:
-    with safe_open(str(trained / "lora.safetensors"), "pt") as f:
-        meta = f.metadata()
-    assert meta["difftune.family"] == "flux"
-    assert meta["difftune.base_model"] == "difftune/tiny-flux"
-    # diffusers layout: the scale (8/4) is folded into the up factors, so the file's alpha is 4
-    assert meta["difftune.rank"] == "4" and meta["difftune.alpha"] == "4.0"
-    assert meta["difftune.trained_alpha"] == "8.0"
-    assert meta["difftune.steps"] == "4"
-    assert json.loads(meta["difftune.dataset"])["images"] == 6
-    assert json.loads(meta["difftune.targets"])
-    assert meta["difftune.version"]
-
-
-def _pipeline() -> FluxPipeline:
-    parts = build_tiny_flux()
-    parts.pop("t5_max_length")
-    pipe = FluxPipeline(**parts)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 def _image(pipe: FluxPipeline) -> torch.Tensor:
-    out = pipe("a red circle on a blue background", height=32, width=32, num_inference_steps=2,
-               max_sequence_length=32, generator=torch.Generator().manual_seed(0),
-               output_type="pt")
-    return out.images
-
-
-def test_lora_loads_in_diffusers_and_changes_output(trained: Path) -> None:
-    pipe = _pipeline()
-    before = _image(pipe)
-    pipe.load_lora_weights(str(trained / "lora.safetensors"))
-    after = _image(pipe)
-    assert not torch.allclose(before, after, atol=1e-4)
-    # No leftover key: every tensor of the file became a LoRA weight of the model, unchanged.
-    file = load_file(str(trained / "lora.safetensors"))
-    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")
-    assert {f"transformer.{k}" for k in loaded} == set(file)
-    for key, value in loaded.items():
-        assert torch.equal(value, file[f"transformer.{key}"])
+    return pipeline_image(pipe, "a red circle on a blue background")
 
 
 def test_kohya_file_loads_through_diffusers_converter(trained_kohya: Path, images: Path,
@@ -120,7 +50,7 @@ def test_kohya_file_loads_through_diffusers_converter(trained_kohya: Path, image
     assert converted and all(k.startswith("transformer.") for k in converted)
     # Same seed, same data: the diffusers-format run must give the same model through both files.
     ref = train(tmp_path / "ref", images, DOUBLE_BLOCKS)
-    via_kohya, via_diffusers = _pipeline(), _pipeline()
+    via_kohya, via_diffusers = tiny_pipeline("flux"), tiny_pipeline("flux")
     via_kohya.load_lora_weights(str(kohya))
     via_diffusers.load_lora_weights(str(ref / "lora.safetensors"))
     assert torch.allclose(_image(via_kohya), _image(via_diffusers), atol=1e-4)
@@ -153,7 +83,7 @@ def test_accumulation_checkpointing_bf16_flip_and_schedules(images: Path, tmp_pa
                 'precision.mixed="bf16"', 'train.scheduler="cosine"', "train.warmup_steps=1",
                 'train.timesteps="flux_shift"', "datasets.0.flip=true", 'datasets.0.crop="random"',
                 'adapter.targets="attention"', "adapter.dropout=0.1", steps=3)
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     assert len(rows) == 3 and all(0 < r["loss"] < 100 for r in rows)
     assert rows[0]["lr"] < rows[1]["lr"]  # warm-up
     state = load_file(str(out / "lora.safetensors"))

@@ -2,7 +2,8 @@
 
 Load, encode text and images, one training step that moves only the LoRA, a saved LoRA that
 diffusers' own loader puts back into a fresh pipeline with identical denoiser outputs, and one
-sample. A new family joins by being added to FAMILIES; nothing here knows a family's internals.
+sample. A new family joins by being registered (`families.names()`); nothing here knows a
+family's internals.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from difftune import families
 from difftune.config import RunConfig, load_config
 from difftune.families.base import Conditioning
 from difftune.sample.runner import PromptSpec, SampleRunner
@@ -22,8 +24,6 @@ from difftune.train.loop import param_groups
 from difftune.train.optim import make_optimizer
 from difftune.train.setup import Run, fill_caches, prepare
 from difftune.train.step import batch_loss
-
-FAMILIES = ["flux", "sd3", "sdxl"]
 
 
 def config(folder: Path, images: Path, family: str) -> RunConfig:
@@ -55,7 +55,7 @@ def config(folder: Path, images: Path, family: str) -> RunConfig:
     return load_config(path)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=families.names())
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
         images: Path) -> Run:
     """A prepared run (model loaded, LoRA added, caches filled) of one family."""
@@ -70,8 +70,6 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 def encoder_names(family: str) -> list[str]:
     """The family's declared text-encoder names, in order."""
-    from difftune import families
-
     return [s.name for s in families.get(family).text_encoders]
 
 

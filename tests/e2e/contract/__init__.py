@@ -1,0 +1,1 @@
+"""The family contract: every registered family, through the CLI and the Family protocol."""
