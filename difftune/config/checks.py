@@ -98,9 +98,25 @@ def embedding_problems(cfg: "RunConfig") -> list[str]:
         if bad:
             problems.append(f"adapter.embeddings[{i}].encoders: {bad} not text encoders of "
                             f"model.family = \"{cfg.model.family}\"; choose from {', '.join(names)}")
+    problems += _output_embedding_problems(cfg)
     if a.embeddings and cfg.cache.unload_text_encoders:
         problems.append("cache.unload_text_encoders with adapter.embeddings: captions with a "
                         "placeholder are encoded live every step, so the encoders must stay")
+    return problems
+
+
+def _output_embedding_problems(cfg: "RunConfig") -> list[str]:
+    """Output embeddings in an encoder whose hidden states the family never reads (only its
+    pooled output): they would change nothing, so they are refused before anything loads."""
+    spec = registry.spec(cfg.model.family)
+    pooled_only = {e.name for e in spec.text_encoders if e.hidden == "none"}
+    problems = []
+    for e in cfg.adapter.embeddings:
+        for name in e.encoders or spec.encoder_names:
+            if e.kind == "output" and name in pooled_only:
+                problems.append(f"adapter.embeddings {e.name!r}: output embeddings in {name} "
+                                f"change nothing ({spec.name} reads only its pooled output); "
+                                "use kind = \"input\" or leave it out of encoders")
     return problems
 
 

@@ -100,3 +100,17 @@ def test_block_swap_on_a_family_without_swap_blocks_is_refused_at_load(tmp_path:
 def test_spec_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         families.spec("flux").bucket_step = 8  # type: ignore[misc]
+
+
+def test_output_embeddings_in_a_pooled_only_encoder_are_refused_at_load(tmp_path: Path) -> None:
+    # FLUX.1 reads only CLIP-L's pooled output: an output embedding there would change nothing.
+    # The dataset path does not exist: the refusal comes from load_config, before any scan.
+    path = tmp_path / "run.toml"
+    body = ('[model]\nflavor = "tiny"\n[adapter]\ntype = "embedding"\n'
+            '[[adapter.embeddings]]\nname = "<sks>"\nkind = "output"\n{encoders}'
+            '[[datasets]]\npath = "no-such-folder"\n[save]\ndir = "out"\n')
+    path.write_text(body.format(encoders=""))
+    with pytest.raises(ConfigError, match="output embeddings in clip_l change nothing"):
+        load_config(path)
+    path.write_text(body.format(encoders='encoders = ["t5"]\n'))
+    assert load_config(path).adapter.embeddings[0].encoders == ["t5"]
