@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from difftune.families.flux.files import load_transformer_file
 
-from .test_flux_files import to_bfl
+from .layouts import to_bfl
 
 CONFIG = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
               attention_head_dim=128, num_attention_heads=24, joint_attention_dim=64,
@@ -52,7 +52,7 @@ def test_ae_file_loads_like_diffusers_from_single_file(tmp_path: Path) -> None:
     from difftune.families.common.tiny import load_tiny_vae
     from difftune.families.flux.files import load_vae_file
 
-    from .test_flux_files import to_ldm_vae
+    from .layouts import to_ldm_vae
 
     vae = load_tiny_vae()
     path = tmp_path / "ae.safetensors"

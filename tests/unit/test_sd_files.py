@@ -22,7 +22,7 @@ from difftune.families.sd3.tiny import TINY_SD3_TRANSFORMER_CONFIG, build_tiny_s
 from difftune.families.sdxl.files import load_sdxl_file
 from difftune.families.sdxl.tiny import TINY_SDXL_UNET_CONFIG, build_tiny_sdxl
 
-from .test_flux_files import to_ldm_vae
+from .layouts import to_ldm_vae
 
 F32 = {"unet": torch.float32, "transformer": torch.float32, "vae": torch.float32,
        "text_encoders": torch.float32}
