@@ -41,4 +41,9 @@ SPEC = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("t5", "text_encoder", "tokenizer"),),
     pipeline_class="ChromaPipeline",
+    # diffusers' text-encoder LoRA reader (lora_base._load_lora_into_text_encoder) converts only
+    # CLIP module names (q_proj, k_proj, ...): ChromaPipeline.load_lora_weights fails on any T5
+    # LoRA ("Could not automatically infer state dict type").
+    text_encoder_lora_refused=(("t5", "ChromaPipeline.load_lora_weights cannot read a T5 "
+                                      "LoRA; train the transformer only"),),
 )
