@@ -82,3 +82,42 @@ def test_single_file_transformer_loads_as_the_folder(comps: Components, tmp_path
     state = loaded.state_dict()
     assert state.keys() == reference.keys()
     assert all(torch.equal(state[k], reference[k]) for k in state)
+
+
+def test_kohya_double_blocks_read_through_diffusers_converter(comps: Components,
+                                                              tmp_path: Path) -> None:
+    """diffusers' kohya reader (FluxLoraLoaderMixin, as ChromaPipeline uses it) gives back the
+    same deltas. Its converter splits single blocks' `linear1` with full-size row counts, so
+    only double blocks are checked on the tiny flavor (as for FLUX.1)."""
+    from diffusers import ChromaPipeline
+
+    family = families.get("chroma")
+    gen = torch.Generator().manual_seed(1)
+    named = dict(comps.denoiser.named_modules())
+    state: dict[str, torch.Tensor] = {}
+    for m in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_k_proj", "ff.net.2"):
+        layer = named[f"transformer_blocks.0.{m}"]
+        state[f"transformer.transformer_blocks.0.{m}.lora_A.weight"] = torch.randn(
+            4, layer.in_features, generator=gen)
+        state[f"transformer.transformer_blocks.0.{m}.lora_B.weight"] = torch.randn(
+            layer.out_features, 4, generator=gen)
+    path = tmp_path / "kohya.safetensors"
+    save_file(family.to_kohya(comps, state, rank=4, alpha=4.0), str(path))
+    converted = ChromaPipeline.lora_state_dict(str(path))  # raises on any unconsumed key
+    theirs, ours = group_modules(converted, 4.0), group_modules(state, 4.0)
+    assert set(ours) <= set(theirs)
+    for name, pair in theirs.items():
+        expected = ours[name].delta() if name in ours else torch.zeros_like(pair.delta())
+        torch.testing.assert_close(pair.delta(), expected)
+
+
+def test_a_t5_lora_is_refused_at_config_load(tmp_path: Path) -> None:
+    from difftune.config import load_config
+    from difftune.errors import ConfigError
+
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nfamily = "chroma"\nflavor = "tiny"\n[adapter]\n'
+                    'text_encoders = ["t5"]\n[[datasets]]\npath = "x"\n[save]\ndir = "out"\n',
+                    encoding="utf-8")
+    with pytest.raises(ConfigError, match="'t5' of model.family = \"chroma\" cannot get a LoRA"):
+        load_config(path)
