@@ -38,6 +38,9 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
         problems += [f"precision.text_encoders: {n!r} is not a text encoder of model.family = "
                      f"\"{family}\"; choose from {', '.join(names)}"
                      for n in precision.text_encoders if n not in names]
+    problems += [f"adapter.text_encoders: {n!r} of model.family = \"{family}\" cannot get a "
+                 f"LoRA ({why}); remove it"
+                 for n, why in spec.text_encoder_lora_refused if n in adapter.text_encoders]
     if len(set(adapter.text_encoders)) != len(adapter.text_encoders):
         problems.append("adapter.text_encoders lists an encoder twice; list each once")
     if model.t5_mask and "t5" not in names:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.common.components import load_clip_file, load_t5_file, vae_config
+from difftune.families.common.autoencoder import load_ae_file
+from difftune.families.common.components import load_clip_file, load_t5_file
 from difftune.families.common.folders import check_folder, folder_files, from_folder, model_folder
 from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
                                                   fingerprint, read_safetensors, strip_prefix)
@@ -250,37 +251,6 @@ def _base_name(folder: Path | None, transformer_file: Path | None, dev: bool) ->
     return "flux.1-dev" if dev else "flux.1-schnell"
 
 
-# ---------------------------------------------------------------------------------------------
-# Single-file autoencoder
-
-
 def load_vae_file(path: Path, dtype: torch.dtype) -> Any:
     """The FLUX.1 autoencoder from `ae.safetensors` (BFL/LDM layout) or a diffusers-layout file."""
-    from diffusers import AutoencoderKL
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-
-    sd = read_safetensors(path, "FLUX.1 autoencoder (ae.safetensors)")
-    ldm = "encoder.conv_in.weight" in sd and any(k.startswith("encoder.down.") for k in sd)
-    if not ldm and "encoder.conv_in.weight" not in sd:
-        sd = strip_prefix(sd, ("first_stage_model.", "vae."))
-        ldm = any(k.startswith("encoder.down.") for k in sd)
-    if "encoder.conv_in.weight" not in sd or "decoder.conv_out.weight" not in sd:
-        raise ModelFileError(f"{path} does not look like an autoencoder: no encoder.conv_in / "
-                             "decoder.conv_out tensors")
-    config = {**vae_config(sd, ldm),
-              "norm_num_groups": _norm_groups(sd["encoder.conv_in.weight"].shape[0]),
-              **VAE_SCALE}
-    if ldm:
-        sd = convert_ldm_vae_checkpoint(sd, config)
-    with torch.device("meta"):
-        model = AutoencoderKL(**config)
-    return assign_state(model, cast_state(sd, dtype), path, "FLUX.1 autoencoder")
-
-
-def _norm_groups(first_width: int) -> int:
-    """GroupNorm groups (not visible in shapes): FLUX.1's 32, or 4-channel groups when narrower.
-
-    The FLUX.1 autoencoder starts at 128 channels with 32 groups; small test autoencoders
-    (such as the tiny flavor's, 32 channels, 8 groups) keep 4 channels a group.
-    """
-    return 32 if first_width >= 128 else max(1, first_width // 4)
+    return load_ae_file(path, dtype, VAE_SCALE, "FLUX.1 autoencoder")
