@@ -24,8 +24,9 @@ from difftune.families.common.autoencoder import load_ae_file
 from difftune.families.common.components import load_t5_file
 from difftune.families.common.folders import (check_folder, folder_files, from_folder,
                                               model_folder, tokenizers)
-from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
-                                                  fingerprint, read_safetensors, strip_prefix)
+from difftune.families.common.bfl import (DYNAMIC_SHIFT_SCHEDULER, transformer_config,
+                                          transformer_from_file)
+from difftune.families.common.single_file import count_blocks, fingerprint
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -34,15 +35,7 @@ WHAT = "Chroma"
 SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 # Chroma1-HD's sampling schedule (its scheduler/scheduler_config.json: FLUX.1-dev's
 # resolution-dependent shift, which ChromaPipeline computes from the image sequence length).
-SCHEDULER_CONFIG: dict[str, Any] = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}
+SCHEDULER_CONFIG: dict[str, Any] = DYNAMIC_SHIFT_SCHEDULER
 # Chroma1-HD's transformer/config.json (diffusers' ChromaTransformer2DModel defaults).
 TRANSFORMER_CONFIG: dict[str, Any] = {
     "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
@@ -58,47 +51,25 @@ _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 def _transformer_config(sd: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
     """ChromaTransformer2DModel config from a diffusers-layout state dict's shapes."""
     try:
-        hidden, in_channels = sd["x_embedder.weight"].shape
-        head_dim = sd["transformer_blocks.0.attn.norm_q.weight"].shape[0]
         approx_hidden, approx_in = sd["distilled_guidance_layer.in_proj.weight"].shape
-        side = (head_dim - head_dim // 8) // 2 // 2 * 2  # FLUX.1's RoPE split rule
-        return {
-            "patch_size": 1, "in_channels": in_channels,
-            "out_channels": sd["proj_out.weight"].shape[0],
-            "num_layers": count_blocks(sd, "transformer_blocks."),
-            "num_single_layers": count_blocks(sd, "single_transformer_blocks."),
-            "attention_head_dim": head_dim, "num_attention_heads": hidden // head_dim,
-            "joint_attention_dim": sd["context_embedder.weight"].shape[1],
-            "axes_dims_rope": (head_dim - 2 * side, side, side),
-            "approximator_num_channels": approx_in, "approximator_hidden_dim": approx_hidden,
-            "approximator_layers": count_blocks(sd, "distilled_guidance_layer.layers."),
-        }
+        return {**transformer_config(sd),
+                "approximator_num_channels": approx_in, "approximator_hidden_dim": approx_hidden,
+                "approximator_layers": count_blocks(sd, "distilled_guidance_layer.layers.")}
     except KeyError as err:
         raise ModelFileError(f"{path} does not look like a Chroma transformer: tensor {err} is "
                              "missing") from None
 
 
 def load_transformer_file(path: Path, dtype: torch.dtype) -> Any:
-    """A Chroma transformer from one safetensors file, original or diffusers layout."""
+    """A Chroma transformer from one safetensors file, original (BFL) or diffusers layout."""
     from diffusers import ChromaTransformer2DModel
     from diffusers.loaders.single_file_utils import (
         convert_chroma_transformer_checkpoint_to_diffusers)
 
-    sd = strip_prefix(read_safetensors(path, "Chroma transformer"), _ORIGINAL_PREFIXES)
-    if any(k.startswith("double_blocks.") for k in sd):
-        try:
-            sd = convert_chroma_transformer_checkpoint_to_diffusers(dict(sd))
-        except (KeyError, RuntimeError, IndexError) as err:
-            raise ModelFileError(f"{path} has original-layout Chroma tensors but could not be "
-                                 f"converted ({type(err).__name__}: {err}); the file may be "
-                                 "incomplete or another model") from None
-    elif not any(k.startswith("transformer_blocks.") for k in sd):
-        raise ModelFileError(f"{path} does not look like a Chroma transformer: no "
-                             "double_blocks.* or transformer_blocks.* tensors")
-    config = _transformer_config(sd, path)
-    with torch.device("meta"):
-        model = ChromaTransformer2DModel(**config)
-    return assign_state(model, cast_state(sd, dtype), path, "Chroma transformer")
+    return transformer_from_file(
+        path, dtype, "Chroma transformer", _ORIGINAL_PREFIXES,
+        lambda sd: convert_chroma_transformer_checkpoint_to_diffusers(dict(sd)),
+        lambda sd, where: ChromaTransformer2DModel(**_transformer_config(sd, where)))
 
 
 def load_vae_file(path: Path, dtype: torch.dtype) -> Any:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from difftune.families.common.block_table import BlockTable, Row
+from difftune.families.common.block_table import (BFL_DOUBLE_BLOCK, BFL_SINGLE_BLOCK, BlockTable,
+                                                  Row)
 from difftune.families.common.kohya import KohyaNames, fused_from_kohya, fused_to_kohya
 
 NAMES = KohyaNames("Chroma", "a", "Chroma original")
@@ -25,23 +26,10 @@ BASE_VERSION = "chroma"
 NETWORK_MODULE = "networks.lora_flux"
 ARCHITECTURE = "chroma"
 IMPLEMENTATION = "https://huggingface.co/lodestones/Chroma"
-# MLP width is 4x the hidden size, as FLUX.1's; sizes untrained parts of a fused `linear1`.
-MLP_RATIO = 4
-
-DOUBLE_BLOCK: tuple[Row, ...] = (
-    ("img_attn_qkv", (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1))),
-    ("img_attn_proj", (("attn.to_out.0", 1),)),
-    ("txt_attn_qkv", (("attn.add_q_proj", 1), ("attn.add_k_proj", 1), ("attn.add_v_proj", 1))),
-    ("txt_attn_proj", (("attn.to_add_out", 1),)),
-    ("img_mlp_0", (("ff.net.0.proj", MLP_RATIO),)),
-    ("img_mlp_2", (("ff.net.2", 1),)),
-    ("txt_mlp_0", (("ff_context.net.0.proj", MLP_RATIO),)),
-    ("txt_mlp_2", (("ff_context.net.2", 1),)),
-)
-SINGLE_BLOCK: tuple[Row, ...] = (
-    ("linear1", (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1), ("proj_mlp", MLP_RATIO))),
-    ("linear2", (("proj_out", 1),)),
-)
+# Chroma's blocks have no modulation layers of their own (a distilled guidance network makes
+# the modulation), so its block rows are the BFL layout's common ones.
+DOUBLE_BLOCK: tuple[Row, ...] = BFL_DOUBLE_BLOCK
+SINGLE_BLOCK: tuple[Row, ...] = BFL_SINGLE_BLOCK
 NON_BLOCK: tuple[Row, ...] = (
     ("img_in", (("x_embedder", 1),)),
     ("txt_in", (("context_embedder", 1),)),

@@ -23,6 +23,27 @@ from difftune.families.common.kohya import swapped
 # parts that were not trained and must be filled with zeros.
 Row = tuple[str, tuple[tuple[str, int], ...]]
 
+# The rows every BFL-layout transformer shares (FLUX.1 and models built on it, such as Chroma):
+# attention and MLP of the double blocks, the fused qkv+MLP input and the output of the single
+# blocks. MLP width is 4x the hidden size (BFL's mlp_ratio); it sizes the untrained parts of a
+# fused `linear1`. A family adds its own rows (FLUX.1's modulation layers) to these.
+BFL_MLP_RATIO = 4
+BFL_DOUBLE_BLOCK: tuple[Row, ...] = (
+    ("img_attn_qkv", (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1))),
+    ("img_attn_proj", (("attn.to_out.0", 1),)),
+    ("txt_attn_qkv", (("attn.add_q_proj", 1), ("attn.add_k_proj", 1), ("attn.add_v_proj", 1))),
+    ("txt_attn_proj", (("attn.to_add_out", 1),)),
+    ("img_mlp_0", (("ff.net.0.proj", BFL_MLP_RATIO),)),
+    ("img_mlp_2", (("ff.net.2", 1),)),
+    ("txt_mlp_0", (("ff_context.net.0.proj", BFL_MLP_RATIO),)),
+    ("txt_mlp_2", (("ff_context.net.2", 1),)),
+)
+BFL_SINGLE_BLOCK: tuple[Row, ...] = (
+    ("linear1", (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1),
+                 ("proj_mlp", BFL_MLP_RATIO))),
+    ("linear2", (("proj_out", 1),)),
+)
+
 
 @dataclass(frozen=True)
 class Entry:

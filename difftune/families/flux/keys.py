@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from difftune.families.common.block_table import BlockTable, Row
+from difftune.families.common.block_table import (BFL_DOUBLE_BLOCK, BFL_SINGLE_BLOCK, BlockTable,
+                                                  Row)
 from difftune.families.common.kohya import KohyaNames, fused_from_kohya, fused_to_kohya
 
 NAMES = KohyaNames("FLUX", "a", "BFL")
@@ -40,28 +41,13 @@ BASE_VERSION = "flux1"
 NETWORK_MODULE = "networks.lora_flux"
 ARCHITECTURE = {True: "flux-1-dev", False: "flux-1-schnell"}  # by `guidance_embeds`
 IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
-# FLUX.1's MLP width is 4x the hidden size (mlp_ratio in BFL's code); needed to size the
-# `proj_mlp` rows of a single block's fused `linear1` when that part was not trained.
-MLP_RATIO = 4
-
-# (BFL name, ((diffusers module, output rows as a multiple of the input width), ...)).
-# Fused entries list their parts in BFL's row order. The width multiple is only used for parts
-# that were not trained and must be filled with zeros, so only fused parts need it.
-DOUBLE_BLOCK: tuple[Row, ...] = (
-    ("img_attn_qkv", (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1))),
-    ("img_attn_proj", (("attn.to_out.0", 1),)),
-    ("txt_attn_qkv", (("attn.add_q_proj", 1), ("attn.add_k_proj", 1), ("attn.add_v_proj", 1))),
-    ("txt_attn_proj", (("attn.to_add_out", 1),)),
-    ("img_mlp_0", (("ff.net.0.proj", MLP_RATIO),)),
-    ("img_mlp_2", (("ff.net.2", 1),)),
-    ("txt_mlp_0", (("ff_context.net.0.proj", MLP_RATIO),)),
-    ("txt_mlp_2", (("ff_context.net.2", 1),)),
+# (BFL name, ((diffusers module, output rows as a multiple of the input width), ...)): the
+# rows every BFL-layout model has, plus FLUX.1's modulation layers.
+DOUBLE_BLOCK: tuple[Row, ...] = BFL_DOUBLE_BLOCK + (
     ("img_mod_lin", (("norm1.linear", 6),)),
     ("txt_mod_lin", (("norm1_context.linear", 6),)),
 )
-SINGLE_BLOCK: tuple[Row, ...] = (
-    ("linear1", (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1), ("proj_mlp", MLP_RATIO))),
-    ("linear2", (("proj_out", 1),)),
+SINGLE_BLOCK: tuple[Row, ...] = BFL_SINGLE_BLOCK + (
     ("modulation_lin", (("norm.linear", 3),)),
 )
 NON_BLOCK: tuple[Row, ...] = (
