@@ -16,7 +16,7 @@ import torch
 
 from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
 from difftune.families.chroma.spec import SPEC
-from difftune.families.common.family import FamilyBase, Loaders
+from difftune.families.common.family import BlockTableFamily, Loaders
 from difftune.families.common.latents import image_ids, pack, unpack
 
 # Module-name patterns (full match against the transformer's module names) for LoRA presets.
@@ -45,7 +45,7 @@ def denoiser_text_mask(tokens_mask: torch.Tensor, dtype: torch.dtype) -> torch.T
     return (positions[None, :] <= lengths[:, None]).to(dtype=dtype)
 
 
-class ChromaFamily(FamilyBase):
+class ChromaFamily(BlockTableFamily):
     """The Chroma family."""
 
     spec = SPEC
@@ -99,22 +99,6 @@ class ChromaFamily(FamilyBase):
 
         return ModelSpec(keys.ARCHITECTURE, keys.IMPLEMENTATION, keys.BASE_VERSION,
                          keys.NETWORK_MODULE)
-
-    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
-                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """A LoRA file's tensors in diffusers names, and per-module alphas (kohya files)."""
-        if not any(k.startswith("lora_unet_") for k in tensors):
-            return dict(tensors), {}
-        from difftune.families.chroma.keys import kohya_to_diffusers
-
-        return kohya_to_diffusers(tensors, self.denoiser_prefix)
-
-    def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
-                 ) -> dict[str, torch.Tensor]:
-        """diffusers-named LoRA -> kohya / ComfyUI keys in the original (BFL-style) layout."""
-        from difftune.families.chroma.keys import diffusers_to_kohya
-
-        return diffusers_to_kohya(state, alpha=alpha, rank=rank)
 
 
 def _prompt(embeds: TextEmbeds, prefix: str) -> dict[str, torch.Tensor]:

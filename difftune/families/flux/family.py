@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
-from difftune.families.common.family import FamilyBase, Loaders, prompt_kwargs
+from difftune.families.common.family import BlockTableFamily, Loaders, prompt_kwargs
 from difftune.families.common.latents import image_ids, pack, unpack
 from difftune.families.flux.spec import SPEC
 
@@ -36,7 +36,7 @@ PRESETS: dict[str, list[str]] = {
 }
 
 
-class FluxFamily(FamilyBase):
+class FluxFamily(BlockTableFamily):
     """The FLUX.1 family."""
 
     spec = SPEC
@@ -85,19 +85,3 @@ class FluxFamily(FamilyBase):
 
         return ModelSpec(keys.ARCHITECTURE[bool(c.denoiser.config.guidance_embeds)],
                          keys.IMPLEMENTATION, keys.BASE_VERSION, keys.NETWORK_MODULE)
-
-    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
-                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """A LoRA file's tensors in diffusers names, and per-module alphas (kohya files)."""
-        if not any(k.startswith("lora_unet_") for k in tensors):
-            return dict(tensors), {}
-        from difftune.families.flux.keys import kohya_to_diffusers
-
-        return kohya_to_diffusers(tensors, self.denoiser_prefix)
-
-    def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
-                 ) -> dict[str, torch.Tensor]:
-        """diffusers-named LoRA -> kohya / ComfyUI keys in BFL's layout."""
-        from difftune.families.flux.keys import diffusers_to_kohya
-
-        return diffusers_to_kohya(state, alpha=alpha, rank=rank)
