@@ -14,26 +14,19 @@ from typing import Any
 
 import torch
 
-from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
+from difftune.families.base import Components, Conditioning, ModelSpec, TextEmbeds
 from difftune.families.chroma.spec import SPEC
+from difftune.families.common.bfl import ATTENTION_PATTERNS, MLP_PATTERNS
 from difftune.families.common.family import BlockTableFamily, Loaders
 from difftune.families.common.latents import image_ids, pack, unpack
 
 # Module-name patterns (full match against the transformer's module names) for LoRA presets.
 # Chroma's blocks have no modulation linears (their norms are "pruned"), so all_linear is the
 # attention and MLP projections.
-_BLOCK = r"(?:transformer_blocks|single_transformer_blocks)\.\d+\."
-_ATTENTION = [
-    _BLOCK + r"attn\.(?:to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
-]
-_MLP = [
-    r"transformer_blocks\.\d+\.(?:ff|ff_context)\.net\.(?:0\.proj|2)",
-    r"single_transformer_blocks\.\d+\.(?:proj_mlp|proj_out)",
-]
 PRESETS: dict[str, list[str]] = {
-    "attention": _ATTENTION,
-    "attention_mlp": _ATTENTION + _MLP,
-    "all_linear": _ATTENTION + _MLP,
+    "attention": ATTENTION_PATTERNS,
+    "attention_mlp": ATTENTION_PATTERNS + MLP_PATTERNS,
+    "all_linear": ATTENTION_PATTERNS + MLP_PATTERNS,
 }
 
 

@@ -11,8 +11,13 @@ from typing import Any, Callable
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
-                                                  read_safetensors, strip_prefix)
+from difftune.families.common.single_file import (
+    assign_state,
+    cast_state,
+    count_blocks,
+    read_safetensors,
+    strip_prefix,
+)
 
 # FLUX.1-dev's sampling schedule (its scheduler_config.json), which models trained from it keep:
 # the shift grows with the image's token count from base_shift at 256 to max_shift at 4096.
@@ -25,6 +30,17 @@ DYNAMIC_SHIFT_SCHEDULER: dict[str, Any] = {
     "base_image_seq_len": 256,
     "max_image_seq_len": 4096,
 }
+
+# LoRA preset patterns (full match against the transformer's module names) every BFL-architecture
+# transformer shares: attention projections of both block kinds, and the MLPs.
+_BLOCK = r"(?:transformer_blocks|single_transformer_blocks)\.\d+\."
+ATTENTION_PATTERNS = [
+    _BLOCK + r"attn\.(?:to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+]
+MLP_PATTERNS = [
+    r"transformer_blocks\.\d+\.(?:ff|ff_context)\.net\.(?:0\.proj|2)",
+    r"single_transformer_blocks\.\d+\.(?:proj_mlp|proj_out)",
+]
 
 
 def rope_axes(head_dim: int) -> tuple[int, int, int]:

@@ -11,28 +11,21 @@ from typing import Any
 
 import torch
 
-from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
+from difftune.families.base import Components, Conditioning, ModelSpec, TextEmbeds
+from difftune.families.common.bfl import ATTENTION_PATTERNS, MLP_PATTERNS
 from difftune.families.common.family import BlockTableFamily, Loaders, prompt_kwargs
 from difftune.families.common.latents import image_ids, pack, unpack
 from difftune.families.flux.spec import SPEC
 
-# Module-name patterns (full match against the transformer's module names) for LoRA presets.
-_BLOCK = r"(?:transformer_blocks|single_transformer_blocks)\.\d+\."
-_ATTENTION = [
-    _BLOCK + r"attn\.(?:to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
-]
-_MLP = [
-    r"transformer_blocks\.\d+\.(?:ff|ff_context)\.net\.(?:0\.proj|2)",
-    r"single_transformer_blocks\.\d+\.(?:proj_mlp|proj_out)",
-]
+# LoRA presets: the BFL layout's attention and MLP patterns, plus FLUX.1's modulation layers.
 _MODULATION = [
     r"transformer_blocks\.\d+\.(?:norm1|norm1_context)\.linear",
     r"single_transformer_blocks\.\d+\.norm\.linear",
 ]
 PRESETS: dict[str, list[str]] = {
-    "attention": _ATTENTION,
-    "attention_mlp": _ATTENTION + _MLP,
-    "all_linear": _ATTENTION + _MLP + _MODULATION,
+    "attention": ATTENTION_PATTERNS,
+    "attention_mlp": ATTENTION_PATTERNS + MLP_PATTERNS,
+    "all_linear": ATTENTION_PATTERNS + MLP_PATTERNS + _MODULATION,
 }
 
 
