@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..e2e.test_precision_matrix import CELLS, FIRST_ENCODER, check_cell
+from difftune import families
+
+from ..e2e.test_precision_matrix import CELLS, check_cell
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-NF4 = list(itertools.product(sorted(FIRST_ENCODER), ("fp16", "bf16"), ("nf4",),
+NF4 = list(itertools.product(families.names(), ("fp16", "bf16"), ("nf4",),
                              ("memory", "none"), (False, True)))
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftune.verbs.train import run_train
 from difftune.config import load_config
+from difftune.verbs.train import run_train
 
 from ..e2e.conftest import run_toml
 
