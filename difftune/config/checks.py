@@ -45,6 +45,9 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
     if model.clip_skip and not spec.clip_hidden:
         problems.append(f"model.clip_skip: model.family = \"{family}\" reads no CLIP hidden "
                         "state (only CLIP's pooled output), so there is nothing to skip; remove it")
+    if adapter.text_encoders and spec.text_encoder_training_refused is not None:
+        problems.append(f"adapter.text_encoders: model.family = \"{family}\" cannot train a "
+                        f"text-encoder LoRA ({spec.text_encoder_training_refused}); remove it")
     refused = spec.kohya_text_encoders_refused
     if fmt == "kohya" and adapter.text_encoders and refused is not None:
         problems.append(f"save.format = \"kohya\" cannot hold the text-encoder LoRA of "
@@ -99,6 +102,10 @@ def embedding_problems(cfg: "RunConfig") -> list[str]:
             problems.append(f"adapter.embeddings[{i}].encoders: {bad} not text encoders of "
                             f"model.family = \"{cfg.model.family}\"; choose from {', '.join(names)}")
     problems += _output_embedding_problems(cfg)
+    refused = registry.spec(cfg.model.family).embeddings_refused
+    if a.embeddings and refused is not None:
+        problems.append(f"adapter.embeddings: model.family = \"{cfg.model.family}\" cannot "
+                        f"train embeddings ({refused}); remove them")
     if a.embeddings and cfg.cache.unload_text_encoders:
         problems.append("cache.unload_text_encoders with adapter.embeddings: captions with a "
                         "placeholder are encoded live every step, so the encoders must stay")

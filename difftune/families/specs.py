@@ -15,17 +15,29 @@ from typing import Literal
 class TextEncoderSpec:
     """What a family needs from one text encoder, declared rather than sniffed.
 
-    `kind` picks the transformers model class; `hidden` says which hidden state the denoiser
-    reads ("last", "penultimate", or "none" when only the pooled output is used); `pooled` whether
-    the pooled/projected output is used; `mask` whether the attention mask is applied.
+    `kind` picks the transformers model class ("decoder": a decoder LLM such as Qwen3, read
+    through its hidden states); `hidden` says which hidden state the denoiser reads ("last",
+    "penultimate", or "none" when only the pooled output is used); `pooled` whether the
+    pooled/projected output is used; `mask` whether the attention mask is applied.
+    `chat` wraps each caption as one user message in the tokenizer's chat template, with these
+    template options (None: the caption is tokenized as it is); `trim` keeps only the tokens the
+    mask marks (variable-length outputs: cache entries hold the caption's own tokens, batches
+    are padded back with a mask, see `families.base.pad_cat`).
     """
 
     name: str
-    kind: Literal["clip", "clip_projection", "t5"]
+    kind: Literal["clip", "clip_projection", "t5", "decoder"]
     max_length: int
     hidden: Literal["last", "penultimate", "none"]
     pooled: bool
     mask: bool = False
+    chat: tuple[tuple[str, bool], ...] | None = None
+    trim: bool = False
+
+    @property
+    def is_clip(self) -> bool:
+        """Whether this is a CLIP encoder (BOS first, clip_skip meaningful)."""
+        return self.kind in CLIP_KINDS
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,9 @@ that samples it.
     denoiser_part: str
     encoder_parts: tuple[tuple[str, str, str], ...]
     pipeline_class: str
+    # Why text-encoder LoRAs / textual-inversion embeddings cannot be trained (None: they can).
+    text_encoder_training_refused: str | None = None
+    embeddings_refused: str | None = None
 
     @property
     def encoder_names(self) -> tuple[str, ...]:
@@ -63,9 +78,10 @@ that samples it.
     @property
     def clip_hidden(self) -> bool:
         """Whether a CLIP hidden state reaches the denoiser (where clip_skip means something)."""
-        return any(s.kind != "t5" and s.hidden != "none" for s in self.text_encoders)
+        return any(s.is_clip and s.hidden != "none" for s in self.text_encoders)
 
 
+CLIP_KINDS = ("clip", "clip_projection")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

@@ -1,0 +1,84 @@
+"""Z-Image: what difftune trains on equals ZImagePipeline.encode_prompt exactly (CPU), the tiny
+tokenizer carries Qwen3's special tokens and chat format, and the released model's config
+builds on the meta device."""
+
+from __future__ import annotations
+
+import torch
+
+from difftune import families
+from difftune.families.base import TextEmbeds
+from difftune.families.common import text
+from difftune.families.z_image.tiny import build_tiny_z_image
+
+PROMPTS = ["a red circle on a blue background", "a pink ring", ""]
+
+
+def _pipe_and_family() -> tuple[object, object, object]:
+    from diffusers import ZImagePipeline
+
+    parts = build_tiny_z_image()
+    pipe = ZImagePipeline(**{k: parts[k] for k in
+                             ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")})
+    family = families.get("z_image")
+    comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
+                              type("Cfg", (), {"name": None})(), _cpu_policy())
+    return pipe, family, comps
+
+
+def _cpu_policy() -> object:
+    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
+                               "denoiser": torch.float32, "vae": torch.float32,
+                               "text_encoders": torch.float32})()
+
+
+def test_embeddings_equal_encode_prompt_exactly() -> None:
+    pipe, family, comps = _pipe_and_family()
+    spec = family.text_encoders[0]
+    want, _ = pipe.encode_prompt(list(PROMPTS), device="cpu", do_classifier_free_guidance=False,
+                                 max_sequence_length=spec.max_length)
+    # As a batch (sampling) and one caption at a time, batched back (the cache's entries).
+    batch = family.encode_text(comps, list(PROMPTS))
+    single = TextEmbeds.cat([family.encode_text(comps, [p]) for p in PROMPTS])
+    from difftune.families.z_image.family import caption_list
+
+    for embeds in (batch, single):
+        got = caption_list(embeds)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+def test_cache_entries_hold_only_the_captions_tokens() -> None:
+    _, family, comps = _pipe_and_family()
+    spec = family.text_encoders[0]
+    out = text.encode(spec, comps.text_encoders["qwen3"], comps.tokenizers["qwen3"],
+                      ["a pink ring"], spec.max_length, True)
+    n = len(comps.tokenizers["qwen3"](text.chat_texts(spec, comps.tokenizers["qwen3"],
+                                                      ["a pink ring"]))["input_ids"][0])
+    assert out["hidden"].shape[1] == n and bool(out["mask"].all())
+
+
+def test_tiny_tokenizer_has_qwen3_tokens_and_format() -> None:
+    tok = build_tiny_z_image()["tokenizer"]
+    for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"):
+        assert tok.convert_tokens_to_ids(t) != tok.unk_token_id and len(tok(t)["input_ids"]) == 1
+    chat = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                   add_generation_prompt=True, enable_thinking=False)
+    assert chat == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>"
+
+
+def test_released_config_builds_on_meta() -> None:
+    from diffusers import ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from difftune.families.z_image.files import TEXT_ENCODER_CONFIG, TRANSFORMER_CONFIG
+
+    with torch.device("meta"):
+        transformer = ZImageTransformer2DModel(**TRANSFORMER_CONFIG)
+        encoder = Qwen3Model(Qwen3Config(**TEXT_ENCODER_CONFIG))
+    n_dit = sum(p.numel() for p in transformer.parameters())
+    n_te = sum(p.numel() for p in encoder.parameters())
+    assert 6.0e9 < n_dit < 6.3e9, n_dit  # Z-Image's "6B" transformer
+    assert 3.9e9 < n_te < 4.1e9, n_te  # Qwen3-4B without its LM head
