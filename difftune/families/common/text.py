@@ -65,11 +65,19 @@ def chat_texts(spec: TextEncoderSpec, tokenizer: Any, texts: list[str]) -> list[
 
 def trimmed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Outputs cut to the positions some row's mask marks (all of a batch of one's padding
-    goes); sequence tensors are those as long as the mask."""
-    keep = out["mask"].bool().any(0)
-    length = out["mask"].shape[1]
-    return {k: v[:, keep] if v.dim() >= 2 and v.shape[1] == length else v
-            for k, v in out.items()}
+    goes), the padding still left in longer batches zeroed: a batch then equals its captions'
+    cache entries padded by `pad_cat`. Sequence tensors are those as long as the mask."""
+    mask = out["mask"].bool()
+    keep = mask.any(0)
+    length = mask.shape[1]
+
+    def cut(v: torch.Tensor) -> torch.Tensor:
+        if v.dim() < 2 or v.shape[1] != length or v is out["mask"]:
+            return v[:, keep] if v is out["mask"] else v
+        rows = mask[:, keep].reshape(*mask.shape[:1], -1, *([1] * (v.dim() - 2)))
+        return v[:, keep] * rows.to(v.dtype)
+
+    return {k: cut(v) for k, v in out.items()}
 
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
