@@ -1,0 +1,112 @@
+"""Z-Image-only behaviour through the real CLI on the tiny flavor: block swap and gradient
+checkpointing train bitwise like the plain run, a slice of the precision matrix (bf16 with fp8
+storage, fp16 with int8 quantization), exact resume with caption augmentations (cached,
+variable-length text embeddings), and the refusals its spec declares."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftune.cli import main
+from difftune.report.metrics import Reporter
+
+from ..conftest import metrics_rows, run_toml, train_cli, train_exit_code
+
+AUGMENT = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_rate=0.3",
+           "datasets.0.flip=true", "train.grad_accum=2", "save.every_n_steps=3"]
+
+
+def train(folder: Path, images: Path, *sets: str, **kw: object) -> Path:
+    """A Z-Image run through the CLI; the output folder."""
+    return train_cli(folder, images, *sets, family="z_image", **kw)
+
+
+def outputs(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A run's losses and its saved LoRA."""
+    return [r["loss"] for r in metrics_rows(out)], load_file(str(out / "lora.safetensors"))
+
+
+def assert_same(a: Path, b: Path) -> None:
+    """Bitwise equal losses and LoRA tensors."""
+    (la, wa), (lb, wb) = outputs(a), outputs(b)
+    assert la == lb
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_block_swap_and_checkpointing_train_like_the_plain_run(images: Path,
+                                                              tmp_path: Path) -> None:
+    plain = train(tmp_path / "plain", images, steps=2)
+    ckpt = train(tmp_path / "ckpt", images, "train.gradient_checkpointing=true", steps=2)
+    swap = train(tmp_path / "swap", images, "train.gradient_checkpointing=true",
+                 "train.blocks_to_swap=1", steps=2)
+    assert_same(plain, ckpt)
+    assert_same(plain, swap)
+    assert "block swap: 1 of 2 denoiser blocks live in host memory" in (
+        swap / "difftune.log").read_text()
+
+
+@pytest.mark.parametrize("sets", [
+    ('precision.mixed="bf16"', 'precision.denoiser="fp8"', 'precision.text_encoders="fp8"'),
+    ('precision.mixed="fp16"', 'precision.quantize.denoiser="int8"'),
+], ids=["bf16-fp8", "fp16-int8"])
+def test_precision_slice(sets: tuple[str, ...], images: Path, tmp_path: Path) -> None:
+    out = train(tmp_path, images, *sets, 'adapter.targets="attention"', steps=2)
+    losses, lora = outputs(out)
+    assert len(losses) == 2 and all(0 < x < 100 for x in losses)
+    assert lora and all(v.dtype == torch.float32 and torch.isfinite(v).all()
+                        for v in lora.values())
+
+
+def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
+        tmp_path: Path, images: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = run_toml(tmp_path / "a", images, steps=6, family="z_image")
+    b = run_toml(tmp_path / "b", images, steps=6, family="z_image")
+    assert train_exit_code(a, *AUGMENT) == 0
+    real = Reporter.step
+
+    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
+        real(self, s, *args, **kwargs)
+        if s == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Reporter, "step", reporting)
+        assert train_exit_code(b, *AUGMENT) == 0
+    assert train_exit_code(b, *AUGMENT, extra=["--resume", "latest"]) == 0
+    rows = [[(r["step"], r["loss"]) for r in map(json.loads, (p / "out" / "metrics.jsonl")
+                                                 .read_text().splitlines())]
+            for p in (tmp_path / "a", tmp_path / "b")]
+    assert rows[0] == rows[1]
+    assert_same(tmp_path / "a" / "out", tmp_path / "b" / "out")
+
+
+@pytest.mark.parametrize("sets, message", [
+    (['save.format="kohya"'], 'save.format = "kohya" is not written for model.family = "z_image"'),
+    (['adapter.text_encoders=["qwen3"]'], "cannot train a text-encoder LoRA"),
+])
+def test_refusals(sets: list[str], message: str, tmp_path: Path, images: Path,
+                  capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = run_toml(tmp_path, images, family="z_image")
+    assert main(["train", str(cfg), "--no-progress", *[x for s in sets for x in ("--set", s)]]
+                ) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "lora.safetensors").exists()
+
+
+def test_embeddings_refused(tmp_path: Path, images: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = run_toml(tmp_path, images, family="z_image")
+    cfg.write_text(cfg.read_text().replace(
+        "[[datasets]]", '[[adapter.embeddings]]\nname = "<sks>"\ninit = "a dog"\n\n[[datasets]]',
+        1))
+    assert main(["check", str(cfg)]) == 2
+    assert "textual inversion is not supported" in capsys.readouterr().err
