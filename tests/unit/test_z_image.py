@@ -82,3 +82,23 @@ def test_released_config_builds_on_meta() -> None:
     n_te = sum(p.numel() for p in encoder.parameters())
     assert 6.0e9 < n_dit < 6.3e9, n_dit  # Z-Image's "6B" transformer
     assert 3.9e9 < n_te < 4.1e9, n_te  # Qwen3-4B without its LM head
+
+
+def test_other_trainers_lora_names_read_as_diffusers() -> None:
+    from difftune.families.z_image.keys import diffusers_names
+
+    a, b = torch.ones(4, 8), torch.zeros(8, 4)
+    ai_toolkit = {"diffusion_model.layers.0.attention.to_q.lora_A.weight": a,
+                  "diffusion_model.layers.0.attention.to_q.lora_B.weight": b}
+    state, alphas = diffusers_names(ai_toolkit)
+    assert state == {"transformer.layers.0.attention.to_q.lora_A.weight": a,
+                     "transformer.layers.0.attention.to_q.lora_B.weight": b} and alphas == {}
+    comfy = {"diffusion_model.layers.1.feed_forward.w1.lora_down.weight": a,
+             "diffusion_model.layers.1.feed_forward.w1.lora_up.weight": b,
+             "diffusion_model.layers.1.feed_forward.w1.alpha": torch.tensor(2.0)}
+    state, alphas = diffusers_names(comfy)
+    assert set(state) == {"transformer.layers.1.feed_forward.w1.lora_A.weight",
+                          "transformer.layers.1.feed_forward.w1.lora_B.weight"}
+    assert alphas == {"transformer.layers.1.feed_forward.w1": 2.0}
+    ours = {"transformer.layers.0.attention.to_k.lora_A.weight": a}
+    assert diffusers_names(ours) == (ours, {})

@@ -81,8 +81,16 @@ class ZImageFamily(FamilyBase):
 
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """A diffusers-layout LoRA file's tensors as they are (no alphas in that layout)."""
-        return dict(tensors), {}
+        """A LoRA file in diffusers names, and per-module alphas where the file has them.
+
+        Reads difftune's and diffusers' layout (`transformer.<module>.lora_A/B.weight`) as is,
+        and the ComfyUI-style names other trainers write for Z-Image (ai-toolkit's
+        `diffusion_model.<module>` PEFT keys without alpha; `lora_down`/`lora_up` with
+        `.alpha` entries), whose module names are the diffusers ones.
+        """
+        from difftune.families.z_image.keys import diffusers_names
+
+        return diffusers_names(tensors, self.denoiser_prefix)
 
     def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
                  ) -> dict[str, torch.Tensor]:

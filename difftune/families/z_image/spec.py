@@ -23,10 +23,10 @@ SPEC = FamilySpec(
     bucket_step=16,
     denoiser_prefix="transformer",
     default_cfg=1.0,  # Turbo is distilled to run without CFG; a prompt's --l turns it on
-    # ComfyUI's comfy/lora.py maps a Lumina2/Z-Image LoRA's diffusers names ("diffusion_model."
-    # or "transformer." + the diffusers module name, its z_image_to_diffusers key map in
-    # comfy/utils.py) onto its own modules, and diffusers' ZImageLoraLoaderMixin reads the same
-    # file: so the diffusers layout is the one both read.
+    # ComfyUI reads the diffusers names: its Lumina2/Z-Image LoRA key map (comfy/utils.py
+    # z_image_to_diffusers, used by comfy/lora.py) maps `to_q`/`to_k`/`to_v` onto row slices of
+    # its fused `attention.qkv` and `to_out.0` onto `attention.out`, the rest by name; diffusers'
+    # ZImageLoraLoaderMixin reads the same file. So the diffusers layout is the one both read.
     default_format="diffusers",
     text_encoder_prefixes={"qwen3": "text_encoder"},
     # Kept out of fp8 storage and quantization: the timestep and caption embedders (the ones

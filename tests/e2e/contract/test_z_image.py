@@ -9,10 +9,11 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from difftune.cli import main
 from difftune.report.metrics import Reporter
@@ -110,3 +111,21 @@ def test_embeddings_refused(tmp_path: Path, images: Path,
         1))
     assert main(["check", str(cfg)]) == 2
     assert "textual inversion is not supported" in capsys.readouterr().err
+
+
+def test_init_lora_from_ai_toolkit_names(trained: Callable[[str], Path], images: Path,
+                                         tmp_path: Path) -> None:
+    """ai-toolkit writes Z-Image LoRAs as `diffusion_model.<module>` PEFT keys without alpha:
+    starting from such a copy of our file is starting from our file."""
+    ours = trained("z_image") / "lora.safetensors"
+    theirs = tmp_path / "ai_toolkit.safetensors"
+    save_file({k.replace("transformer.", "diffusion_model.", 1): v
+               for k, v in load_file(str(ours)).items()}, str(theirs))
+    losses = []
+    for name, init in (("ours", ours), ("theirs", theirs), ("fresh", None)):
+        (tmp_path / name).mkdir()
+        cfg = run_toml(tmp_path / name, images, steps=1, family="z_image")
+        extra = ["--init-lora", str(init)] if init is not None else []
+        assert train_exit_code(cfg, extra=extra) == 0
+        losses.append(metrics_rows(tmp_path / name / "out")[0]["loss"])
+    assert losses[0] == losses[1] != losses[2]  # the file's weights were used, read alike
