@@ -129,3 +129,19 @@ def test_init_lora_from_ai_toolkit_names(trained: Callable[[str], Path], images:
         assert train_exit_code(cfg, extra=extra) == 0
         losses.append(metrics_rows(tmp_path / name / "out")[0]["loss"])
     assert losses[0] == losses[1] != losses[2]  # the file's weights were used, read alike
+
+
+def test_disk_cache_of_variable_length_embeddings(images: Path, tmp_path: Path) -> None:
+    """Caption-augmented runs read back from disk (trimmed entries, padded per batch) train
+    exactly as with the memory cache, the second disk run reading what the first wrote."""
+    sets = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_rate=0.3"]
+    disk = [*sets, 'cache.text="disk"', 'cache.latents="disk"',
+            f'cache.dir="{(tmp_path / "cache").as_posix()}"']
+    memory = train(tmp_path / "memory", images, *sets, steps=3)
+    first = train(tmp_path / "first", images, *disk, steps=3)
+    entries = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    second = train(tmp_path / "second", images, *disk, steps=3)
+    assert entries and entries == sorted(p.name for p in (tmp_path / "cache").rglob("*")
+                                         if p.is_file())
+    assert_same(memory, first)
+    assert_same(memory, second)
