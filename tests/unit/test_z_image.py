@@ -102,3 +102,34 @@ def test_other_trainers_lora_names_read_as_diffusers() -> None:
     assert alphas == {"transformer.layers.1.feed_forward.w1": 2.0}
     ours = {"transformer.layers.0.attention.to_k.lora_A.weight": a}
     assert diffusers_names(ours) == (ours, {})
+
+
+def test_pipeline_inputs_sample_as_the_pipeline_does_with_prompts() -> None:
+    """Our embeddings and CFG scale 4 give the image ZImagePipeline makes from the prompt
+    strings with its guidance_scale 3 (pos + 3 (pos - neg) is CFG at scale 4)."""
+    pipe, family, comps = _pipe_and_family()
+    pipe.set_progress_bar_config(disable=True)
+    common = {"height": 32, "width": 32, "num_inference_steps": 2, "output_type": "latent"}
+    theirs = pipe(prompt="a red circle", negative_prompt="blurry", guidance_scale=3.0,
+                  generator=torch.Generator().manual_seed(0), **common).images
+    kwargs = family.pipeline_inputs(family.encode_text(comps, ["a red circle"]),
+                                    family.encode_text(comps, ["blurry"]), 1.0, 4.0)
+    ours = pipe(**kwargs, generator=torch.Generator().manual_seed(0), **common).images
+    assert torch.equal(ours, theirs)
+
+
+def test_predict_is_the_velocity_the_pipeline_steps_with() -> None:
+    """One pipeline step from pure noise (sigma 1 -> 0) moves the latents by -velocity: our
+    `predict` at t = 1 is that velocity (time flipped, output negated as the pipeline does)."""
+    from difftune.families.base import Conditioning
+
+    pipe, family, comps = _pipe_and_family()
+    pipe.set_progress_bar_config(disable=True)
+    latents = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(3))
+    embeds = family.encode_text(comps, ["a red circle"])
+    stepped = pipe(**family.pipeline_inputs(embeds, None, 1.0, 1.0), latents=latents.clone(),
+                   height=32, width=32, num_inference_steps=1, output_type="latent").images
+    cond = Conditioning(guidance=1.0, original_sizes=[], crops=[], target_sizes=[])
+    with torch.no_grad():
+        velocity = family.predict(comps, latents, embeds, torch.ones(1), cond)
+    torch.testing.assert_close(stepped, latents - velocity, rtol=0, atol=1e-6)

@@ -71,13 +71,16 @@ def trimmed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     keep = mask.any(0)
     length = mask.shape[1]
 
-    def cut(v: torch.Tensor) -> torch.Tensor:
-        if v.dim() < 2 or v.shape[1] != length or v is out["mask"]:
-            return v[:, keep] if v is out["mask"] else v
-        rows = mask[:, keep].reshape(*mask.shape[:1], -1, *([1] * (v.dim() - 2)))
-        return v[:, keep] * rows.to(v.dtype)
+    valid = mask[:, keep]
 
-    return {k: cut(v) for k, v in out.items()}
+    def cut(key: str, v: torch.Tensor) -> torch.Tensor:
+        if key == "mask":
+            return v[:, keep]
+        if v.dim() < 2 or v.shape[1] != length:
+            return v
+        return v[:, keep] * valid.reshape(*valid.shape, *([1] * (v.dim() - 2))).to(v.dtype)
+
+    return {k: cut(k, v) for k, v in out.items()}
 
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
