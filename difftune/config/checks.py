@@ -192,7 +192,7 @@ def model_file_problems(model: ModelConfig) -> list[str]:
     if model.path is not None and not model.path.is_dir():
         problems.append(f"model.path: {model.path} is not a folder; expected a diffusers-format "
                         "model folder (with model_index.json)")
-    for name in ("transformer", "vae", "clip_l", "t5"):
+    for name in ("transformer", "vae", "clip_l", "t5", "text_encoder"):
         path = getattr(model, name)
         if path is None:
             continue

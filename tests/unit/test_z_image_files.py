@@ -1,6 +1,6 @@
 """Z-Image from local files: a diffusers folder in the released layout (the tiny pipeline saved
 with save_pretrained), and the ComfyUI single files (original-layout transformer with fused qkv,
-LDM-layout `ae`) over that folder, each equal to the tiny model it was written from."""
+LDM-layout `ae`, ComfyUI's `qwen_3_4b`) over that folder, each equal to the tiny model it was written from."""
 
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     save_file(to_original(tiny["transformer"].state_dict()), str(files / "z_image_turbo.safetensors"))
     n = len(tiny["vae"].config.block_out_channels)
     save_file(to_ldm_vae(tiny["vae"].state_dict(), n), str(files / "ae.safetensors"))
+    qwen = {f"model.{k}": v.contiguous() for k, v in tiny["text_encoder"].state_dict().items()}
+    qwen["lm_head.weight"] = qwen["model.embed_tokens.weight"].clone()  # the causal LM's head
+    save_file(qwen, str(files / "qwen_3_4b.safetensors"))
     return tiny, folder
 
 
@@ -71,11 +74,17 @@ def test_single_files_over_the_folder(saved: tuple[dict, Path]) -> None:
     tiny, folder = saved
     cfg = ModelConfig(family="z_image", path=folder,
                       transformer=folder.parent / "z_image_turbo.safetensors",
-                      vae=folder.parent / "ae.safetensors")
+                      vae=folder.parent / "ae.safetensors",
+                      text_encoder=folder.parent / "qwen_3_4b.safetensors")
     parts = load_z_image_files(cfg, FP32)
     assert parts["transformer"].config.axes_dims == tiny["transformer"].config.axes_dims
-    _equal(parts["transformer"], tiny["transformer"])
-    _equal(parts["vae"], tiny["vae"])
+    for name in ("transformer", "vae", "text_encoder"):
+        _equal(parts[name], tiny[name])
+    tok = tiny["tokenizer"]
+    ids = tok(["a red circle"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(parts["text_encoder"](ids).last_hidden_state,
+                           tiny["text_encoder"](ids).last_hidden_state)
     assert parts["vae"].config.scaling_factor == 0.3611
 
 

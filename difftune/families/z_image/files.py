@@ -1,11 +1,11 @@
 """Load Z-Image (Turbo or Base) from local files only: a diffusers folder and/or single files.
 
 `model.path` is a diffusers folder as Tongyi-MAI publishes it (transformer/, vae/,
-text_encoder/ (Qwen3), tokenizer/, scheduler/). `model.transformer` and `model.vae` are single
-.safetensors files as ComfyUI users keep them (the transformer in the original layout, fused
-qkv, converted with diffusers' own converter, or in the diffusers layout; the FLUX.1 `ae`
-autoencoder in the LDM layout); a single file overrides the folder's component, and the text
-encoder and tokenizer come from the folder. Weights are read through safetensors only; a
+text_encoder/ (Qwen3), tokenizer/, scheduler/). `model.transformer`, `model.vae` and
+`model.text_encoder` are single .safetensors files as ComfyUI users keep them (the transformer
+in the original layout, fused qkv, converted with diffusers' own converter, or in the diffusers
+layout; the FLUX.1 `ae` autoencoder in the LDM layout; `qwen_3_4b.safetensors`); a single file
+overrides the folder's component, and the tokenizer always comes from the folder. Weights are read through safetensors only; a
 missing or wrong file raises `ModelFileError` naming the path.
 """
 
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.common.components import VAE_PREFIX, vae_from_state
+from difftune.families.common.components import (VAE_PREFIX, pretrained_from_state,
+                                                  vae_from_state)
 from difftune.families.common.folders import check_folder, folder_files, from_folder
 from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
                                                   fingerprint, missing_error, read_safetensors,
@@ -119,7 +120,11 @@ def load_z_image_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> di
     from transformers import AutoTokenizer
 
     folder = _folder(cfg)
-    files, subs = [], ["text_encoder", "tokenizer"]
+    files, subs = [], ["tokenizer"]
+    if cfg.text_encoder is not None:
+        files.append(Path(cfg.text_encoder))
+    else:
+        subs.append("text_encoder")
     if cfg.transformer is not None:
         transformer = load_transformer_file(Path(cfg.transformer), dtypes["transformer"])
         files.append(Path(cfg.transformer))
@@ -148,7 +153,30 @@ def load_z_image_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> di
 
 
 def load_z_image_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
-    """The Qwen3 text encoder alone, from the same folder."""
+    """The Qwen3 text encoder alone: `model.text_encoder` if given, else the folder's."""
     from transformers import Qwen3Model
 
+    if cfg.text_encoder is not None:
+        return {"text_encoder": load_text_encoder_file(Path(cfg.text_encoder), dtype)}
     return {"text_encoder": from_folder(Qwen3Model, _folder(cfg), "text_encoder", dtype, WHAT)}
+
+
+def load_text_encoder_file(path: Path, dtype: torch.dtype) -> Any:
+    """Qwen3 from one file as ComfyUI keeps it (`qwen_3_4b.safetensors`: the causal LM's
+    `model.*` tensors, any `lm_head` dropped) or a bare Qwen3Model state; sizes from shapes."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    sd = strip_prefix(read_safetensors(path, "Qwen3 text encoder"), ("model.",))
+    sd = {k: v for k, v in sd.items() if not k.startswith("lm_head.")}
+    try:
+        vocab, hidden = sd["embed_tokens.weight"].shape
+        head = sd["layers.0.self_attn.q_norm.weight"].shape[0]
+        config = Qwen3Config(**{
+            **TEXT_ENCODER_CONFIG, "vocab_size": vocab, "hidden_size": hidden, "head_dim": head,
+            "num_hidden_layers": count_blocks(sd, "layers."),
+            "num_attention_heads": sd["layers.0.self_attn.q_proj.weight"].shape[0] // head,
+            "num_key_value_heads": sd["layers.0.self_attn.k_proj.weight"].shape[0] // head,
+            "intermediate_size": sd["layers.0.mlp.gate_proj.weight"].shape[0]})
+    except KeyError as err:
+        raise missing_error(path, "a Qwen3 text encoder", err) from None
+    return pretrained_from_state(Qwen3Model, config, cast_state(sd, dtype), dtype, path, "Qwen3")

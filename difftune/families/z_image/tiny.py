@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from difftune.families.common.tiny import TEXT_WIDTH, load_tiny_vae
-from difftune.families.z_image.files import SCHEDULER_CONFIG
+from difftune.families.z_image.files import SCHEDULER_CONFIG, TEXT_ENCODER_CONFIG
 
 SEED = 1234
 # Qwen3's special tokens (added tokens of its tokenizer), in its id order.
@@ -67,13 +67,15 @@ def tiny_qwen_tokenizer() -> Any:
 
 
 def tiny_qwen3_config(vocab_size: int, pad_id: int) -> Any:
-    """Qwen3 decoder config (grouped-query attention, q/k norms), tiny widths."""
+    """Qwen3 decoder config (grouped-query attention, q/k norms), tiny widths; RoPE base, norm
+    epsilon and tied embeddings as Qwen3-4B (what single files do not record)."""
     from transformers import Qwen3Config
 
-    return Qwen3Config(vocab_size=vocab_size, hidden_size=TEXT_WIDTH, intermediate_size=64,
-                       num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
-                       pad_token_id=pad_id)
+    return Qwen3Config(**{**TEXT_ENCODER_CONFIG, "vocab_size": vocab_size,
+                          "hidden_size": TEXT_WIDTH, "intermediate_size": 64,
+                          "num_hidden_layers": 3, "num_attention_heads": 2,
+                          "num_key_value_heads": 1, "head_dim": 16,
+                          "max_position_embeddings": 1024, "pad_token_id": pad_id})
 
 
 def build_tiny_z_image() -> dict[str, Any]:
