@@ -1,13 +1,16 @@
 """Z-Image-only behaviour through the real CLI on the tiny flavor: block swap and gradient
 checkpointing train bitwise like the plain run, a slice of the precision matrix (bf16 with fp8
-storage, fp16 with int8 quantization), exact resume with caption augmentations (cached,
-variable-length text embeddings), and the refusals its spec declares."""
+storage, fp16 with int8 quantization), exact resume and disk caches with caption augmentations
+(cached, variable-length text embeddings), two processes against one, another trainer's LoRA
+names for --init-lora, and the refusals its spec declares."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -145,3 +148,26 @@ def test_disk_cache_of_variable_length_embeddings(images: Path, tmp_path: Path) 
                                          if p.is_file())
     assert_same(memory, first)
     assert_same(memory, second)
+
+
+def test_two_processes_match_one_with_the_same_global_batch(images: Path, tmp_path: Path) -> None:
+    """Two processes of batch 1 (accelerate launch, gloo, disk caches shared between them) train
+    as one process of batch 2 does, whose batches pad captions of unequal length."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = run_toml(tmp_path / "one", images, steps=2, family="z_image")
+    assert train_exit_code(one) == 0
+    two = run_toml(tmp_path / "two", images, steps=2, family="z_image")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+           "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", "0", "-m", "difftune", "train", str(two), "--no-progress",
+           "--set", "train.batch_size=1", "--set", 'cache.text="disk"',
+           "--set", 'cache.latents="disk"']
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (la, wa), (lb, wb) = outputs(tmp_path / "one" / "out"), outputs(tmp_path / "two" / "out")
+    assert la == pytest.approx(lb, rel=1e-5)
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 0.1 * 1e-2  # 0.1 x lr
