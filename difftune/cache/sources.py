@@ -12,7 +12,6 @@ import contextlib
 import gc
 import logging
 import random
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -202,7 +201,7 @@ class TextSource:
     def encoder_fields(self, name: str) -> dict[str, object]:
         """What decides one encoder's output besides the caption (its cache-key fields)."""
         spec = self.specs[name]
-        return dict(asdict(spec), max_length=text.max_length(spec, self.comps.extras),
+        return dict(spec.key_fields(), max_length=text.max_length(spec, self.comps.extras),
                     mask=self.options.mask_for(spec), clip_skip=self.options.skip_for(spec))
 
     def _key(self, name: str, caption: str) -> tuple[str, dict[str, object]]:

@@ -34,6 +34,16 @@ class TextEncoderSpec:
     chat: tuple[tuple[str, bool], ...] | None = None
     trim: bool = False
 
+    def key_fields(self) -> dict[str, object]:
+        """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
+        (`chat`, `trim`) enter only when set, so the keys of encoders without them (and the
+        caches written before those fields existed) stay as they were."""
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        for name in ("chat", "trim"):
+            if fields[name] == self.__dataclass_fields__[name].default:
+                del fields[name]
+        return fields
+
     @property
     def is_clip(self) -> bool:
         """Whether this is a CLIP encoder (BOS first, clip_skip meaningful)."""

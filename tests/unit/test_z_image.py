@@ -133,3 +133,18 @@ def test_predict_is_the_velocity_the_pipeline_steps_with() -> None:
     with torch.no_grad():
         velocity = family.predict(comps, latents, embeds, torch.ones(1), cond)
     torch.testing.assert_close(stepped, latents - velocity, rtol=0, atol=1e-6)
+
+
+def test_cache_key_fields_grow_only_where_decoder_fields_are_set() -> None:
+    """Encoders without a chat template or trimming keep the cache-key fields they had before
+    those spec fields existed (their disk caches stay valid); Z-Image's Qwen3 adds both."""
+    import dataclasses
+
+    for name in families.names():
+        for spec in families.spec(name).text_encoders:
+            fields = spec.key_fields()
+            old = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("chat", "trim")}
+            if spec.chat is None and not spec.trim:
+                assert fields == old, spec.name
+    qwen = families.spec("z_image").text_encoders[0].key_fields()
+    assert qwen["chat"] == (("enable_thinking", True),) and qwen["trim"] is True
