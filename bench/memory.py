@@ -59,7 +59,7 @@ def build(base: str, checkpointing: bool) -> tuple[torch.nn.Module, list[torch.n
 
 def inputs(resolution: int) -> dict[str, torch.Tensor]:
     """One packed batch: 4096 image tokens at 1024x1024, 512 text tokens."""
-    from difftune.families.flux.family import image_ids
+    from difftune.families.common.latents import image_ids
 
     side = resolution // 16  # VAE /8, then 2x2 packing
     dev, dt = torch.device(DEVICE), torch.bfloat16

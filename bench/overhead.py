@@ -26,7 +26,7 @@ import torch
 from difftune.adapters.lora import lora_parameters
 from difftune.config import RunConfig, parse_config
 from difftune.verbs.demo import demo_dir
-from difftune.families.flux.family import image_ids, pack
+from difftune.families.common.latents import image_ids, pack
 from difftune.report.metrics import Reporter
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import Hooks, train

@@ -122,7 +122,7 @@ def optimizer(model: torch.nn.Module, saver: str) -> torch.optim.Optimizer:
 
 def inputs(s: Setup) -> dict[str, torch.Tensor]:
     """One packed batch: (resolution/16)^2 image tokens, 512 text tokens, bf16."""
-    from difftune.families.flux.family import image_ids
+    from difftune.families.common.latents import image_ids
 
     side, dev, dt, c = s.resolution // 16, s.device, torch.bfloat16, s.config
     return dict(

@@ -38,6 +38,9 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
         problems += [f"precision.text_encoders: {n!r} is not a text encoder of model.family = "
                      f"\"{family}\"; choose from {', '.join(names)}"
                      for n in precision.text_encoders if n not in names]
+    problems += [f"adapter.text_encoders: {n!r} of model.family = \"{family}\" cannot get a "
+                 f"LoRA ({why}); remove it"
+                 for n, why in spec.text_encoder_lora_refused if n in adapter.text_encoders]
     if len(set(adapter.text_encoders)) != len(adapter.text_encoders):
         problems.append("adapter.text_encoders lists an encoder twice; list each once")
     if model.t5_mask and "t5" not in names:
@@ -45,9 +48,6 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
     if model.clip_skip and not spec.clip_hidden:
         problems.append(f"model.clip_skip: model.family = \"{family}\" reads no CLIP hidden "
                         "state (only CLIP's pooled output), so there is nothing to skip; remove it")
-    if adapter.text_encoders and spec.text_encoder_training_refused is not None:
-        problems.append(f"adapter.text_encoders: model.family = \"{family}\" cannot train a "
-                        f"text-encoder LoRA ({spec.text_encoder_training_refused}); remove it")
     refused = spec.kohya_text_encoders_refused
     if fmt == "kohya" and adapter.text_encoders and refused is not None:
         problems.append(f"save.format = \"kohya\" cannot hold the text-encoder LoRA of "

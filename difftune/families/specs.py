@@ -58,7 +58,8 @@ class FamilySpec:
     kohya-format file cannot hold its text-encoder LoRA (None: it can); `denoiser_part` is the
     pipeline's name for the denoiser ("transformer", "unet") and `encoder_parts` gives, per text
     encoder, its pipeline component and tokenizer names; `pipeline_class` is the diffusers pipeline
-that samples it.
+that samples it; `text_encoder_lora_refused` names the encoders whose LoRA no reader of the
+family's files would load, with the reason.
     """
 
     name: str
@@ -76,8 +77,10 @@ that samples it.
     denoiser_part: str
     encoder_parts: tuple[tuple[str, str, str], ...]
     pipeline_class: str
-    # Why text-encoder LoRAs / textual-inversion embeddings cannot be trained (None: they can).
-    text_encoder_training_refused: str | None = None
+    # Text encoders that cannot get a LoRA, with the reason: ((name, why), ...); refused when
+    # the config loads.
+    text_encoder_lora_refused: tuple[tuple[str, str], ...] = ()
+    # Why textual-inversion embeddings cannot be trained (None: they can); refused at load.
     embeddings_refused: str | None = None
 
     @property

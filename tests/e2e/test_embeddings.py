@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from difftune import families
 from difftune.adapters.embeddings import ExtendedEmbedding
 from difftune.cli import main
 from difftune.config import parse_config
@@ -22,14 +23,10 @@ from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import Hooks, train
 from difftune.train.setup import Run, fill_caches, prepare
 
-ENCODERS = {"flux": ["clip_l", "t5"], "sd3": ["clip_l", "clip_g", "t5"],
-            "sdxl": ["clip_l", "clip_g"]}
-
-
 def config(tmp: Path, family: str, kind: str = "input", adapter_type: str = "embedding",
            precision: dict | None = None, encoders: list[str] | None = None,
            steps: int = 3) -> object:
-    step = 64 if family == "sdxl" else 32
+    step = max(32, families.spec(family).bucket_step)
     prompts = tmp / "p.txt"
     prompts.write_text(f"<sks> on a blue background --w {step} --h {step} --s 1\n")
     return parse_config({
@@ -71,7 +68,7 @@ def run_it(cfg: object) -> tuple[Run, list[float], CheckpointManager]:
     return run, result.losses, ckpt
 
 
-@pytest.mark.parametrize("family", sorted(ENCODERS))
+@pytest.mark.parametrize("family", families.names())
 def test_textual_inversion_changes_only_the_new_embeddings(tmp_path: Path, family: str) -> None:
     cfg = config(tmp_path, family)
     run = prepare(cfg, show_progress=False)
@@ -83,10 +80,10 @@ def test_textual_inversion_changes_only_the_new_embeddings(tmp_path: Path, famil
     assert after.keys() == before.keys()
     assert all(torch.equal(before[k], after[k]) for k in before), "a base weight changed"
     params = run.embeddings.parameters()
-    assert set(params) == {f"emb.{e}.input_rows" for e in ENCODERS[family]}
+    assert set(params) == {f"emb.{e}.input_rows" for e in families.spec(family).encoder_names}
     assert all(not torch.equal(start[k], p) for k, p in params.items())  # every new row moved
     saved = load_file(str(cfg.save.dir / "embeddings" / "sks.safetensors"))
-    assert set(saved) == set(ENCODERS[family])  # ComfyUI/A1111 names ("clip_l", "clip_g", ...)
+    assert set(saved) == set(families.spec(family).encoder_names)  # ComfyUI/A1111 names ("clip_l", "clip_g", ...)
     for name, vectors in saved.items():
         width = run.comps.text_encoders[name].get_input_embeddings().base.embedding_dim
         assert vectors.shape == (2, width)

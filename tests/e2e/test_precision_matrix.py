@@ -1,5 +1,6 @@
-"""The precision matrix on the tiny flavors, CPU: family x mixed x base x text caching x text
-encoder trained. Each supported cell trains one step (finite loss), samples one image, saves the
+"""The precision matrix on the tiny flavors, CPU: family (every registered one) x mixed x base x text caching
+x a text encoder trained (the family's first one
+whose LoRA can be saved; where none can, the refusal is asserted). Each supported cell trains one step (finite loss), samples one image, saves the
 LoRA and reads it back (only LoRA tensors, equal to the trained ones: no quantizer names leak);
 each unsupported cell is refused when the config loads, with the message asserted.
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from difftune import families
 from difftune.adapters.formats import with_clip_root
 from difftune.adapters.lora import lora_state
 from difftune.config import parse_config
@@ -32,15 +34,24 @@ from difftune.train.setup import fill_caches, prepare
 
 from .conftest import sampled_grid
 
-FIRST_ENCODER = {"flux": "clip_l", "sd3": "clip_l", "sdxl": "clip_g"}
 # "half": every part stored in the mixed dtype (fp16 or bf16), the common set-up on a GPU.
 BASES = {"full": {}, "half": {}, "fp8": {"denoiser": "fp8", "text_encoders": "fp8", "vae": "fp8"},
          "int8": {"quantize": {"denoiser": "int8", "text_encoders": "int8"}},
          "nf4": {"quantize": {"denoiser": "nf4", "text_encoders": "nf4"}}}  # CUDA only
-CELLS = list(itertools.product(sorted(FIRST_ENCODER), ("no", "fp16", "bf16"),
+CELLS = list(itertools.product(families.names(), ("no", "fp16", "bf16"),
                                ("full", "half", "fp8", "int8"), ("memory", "none"), (False, True)))
 
 
+
+
+def trained_encoder(family: str) -> tuple[str, str | None]:
+    """The family's first text encoder whose LoRA can be saved (and None), else its first one
+    and the reason its LoRA is refused (from the spec)."""
+    spec = families.spec(family)
+    refused = dict(spec.text_encoder_lora_refused)
+    names = [e.name for e in spec.text_encoders]
+    name = next((n for n in names if n not in refused), names[0])
+    return name, refused.get(name)
 
 
 def unsupported(mixed: str, base: str) -> str | None:
@@ -52,7 +63,8 @@ def unsupported(mixed: str, base: str) -> str | None:
 
 def config(tmp: Path, family: str, mixed: str, base: str, text: str, trained: bool,
            device: str = "cpu") -> object:
-    step = 64 if family == "sdxl" else 32
+    spec = families.spec(family)
+    step = max(32, spec.bucket_step)
     prompts = tmp / "p.txt"
     prompts.write_text(f"a red circle --w {step} --h {step} --s 1 --l 2 --n blurry\n")
     return parse_config({
@@ -61,7 +73,7 @@ def config(tmp: Path, family: str, mixed: str, base: str, text: str, trained: bo
             {p: mixed if mixed != "no" else "fp16" for p in ("denoiser", "text_encoders", "vae")}
             if base == "half" else {})},
         "adapter": {"rank": 2, "targets": "attention",
-                    "text_encoders": [FIRST_ENCODER[family]] if trained else []},
+                    "text_encoders": [trained_encoder(family)[0]] if trained else []},
         "datasets": [{"path": str(demo_dir()), "resolution": 64, "min_side": 32,
                       "max_side": 128, "buckets": False}],
         "cache": {"text": text},
@@ -81,7 +93,7 @@ def test_cell(tmp_path: Path, family: str, mixed: str, base: str, text: str,
 def check_cell(tmp_path: Path, family: str, mixed: str, base: str, text: str, trained: bool,
                device: str) -> None:
     """One cell on `device`: refused with its message, or one step, one sample, the LoRA."""
-    refused = unsupported(mixed, base)
+    refused = unsupported(mixed, base) or (trained and trained_encoder(family)[1])
     if refused:
         with pytest.raises(ConfigError, match=refused):
             config(tmp_path, family, mixed, base, text, trained, device)
@@ -108,7 +120,7 @@ def check_cell(tmp_path: Path, family: str, mixed: str, base: str, text: str, tr
     saved = load_file(str(result.lora))
     ours = lora_state(run.comps.denoiser, run.family.denoiser_prefix)
     if trained:
-        name = FIRST_ENCODER[family]
+        name = trained_encoder(family)[0]
         ours |= lora_state(run.comps.text_encoders[name], run.family.text_encoder_prefixes[name])
     ours = with_clip_root(ours, file_clip_roots(run.family))  # alpha = rank: nothing folded
     assert set(saved) == set(ours) and all(".lora_" in k for k in saved)

@@ -17,12 +17,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from difftune import families
 from difftune.cli import main
 
 from .conftest import run_toml, sampled_grid
 
-LAST = {"flux": ("t5", "text_encoder_2"), "sd3": ("t5", "text_encoder_3"),
-        "sdxl": ("clip_g", "text_encoder_2")}
+
+
+def last_encoder(family: str) -> tuple[str, str]:
+    """The family's last declared text encoder and the pipeline component its keys start with."""
+    spec = families.spec(family)
+    name = spec.text_encoders[-1].name
+    return name, spec.text_encoder_prefixes[name]
 
 
 def toml(folder: Path, images: Path, family: str, fmt: str = "diffusers") -> Path:
@@ -31,14 +37,19 @@ def toml(folder: Path, images: Path, family: str, fmt: str = "diffusers") -> Pat
 
 
 @pytest.mark.parametrize("family, cache, trained", sampled_grid(list(itertools.product(
-    sorted(LAST), ["memory", "none"], [False, True]))))
+    families.names(), ["memory", "none"], [False, True]))))
 def test_setup_trains(tmp_path: Path, images: Path, family: str, cache: str,
-                      trained: bool) -> None:
-    name, prefix = LAST[family]
+                      trained: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    name, prefix = last_encoder(family)
     args = ["train", str(toml(tmp_path, images, family)), "--no-progress",
             "--set", f'cache.text="{cache}"']
     if trained:
         args += ["--set", f'adapter.text_encoders=["{name}"]']
+    refused = dict(families.spec(family).text_encoder_lora_refused).get(name)
+    if trained and refused:  # a LoRA no reader of the family's files could load
+        assert main(args) == 2
+        assert refused in capsys.readouterr().err
+        return
     assert main(args) == 0
     out = tmp_path / "out"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

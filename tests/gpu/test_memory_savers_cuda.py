@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from difftune.adapters.lora import add_lora, lora_parameters
-from difftune.families.flux.family import FluxFamily, image_ids
+from difftune.families.common.latents import image_ids
+from difftune.families.flux.family import FluxFamily
 from difftune.memory.blockswap import BlockSwap
 from difftune.memory.fused import FusedAdamW
 

@@ -9,7 +9,8 @@ import torch
 from diffusers import FluxTransformer2DModel
 
 from difftune.adapters.lora import add_lora, lora_parameters
-from difftune.families.flux.family import FluxFamily, image_ids
+from difftune.families.common.latents import image_ids
+from difftune.families.flux.family import FluxFamily
 from difftune.memory.blockswap import BlockSwap
 
 TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3,

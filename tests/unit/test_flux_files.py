@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from difftune.config import ModelConfig
 from difftune.errors import ModelFileError
+from difftune.families.common.bfl import rope_axes
 from difftune.families.flux import files as flux_files
 from difftune.families.flux.files import load_flux_files
 from difftune.families.flux.tiny import build_tiny_flux
@@ -172,8 +173,8 @@ def test_fp8_t5(tiny: dict, files: dict, tmp_path: Path) -> None:
 
 
 def test_rope_axes_match_flux() -> None:
-    assert flux_files.rope_axes(128) == (16, 56, 56)
-    assert flux_files.rope_axes(16) == (4, 6, 6)
+    assert rope_axes(128) == (16, 56, 56)
+    assert rope_axes(16) == (4, 6, 6)
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -84,12 +84,15 @@ class FamilyBase:
     loaders: ClassVar[Loaders]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Copy the spec's facts onto the class (`FluxFamily.keep_high` needs no object)."""
+        """Copy the spec's facts onto the class (`FluxFamily.keep_high` needs no object);
+        intermediate bases without a spec of their own are skipped."""
         super().__init_subclass__(**kwargs)
+        if getattr(cls, "spec", None) is None:
+            return
         for fact in FACTS:
             setattr(cls, fact, getattr(cls.spec, fact))
 
-    def _role(self, role: str, function: str) -> Callable[..., dict[str, Any]]:
+    def _role(self, role: str, function: str) -> Callable[..., Any]:
         """A function of one of the family folder's role modules ("tiny", "files"), imported
         only now (they import diffusers and transformers)."""
         package = type(self).__module__.rsplit(".", 1)[0]
@@ -200,3 +203,21 @@ class FamilyBase:
                  ) -> dict[str, torch.Tensor]:
         """diffusers-named LoRA -> kohya / ComfyUI keys (family-specific)."""
         raise NotImplementedError
+
+
+class BlockTableFamily(FamilyBase):
+    """A family whose kohya layout is the original (BFL-style) one its `keys.py` converts
+    through a `BlockTable`: `kohya_to_diffusers(tensors, prefix)` and
+    `diffusers_to_kohya(state, alpha=, rank=)` (FLUX.1, Chroma)."""
+
+    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """A LoRA file's tensors in diffusers names, and per-module alphas (kohya files)."""
+        if not any(k.startswith("lora_unet_") for k in tensors):
+            return dict(tensors), {}
+        return self._role("keys", "kohya_to_diffusers")(tensors, self.spec.denoiser_prefix)
+
+    def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
+                 ) -> dict[str, torch.Tensor]:
+        """diffusers-named LoRA -> kohya / ComfyUI keys in the original layout."""
+        return self._role("keys", "diffusers_to_kohya")(state, alpha=alpha, rank=rank)

@@ -11,54 +11,25 @@ from typing import Any
 
 import torch
 
-from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
-from difftune.families.common.family import FamilyBase, Loaders, prompt_kwargs
+from difftune.families.base import Components, Conditioning, ModelSpec, TextEmbeds
+from difftune.families.common.bfl import ATTENTION_PATTERNS, MLP_PATTERNS
+from difftune.families.common.family import BlockTableFamily, Loaders, prompt_kwargs
+from difftune.families.common.latents import image_ids, pack, unpack
 from difftune.families.flux.spec import SPEC
 
-# Module-name patterns (full match against the transformer's module names) for LoRA presets.
-_BLOCK = r"(?:transformer_blocks|single_transformer_blocks)\.\d+\."
-_ATTENTION = [
-    _BLOCK + r"attn\.(?:to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
-]
-_MLP = [
-    r"transformer_blocks\.\d+\.(?:ff|ff_context)\.net\.(?:0\.proj|2)",
-    r"single_transformer_blocks\.\d+\.(?:proj_mlp|proj_out)",
-]
+# LoRA presets: the BFL layout's attention and MLP patterns, plus FLUX.1's modulation layers.
 _MODULATION = [
     r"transformer_blocks\.\d+\.(?:norm1|norm1_context)\.linear",
     r"single_transformer_blocks\.\d+\.norm\.linear",
 ]
 PRESETS: dict[str, list[str]] = {
-    "attention": _ATTENTION,
-    "attention_mlp": _ATTENTION + _MLP,
-    "all_linear": _ATTENTION + _MLP + _MODULATION,
+    "attention": ATTENTION_PATTERNS,
+    "attention_mlp": ATTENTION_PATTERNS + MLP_PATTERNS,
+    "all_linear": ATTENTION_PATTERNS + MLP_PATTERNS + _MODULATION,
 }
 
 
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, h/2 * w/2, C*4): 2x2 patches become tokens, as FluxPipeline packs."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Inverse of `pack` for latents of height h and width w."""
-    b, _, d = tokens.shape
-    c = d // 4
-    x = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, h, w)
-
-
-def image_ids(h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(h/2 * w/2, 3) position ids (0, row, col) of the packed latent tokens."""
-    rows = torch.arange(h // 2, device=device, dtype=dtype)[:, None].expand(h // 2, w // 2)
-    cols = torch.arange(w // 2, device=device, dtype=dtype)[None, :].expand(h // 2, w // 2)
-    ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1)
-    return ids.reshape(-1, 3)
-
-
-class FluxFamily(FamilyBase):
+class FluxFamily(BlockTableFamily):
     """The FLUX.1 family."""
 
     spec = SPEC
@@ -107,19 +78,3 @@ class FluxFamily(FamilyBase):
 
         return ModelSpec(keys.ARCHITECTURE[bool(c.denoiser.config.guidance_embeds)],
                          keys.IMPLEMENTATION, keys.BASE_VERSION, keys.NETWORK_MODULE)
-
-    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
-                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """A LoRA file's tensors in diffusers names, and per-module alphas (kohya files)."""
-        if not any(k.startswith("lora_unet_") for k in tensors):
-            return dict(tensors), {}
-        from difftune.families.flux.keys import kohya_to_diffusers
-
-        return kohya_to_diffusers(tensors, self.denoiser_prefix)
-
-    def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
-                 ) -> dict[str, torch.Tensor]:
-        """diffusers-named LoRA -> kohya / ComfyUI keys in BFL's layout."""
-        from difftune.families.flux.keys import diffusers_to_kohya
-
-        return diffusers_to_kohya(state, alpha=alpha, rank=rank)

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.common.components import load_clip_file, load_t5_file, vae_config
+from difftune.families.common.autoencoder import load_ae_file
+from difftune.families.common.components import load_clip_file, load_t5_file
 from difftune.families.common.folders import check_folder, folder_files, from_folder, model_folder
-from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
-                                                  fingerprint, read_safetensors, strip_prefix)
+from difftune.families.common.bfl import (DYNAMIC_SHIFT_SCHEDULER, transformer_config,
+                                          transformer_from_file)
+from difftune.families.common.single_file import count_blocks, fingerprint
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -34,15 +36,7 @@ SUBFOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer
 CLIP_TOKENIZER_REPO = "openai/clip-vit-large-patch14"
 T5_TOKENIZER_REPO = "google/t5-v1_1-xxl"
 # FLUX.1-dev's and schnell's sampling schedules (their scheduler_config.json).
-DEV_SCHEDULER_CONFIG: dict[str, Any] = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}
+DEV_SCHEDULER_CONFIG: dict[str, Any] = DYNAMIC_SHIFT_SCHEDULER
 SCHNELL_SCHEDULER_CONFIG: dict[str, Any] = {
     "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False,
     "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
@@ -54,32 +48,12 @@ VAE_SCALE = {"scaling_factor": 0.3611, "shift_factor": 0.1159}  # FLUX.1's ae (n
 # Single-file transformer
 
 
-def rope_axes(head_dim: int) -> tuple[int, int, int]:
-    """RoPE axes for a head size: FLUX.1's (16, 56, 56) at 128, the same proportions elsewhere.
-
-    The split carries no weights, so it cannot be read from a file; this rule reproduces FLUX.1
-    exactly and gives even axes (as RoPE needs) for smaller variants (16 -> (4, 6, 6)).
-    """
-    side = (head_dim - head_dim // 8) // 2 // 2 * 2
-    return (head_dim - 2 * side, side, side)
-
-
 def _transformer_config(sd: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
     """FluxTransformer2DModel config from a diffusers-layout state dict's shapes."""
     try:
-        hidden, in_channels = sd["x_embedder.weight"].shape
-        head_dim = sd["transformer_blocks.0.attn.norm_q.weight"].shape[0]
-        return {
-            "patch_size": 1, "in_channels": in_channels,
-            "out_channels": sd["proj_out.weight"].shape[0],
-            "num_layers": count_blocks(sd, "transformer_blocks."),
-            "num_single_layers": count_blocks(sd, "single_transformer_blocks."),
-            "attention_head_dim": head_dim, "num_attention_heads": hidden // head_dim,
-            "joint_attention_dim": sd["context_embedder.weight"].shape[1],
-            "pooled_projection_dim": sd["time_text_embed.text_embedder.linear_1.weight"].shape[1],
-            "guidance_embeds": "time_text_embed.guidance_embedder.linear_1.weight" in sd,
-            "axes_dims_rope": rope_axes(head_dim),
-        }
+        pooled = sd["time_text_embed.text_embedder.linear_1.weight"].shape[1]
+        return {**transformer_config(sd), "pooled_projection_dim": pooled,
+                "guidance_embeds": "time_text_embed.guidance_embedder.linear_1.weight" in sd}
     except KeyError as err:
         raise ModelFileError(f"{path} does not look like a FLUX.1 transformer: tensor {err} is "
                              "missing") from None
@@ -113,28 +87,12 @@ def bfl_to_diffusers(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_transformer_file(path: Path, dtype: torch.dtype) -> Any:
-    """A FLUX.1 transformer from one safetensors file, BFL or diffusers layout."""
+    """A FLUX.1 transformer from one safetensors file, original (BFL) or diffusers layout."""
     from diffusers import FluxTransformer2DModel
 
-    sd = strip_prefix(read_safetensors(path, "FLUX.1 transformer"), _BFL_PREFIXES)
-    if any(k.startswith("double_blocks.") for k in sd):
-        try:
-            sd = bfl_to_diffusers(sd)
-        except (KeyError, RuntimeError, IndexError) as err:
-            raise ModelFileError(f"{path} has BFL-layout FLUX.1 tensors but could not be "
-                                 f"converted ({type(err).__name__}: {err}); the file may be "
-                                 "incomplete or another model") from None
-    elif not any(k.startswith("transformer_blocks.") for k in sd):
-        raise ModelFileError(f"{path} does not look like a FLUX.1 transformer: no double_blocks.* "
-                             "or transformer_blocks.* tensors")
-    config = _transformer_config(sd, path)
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(**config)
-    return assign_state(model, cast_state(sd, dtype), path, "FLUX.1 transformer")
-
-
-# ---------------------------------------------------------------------------------------------
-# Putting it together
+    return transformer_from_file(
+        path, dtype, "FLUX.1 transformer", _BFL_PREFIXES, bfl_to_diffusers,
+        lambda sd, where: FluxTransformer2DModel(**_transformer_config(sd, where)))
 
 
 def _tokenizers(folder: Path | None) -> tuple[Any, Any]:
@@ -250,37 +208,6 @@ def _base_name(folder: Path | None, transformer_file: Path | None, dev: bool) ->
     return "flux.1-dev" if dev else "flux.1-schnell"
 
 
-# ---------------------------------------------------------------------------------------------
-# Single-file autoencoder
-
-
 def load_vae_file(path: Path, dtype: torch.dtype) -> Any:
     """The FLUX.1 autoencoder from `ae.safetensors` (BFL/LDM layout) or a diffusers-layout file."""
-    from diffusers import AutoencoderKL
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-
-    sd = read_safetensors(path, "FLUX.1 autoencoder (ae.safetensors)")
-    ldm = "encoder.conv_in.weight" in sd and any(k.startswith("encoder.down.") for k in sd)
-    if not ldm and "encoder.conv_in.weight" not in sd:
-        sd = strip_prefix(sd, ("first_stage_model.", "vae."))
-        ldm = any(k.startswith("encoder.down.") for k in sd)
-    if "encoder.conv_in.weight" not in sd or "decoder.conv_out.weight" not in sd:
-        raise ModelFileError(f"{path} does not look like an autoencoder: no encoder.conv_in / "
-                             "decoder.conv_out tensors")
-    config = {**vae_config(sd, ldm),
-              "norm_num_groups": _norm_groups(sd["encoder.conv_in.weight"].shape[0]),
-              **VAE_SCALE}
-    if ldm:
-        sd = convert_ldm_vae_checkpoint(sd, config)
-    with torch.device("meta"):
-        model = AutoencoderKL(**config)
-    return assign_state(model, cast_state(sd, dtype), path, "FLUX.1 autoencoder")
-
-
-def _norm_groups(first_width: int) -> int:
-    """GroupNorm groups (not visible in shapes): FLUX.1's 32, or 4-channel groups when narrower.
-
-    The FLUX.1 autoencoder starts at 128 channels with 32 groups; small test autoencoders
-    (such as the tiny flavor's, 32 channels, 8 groups) keep 4 channels a group.
-    """
-    return 32 if first_width >= 128 else max(1, first_width // 4)
+    return load_ae_file(path, dtype, VAE_SCALE, "FLUX.1 autoencoder")

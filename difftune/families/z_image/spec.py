@@ -42,8 +42,9 @@ SPEC = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen3", "text_encoder", "tokenizer"),),
     pipeline_class="ZImagePipeline",
-    text_encoder_training_refused=("Z-Image's Qwen3 encoder runs through a chat template and "
-                                   "difftune trains the transformer only"),
+    # ZImageLoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
+    text_encoder_lora_refused=(("qwen3", "ZImagePipeline.load_lora_weights reads transformer "
+                                         "LoRAs only; train the transformer only"),),
     embeddings_refused=("Z-Image's Qwen3 encoder reads captions through a chat template; "
                         "textual inversion is not supported for it"),
 )

@@ -95,7 +95,7 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
 
 @pytest.mark.parametrize("sets, message", [
     (['save.format="kohya"'], 'save.format = "kohya" is not written for model.family = "z_image"'),
-    (['adapter.text_encoders=["qwen3"]'], "cannot train a text-encoder LoRA"),
+    (['adapter.text_encoders=["qwen3"]'], "'qwen3' of model.family = \"z_image\" cannot get a LoRA"),
 ])
 def test_refusals(sets: list[str], message: str, tmp_path: Path, images: Path,
                   capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,49 @@
+"""Chroma's light facts (no torch): its one T5 encoder, objective, refusals, defaults.
+
+Read by config validation before anything heavy is imported, and by `ChromaFamily`.
+"""
+
+from __future__ import annotations
+
+from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+
+SPEC = FamilySpec(
+    name="chroma",
+    # T5-XXL only, with its attention mask applied inside T5 (unlike FLUX.1), as
+    # ChromaPipeline._get_t5_prompt_embeds does; the denoiser's own mask (text plus one padding
+    # token) is built from it in `ChromaFamily.combine_text`.
+    text_encoders=(
+        TextEncoderSpec("t5", "t5", max_length=512, hidden="last", pooled=False, mask=True),
+    ),
+    objective="flow",
+    kohya_text_encoders_refused="difftune's Chroma kohya key table covers the transformer only",
+    # VAE downscale 8 x 2x2 packing: bucket sides must be multiples of 16.
+    bucket_step=16,
+    denoiser_prefix="transformer",
+    # Not guidance-distilled: real CFG, ChromaPipeline's default guidance_scale.
+    default_cfg=5.0,
+    # diffusers keys: ComfyUI's `model_base.Chroma` subclasses `model_base.Flux`, so
+    # comfy/lora.py's Flux branch (`comfy.utils.flux_to_diffusers`) maps the diffusers names
+    # with a `transformer.` prefix onto Chroma's blocks; diffusers' ChromaPipeline
+    # (FluxLoraLoaderMixin) reads them as they are.
+    default_format="diffusers",
+    text_encoder_prefixes={"t5": "text_encoder"},
+    # Kept out of fp8 storage and quantization (regexes on module names, per part): the
+    # modulation approximator, the input and output projections.
+    keep_high={
+        "denoiser": (r"^distilled_guidance_layer\.", r"^time_text_embed\.", r"^x_embedder$",
+                     r"^context_embedder$", r"^norm_out\.", r"^proj_out$"),
+        "text_encoders": T5_KEEP_HIGH,
+        "vae": VAE_KEEP_HIGH,
+    },
+    swap_blocks=("transformer_blocks", "single_transformer_blocks"),
+    compile_blocks=("transformer_blocks", "single_transformer_blocks"),
+    denoiser_part="transformer",
+    encoder_parts=(("t5", "text_encoder", "tokenizer"),),
+    pipeline_class="ChromaPipeline",
+    # diffusers' text-encoder LoRA reader (lora_base._load_lora_into_text_encoder) converts only
+    # CLIP module names (q_proj, k_proj, ...): ChromaPipeline.load_lora_weights fails on any T5
+    # LoRA ("Could not automatically infer state dict type").
+    text_encoder_lora_refused=(("t5", "ChromaPipeline.load_lora_weights cannot read a T5 "
+                                      "LoRA; train the transformer only"),),
+)
