@@ -146,7 +146,7 @@ class Embeddings:
         out = text.encode(spec, self.comps.text_encoders[name], self.comps.tokenizers[name],
                           [init], length)
         hidden = out["hidden"][0].float()
-        return hidden[1 : 1 + count] if spec.kind != "t5" else hidden[:count]
+        return hidden[1 : 1 + count] if spec.is_clip else hidden[:count]
 
     def parameters(self) -> dict[str, torch.nn.Parameter]:
         """Trainable tensors by canonical name (one input table per encoder holds all rows)."""

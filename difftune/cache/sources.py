@@ -12,7 +12,6 @@ import contextlib
 import gc
 import logging
 import random
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -24,7 +23,7 @@ from difftune.adapters.embeddings import Embeddings
 from difftune.cache.store import Store
 from difftune.data.discover import Item
 from difftune.data.images import crop_box, load_pixels
-from difftune.families.base import Components, Family, TextEmbeds
+from difftune.families.base import Components, Family, TextEmbeds, pad_cat
 from difftune.families.common import text
 from difftune.families.common.text import EncodeOptions
 
@@ -202,7 +201,7 @@ class TextSource:
     def encoder_fields(self, name: str) -> dict[str, object]:
         """What decides one encoder's output besides the caption (its cache-key fields)."""
         spec = self.specs[name]
-        return dict(asdict(spec), max_length=text.max_length(spec, self.comps.extras),
+        return dict(spec.key_fields(), max_length=text.max_length(spec, self.comps.extras),
                     mask=self.options.mask_for(spec), clip_skip=self.options.skip_for(spec))
 
     def _key(self, name: str, caption: str) -> tuple[str, dict[str, object]]:
@@ -250,8 +249,7 @@ class TextSource:
         if misses:
             with self.resident():
                 found.update({(n, c): self._make(n, c) for n, c in misses})
-        return {n: {k: torch.cat([found[n, c][k] for c in captions]) for k in found[n, captions[0]]}
-                for n in names}
+        return {n: pad_cat([found[n, c] for c in captions]) for n in names}
 
     def _make(self, name: str, caption: str) -> dict[str, torch.Tensor]:
         """Encode one caption with one frozen encoder and store it.
@@ -291,8 +289,8 @@ class TextSource:
             parts[tuple(rest)] = self._frozen_outputs([name], [captions[i] for i in rest])[name]
         order = [i for idx in parts for i in idx]
         back = torch.tensor([order.index(i) for i in range(len(captions))])
-        return {k: torch.cat([p[k].to(device) for p in parts.values()])[back.to(device)]
-                for k in parts[tuple(live)]}
+        joined = pad_cat([{k: v.to(device) for k, v in p.items()} for p in parts.values()])
+        return {k: v[back.to(device)] for k, v in joined.items()}
 
     def get(self, captions: list[str]) -> TextEmbeds:
         """Embeddings for a batch of captions, combined by the family."""

@@ -102,6 +102,10 @@ def embedding_problems(cfg: "RunConfig") -> list[str]:
             problems.append(f"adapter.embeddings[{i}].encoders: {bad} not text encoders of "
                             f"model.family = \"{cfg.model.family}\"; choose from {', '.join(names)}")
     problems += _output_embedding_problems(cfg)
+    refused = registry.spec(cfg.model.family).embeddings_refused
+    if a.embeddings and refused is not None:
+        problems.append(f"adapter.embeddings: model.family = \"{cfg.model.family}\" cannot "
+                        f"train embeddings ({refused}); remove them")
     if a.embeddings and cfg.cache.unload_text_encoders:
         problems.append("cache.unload_text_encoders with adapter.embeddings: captions with a "
                         "placeholder are encoded live every step, so the encoders must stay")
@@ -188,7 +192,7 @@ def model_file_problems(model: ModelConfig) -> list[str]:
     if model.path is not None and not model.path.is_dir():
         problems.append(f"model.path: {model.path} is not a folder; expected a diffusers-format "
                         "model folder (with model_index.json)")
-    for name in ("transformer", "vae", "clip_l", "t5"):
+    for name in ("transformer", "vae", "clip_l", "t5", "text_encoder"):
         path = getattr(model, name)
         if path is None:
             continue

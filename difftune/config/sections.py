@@ -40,6 +40,10 @@ class ModelConfig(_Section):
     vae: Path | None = Field(None, description="Single-file autoencoder (ae.safetensors).")
     clip_l: Path | None = Field(None, description="Single-file CLIP-L text encoder.")
     t5: Path | None = Field(None, description="Single-file T5-XXL text encoder.")
+    text_encoder: Path | None = Field(
+        None, description="Single-file decoder-LLM text encoder (Z-Image's Qwen3-4B, "
+                          "qwen_3_4b.safetensors); its tokenizer comes from model.path."
+    )
     name: str | None = Field(
         None, description="Base model name written into LoRA metadata (default: derived)."
     )
@@ -68,6 +72,7 @@ class ModelConfig(_Section):
     def _one_source(self) -> "ModelConfig":
         files = {k: getattr(self, k) for k in ("transformer", "vae", "clip_l", "t5")}
         if self.flavor == "tiny":
+            files["text_encoder"] = self.text_encoder
             given = [k for k, v in files.items() if v is not None] + (["path"] if self.path else [])
             if given:
                 raise ValueError(
@@ -75,7 +80,7 @@ class ModelConfig(_Section):
                     "remove them or remove flavor"
                 )
             return self
-        missing = [k for k, v in files.items() if v is None]
+        missing = [k for k, v in files.items() if v is None and k != "text_encoder"]
         if self.path is None and missing:
             raise ValueError(
                 "no model given: set flavor = \"tiny\", or path = a diffusers folder, or all of "

@@ -24,6 +24,36 @@ if TYPE_CHECKING:
     from difftune.train.objectives import Objective
 
 
+def pad_cat(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate same-keyed tensor dicts along the batch, padding variable-length ones.
+
+    Items whose sequence tensors differ in length (trimmed text-encoder outputs: cache entries
+    hold each caption's own tokens) are padded at the end of dimension 1 with zeros, and so are
+    their masks (any key ending in "mask"), so the padding is marked invalid. Sequence tensors
+    are those as long as the item's mask. Equal lengths concatenate unchanged; unequal lengths
+    without a mask raise ValueError (they could not be told apart from real tokens).
+    """
+    keys = list(items[0])
+    masks = [k for k in keys if k.endswith("mask")]
+    lengths = {it[m].shape[1] for it in items for m in masks}
+    if not masks or len(lengths) == 1:
+        try:
+            return {k: torch.cat([it[k] for it in items]) for k in keys}
+        except RuntimeError as err:
+            raise ValueError(f"tensors of unequal length and no mask to pad them with: {err}"
+                             ) from None
+    longest = max(lengths)
+
+    def padded(it: dict[str, torch.Tensor], k: str) -> torch.Tensor:
+        v, own = it[k], it[masks[0]].shape[1]
+        if v.dim() < 2 or v.shape[1] != own or own == longest:
+            return v
+        pad = v.new_zeros((v.shape[0], longest - own, *v.shape[2:]))
+        return torch.cat([v, pad], dim=1)
+
+    return {k: torch.cat([padded(it, k) for it in items]) for k in keys}
+
+
 @dataclass
 class TextEmbeds:
     """Text-encoder outputs for a batch: named tensors with the batch as first dimension.
@@ -48,9 +78,9 @@ class TextEmbeds:
 
     @staticmethod
     def cat(items: list["TextEmbeds"]) -> "TextEmbeds":
-        """Concatenate batches along the first dimension."""
-        keys = items[0].tensors.keys()
-        return TextEmbeds({k: torch.cat([it.tensors[k] for it in items]) for k in keys})
+        """Concatenate batches along the first dimension (variable lengths padded and masked,
+        see `pad_cat`)."""
+        return TextEmbeds(pad_cat([it.tensors for it in items]))
 
 
 @dataclass(frozen=True)

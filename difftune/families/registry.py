@@ -22,6 +22,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "sd3": ("difftune.families.sd3.spec", "difftune.families.sd3.family.SD3Family"),
     "sdxl": ("difftune.families.sdxl.spec", "difftune.families.sdxl.family.SDXLFamily"),
     "chroma": ("difftune.families.chroma.spec", "difftune.families.chroma.family.ChromaFamily"),
+    "z_image": ("difftune.families.z_image.spec", "difftune.families.z_image.family.ZImageFamily"),
 }
 
 

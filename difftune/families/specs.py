@@ -15,17 +15,39 @@ from typing import Literal
 class TextEncoderSpec:
     """What a family needs from one text encoder, declared rather than sniffed.
 
-    `kind` picks the transformers model class; `hidden` says which hidden state the denoiser
-    reads ("last", "penultimate", or "none" when only the pooled output is used); `pooled` whether
-    the pooled/projected output is used; `mask` whether the attention mask is applied.
+    `kind` picks the transformers model class ("decoder": a decoder LLM such as Qwen3, read
+    through its hidden states); `hidden` says which hidden state the denoiser reads ("last",
+    "penultimate", or "none" when only the pooled output is used); `pooled` whether the
+    pooled/projected output is used; `mask` whether the attention mask is applied.
+    `chat` wraps each caption as one user message in the tokenizer's chat template, with these
+    template options (None: the caption is tokenized as it is); `trim` keeps only the tokens the
+    mask marks (variable-length outputs: cache entries hold the caption's own tokens, batches
+    are padded back with a mask, see `families.base.pad_cat`).
     """
 
     name: str
-    kind: Literal["clip", "clip_projection", "t5"]
+    kind: Literal["clip", "clip_projection", "t5", "decoder"]
     max_length: int
     hidden: Literal["last", "penultimate", "none"]
     pooled: bool
     mask: bool = False
+    chat: tuple[tuple[str, bool], ...] | None = None
+    trim: bool = False
+
+    def key_fields(self) -> dict[str, object]:
+        """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
+        (`chat`, `trim`) enter only when set, so the keys of encoders without them (and the
+        caches written before those fields existed) stay as they were."""
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        for name in ("chat", "trim"):
+            if fields[name] == self.__dataclass_fields__[name].default:
+                del fields[name]
+        return fields
+
+    @property
+    def is_clip(self) -> bool:
+        """Whether this is a CLIP encoder (BOS first, clip_skip meaningful)."""
+        return self.kind in CLIP_KINDS
 
 
 @dataclass(frozen=True)
@@ -58,6 +80,8 @@ family's files would load, with the reason.
     # Text encoders that cannot get a LoRA, with the reason: ((name, why), ...); refused when
     # the config loads.
     text_encoder_lora_refused: tuple[tuple[str, str], ...] = ()
+    # Why textual-inversion embeddings cannot be trained (None: they can); refused at load.
+    embeddings_refused: str | None = None
 
     @property
     def encoder_names(self) -> tuple[str, ...]:
@@ -67,9 +91,10 @@ family's files would load, with the reason.
     @property
     def clip_hidden(self) -> bool:
         """Whether a CLIP hidden state reaches the denoiser (where clip_skip means something)."""
-        return any(s.kind != "t5" and s.hidden != "none" for s in self.text_encoders)
+        return any(s.is_clip and s.hidden != "none" for s in self.text_encoders)
 
 
+CLIP_KINDS = ("clip", "clip_projection")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

@@ -85,7 +85,7 @@ def load_clip_file(path: Path, dtype: torch.dtype, tokenizer: Any) -> Any:
     except KeyError as err:
         raise ModelFileError(f"{path} does not look like a CLIP text encoder: tensor {err} is "
                              "missing") from None
-    return _pretrained_from_state(CLIPTextModel, config, cast_state(sd, dtype), dtype, path, "CLIP-L")
+    return pretrained_from_state(CLIPTextModel, config, cast_state(sd, dtype), dtype, path, "CLIP-L")
 
 
 def load_t5_file(path: Path, dtype: torch.dtype) -> Any:
@@ -117,10 +117,10 @@ def t5_from_state(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -
         raise ModelFileError(f"{path} does not look like a T5 encoder: tensor {err} is "
                              "missing") from None
     sd.setdefault("encoder.embed_tokens.weight", sd["shared.weight"])
-    return _pretrained_from_state(T5EncoderModel, config, cast_state(sd, dtype), dtype, path, "T5")
+    return pretrained_from_state(T5EncoderModel, config, cast_state(sd, dtype), dtype, path, "T5")
 
 
-def _pretrained_from_state(cls: Any, config: Any, sd: dict, dtype: torch.dtype, path: Path,
+def pretrained_from_state(cls: Any, config: Any, sd: dict, dtype: torch.dtype, path: Path,
                            what: str) -> Any:
     """A transformers model from an in-memory state dict (meta init, buffers handled)."""
     missing = {k for k in _expected_keys(cls, config) if k not in sd}

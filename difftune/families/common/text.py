@@ -38,7 +38,7 @@ def clip_root(model: torch.nn.Module) -> str:
 
 def clip_prefixes(family: Family) -> list[str]:
     """The LoRA key prefixes (`text_encoder`, ...) of the family's CLIP encoders (not T5)."""
-    return [family.text_encoder_prefixes[s.name] for s in family.text_encoders if s.kind != "t5"]
+    return [family.text_encoder_prefixes[s.name] for s in family.text_encoders if s.is_clip]
 
 
 def file_clip_roots(family: Family) -> dict[str, str]:
@@ -50,7 +50,37 @@ def model_clip_roots(family: Family, c: Components) -> dict[str, str]:
     """{CLIP prefix: root} of the loaded CLIP encoders: the naming their parameters use."""
     return {family.text_encoder_prefixes[s.name]: clip_root(c.text_encoders[s.name])
             for s in family.text_encoders
-            if s.kind != "t5" and c.text_encoders.get(s.name) is not None}
+            if s.is_clip and c.text_encoders.get(s.name) is not None}
+
+
+def chat_texts(spec: TextEncoderSpec, tokenizer: Any, texts: list[str]) -> list[str]:
+    """Each text as one user message in the tokenizer's chat template (with the spec's template
+    options, e.g. enable_thinking) when the spec declares one; else the texts as they are."""
+    if spec.chat is None:
+        return list(texts)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                          add_generation_prompt=True, **dict(spec.chat))
+            for t in texts]
+
+
+def trimmed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Outputs cut to the positions some row's mask marks (all of a batch of one's padding
+    goes), the padding still left in longer batches zeroed: a batch then equals its captions'
+    cache entries padded by `pad_cat`. Sequence tensors are those as long as the mask."""
+    mask = out["mask"].bool()
+    keep = mask.any(0)
+    length = mask.shape[1]
+
+    valid = mask[:, keep]
+
+    def cut(key: str, v: torch.Tensor) -> torch.Tensor:
+        if key == "mask":
+            return v[:, keep]
+        if v.dim() < 2 or v.shape[1] != length:
+            return v
+        return v[:, keep] * valid.reshape(*valid.shape, *([1] * (v.dim() - 2))).to(v.dtype)
+
+    return {k: cut(k, v) for k, v in out.items()}
 
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
@@ -83,7 +113,7 @@ class EncodeOptions:
 
     def skip_for(self, spec: TextEncoderSpec) -> int:
         """Extra layers skipped for this encoder (CLIP hidden states only)."""
-        return self.clip_skip if spec.kind != "t5" and spec.hidden != "none" else 0
+        return self.clip_skip if spec.is_clip and spec.hidden != "none" else 0
 
 
 def max_length(spec: TextEncoderSpec, extras: dict[str, Any]) -> int:
@@ -104,10 +134,11 @@ def encode(
 
     `hidden` is the last or penultimate hidden state as the spec declares, `clip_skip` layers
     further back; `pooled` is the model's pooled (CLIP) or projected (CLIP with projection)
-    output. `mask` overrides the spec's mask flag when given. Gradients follow the caller's
-    grad mode, so a trained encoder can run here with autograd on.
+    output. `mask` overrides the spec's mask flag when given. A chat spec wraps the texts in
+    the chat template first; a trimming spec returns only the masked positions (`trimmed`).
+    Gradients follow the caller's grad mode, so a trained encoder can run here with autograd on.
     """
-    tokens = tokenize(tokenizer, texts, max_length)
+    tokens = tokenize(tokenizer, chat_texts(spec, tokenizer, texts), max_length)
     device = module_device(model)
     ids = tokens["input_ids"].to(device)
     attention = tokens["attention_mask"].to(device)
@@ -128,7 +159,7 @@ def encode(
         result["pooled"] = out.text_embeds if projected else out.pooler_output
     if use_mask:
         result["mask"] = attention
-    return result
+    return trimmed(result) if spec.trim and use_mask else result
 
 
 def encode_all(

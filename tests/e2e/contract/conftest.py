@@ -24,6 +24,9 @@ SAMPLE_PROMPTS: dict[str, tuple[str, list[str]]] = {
     # one prompt with a negative prompt and CFG 5, one with the family's default CFG
     "sdxl": ("a red circle --n blurry --w 64 --h 64 --s 2 --d 1 --l 5\n"
              "a pink ring --w 64 --h 64 --s 2 --d 2\n", ["a-red-circle", "a-pink-ring"]),
+    # CFG 4 with a negative prompt (the pipeline's guidance_scale 3), and the default (no CFG)
+    "z_image": ("a red circle --n blurry --w 32 --h 48 --s 2 --l 4\n"
+                "a pink ring --w 32 --h 32 --s 2 --d 2\n", ["a-red-circle", "a-pink-ring"]),
 }
 
 

@@ -1,0 +1,50 @@
+"""Z-Image's light facts (no torch): its Qwen3 text encoder, objective, refusals, defaults.
+
+Read by config validation before anything heavy is imported, and by `ZImageFamily`. Turbo and
+Base share the architecture, so one spec serves both.
+"""
+
+from __future__ import annotations
+
+from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+
+SPEC = FamilySpec(
+    name="z_image",
+    text_encoders=(
+        # ZImagePipeline._encode_prompt: each caption as one user message in Qwen3's chat
+        # template (generation prompt added, enable_thinking=True), padded to 512 tokens, the
+        # penultimate hidden state under the attention mask, then only the masked tokens kept.
+        TextEncoderSpec("qwen3", "decoder", max_length=512, hidden="penultimate", pooled=False,
+                        mask=True, chat=(("enable_thinking", True),), trim=True),
+    ),
+    objective="flow",
+    kohya_text_encoders_refused="difftune trains Z-Image's transformer only",
+    # VAE downscale 8 x 2x2 patches: bucket sides must be multiples of 16.
+    bucket_step=16,
+    denoiser_prefix="transformer",
+    default_cfg=1.0,  # Turbo is distilled to run without CFG; a prompt's --l turns it on
+    # ComfyUI reads the diffusers names: its Lumina2/Z-Image LoRA key map (comfy/utils.py
+    # z_image_to_diffusers, used by comfy/lora.py) maps `to_q`/`to_k`/`to_v` onto row slices of
+    # its fused `attention.qkv` and `to_out.0` onto `attention.out`, the rest by name; diffusers'
+    # ZImageLoraLoaderMixin reads the same file. So the diffusers layout is the one both read.
+    default_format="diffusers",
+    text_encoder_prefixes={"qwen3": "text_encoder"},
+    # Kept out of fp8 storage and quantization: the timestep and caption embedders (the ones
+    # diffusers keeps out of layerwise casting), the patch embedder and the final layer.
+    keep_high={
+        "denoiser": (r"^t_embedder\.", r"^cap_embedder\.", r"^all_x_embedder\.",
+                     r"^all_final_layer\."),
+        "text_encoders": (r"embed_tokens", r"norm$"),
+        "vae": VAE_KEEP_HIGH,
+    },
+    swap_blocks=("layers",),
+    compile_blocks=("noise_refiner", "context_refiner", "layers"),
+    denoiser_part="transformer",
+    encoder_parts=(("qwen3", "text_encoder", "tokenizer"),),
+    pipeline_class="ZImagePipeline",
+    # ZImageLoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
+    text_encoder_lora_refused=(("qwen3", "ZImagePipeline.load_lora_weights reads transformer "
+                                         "LoRAs only; train the transformer only"),),
+    embeddings_refused=("Z-Image's Qwen3 encoder reads captions through a chat template; "
+                        "textual inversion is not supported for it"),
+)
