@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from difftune.families.base import Components, Conditioning, ModelSpec, TextEmbeds
+from difftune.families.base import Components, Conditioning, TextEmbeds
 from difftune.families.chroma.spec import SPEC
 from difftune.families.common.bfl import ATTENTION_PATTERNS, MLP_PATTERNS
 from difftune.families.common.family import BlockTableFamily, Loaders
@@ -85,13 +85,6 @@ class ChromaFamily(BlockTableFamily):
         if negative is not None and cfg > 1.0:
             kwargs.update(_prompt(negative, "negative_"))
         return kwargs
-
-    def model_spec(self, c: Components) -> ModelSpec:
-        """Chroma, as kohya sd-scripts names it."""
-        from difftune.families.chroma import keys
-
-        return ModelSpec(keys.ARCHITECTURE, keys.IMPLEMENTATION, keys.BASE_VERSION,
-                         keys.NETWORK_MODULE)
 
 
 def _prompt(embeds: TextEmbeds, prefix: str) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
-from difftune.families.base import Components, TextEmbeds
+from difftune.families.base import Components, ModelSpec, TextEmbeds
 from difftune.families.common import text
 from difftune.families.specs import FamilySpec
 from difftune.train.objectives import FlowMatching
@@ -190,6 +190,16 @@ class FamilyBase:
         pipe = getattr(diffusers, spec.pipeline_class)(**parts)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def model_spec(self, c: Components) -> ModelSpec:
+        """The names other tools give the base model: the constants of the family's `keys.py`
+        (`ARCHITECTURE`, `IMPLEMENTATION`, `BASE_VERSION`, `NETWORK_MODULE`); a family whose
+        names depend on the loaded variant overrides this."""
+        def name(constant: str) -> str:
+            return self._role("keys", constant)
+
+        return ModelSpec(name("ARCHITECTURE"), name("IMPLEMENTATION"), name("BASE_VERSION"),
+                         name("NETWORK_MODULE"))
 
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float

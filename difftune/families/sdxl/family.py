@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
+from difftune.families.base import Conditioning, Components, TextEmbeds
 from difftune.families.common import text
 from difftune.families.common.family import FamilyBase, Loaders, prompt_kwargs
 from difftune.families.sdxl.spec import SPEC
@@ -118,13 +118,6 @@ class SDXLFamily(FamilyBase):
                 raise ValueError("SDXL sampling with CFG > 1 needs negative embeddings")
             kwargs.update(prompt_kwargs(negative, "negative_"))
         return kwargs
-
-    def model_spec(self, c: Components) -> ModelSpec:
-        """SDXL base, as kohya and model sites name it."""
-        from difftune.families.sdxl import keys
-
-        return ModelSpec(keys.ARCHITECTURE, keys.IMPLEMENTATION, keys.BASE_VERSION,
-                         keys.NETWORK_MODULE)
 
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from difftune.errors import ConfigError
-from difftune.families.base import Conditioning, Components, ModelSpec, TextEmbeds
+from difftune.families.base import Conditioning, Components, TextEmbeds
 from difftune.families.common.family import FamilyBase, Loaders
 from difftune.families.z_image.spec import SPEC
 
@@ -71,13 +71,6 @@ class ZImageFamily(FamilyBase):
         if negative is not None and cfg > 1.0:
             kwargs.update(negative_prompt_embeds=caption_list(negative), guidance_scale=cfg - 1.0)
         return kwargs
-
-    def model_spec(self, c: Components) -> ModelSpec:
-        """Z-Image as model sites and kohya-style metadata name it."""
-        from difftune.families.z_image import keys
-
-        return ModelSpec(keys.ARCHITECTURE, keys.IMPLEMENTATION, keys.BASE_VERSION,
-                         keys.NETWORK_MODULE)
 
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
