@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from difftune.config import EmbeddingConfig
-from difftune.errors import ConfigError
 from difftune.families.base import Components, Family
 from difftune.families.common import text
 
@@ -84,10 +83,8 @@ class Embeddings:
                 self.learned.append(self._install(spec, name))
 
     def _install(self, spec: EmbeddingConfig, name: str) -> Learned:
-        if spec.kind == "output" and self.specs[name].hidden == "none":
-            raise ConfigError(f"adapter.embeddings {spec.name!r}: output embeddings in {name} "
-                              f"change nothing ({self.family.name} reads only its pooled "
-                              "output); use kind = \"input\" or leave it out of encoders")
+        # Output embeddings in a pooled-only encoder are refused when the config loads
+        # (config.checks, from the family's spec).
         model = self.comps.text_encoders[name]
         table = model.get_input_embeddings()
         if not isinstance(table, ExtendedEmbedding):  # first placeholder here: a private copy,
