@@ -16,6 +16,7 @@ import torch
 
 from difftune.families.base import Components, ModelSpec, TextEmbeds
 from difftune.families.common import text
+from difftune.families.common.kohya import has_original_prefix, original_to_kohya
 from difftune.families.specs import FamilySpec
 from difftune.train.objectives import FlowMatching
 
@@ -222,7 +223,11 @@ class BlockTableFamily(FamilyBase):
 
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """A LoRA file's tensors in diffusers names, and per-module alphas (kohya files)."""
+        """A LoRA file's tensors in diffusers names, and per-module alphas: kohya files, and
+        the `diffusion_model.<original name>` PEFT keys ComfyUI and ai-toolkit write, go
+        through the family's original-layout table; diffusers files are taken as they are."""
+        if has_original_prefix(tensors):
+            tensors = original_to_kohya(tensors)
         if not any(k.startswith("lora_unet_") for k in tensors):
             return dict(tensors), {}
         return self._role("keys", "kohya_to_diffusers")(tensors, self.spec.denoiser_prefix)

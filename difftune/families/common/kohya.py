@@ -22,6 +22,10 @@ from difftune.errors import CheckpointError
 
 KOHYA_PREFIX = "lora_unet_"
 DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
+# Prefixes ComfyUI-style files put before the original module names (ComfyUI's own LoRA
+# training and ai-toolkit write `diffusion_model.<original name>` PEFT keys for BFL models).
+ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+_FACTORS = {"lora_A.weight": DOWN, "lora_B.weight": UP, DOWN: DOWN, UP: UP, ALPHA: ALPHA}
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,32 @@ def kohya_tensors(name: str, pair: LoraPair) -> dict[str, torch.Tensor]:
         f"{base}.{UP}": pair.up.contiguous(),
         f"{base}.{ALPHA}": torch.tensor(float(pair.alpha), dtype=torch.float32),
     }
+
+
+def has_original_prefix(state: dict[str, torch.Tensor]) -> bool:
+    """Whether a LoRA file names the original modules with a `diffusion_model.` prefix."""
+    return any(k.startswith(ORIGINAL_PREFIXES) for k in state)
+
+
+def original_to_kohya(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`diffusion_model.<original.module>.lora_A/B.weight` (or `lora_down/up`, `.alpha`) keys
+    renamed to the kohya keys of the same modules (`lora_unet_<original_module>.lora_down...`),
+    so one reader serves both. A missing alpha stays missing: the kohya reader then takes
+    alpha = rank (scale 1), which is what such files mean. Other keys are errors."""
+    out: dict[str, torch.Tensor] = {}
+    bad: list[str] = []
+    for key, value in state.items():
+        prefix = next((p for p in ORIGINAL_PREFIXES if key.startswith(p)), None)
+        kind = next((f for f in _FACTORS if key.endswith("." + f)), None)
+        if prefix is None or kind is None:
+            bad.append(key)
+            continue
+        module = key[len(prefix): -len(kind) - 1]
+        out[f"{KOHYA_PREFIX}{module.replace('.', '_')}.{_FACTORS[kind]}"] = value
+    if bad:
+        raise CheckpointError("these keys are not `diffusion_model.<module>.lora_A/lora_B` "
+                              f"LoRA keys: {sorted(bad)}")
+    return out
 
 
 def group_kohya(state: dict[str, torch.Tensor], names: KohyaNames, linear_only: bool = False

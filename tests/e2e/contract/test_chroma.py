@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from difftune import families
 from difftune.adapters.formats import group_modules
+from difftune.errors import CheckpointError
 from difftune.config import ModelConfig, PrecisionConfig
 from difftune.families.base import Components
 from difftune.families.chroma.files import load_transformer_file
@@ -121,3 +122,46 @@ def test_a_t5_lora_is_refused_at_config_load(tmp_path: Path) -> None:
                     encoding="utf-8")
     with pytest.raises(ConfigError, match="'t5' of model.family = \"chroma\" cannot get a LoRA"):
         load_config(path)
+
+
+def test_comfyui_original_names_read_as_the_deltas_they_mean(comps: Components) -> None:
+    """`diffusion_model.<original module>` PEFT keys (what ComfyUI's own LoRA training and
+    ai-toolkit write for Chroma) read back, through `--init-lora`'s reader, to diffusers
+    modules whose deltas are the file's `up @ down * alpha / rank` (alpha = rank when the file
+    has none, as ComfyUI reads it): fused qkv rows split into to_q/to_k/to_v in that order."""
+    gen = torch.Generator().manual_seed(2)
+    named = dict(comps.denoiser.named_modules())
+    width = named["transformer_blocks.0.attn.to_q"].in_features
+    linear2 = named["single_transformer_blocks.1.proj_out"]
+    final = named["proj_out"]
+    files = {  # original module: (down, up, alpha or None)
+        "double_blocks.0.img_attn.qkv": (torch.randn(4, width, generator=gen),
+                                         torch.randn(3 * width, 4, generator=gen), None),
+        "single_blocks.1.linear2": (torch.randn(2, linear2.in_features, generator=gen),
+                                    torch.randn(linear2.out_features, 2, generator=gen), 1.0),
+        "final_layer.linear": (torch.randn(4, final.in_features, generator=gen),
+                               torch.randn(final.out_features, 4, generator=gen), None),
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    for module, (down, up, alpha) in files.items():
+        tensors[f"diffusion_model.{module}.lora_A.weight"] = down
+        tensors[f"diffusion_model.{module}.lora_B.weight"] = up
+        if alpha is not None:
+            tensors[f"diffusion_model.{module}.alpha"] = torch.tensor(alpha)
+    state, alphas = families.get("chroma").lora_from_format(comps, tensors)
+    pairs = group_modules(state, alphas)
+
+    def meant(module: str) -> torch.Tensor:
+        down, up, alpha = files[module]
+        return up @ down * ((alpha if alpha is not None else down.shape[0]) / down.shape[0])
+
+    qkv = torch.cat([pairs[f"transformer.transformer_blocks.0.attn.to_{p}"].delta()
+                     for p in "qkv"])
+    torch.testing.assert_close(qkv, meant("double_blocks.0.img_attn.qkv"))
+    torch.testing.assert_close(pairs["transformer.single_transformer_blocks.1.proj_out"].delta(),
+                               meant("single_blocks.1.linear2"))
+    torch.testing.assert_close(pairs["transformer.proj_out"].delta(),
+                               meant("final_layer.linear"))
+    with pytest.raises(CheckpointError, match="diffusion_model.double_blocks.0.nonsense"):
+        families.get("chroma").lora_from_format(
+            comps, {"diffusion_model.double_blocks.0.nonsense": torch.zeros(1)})
