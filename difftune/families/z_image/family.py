@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from difftune.errors import ConfigError
 from difftune.families.base import Conditioning, Components, TextEmbeds
-from difftune.families.common.family import FamilyBase, Loaders
+from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
+from difftune.families.common.family import Loaders
 from difftune.families.z_image.spec import SPEC
 
 _LAYER = r"(?:noise_refiner|context_refiner|layers)\.\d+\."
@@ -36,7 +36,7 @@ def caption_list(embeds: TextEmbeds) -> list[torch.Tensor]:
     return [h[m.bool()] for h, m in zip(hidden, mask)]
 
 
-class ZImageFamily(FamilyBase):
+class ZImageFamily(DiffusersLayoutFamily):
     """The Z-Image family."""
 
     spec = SPEC
@@ -71,23 +71,3 @@ class ZImageFamily(FamilyBase):
         if negative is not None and cfg > 1.0:
             kwargs.update(negative_prompt_embeds=caption_list(negative), guidance_scale=cfg - 1.0)
         return kwargs
-
-    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
-                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """A LoRA file in diffusers names, and per-module alphas where the file has them.
-
-        Reads difftune's and diffusers' layout (`transformer.<module>.lora_A/B.weight`) as is,
-        and the ComfyUI-style names other trainers write for Z-Image (ai-toolkit's
-        `diffusion_model.<module>` PEFT keys without alpha; `lora_down`/`lora_up` with
-        `.alpha` entries), whose module names are the diffusers ones.
-        """
-        from difftune.families.z_image.keys import diffusers_names
-
-        return diffusers_names(tensors, self.denoiser_prefix)
-
-    def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
-                 ) -> dict[str, torch.Tensor]:
-        """Refused: the diffusers layout is the one ComfyUI and diffusers read for Z-Image."""
-        from difftune.families.z_image.keys import KOHYA_REFUSED
-
-        raise ConfigError(KOHYA_REFUSED)
