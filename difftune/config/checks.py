@@ -127,6 +127,23 @@ def _output_embedding_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
+def control_problems(cfg: "RunConfig") -> list[str]:
+    """Edit pairs (`control_path`) the family cannot take: none at all, or more references per
+    pair than it reads. Checked at load, before the data is scanned."""
+    spec = registry.spec(cfg.model.family)
+    problems = []
+    for d, ds in enumerate(cfg.datasets):
+        for s, sub in enumerate(ds.subsets):
+            n, where = len(sub.control_path), f"datasets[{d}].subsets[{s}].control_path"
+            if n and not spec.control_images:
+                problems.append(f"{where}: model.family = \"{spec.name}\" trains no edit "
+                                "model, so it takes no control images; remove control_path")
+            elif n > spec.control_images:
+                problems.append(f"{where}: {n} control folders, but model.family = "
+                                f"\"{spec.name}\" reads at most {spec.control_images} per pair")
+    return problems
+
+
 def shared_file_problems(names: list[str]) -> list[str]:
     """Placeholders whose embedding files would have one name (the later would overwrite the
     earlier): a file name keeps only some characters, and some file systems ignore case."""

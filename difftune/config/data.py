@@ -21,6 +21,12 @@ class SubsetConfig(_Section):
     repeats: int = Field(1, ge=1, description="How many times each image appears per epoch.")
     caption_ext: str = Field(".txt", description="Caption file extension (e.g. .txt, .caption).")
     default_caption: str = Field("", description="Caption for images with no caption file.")
+    control_path: list[Path] = Field(
+        default_factory=list,
+        description="Edit training: folder(s) of control/reference images, each matched to a "
+                    "target image by its path without extension; the caption is the edit "
+                    "instruction. A list gives several references per pair, in order.",
+    )
     recursive: bool = Field(True, description="Search sub-folders too.")
     flip: bool = Field(False, description="Random horizontal flip (per sample).")
     crop: Literal["center", "random"] = Field(
@@ -47,6 +53,12 @@ class SubsetConfig(_Section):
     token_warmup_steps: int = Field(
         0, ge=0, description="Steps over which the tag count grows to the full caption (0: off; "
                               "smaller than train.steps).")
+
+    @field_validator("control_path", mode="before")
+    @classmethod
+    def _control_list(cls, value: Any) -> Any:
+        """One folder may be written as a string; several as a list."""
+        return [value] if isinstance(value, (str, Path)) else value
 
     @field_validator("caption_ext")
     @classmethod

@@ -20,6 +20,7 @@ from difftune.config import DatasetConfig, SubsetConfig
 from difftune.data.captions import WILDCARD, CaptionAugment
 from difftune.data.buckets import Bucket, assign_bucket, make_buckets, square_bucket
 from difftune.data.images import probe_image, upscale_problem
+from difftune.data.pairs import check_control_folders, partners
 from difftune.errors import DataError
 
 log = logging.getLogger("difftune.data")
@@ -33,7 +34,8 @@ class Item:
 
     `size` is the upright (EXIF-rotated) original (width, height); `bucket` the (width, height)
     it is trained at; `dataset`/`subset` index the config lists; `repeats`, `flip`, `crop` and
-    the caption augmentations (`augment`) come from its subset.
+    the caption augmentations (`augment`) come from its subset; `controls` are its edit
+    pair's control/reference images (empty for text-to-image subsets).
     """
 
     path: Path
@@ -46,6 +48,7 @@ class Item:
     flip: bool
     crop: str
     augment: CaptionAugment = CaptionAugment()
+    controls: tuple[Path, ...] = ()
 
 
 @dataclass
@@ -60,14 +63,18 @@ class DataSet:
         """Counts for reports: images, skipped, captions missing, per bucket, per subset.
 
         Buckets are keyed "WxH", subsets by their config name "datasets[i].subsets[j]";
-        `samples_per_epoch` counts repeats; `upscaled` counts images smaller than their bucket.
+        `samples_per_epoch` counts repeats; `upscaled` counts images smaller than their bucket;
+        `pairs` (only for runs with edit pairs) counts the complete pairs.
         """
         buckets = Counter(f"{it.bucket[0]}x{it.bucket[1]}" for it in self.items)
         subsets = Counter(f"datasets[{it.dataset}].subsets[{it.subset}]" for it in self.items)
         upscaled = sum(
             1 for it in self.items if it.size[0] < it.bucket[0] or it.size[1] < it.bucket[1]
         )
+        pairs = {"pairs": sum(1 for it in self.items if it.controls)} if any(
+            it.controls for it in self.items) else {}
         return {
+            **pairs,
             "images": len(self.items),
             "samples_per_epoch": sum(it.repeats for it in self.items),
             "skipped": len(self.skipped),
@@ -148,14 +155,18 @@ def _subset_items(
         raise DataError(f"{where}: folder {sub.path} does not exist; fix the path in the config")
     if not sub.path.is_dir():
         raise DataError(f"{where}: {sub.path} is not a folder; point it at a folder of images")
+    check_control_folders(sub, f"datasets[{d}].subsets[{s}]")
     paths = list_images(sub.path, sub.recursive)
     augment = CaptionAugment.from_subset(sub)
     items = []
     for path, probed in zip(paths, _probe_all(paths), strict=True):
         placed = _place(probed, buckets)
-        if isinstance(placed, str):
-            log.warning("skipping image %s: %s", path, placed)
-            out.skipped.append((path, placed))
+        controls = partners(path, sub) if sub.control_path else ()
+        why = placed if isinstance(placed, str) else (
+            f"edit pair skipped: {controls}" if isinstance(controls, str) else None)
+        if why is not None:
+            log.warning("skipping image %s: %s", path, why)
+            out.skipped.append((path, why))
             continue
         size, bucket = placed
         caption = read_caption(path, sub.caption_ext)
@@ -177,12 +188,17 @@ def _subset_items(
                 flip=sub.flip,
                 crop=sub.crop,
                 augment=augment,
+                controls=controls,
             )
         )
     if not sub.wildcards and any(WILDCARD.search(it.caption) for it in items):
         log.warning("%s: captions hold {a|b} choices but wildcards is off, so they are trained "
                     "as written; set datasets[%d].subsets[%d].wildcards = true to resolve them",
                     where, d, s)
+    if not items and sub.control_path:
+        raise DataError(f"{where}: no complete edit pair in {sub.path} with "
+                        f"{', '.join(map(str, sub.control_path))}; each target image needs a "
+                        "control image of the same name in every control folder")
     if not items:
         log.warning("%s: no usable image in %s", where, sub.path)
     return items

@@ -82,6 +82,9 @@ family's files would load, with the reason.
     text_encoder_lora_refused: tuple[tuple[str, str], ...] = ()
     # Why textual-inversion embeddings cannot be trained (None: they can); refused at load.
     embeddings_refused: str | None = None
+    # How many control/reference images an edit pair may give the family (0: it trains no
+    # edit model, and a dataset's `control_path` is refused at load).
+    control_images: int = 0
 
     @property
     def encoder_names(self) -> tuple[str, ...]:

@@ -67,6 +67,10 @@ def _describe_data(data: DataSet) -> list[str]:
     s = data.summary()
     lines = [f"dataset: {s['images']} images, {s['skipped']} skipped, "
              f"{s['captions_missing']} without caption"]
+    if "pairs" in s:
+        refs = sorted({len(it.controls) for it in data.items if it.controls})
+        lines.append(f"edit pairs: {s['pairs']} complete ({'/'.join(map(str, refs))} control "
+                     "image(s) each)")
     lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
     lines += [f"  skipped {p}: {why}" for p, why in data.skipped]
     return lines
