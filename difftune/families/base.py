@@ -162,6 +162,9 @@ class Family(Protocol):
     # The LoRA key layout written when save.format is unset ("diffusers" or "kohya"): the one
     # that ComfyUI and diffusers both read completely for this family.
     default_format: str
+    # How many control/reference images an edit pair or an edit sample prompt may give it
+    # (0: it is no edit model).
+    control_images: int
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Load (or build, for the tiny flavor) all components from local files."""

@@ -1,12 +1,14 @@
 """Sample prompt files: kohya-style `.txt` lines or `.toml` tables, read afresh at every event.
 
 `.txt`: one prompt a line, `#` starts a comment, options `--w --h` (size), `--s` (steps), `--d`
-(seed), `--g` (distilled guidance), `--l` (CFG scale), `--n` (negative prompt):
+(seed), `--g` (distilled guidance), `--l` (CFG scale), `--n` (negative prompt), `--ci` (an
+input image for edit models, repeated for several, relative to the prompt file):
 `a red circle --n blurry --w 512 --h 512 --s 20 --d 42 --g 3.5 --l 1.0`.
 `.toml`: one `[[prompts]]` table a prompt, with `prompt` and the same options by name
-(`negative`, `width`, `height`, `steps`, `seed`, `guidance`, `cfg`). A bad line or table is
-skipped with a warning naming the file and line (or table); a missing or empty file is a warning
-and no samples. Nothing here raises: a prompt file edited mid-run can never stop training.
+(`negative`, `width`, `height`, `steps`, `seed`, `guidance`, `cfg`, `images`). A bad line or
+table, or one naming an input image that does not exist, is skipped with a warning naming the
+file and line (or table); a missing or empty file is a warning and no samples. Nothing here
+raises: a prompt file edited mid-run can never stop training.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class PromptSpec:
     seed: int
     guidance: float
     cfg: float
+    images: tuple[Path, ...] = ()
 
 
 def parse_line(line: str, default: PromptSpec) -> PromptSpec:
@@ -46,8 +49,14 @@ def parse_line(line: str, default: PromptSpec) -> PromptSpec:
     spec = replace(default, prompt=parts[0].strip())
     for part in parts[1:]:
         flag, _, value = part.partition(" ")
+        if flag == "ci":
+            if not value.strip():
+                raise ValueError("--ci needs an image path")
+            spec = replace(spec, images=spec.images + (Path(value.strip()),))
+            continue
         if flag not in _OPTIONS:
-            raise ValueError(f"unknown option --{flag} (known: --w --h --s --d --g --l --n)")
+            raise ValueError(f"unknown option --{flag} (known: --w --h --s --d --g --l --n "
+                             "--ci)")
         field, kind = _OPTIONS[flag]
         try:
             spec = replace(spec, **{field: kind(value.strip())})
@@ -114,10 +123,20 @@ def _read_txt(path: Path, raw: str, default: PromptSpec) -> list[PromptSpec]:
         if not line:
             continue
         try:
-            specs.append(parse_line(line, default))
+            specs.append(with_images(parse_line(line, default), path.parent))
         except ValueError as err:
             log.warning("%s:%d: skipped prompt line: %s", path, number, err)
     return specs
+
+
+def with_images(spec: PromptSpec, base: Path) -> PromptSpec:
+    """The spec with its input images resolved against `base` (the prompt file's folder);
+    raises ValueError naming an image that is not a file."""
+    images = tuple(p if p.is_absolute() else base / p for p in spec.images)
+    missing = [str(p) for p in images if not p.is_file()]
+    if missing:
+        raise ValueError(f"input image {missing[0]} does not exist")
+    return replace(spec, images=images)
 
 
 _TOML_FIELDS = {f.name for f in fields(PromptSpec)}
@@ -137,7 +156,7 @@ def _read_toml(path: Path, raw: str, default: PromptSpec) -> list[PromptSpec]:
     specs = []
     for i, table in enumerate(tables):
         try:
-            specs.append(_toml_spec(table, default))
+            specs.append(with_images(_toml_spec(table, default), path.parent))
         except (ValueError, TypeError) as err:
             log.warning("%s: prompts[%d] skipped: %s", path, i, err)
     return specs
@@ -150,8 +169,11 @@ def _toml_spec(table: Any, default: PromptSpec) -> PromptSpec:
     unknown = set(table) - _TOML_FIELDS
     if unknown:
         raise ValueError(f"unknown field(s) {sorted(unknown)} (known: {sorted(_TOML_FIELDS)})")
-    values = {}
+    values: dict[str, Any] = {}
     for name, value in table.items():
+        if name == "images":
+            values[name] = _toml_images(value)
+            continue
         kind = type(getattr(default, name))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -162,3 +184,11 @@ def _toml_spec(table: Any, default: PromptSpec) -> PromptSpec:
     if not spec.prompt.strip():
         raise ValueError("empty prompt")
     return spec
+
+
+def _toml_images(value: Any) -> tuple[Path, ...]:
+    """A table's `images`: one path or a list of paths (strings)."""
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"images must be a path or a list of paths, got {value!r}")
+    return tuple(Path(v) for v in value)

@@ -89,8 +89,15 @@ class SampleRunner:
         self._pipe = pipe
 
     def prompts(self) -> list[PromptSpec]:
-        """The prompt file as it is now (re-read at every event)."""
-        return read_prompts(self.cfg.prompts, self.default) if self.cfg.prompts else []
+        """The prompt file as it is now (re-read at every event); prompts with more input
+        images than the family takes are skipped with a warning."""
+        specs = read_prompts(self.cfg.prompts, self.default) if self.cfg.prompts else []
+        most = self.family.control_images
+        for spec in [s for s in specs if len(s.images) > most]:
+            log.warning("sample prompt %r skipped: it names %d input image(s), but "
+                        "model.family = \"%s\" takes %s", spec.prompt[:40], len(spec.images),
+                        self.family.name, f"at most {most}" if most else "none")
+        return [s for s in specs if len(s.images) <= most]
 
     def run(self, step: int, specs: list[PromptSpec] | None = None,
             out_dir: Path | None = None, label: str | None = None) -> list[Path]:

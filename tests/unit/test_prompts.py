@@ -77,3 +77,45 @@ def test_broken_toml_is_a_warning_and_no_prompts(tmp_path: Path,
     with caplog.at_level(logging.WARNING, logger="difftune"):
         assert read_prompts(path, DEFAULT) == []
     assert f"{path}: not valid TOML" in caplog.text and "line 2" in caplog.text
+
+
+def test_input_images_resolve_against_the_prompt_file_and_a_missing_one_skips_that_prompt(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "refs").mkdir()
+    (tmp_path / "refs/cat.png").write_bytes(b"png")
+    (tmp_path / "refs/dog 2.png").write_bytes(b"png")
+    path = tmp_path / "prompts.txt"
+    path.write_text("relight it --ci refs/cat.png --ci refs/dog 2.png --s 3\n"
+                    "the same --ci refs/missing.png\nno image at all\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING):
+        specs = read_prompts(path, DEFAULT)
+    assert [s.prompt for s in specs] == ["relight it", "no image at all"]
+    assert specs[0].images == (tmp_path / "refs/cat.png", tmp_path / "refs/dog 2.png")
+    assert specs[0].steps == 3 and specs[1].images == ()
+    assert f"{path}:2" in caplog.text and "refs/missing.png does not exist" in caplog.text
+    toml = tmp_path / "prompts.toml"
+    toml.write_text('[[prompts]]\nprompt = "a"\nimages = "refs/cat.png"\n'
+                    '[[prompts]]\nprompt = "b"\nimages = ["refs/cat.png", "refs/dog 2.png"]\n'
+                    '[[prompts]]\nprompt = "c"\nimages = [1]\n', encoding="utf-8")
+    specs = read_prompts(toml, DEFAULT)
+    assert [len(s.images) for s in specs] == [1, 2]
+    assert "prompts[2] skipped: images must be a path or a list of paths" in caplog.text
+
+
+def test_a_prompt_with_input_images_is_skipped_by_a_family_that_takes_none(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from difftune import families
+    from difftune.config import SampleConfig
+    from difftune.sample.runner import SampleRunner
+
+    (tmp_path / "cat.png").write_bytes(b"png")
+    path = tmp_path / "prompts.txt"
+    path.write_text("relight it --ci cat.png\na plain prompt\n", encoding="utf-8")
+    family = families.get("flux")
+    assert family.control_images == 0
+    runner = SampleRunner(family, None, None, SampleConfig(prompts=path), tmp_path,  # type: ignore[arg-type]
+                          (64, 64), None)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING):
+        assert [s.prompt for s in runner.prompts()] == ["a plain prompt"]
+    assert "'relight it' skipped: it names 1 input image(s)" in caplog.text
+    assert 'model.family = "flux" takes none' in caplog.text
