@@ -49,7 +49,8 @@ class QwenImageFamily(FamilyBase):
     loaders = Loaders("build_tiny_qwen_image", "load_qwen_image_files",
                       "load_qwen_image_text_encoders")
 
-    def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
+    def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]
+                     ) -> TextEmbeds:
         """Qwen2.5-VL's last hidden states, template prefix dropped, and their mask
         (QwenImagePipeline._get_qwen_prompt_embeds)."""
         qwen = outputs["qwen2_5_vl"]

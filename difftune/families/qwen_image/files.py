@@ -22,9 +22,15 @@ import torch
 
 from difftune.errors import ModelFileError
 from difftune.families.common.folders import check_folder, folder_files, from_folder
-from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
-                                                  fingerprint, missing_error, read_safetensors,
-                                                  strip_prefix)
+from difftune.families.common.single_file import (
+    assign_state,
+    cast_state,
+    count_blocks,
+    fingerprint,
+    missing_error,
+    read_safetensors,
+    strip_prefix,
+)
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -152,7 +158,8 @@ def text_sizes(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
     layers = "model.language_model.layers."
     vocab, hidden = sd["model.language_model.embed_tokens.weight"].shape
     head = min(128, hidden // 2)
-    return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": count_blocks(sd, layers),
+    return {"vocab_size": vocab, "hidden_size": hidden,
+            "num_hidden_layers": count_blocks(sd, layers),
             "num_attention_heads": hidden // head,
             "num_key_value_heads": sd[layers + "0.self_attn.k_proj.weight"].shape[0] // head,
             "intermediate_size": sd[layers + "0.mlp.gate_proj.weight"].shape[0],
@@ -182,7 +189,7 @@ def _new_vl_name(key: str) -> str:
     return key
 
 
-def _folder(cfg: "ModelConfig") -> Path:
+def _folder(cfg: ModelConfig) -> Path:
     """model.path, which Qwen-Image needs for its tokenizer (also with single files)."""
     if cfg.path is None:
         raise ModelFileError("model.family = \"qwen_image\" reads its tokenizer from a diffusers "
@@ -194,11 +201,14 @@ def _folder(cfg: "ModelConfig") -> Path:
     return folder
 
 
-def load_qwen_image_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+def load_qwen_image_files(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
     """Every component in `dtypes` (single files over the folder's), plus "name" and
     "fingerprint"."""
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
-                           QwenImageTransformer2DModel)
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageTransformer2DModel,
+    )
     from transformers import AutoTokenizer
 
     folder = _folder(cfg)
@@ -234,7 +244,7 @@ def load_qwen_image_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) ->
     }
 
 
-def load_qwen_image_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
+def load_qwen_image_text_encoders(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The Qwen2.5-VL text encoder alone: `model.text_encoder` if given, else the folder's."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 

@@ -119,8 +119,11 @@ def build_tiny_qwen_image() -> dict[str, Any]:
 
     Deterministic: the same weights on every call, whatever the caller's RNG state.
     """
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
-                           QwenImageTransformer2DModel)
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageTransformer2DModel,
+    )
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     tok = tiny_qwen2_tokenizer()
