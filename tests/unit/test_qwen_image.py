@@ -178,7 +178,12 @@ def test_other_trainers_lora_names_read_as_diffusers() -> None:
              "lora_unet_transformer_blocks_0_attn_to_q.alpha": torch.tensor(4.0)}
     assert diffusers_names(kohya, [q, "transformer_blocks.0.attn"]) == (
         want, {f"transformer.{q}": 4.0})
-    assert diffusers_names(want) == (want, {})
+    bare = {f"{q}.lora_A.weight": a, f"{q}.lora_B.weight": b}
+    assert diffusers_names(bare, [q]) == (want, {})
+    lycoris = {"lycoris_transformer_blocks_0_attn_to_q.lora_down.weight": a,
+               "lycoris_transformer_blocks_0_attn_to_q.lora_up.weight": b}
+    assert diffusers_names(lycoris, [q]) == (want, {})
+    assert diffusers_names(want, [q]) == (want, {})
 
 
 def test_cache_key_fields_grow_only_where_decoder_fields_are_set() -> None:

@@ -6,8 +6,8 @@ QwenImageTransformer2DModel) is the only layout written: diffusers' QwenImageLor
 reads it, and ComfyUI's LoRA key map for Qwen-Image reads the same module names (see spec.py),
 so no second layout is needed. Read for `--init-lora`: that layout, ComfyUI-style prefixes
 (`diffusion_model.`, `model.diffusion_model.`; ai-toolkit's PEFT keys without alpha),
-`lora_down`/`lora_up` factors with `.alpha` entries, and kohya/musubi-tuner's `lora_unet_`
-names (the module path with dots as underscores).
+`lora_down`/`lora_up` factors with `.alpha` entries, bare module names, and the underscored
+names of kohya/musubi-tuner (`lora_unet_`) and SimpleTuner's LyCORIS files (`lycoris_`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ KOHYA_REFUSED = ("save.format = \"kohya\" is not written for model.family = \"qw
                  "ComfyUI and diffusers both read its diffusers layout; use save.format = "
                  "\"diffusers\"")
 FOREIGN_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-KOHYA_PREFIX = "lora_unet_"
+# Underscored module names (`transformer_blocks_0_attn_to_q`): kohya/musubi-tuner's, and
+# SimpleTuner's LyCORIS names, both of which ComfyUI reads for Qwen-Image.
+UNDERSCORED = ("lora_unet_", "lycoris_")
 FACTORS = {".lora_down.weight": ".lora_A.weight", ".lora_up.weight": ".lora_B.weight"}
 
 
@@ -47,14 +49,18 @@ def diffusers_names(tensors: dict[str, torch.Tensor], modules: Iterable[str] = (
     `modules` are the transformer's module names, needed only for kohya's `lora_unet_` names
     (underscores are ambiguous: `transformer_blocks_0_attn_to_q` is found by matching).
     """
-    kohya = {m.replace(".", "_"): m for m in modules}
+    names = set(modules)
+    kohya = {m.replace(".", "_"): m for m in names}
     out: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}
     for key, value in tensors.items():
         module, suffix = _module_and_suffix(key)
-        if module.startswith(KOHYA_PREFIX):
-            flat = module[len(KOHYA_PREFIX):]
-            module = f"{prefix}.{kohya.get(flat, flat)}"
+        for under in UNDERSCORED:
+            if module.startswith(under):
+                flat = module[len(under):]
+                module = f"{prefix}.{kohya.get(flat, flat)}"
+        if module in names:  # bare module names, as ComfyUI also reads them
+            module = f"{prefix}.{module}"
         for foreign in FOREIGN_PREFIXES:
             if module.startswith(foreign):
                 module = f"{prefix}.{module[len(foreign):]}"

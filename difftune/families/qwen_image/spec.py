@@ -36,12 +36,14 @@ SPEC = FamilySpec(
     bucket_step=16,
     denoiser_prefix="transformer",
     default_cfg=4.0,  # QwenImagePipeline's true_cfg_scale default (with a negative prompt)
-    # ComfyUI reads the diffusers names: comfy/lora.py model_lora_keys_unet maps, for its
-    # QwenImage model, every diffusion_model key `<module>.weight` to the LoRA names
-    # `diffusion_model.<module>`, `transformer.<module>` and `lycoris_<module>` (its Qwen-Image
+    # ComfyUI reads the diffusers names: comfy/lora.py model_lora_keys_unet, for its
+    # model_base.QwenImage, maps each `diffusion_model.<module>.weight` of the model (whose
     # modules carry the diffusers names: transformer_blocks.N.attn.to_q, img_mlp.net.0.proj,
-    # ...); diffusers' QwenImageLoraLoaderMixin reads `transformer.<module>.lora_A/B`. So the
-    # diffusers layout is the one both read.
+    # ...) to the LoRA names `<module>`, `transformer.<module>` and `lycoris_<module with dots
+    # as underscores>`, besides the `lora_unet_<...>` names it gives every model's keys; its
+    # load_lora reads lora_A/lora_B (PEFT) and lora_down/lora_up factors under those names.
+    # diffusers' QwenImageLoraLoaderMixin reads `transformer.<module>.lora_A/B`. So the diffusers
+    # layout is the one both read, and no second layout is written.
     default_format="diffusers",
     text_encoder_prefixes={"qwen2_5_vl": "text_encoder"},
     # Kept out of fp8 storage and quantization: the timestep embedder, the text norm and the
