@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
+from difftune.families.common.components import pretrained_from_state
 from difftune.families.common.folders import check_folder, folder_files, from_folder
 from difftune.families.common.single_file import (
     assign_state,
@@ -146,9 +147,9 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype) -> Any:
         text, vision = text_sizes(sd), vision_sizes(sd)
     except KeyError as err:
         raise missing_error(path, "a Qwen2.5-VL text encoder", err) from None
-    with torch.device("meta"):
-        model = Qwen2_5_VLForConditionalGeneration(text_encoder_config(text, vision))
-    return assign_state(model, cast_state(sd, dtype), path, "Qwen2.5-VL text encoder")
+    return pretrained_from_state(Qwen2_5_VLForConditionalGeneration,
+                                 text_encoder_config(text, vision), cast_state(sd, dtype), dtype,
+                                 path, "Qwen2.5-VL")
 
 
 def text_sizes(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -158,7 +159,8 @@ def text_sizes(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
     layers = "model.language_model.layers."
     vocab, hidden = sd["model.language_model.embed_tokens.weight"].shape
     head = min(128, hidden // 2)
-    return {"vocab_size": vocab, "hidden_size": hidden,
+    ids = {k: v if v < vocab else None for k, v in TEXT_CONFIG.items() if k.endswith("token_id")}
+    return {**ids, "vocab_size": vocab, "hidden_size": hidden,
             "num_hidden_layers": count_blocks(sd, layers),
             "num_attention_heads": hidden // head,
             "num_key_value_heads": sd[layers + "0.self_attn.k_proj.weight"].shape[0] // head,
