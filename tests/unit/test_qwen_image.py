@@ -17,7 +17,8 @@ PROMPTS = ["a red circle on a blue background", "a pink ring", "", "photo of a b
 # QwenImagePipeline drops (prompt_template_encode_start_idx).
 PREFIX_TOKENS = [
     "<|im_start|>", "system", "Ċ", "Describe", "Ġthe", "Ġimage", "Ġby", "Ġdetailing", "Ġthe",
-    "Ġcolor", ",", "Ġshape", ",", "Ġsize", ",", "Ġtexture", ",", "Ġquantity", ",", "Ġtext", ",",
+    "Ġcolor", ",", "Ġshape", ",", "Ġsize", ",", "Ġtexture", ",", "Ġquantity", ",", "Ġtext",
+    ",",
     "Ġspatial", "Ġrelationships", "Ġof", "Ġthe", "Ġobjects", "Ġand", "Ġbackground", ":",
     "<|im_end|>", "Ċ", "<|im_start|>", "user", "Ċ",
 ]

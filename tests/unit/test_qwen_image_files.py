@@ -123,8 +123,8 @@ def test_no_folder_is_refused(saved: tuple[dict, Path]) -> None:
     _, folder = saved
     # (clip_l and t5 only satisfy the config's "a complete set of single files" rule.)
     vae = folder.parent / "qwen_image_vae.safetensors"
-    cfg = ModelConfig(family="qwen_image", transformer=folder.parent / "qwen_image_bf16.safetensors",
-                      vae=vae, clip_l=vae, t5=vae)
+    cfg = ModelConfig(family="qwen_image", vae=vae, clip_l=vae, t5=vae,
+                      transformer=folder.parent / "qwen_image_bf16.safetensors")
     with pytest.raises(ModelFileError, match="set model.path"):
         load_qwen_image_files(cfg, FP32)
 
