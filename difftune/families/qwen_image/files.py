@@ -107,9 +107,17 @@ def load_transformer_file(path: Path, dtype: torch.dtype) -> Any:
     for this model), with or without ComfyUI's `model.diffusion_model.` prefix."""
     from diffusers import QwenImageTransformer2DModel
 
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+
     sd = strip_prefix(read_safetensors(path, "Qwen-Image transformer"), _ORIGINAL_PREFIXES)
+    config = transformer_config(sd, path)
     with torch.device("meta"):
-        model = QwenImageTransformer2DModel(**transformer_config(sd, path))
+        model = QwenImageTransformer2DModel(**config)
+    # The RoPE tables are plain tensor attributes, not weights: built on the meta device they
+    # would hold no data, so that module is built again for real, as the class builds it.
+    if not config.get("use_layer3d_rope", False):
+        model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(config["axes_dims_rope"]),
+                                        scale_rope=True)
     return assign_state(model, cast_state(sd, dtype), path, "Qwen-Image transformer")
 
 
