@@ -112,15 +112,17 @@ def test_single_files_over_the_folder(saved: tuple[dict, Path]) -> None:
         str(folder.parent / "qwen_image_plain.safetensors"), config=str(folder),
         subfolder="transformer", torch_dtype=torch.float32)
     _equal(parts["transformer"], theirs)
-    # They run as the originals do (nothing left on the meta device, e.g. the RoPE tables).
+    # They run as the originals do (nothing left on the meta device, e.g. the RoPE tables); up
+    # to rounding, as weights read from a file need not share the originals' memory alignment.
     x, text = torch.randn(1, 4, 64), torch.randn(1, 3, 32)
     kw = {"timestep": torch.ones(1), "img_shapes": [[(1, 2, 2)]], "return_dict": False}
     pixels = torch.rand(1, 3, 1, 32, 32)
     with torch.no_grad():
-        assert torch.equal(parts["transformer"](x, text, **kw)[0],
-                           tiny["transformer"](x, text, **kw)[0])
-        assert torch.equal(parts["vae"].encode(pixels).latent_dist.mode(),
-                           tiny["vae"].encode(pixels).latent_dist.mode())
+        torch.testing.assert_close(parts["transformer"](x, text, **kw)[0],
+                                   tiny["transformer"](x, text, **kw)[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(parts["vae"].encode(pixels).latent_dist.mode(),
+                                   tiny["vae"].encode(pixels).latent_dist.mode(),
+                                   rtol=0, atol=1e-5)
     ids = tiny["tokenizer"](["a red circle"], return_tensors="pt").input_ids
     with torch.no_grad():
         ours = parts["text_encoder"](ids, output_hidden_states=True).hidden_states[-1]
