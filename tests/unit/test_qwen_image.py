@@ -201,3 +201,27 @@ def test_cache_key_fields_grow_only_where_decoder_fields_are_set() -> None:
     qwen = families.spec("qwen_image").text_encoders[0].key_fields()
     assert qwen["drop"] == 34 and qwen["layers"] == (-1,) and qwen["pad"] == "longest"
     assert "chat" not in qwen
+
+
+def test_flux_shift_is_the_pipelines_resolution_dependent_shift() -> None:
+    """`train.timesteps = "flux_shift"` shifts t by exp(mu) with mu as QwenImagePipeline computes
+    it for the image's token count (its scheduler's constants, not FLUX.1's), which is what its
+    exponential time shift does to a sigma."""
+    import math
+
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    from difftune.config import TrainConfig
+    from difftune.train.objectives.flow import shift_time
+
+    _, family, comps = _pipe_and_family()
+    objective = family.objective(comps, TrainConfig(timesteps="flux_shift"))
+    sc = comps.scheduler.config
+    for tokens in (64, 256, 1024, 4096, 8192):
+        want = calculate_shift(tokens, sc["base_image_seq_len"], sc["max_image_seq_len"],
+                               sc["base_shift"], sc["max_shift"])
+        assert math.isclose(objective.dynamic.mu(tokens), want, rel_tol=1e-12)
+    sigma = torch.tensor([0.25, 0.5, 0.75])
+    comps.scheduler.set_timesteps(sigmas=sigma.tolist(), mu=1.0)
+    theirs = comps.scheduler.time_shift(1.0, 1.0, sigma)
+    torch.testing.assert_close(shift_time(sigma, math.exp(1.0)), theirs)
