@@ -23,6 +23,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "sdxl": ("difftune.families.sdxl.spec", "difftune.families.sdxl.family.SDXLFamily"),
     "chroma": ("difftune.families.chroma.spec", "difftune.families.chroma.family.ChromaFamily"),
     "z_image": ("difftune.families.z_image.spec", "difftune.families.z_image.family.ZImageFamily"),
+    "qwen_image": ("difftune.families.qwen_image.spec",
+                   "difftune.families.qwen_image.family.QwenImageFamily"),
 }
 
 

@@ -23,6 +23,12 @@ class TextEncoderSpec:
     template options (None: the caption is tokenized as it is); `trim` keeps only the tokens the
     mask marks (variable-length outputs: cache entries hold the caption's own tokens, batches
     are padded back with a mask, see `families.base.pad_cat`).
+    `template` is a format string with `{}` for the caption, used instead of a chat template
+    (the pipeline's own fixed prompt); `drop` leading tokens are dropped after the mask trim
+    (a template's prefix the pipeline removes); `layers` reads these `hidden_states` indices
+    instead of `hidden` (one index: that state; several: concatenated along the features);
+    `pad` pads a batch to the spec's `max_length` ("max_length") or to its longest text
+    ("longest", with `max_length` as the truncation limit), as the family's pipeline does.
     """
 
     name: str
@@ -33,13 +39,18 @@ class TextEncoderSpec:
     mask: bool = False
     chat: tuple[tuple[str, bool], ...] | None = None
     trim: bool = False
+    template: str | None = None
+    drop: int = 0
+    layers: tuple[int, ...] = ()
+    pad: Literal["max_length", "longest"] = "max_length"
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
-        (`chat`, `trim`) enter only when set, so the keys of encoders without them (and the
-        caches written before those fields existed) stay as they were."""
+        (`chat`, `trim`, `template`, `drop`, `layers`, `pad`) enter only when set, so the keys
+        of encoders without them (and the caches written before those fields existed) stay as
+        they were."""
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        for name in ("chat", "trim"):
+        for name in DECODER_FIELDS:
             if fields[name] == self.__dataclass_fields__[name].default:
                 del fields[name]
         return fields
@@ -98,6 +109,8 @@ family's files would load, with the reason.
 
 
 CLIP_KINDS = ("clip", "clip_projection")
+# TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
+DECODER_FIELDS = ("chat", "trim", "template", "drop", "layers", "pad")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

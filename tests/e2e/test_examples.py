@@ -2,8 +2,9 @@
 
 The model folder becomes the family's tiny model saved in the same diffusers layout, the data
 the bundled images, the output a temporary folder; every other setting (precision, adapter,
-schedule, objective options, sampling, format) is the example's own, and the resolution is
-lowered (`--set`) so the check runs in seconds on the CPU.
+schedule, objective options, sampling, format) is the example's own, and the resolution (and
+any block swapping, to what the tiny models have) is lowered so the check runs in seconds on
+the CPU.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import re
 from pathlib import Path
 
 import pytest
-from diffusers import (ChromaPipeline, FluxPipeline, StableDiffusion3Pipeline,
+from diffusers import (ChromaPipeline, FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline,
                        StableDiffusionXLPipeline, ZImagePipeline)
 
 from difftune.cli import main
 from difftune.families.chroma.tiny import build_tiny_chroma
 from difftune.families.flux.tiny import build_tiny_flux
+from difftune.families.qwen_image.tiny import build_tiny_qwen_image
 from difftune.families.sd3.tiny import build_tiny_sd3
 from difftune.families.sdxl.tiny import build_tiny_sdxl
 from difftune.families.z_image.tiny import build_tiny_z_image
@@ -25,6 +27,7 @@ from difftune.families.z_image.tiny import build_tiny_z_image
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "flux-dev-lora.toml": (FluxPipeline, build_tiny_flux),
+             "qwen-image-lora.toml": (QwenImagePipeline, build_tiny_qwen_image),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
              "sdxl-lora.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
              "sdxl-pivotal.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
@@ -54,6 +57,8 @@ def _localize(example: Path, tmp_path: Path, images: Path, prompts: Path) -> Pat
     text = re.sub(r'^dir = "/runs/[^"]*"', f'dir = "{(tmp_path / "out").as_posix()}"', text,
                   flags=re.MULTILINE)
     text = text.replace('prompts = "prompts.txt"', f'prompts = "{prompts.as_posix()}"')
+    # The tiny models have 2 swappable blocks: a block-swapping example swaps one of them.
+    text = re.sub(r"^blocks_to_swap = \d+", "blocks_to_swap = 1", text, flags=re.MULTILINE)
     assert "/models/" not in text and "/data/" not in text and "/runs/" not in text
     path = tmp_path / example.name
     path.write_text(text, encoding="utf-8")

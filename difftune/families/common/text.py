@@ -54,8 +54,11 @@ def model_clip_roots(family: Family, c: Components) -> dict[str, str]:
 
 
 def chat_texts(spec: TextEncoderSpec, tokenizer: Any, texts: list[str]) -> list[str]:
-    """Each text as one user message in the tokenizer's chat template (with the spec's template
-    options, e.g. enable_thinking) when the spec declares one; else the texts as they are."""
+    """Each text put in the spec's fixed `template` (a format string), or as one user message
+    in the tokenizer's chat template (with the spec's template options, e.g. enable_thinking)
+    when the spec declares one; else the texts as they are."""
+    if spec.template is not None:
+        return [spec.template.format(t) for t in texts]
     if spec.chat is None:
         return list(texts)
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
@@ -63,12 +66,15 @@ def chat_texts(spec: TextEncoderSpec, tokenizer: Any, texts: list[str]) -> list[
             for t in texts]
 
 
-def trimmed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def trimmed(out: dict[str, torch.Tensor], drop: int = 0) -> dict[str, torch.Tensor]:
     """Outputs cut to the positions some row's mask marks (all of a batch of one's padding
     goes), the padding still left in longer batches zeroed: a batch then equals its captions'
-    cache entries padded by `pad_cat`. Sequence tensors are those as long as the mask."""
+    cache entries padded by `pad_cat`. Sequence tensors are those as long as the mask. The
+    first `drop` positions go too (a template prefix every row has: tokenizers pad on the
+    right, so each row's own tokens start at position 0)."""
     mask = out["mask"].bool()
     keep = mask.any(0)
+    keep[:drop] = False
     length = mask.shape[1]
 
     valid = mask[:, keep]
@@ -83,11 +89,13 @@ def trimmed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: cut(k, v) for k, v in out.items()}
 
 
-def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
-    """Pad/truncate every text to `max_length` tokens, as the pipelines do at inference."""
+def tokenize(tokenizer: Any, texts: list[str], max_length: int,
+             pad: str = "max_length") -> dict[str, torch.Tensor]:
+    """Pad/truncate every text to `max_length` tokens (or pad to the longest text with `pad`
+    "longest"), as the pipelines do at inference."""
     enc = tokenizer(
         texts,
-        padding="max_length",
+        padding=pad,
         max_length=max_length,
         truncation=True,
         return_tensors="pt",
@@ -138,7 +146,7 @@ def encode(
     the chat template first; a trimming spec returns only the masked positions (`trimmed`).
     Gradients follow the caller's grad mode, so a trained encoder can run here with autograd on.
     """
-    tokens = tokenize(tokenizer, chat_texts(spec, tokenizer, texts), max_length)
+    tokens = tokenize(tokenizer, chat_texts(spec, tokenizer, texts), max_length, spec.pad)
     device = module_device(model)
     ids = tokens["input_ids"].to(device)
     attention = tokens["attention_mask"].to(device)
@@ -146,20 +154,23 @@ def encode(
     # hidden_states[-1] is the last layer before any final norm; "last" reads the normed output
     # unless layers are skipped, which (as in diffusers) counts back from the penultimate state.
     index = {"last": -1, "penultimate": -2, "none": -1}[spec.hidden] - clip_skip
-    want_states = spec.hidden == "penultimate" or (spec.hidden == "last" and clip_skip > 0)
+    want_states = (spec.hidden == "penultimate" or (spec.hidden == "last" and clip_skip > 0)
+                   or bool(spec.layers))
     kwargs: dict[str, Any] = {"output_hidden_states": want_states}
     if use_mask:
         kwargs["attention_mask"] = attention
     out = model(ids, **kwargs)
     result: dict[str, torch.Tensor] = {}
-    if spec.hidden != "none":
+    if spec.layers:
+        result["hidden"] = torch.cat([out.hidden_states[i] for i in spec.layers], dim=-1)
+    elif spec.hidden != "none":
         result["hidden"] = out.hidden_states[index] if want_states else out.last_hidden_state
     if spec.pooled:
         projected = spec.kind == "clip_projection"
         result["pooled"] = out.text_embeds if projected else out.pooler_output
     if use_mask:
         result["mask"] = attention
-    return trimmed(result) if spec.trim and use_mask else result
+    return trimmed(result, spec.drop) if spec.trim and use_mask else result
 
 
 def encode_all(

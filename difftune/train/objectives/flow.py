@@ -7,6 +7,7 @@ noise), and the model predicts the velocity noise - x_0.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,10 +20,30 @@ from difftune.train.objectives.base import Draw
 BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT = 256, 4096, 0.5, 1.15
 
 
+@dataclass(frozen=True)
+class DynamicShift:
+    """A resolution-dependent shift (`train.timesteps = "flux_shift"`): mu grows linearly with
+    the image token count from `base_shift` at `base_seq` tokens to `max_shift` at `max_seq`,
+    and t is shifted by exp(mu). FLUX.1's constants by default; a family whose pipeline uses
+    other ones (its scheduler config's) passes them to `FlowMatching`."""
+
+    base_seq: int = BASE_SEQ
+    max_seq: int = MAX_SEQ
+    base_shift: float = BASE_SHIFT
+    max_shift: float = MAX_SHIFT
+
+    def mu(self, image_tokens: int) -> float:
+        """mu for an image of `image_tokens` packed latent tokens."""
+        slope = (self.max_shift - self.base_shift) / (self.max_seq - self.base_seq)
+        return self.base_shift + slope * (image_tokens - self.base_seq)
+
+
+FLUX_SHIFT = DynamicShift()
+
+
 def flux_mu(image_tokens: int) -> float:
-    """The flux_shift mu for an image of `image_tokens` packed latent tokens."""
-    slope = (MAX_SHIFT - BASE_SHIFT) / (MAX_SEQ - BASE_SEQ)
-    return BASE_SHIFT + slope * (image_tokens - BASE_SEQ)
+    """The flux_shift mu for an image of `image_tokens` packed latent tokens (FLUX.1's)."""
+    return FLUX_SHIFT.mu(image_tokens)
 
 
 def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
@@ -31,9 +52,11 @@ def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def sample_timesteps(
-    cfg: TrainConfig, batch: int, image_tokens: int, generator: torch.Generator
+    cfg: TrainConfig, batch: int, image_tokens: int, generator: torch.Generator,
+    dynamic: DynamicShift = FLUX_SHIFT,
 ) -> torch.Tensor:
-    """Draw a batch of t in (0, 1) by the configured method (on the CPU, from `generator`)."""
+    """Draw a batch of t in (0, 1) by the configured method (on the CPU, from `generator`);
+    `dynamic` gives flux_shift's constants."""
     if cfg.timesteps == "uniform":
         t = torch.rand(batch, generator=generator)
     else:
@@ -42,7 +65,7 @@ def sample_timesteps(
         if cfg.timesteps == "shift":
             t = shift_time(t, cfg.shift)
         elif cfg.timesteps == "flux_shift":
-            t = shift_time(t, math.exp(flux_mu(image_tokens)))
+            t = shift_time(t, math.exp(dynamic.mu(image_tokens)))
     # Keep away from the exact ends, where x_t carries no signal or no noise.
     return t.clamp(1e-5, 1 - 1e-5)
 
@@ -56,16 +79,19 @@ def noisy_and_target(
 
 
 class FlowMatching:
-    """Rectified flow (FLUX.1, SD3): t in (0, 1), velocity target, no weighting."""
+    """Rectified flow (FLUX.1, SD3): t in (0, 1), velocity target, no weighting; `dynamic` is
+    the resolution-dependent shift of `train.timesteps = "flux_shift"` (FLUX.1's by default)."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, dynamic: DynamicShift = FLUX_SHIFT) -> None:
         self.cfg = cfg
+        self.dynamic = dynamic
 
     def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
         """Noise from `generator` (CPU, then moved), then t drawn by `train.timesteps`."""
         noise = torch.randn(latents.shape, generator=generator).to(latents.device)
         # Image tokens of 2x2 latent patches, as the flow transformers see them (flux_shift).
         tokens = latents.shape[-1] * latents.shape[-2] // 4
-        t = sample_timesteps(self.cfg, latents.shape[0], tokens, generator).to(latents.device)
+        t = sample_timesteps(self.cfg, latents.shape[0], tokens, generator,
+                             self.dynamic).to(latents.device)
         noisy, target = noisy_and_target(latents, noise, t)
         return Draw(t, noisy, target)

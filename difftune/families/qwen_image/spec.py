@@ -1,0 +1,69 @@
+"""Qwen-Image's light facts (no torch): its Qwen2.5-VL text encoder, objective, refusals,
+defaults.
+
+Read by config validation before anything heavy is imported, and by `QwenImageFamily`.
+Qwen-Image and Qwen-Image-2512 share the architecture (the same transformer, VAE, text encoder,
+prompt template and scheduler config; 2512 is a later training of the same weights), so one
+spec serves both.
+"""
+
+from __future__ import annotations
+
+from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+
+# QwenImagePipeline.prompt_template_encode and prompt_template_encode_start_idx (the system
+# turn and "<|im_start|>user\n" are 34 tokens of Qwen2's tokenizer).
+TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, "
+            "texture, quantity, text, spatial relationships of the objects and background:"
+            "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+DROP = 34
+MAX_TOKENS = 1024  # the pipeline's tokenizer_max_length: caption tokens kept after the drop
+
+SPEC = FamilySpec(
+    name="qwen_image",
+    text_encoders=(
+        # QwenImagePipeline._get_qwen_prompt_embeds: the caption in the fixed template,
+        # tokenized padded to the batch's longest (truncated at 1024 + 34 tokens), the last
+        # entry of hidden_states under the attention mask, only the masked tokens kept, then
+        # the template's first 34 tokens dropped: variable-length outputs.
+        TextEncoderSpec("qwen2_5_vl", "decoder", max_length=MAX_TOKENS + DROP, hidden="last",
+                        pooled=False, mask=True, trim=True, template=TEMPLATE, drop=DROP,
+                        layers=(-1,), pad="longest"),
+    ),
+    objective="flow",
+    kohya_text_encoders_refused="difftune trains Qwen-Image's transformer only",
+    # VAE downscale 8 x 2x2 patches: bucket sides must be multiples of 16.
+    bucket_step=16,
+    denoiser_prefix="transformer",
+    default_cfg=4.0,  # QwenImagePipeline's true_cfg_scale default (with a negative prompt)
+    # ComfyUI reads the diffusers names: comfy/lora.py model_lora_keys_unet, for its
+    # model_base.QwenImage, maps each `diffusion_model.<module>.weight` of the model (whose
+    # modules carry the diffusers names: transformer_blocks.N.attn.to_q, img_mlp.net.0.proj,
+    # ...) to the LoRA names `<module>`, `transformer.<module>` and `lycoris_<module with dots
+    # as underscores>`, besides the `lora_unet_<...>` names it gives every model's keys; its
+    # load_lora reads lora_A/lora_B (PEFT) and lora_down/lora_up factors under those names.
+    # diffusers' QwenImageLoraLoaderMixin reads `transformer.<module>.lora_A/B`. So the diffusers
+    # layout is the one both read, and no second layout is written.
+    default_format="diffusers",
+    text_encoder_prefixes={"qwen2_5_vl": "text_encoder"},
+    # Kept out of fp8 storage and quantization: the timestep embedder, the text norm and the
+    # input/output projections (diffusers keeps pos_embed and norms out of layerwise casting).
+    keep_high={
+        "denoiser": (r"^time_text_embed\.", r"^txt_norm$", r"^img_in$", r"^txt_in$",
+                     r"^norm_out\.", r"^proj_out$"),
+        "text_encoders": (r"embed_tokens", r"norm$", r"^model\.visual\.", r"lm_head"),
+        "vae": VAE_KEEP_HIGH,
+    },
+    swap_blocks=("transformer_blocks",),
+    compile_blocks=("transformer_blocks",),
+    denoiser_part="transformer",
+    encoder_parts=(("qwen2_5_vl", "text_encoder", "tokenizer"),),
+    pipeline_class="QwenImagePipeline",
+    # QwenImageLoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
+    text_encoder_lora_refused=(("qwen2_5_vl", "QwenImagePipeline.load_lora_weights reads "
+                                              "transformer LoRAs only; train the transformer "
+                                              "only"),),
+    embeddings_refused=("Qwen-Image's Qwen2.5-VL encoder reads captions through a fixed prompt "
+                        "template whose first 34 tokens are dropped; textual inversion is not "
+                        "supported for it"),
+)
