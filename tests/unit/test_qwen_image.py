@@ -163,7 +163,7 @@ def test_released_config_builds_on_meta() -> None:
 
 
 def test_other_trainers_lora_names_read_as_diffusers() -> None:
-    from difftune.families.qwen_image.keys import diffusers_names
+    from difftune.families.common.diffusers_layout import diffusers_names
 
     a, b = torch.ones(4, 8), torch.zeros(8, 4)
     q = "transformer_blocks.0.attn.to_q"

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from difftune.errors import ConfigError
 from difftune.families.base import Components, Conditioning, TextEmbeds
-from difftune.families.common.family import FamilyBase, Loaders
+from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
+from difftune.families.common.family import Loaders
 from difftune.families.common.latents import pack, unpack
 from difftune.families.qwen_image import vae
 from difftune.families.qwen_image.spec import SPEC
@@ -45,7 +45,7 @@ def _prompt(embeds: TextEmbeds, prefix: str) -> dict[str, torch.Tensor]:
             f"{prefix}prompt_embeds_mask": embeds.tensors["prompt_embeds_mask"]}
 
 
-class QwenImageFamily(FamilyBase):
+class QwenImageFamily(DiffusersLayoutFamily):
     """The Qwen-Image family."""
 
     spec = SPEC
@@ -106,19 +106,3 @@ class QwenImageFamily(FamilyBase):
         if negative is not None and cfg > 1.0:
             kwargs.update(_prompt(negative, "negative_"))
         return kwargs
-
-    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
-                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """A LoRA file in diffusers names, and per-module alphas where the file has them
-        (the layouts `keys.diffusers_names` reads)."""
-        from difftune.families.qwen_image.keys import diffusers_names
-
-        modules = (n for n, _ in c.denoiser.named_modules() if n)
-        return diffusers_names(tensors, modules, self.denoiser_prefix)
-
-    def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
-                 ) -> dict[str, torch.Tensor]:
-        """Refused: the diffusers layout is the one ComfyUI and diffusers read for Qwen-Image."""
-        from difftune.families.qwen_image.keys import KOHYA_REFUSED
-
-        raise ConfigError(KOHYA_REFUSED)
