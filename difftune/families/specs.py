@@ -22,7 +22,14 @@ class TextEncoderSpec:
     `chat` wraps each caption as one user message in the tokenizer's chat template, with these
     template options (None: the caption is tokenized as it is); `trim` keeps only the tokens the
     mask marks (variable-length outputs: cache entries hold the caption's own tokens, batches
-    are padded back with a mask, see `families.base.pad_cat`).
+    are padded back with a mask, see `families.base.pad_cat`). A chat option may also override
+    `add_generation_prompt` (True unless given). `system` is a system message put before the
+    user message; `parts` writes each message's content as a list of typed text parts (as
+    multimodal processors take it) rather than a string; `specials` is whether the tokenizer
+    adds its own special tokens (BOS) to the rendered text (False where the chat template
+    writes them, as `apply_chat_template(tokenize=True)` does). `layers` lists the hidden_states
+    indices read (instead of `hidden`) and `stack` how they join: "features" concatenates them
+    per token along the feature dimension, "axis" stacks them on a new dimension 1.
     """
 
     name: str
@@ -33,13 +40,18 @@ class TextEncoderSpec:
     mask: bool = False
     chat: tuple[tuple[str, bool], ...] | None = None
     trim: bool = False
+    system: str | None = None
+    parts: bool = False
+    specials: bool = True
+    layers: tuple[int, ...] = ()
+    stack: Literal["features", "axis"] = "features"
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
-        (`chat`, `trim`) enter only when set, so the keys of encoders without them (and the
+        (`OPTIONAL_KEY_FIELDS`) enter only when set, so the keys of encoders without them (and the
         caches written before those fields existed) stay as they were."""
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        for name in ("chat", "trim"):
+        for name in OPTIONAL_KEY_FIELDS:
             if fields[name] == self.__dataclass_fields__[name].default:
                 del fields[name]
         return fields
@@ -82,6 +94,33 @@ family's files would load, with the reason.
     text_encoder_lora_refused: tuple[tuple[str, str], ...] = ()
     # Why textual-inversion embeddings cannot be trained (None: they can); refused at load.
     embeddings_refused: str | None = None
+    # Released kinds that differ in kind (text encoder, pipeline): ((variant name, its spec),
+    # ...), the first the default; each variant's spec names itself in `variant`. Chosen by
+    # `model.variant`, or read from a diffusers folder's model_index.json (`pipeline_class`).
+    variants: tuple[tuple[str, "FamilySpec"], ...] = ()
+    variant: str | None = None
+
+    def pick(self, variant: str | None) -> "FamilySpec":
+        """The spec of `variant` (the default variant's for None; this spec for a family
+        without variants). Raises ValueError naming the choices for an unknown variant."""
+        if not self.variants:
+            if variant is not None:
+                raise ValueError(f"model.family = \"{self.name}\" has no variants; remove "
+                                 "model.variant")
+            return self
+        if variant is None:
+            return self.variants[0][1]
+        for name, spec in self.variants:
+            if name == variant:
+                return spec
+        choices = ", ".join(repr(n) for n, _ in self.variants)
+        raise ValueError(f"model.variant = {variant!r} is not a variant of model.family = "
+                         f"\"{self.name}\"; choose one of {choices}")
+
+    def variant_of_pipeline(self, pipeline_class: str) -> str | None:
+        """The variant whose diffusers pipeline is `pipeline_class` (a folder's model_index.json
+        `_class_name`), or None when no variant declares it."""
+        return next((n for n, s in self.variants if s.pipeline_class == pipeline_class), None)
 
     @property
     def encoder_names(self) -> tuple[str, ...]:
@@ -95,6 +134,8 @@ family's files would load, with the reason.
 
 
 CLIP_KINDS = ("clip", "clip_projection")
+# TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
+OPTIONAL_KEY_FIELDS = ("chat", "trim", "system", "parts", "specials", "layers", "stack")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

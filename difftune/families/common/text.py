@@ -55,11 +55,18 @@ def model_clip_roots(family: Family, c: Components) -> dict[str, str]:
 
 def chat_texts(spec: TextEncoderSpec, tokenizer: Any, texts: list[str]) -> list[str]:
     """Each text as one user message in the tokenizer's chat template (with the spec's template
-    options, e.g. enable_thinking) when the spec declares one; else the texts as they are."""
+    options, e.g. enable_thinking, its system message before it, and its content as typed text
+    parts where the spec says so) when the spec declares a chat; else the texts as they are."""
     if spec.chat is None:
         return list(texts)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                          add_generation_prompt=True, **dict(spec.chat))
+
+    def content(text: str) -> Any:
+        return [{"type": "text", "text": text}] if spec.parts else text
+
+    head = [{"role": "system", "content": content(spec.system)}] if spec.system is not None else []
+    options = {"add_generation_prompt": True, **dict(spec.chat)}
+    return [tokenizer.apply_chat_template(head + [{"role": "user", "content": content(t)}],
+                                          tokenize=False, **options)
             for t in texts]
 
 
@@ -83,16 +90,30 @@ def trimmed(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: cut(k, v) for k, v in out.items()}
 
 
-def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
-    """Pad/truncate every text to `max_length` tokens, as the pipelines do at inference."""
+def tokenize(tokenizer: Any, texts: list[str], max_length: int, specials: bool = True
+             ) -> dict[str, torch.Tensor]:
+    """Pad/truncate every text to `max_length` tokens, as the pipelines do at inference
+    (`specials`: whether the tokenizer adds its own special tokens)."""
+    extra = {} if specials else {"add_special_tokens": False}
     enc = tokenizer(
         texts,
         padding="max_length",
         max_length=max_length,
         truncation=True,
         return_tensors="pt",
+        **extra,
     )
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def stacked(states: list[torch.Tensor], how: str) -> torch.Tensor:
+    """Several (B, L, D) hidden states joined: "features" gives (B, L, n * D), each token's
+    states side by side in the listed order; "axis" gives (B, n, L, D)."""
+    joined = torch.stack(states, dim=1)
+    if how == "axis":
+        return joined
+    b, n, length, d = joined.shape
+    return joined.permute(0, 2, 1, 3).reshape(b, length, n * d)
 
 
 @dataclass(frozen=True)
@@ -138,7 +159,7 @@ def encode(
     the chat template first; a trimming spec returns only the masked positions (`trimmed`).
     Gradients follow the caller's grad mode, so a trained encoder can run here with autograd on.
     """
-    tokens = tokenize(tokenizer, chat_texts(spec, tokenizer, texts), max_length)
+    tokens = tokenize(tokenizer, chat_texts(spec, tokenizer, texts), max_length, spec.specials)
     device = module_device(model)
     ids = tokens["input_ids"].to(device)
     attention = tokens["attention_mask"].to(device)
@@ -146,13 +167,16 @@ def encode(
     # hidden_states[-1] is the last layer before any final norm; "last" reads the normed output
     # unless layers are skipped, which (as in diffusers) counts back from the penultimate state.
     index = {"last": -1, "penultimate": -2, "none": -1}[spec.hidden] - clip_skip
-    want_states = spec.hidden == "penultimate" or (spec.hidden == "last" and clip_skip > 0)
+    want_states = (spec.hidden == "penultimate" or (spec.hidden == "last" and clip_skip > 0)
+                   or bool(spec.layers))
     kwargs: dict[str, Any] = {"output_hidden_states": want_states}
     if use_mask:
         kwargs["attention_mask"] = attention
     out = model(ids, **kwargs)
     result: dict[str, torch.Tensor] = {}
-    if spec.hidden != "none":
+    if spec.layers:
+        result["hidden"] = stacked([out.hidden_states[k] for k in spec.layers], spec.stack)
+    elif spec.hidden != "none":
         result["hidden"] = out.hidden_states[index] if want_states else out.last_hidden_state
     if spec.pooled:
         projected = spec.kind == "clip_projection"
