@@ -9,6 +9,7 @@ import torch
 from difftune import families
 from difftune.families.base import TextEmbeds
 from difftune.families.common import text
+from difftune.families.specs import OPTIONAL_KEY_FIELDS
 from difftune.families.z_image.tiny import build_tiny_z_image
 
 PROMPTS = ["a red circle on a blue background", "a pink ring", ""]
@@ -143,8 +144,11 @@ def test_cache_key_fields_grow_only_where_decoder_fields_are_set() -> None:
     for name in families.names():
         for spec in families.spec(name).text_encoders:
             fields = spec.key_fields()
-            old = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("chat", "trim")}
-            if spec.chat is None and not spec.trim:
+            old = {k: v for k, v in dataclasses.asdict(spec).items()
+                   if k not in OPTIONAL_KEY_FIELDS}
+            plain = dataclasses.replace(spec, **{k: spec.__dataclass_fields__[k].default
+                                                 for k in OPTIONAL_KEY_FIELDS})
+            if plain == spec:
                 assert fields == old, spec.name
     qwen = families.spec("z_image").text_encoders[0].key_fields()
     assert qwen["chat"] == (("enable_thinking", True),) and qwen["trim"] is True
