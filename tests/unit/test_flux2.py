@@ -68,15 +68,21 @@ def test_tiny_tokenizers_carry_the_real_formats() -> None:
 def test_encode_images_is_the_pipelines_normalized_latent() -> None:
     pipe, family, comps = _setup("klein")
     pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    assert torch.equal(family.encode_images(comps, pixels), pipe._encode_vae_image(pixels, None))
+    from difftune.families.flux2.family import patchify
+
+    ours = family.encode_images(comps, pixels)
+    assert ours.shape == (2, 8, 4, 4)
+    assert torch.equal(patchify(ours), pipe._encode_vae_image(pixels, None))
 
 
 @pytest.mark.parametrize("variant", ["klein", "dev"])
 def test_predict_is_the_velocity_the_pipeline_steps_with(variant: str) -> None:
     """One pipeline step from pure noise (sigma 1 -> 0) moves the packed latents by -velocity;
     dev's guidance reaches its embedding as the pipeline passes it."""
+    from difftune.families.flux2.family import patchify
+
     pipe, family, comps = _setup(variant)
-    latents = torch.randn(1, 32, 2, 2, generator=torch.Generator().manual_seed(3))
+    latents = torch.randn(1, 8, 4, 4, generator=torch.Generator().manual_seed(3))
     embeds = family.encode_text(comps, ["a red circle"])
     seen: dict[str, torch.Tensor] = {}
 
@@ -84,13 +90,13 @@ def test_predict_is_the_velocity_the_pipeline_steps_with(variant: str) -> None:
         seen["latents"] = kw["latents"].clone()
         return {}
 
-    pipe(**family.pipeline_inputs(embeds, None, 2.5, 1.0), latents=latents.clone(), height=32,
+    pipe(**family.pipeline_inputs(embeds, None, 2.5, 1.0), latents=patchify(latents), height=32,
          width=32, num_inference_steps=1, output_type="latent", callback_on_step_end=grab)
     cond = Conditioning(guidance=2.5, original_sizes=[], crops=[], target_sizes=[])
     with torch.no_grad():
         velocity = family.predict(comps, latents, embeds, torch.ones(1), cond)
-    stepped = seen["latents"].permute(0, 2, 1).reshape(latents.shape)
-    torch.testing.assert_close(stepped, latents - velocity, rtol=0, atol=1e-6)
+    stepped = seen["latents"].permute(0, 2, 1).reshape(1, 32, 2, 2)
+    torch.testing.assert_close(stepped, patchify(latents - velocity), rtol=0, atol=1e-6)
 
 
 def test_klein_cfg_samples_as_the_pipeline_does_with_prompts() -> None:

@@ -39,6 +39,13 @@ def patchify(z: torch.Tensor) -> torch.Tensor:
     return z.reshape(b, c * 4, h // 2, w // 2)
 
 
+def unpatchify(z: torch.Tensor) -> torch.Tensor:
+    """The inverse of `patchify`: (B, 4C, h, w) -> (B, C, 2h, 2w)."""
+    b, c, h, w = z.shape
+    z = z.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
+    return z.reshape(b, c // 4, h * 2, w * 2)
+
+
 def latent_ids(b: int, h: int, w: int, device: torch.device) -> torch.Tensor:
     """(B, h*w, 4) position ids (0, row, col, 0) of latent tokens, row-major."""
     ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1))
@@ -67,32 +74,35 @@ class Flux2Family(FamilyBase):
 
     @torch.no_grad()
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
-        """Pixels in [-1, 1] -> patchified latents normalized by the VAE's batch-norm running
-        statistics (Flux2KleinPipeline._encode_vae_image, with the distribution's mode)."""
+        """Pixels in [-1, 1] -> latents normalized by the VAE's batch-norm running statistics
+        (Flux2KleinPipeline._encode_vae_image, with the distribution's mode), kept in the
+        autoencoder's (C, H/8, W/8) layout: `patchify` of them is what the pipeline makes, and
+        per-element noise is the same distribution in either layout."""
         from difftune.families.common.text import module_device
 
         vae = c.vae
         z = patchify(vae.encode(pixels.to(module_device(vae), vae.dtype)).latent_dist.mode())
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-        return (z - mean) / std.to(z.device, z.dtype)
+        return unpatchify((z - mean) / std.to(z.device, z.dtype))
 
     def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
                 cond: Conditioning) -> torch.Tensor:
         """Velocity (noise - x0) for noisy latents at t in [0, 1] (1 = pure noise), as the
         pipelines call the transformer (timestep / 1000 = sigma; dev's guidance as float32)."""
         model = c.denoiser
-        b, ch, h, w = noisy.shape
         dtype = noisy.dtype
+        patches = patchify(noisy)
+        b, ch, h, w = patches.shape
         prompt = embeds.tensors["prompt_embeds"].to(dtype)
         guidance = None
         if model.config.guidance_embeds:
             guidance = torch.full((b,), cond.guidance, device=noisy.device, dtype=torch.float32)
-        out = model(hidden_states=noisy.reshape(b, ch, h * w).permute(0, 2, 1),
+        out = model(hidden_states=patches.reshape(b, ch, h * w).permute(0, 2, 1),
                     encoder_hidden_states=prompt, timestep=t.to(dtype), guidance=guidance,
                     img_ids=latent_ids(b, h, w, noisy.device),
                     txt_ids=text_ids(b, prompt.shape[1], noisy.device), return_dict=False)[0]
-        return out[:, : h * w].permute(0, 2, 1).reshape(b, ch, h, w)
+        return unpatchify(out[:, : h * w].permute(0, 2, 1).reshape(b, ch, h, w))
 
     def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
                         guidance: float, cfg: float) -> dict[str, Any]:
