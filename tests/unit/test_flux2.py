@@ -5,6 +5,7 @@ or by a folder's model_index.json; the released configs build on the meta device
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +178,31 @@ def test_released_configs_build_on_meta() -> None:
             tie_word_embeddings=True))
     assert 3.9e9 < sum(p.numel() for p in qwen.parameters()) < 4.1e9
     assert 3 * 2560 == TRANSFORMER_CONFIGS["klein-4b"]["joint_attention_dim"]
+
+
+def test_kohya_layout_round_trips_and_reads_in_diffusers() -> None:
+    """Our kohya file (BFL names, fused qkv) reads back to the same LoRA, and diffusers' own
+    FLUX.2 kohya converter loads it into the pipeline with the outputs of the live LoRA."""
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    pipe, family, comps = _setup("klein")
+    patterns = family.lora_targets("attention_mlp")
+    targets = [n for n, _ in pipe.transformer.named_modules()
+               if any(re.fullmatch(p, n) for p in patterns)]
+    pipe.transformer.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=targets,
+                                            init_lora_weights=False))
+    state = {f"transformer.{k}": v.detach().clone()
+             for k, v in get_peft_model_state_dict(pipe.transformer).items()}
+    kohya = family.lora_to_format(comps, state, "kohya", 2, 4.0)
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in kohya
+    assert "lora_unet_single_blocks_1_linear1.lora_up.weight" in kohya
+    back, alphas = family.lora_from_format(comps, kohya)
+    assert set(back) == set(state) and set(alphas.values()) == {4.0}  # alpha as trained
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    common = {"prompt": "a red circle", "height": 32, "width": 32, "num_inference_steps": 2,
+              "guidance_scale": 1.0, "output_type": "latent"}
+    ours = pipe(generator=torch.Generator().manual_seed(0), **common).images  # the live LoRA
+    pipe.transformer.delete_adapters("default")
+    pipe.load_lora_weights(dict(kohya), adapter_name="kohya")
+    theirs = pipe(generator=torch.Generator().manual_seed(0), **common).images
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from difftune.errors import ConfigError
 from difftune.families.base import Components, Conditioning, ModelSpec, TextEmbeds
 from difftune.families.common.family import FamilyBase, Loaders
 from difftune.families.flux2.spec import SPEC
@@ -135,7 +134,7 @@ class Flux2Family(FamilyBase):
 
     def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
                  ) -> dict[str, torch.Tensor]:
-        """Refused: the diffusers layout is the one ComfyUI and diffusers read for FLUX.2."""
-        from difftune.families.flux2.keys import KOHYA_REFUSED
+        """diffusers-named LoRA -> kohya / ComfyUI keys in BFL's original layout."""
+        from difftune.families.flux2.keys import diffusers_to_kohya
 
-        raise ConfigError(KOHYA_REFUSED)
+        return diffusers_to_kohya(state, alpha=alpha, rank=rank, prefix=self.denoiser_prefix)

@@ -37,12 +37,17 @@ KLEIN = FamilySpec(
     denoiser_prefix="transformer",
     # klein base runs real CFG at 4 (its pipeline's default; the step-distilled klein ignores it)
     default_cfg=4.0,
-    # ComfyUI reads the diffusers names of FLUX.2 LoRAs: comfy/lora.py model_lora_keys_unet maps
-    # every diffusers transformer key of a Flux2 model (comfy.utils.flux_to_diffusers, which
-    # knows FLUX.2's fused single-block `to_qkv_mlp_proj` and the shared modulation layers)
-    # under the `transformer.` prefix, beside its own `diffusion_model.` names; diffusers'
-    # Flux2LoraLoaderMixin reads the same file. So the diffusers layout is the one both read.
-    default_format="diffusers",
+    # The kohya layout in BFL's original names is the one both readers take completely for
+    # the attention and MLP presets: ComfyUI maps `lora_unet_<key>` for every
+    # `diffusion_model.<key>.weight` of any model (comfy/lora.py model_lora_keys_unet, its
+    # generic map), and diffusers' Flux2LoraLoaderMixin converts it
+    # (_convert_kohya_flux2_lora_to_diffusers; it skips the shared modulation layers of
+    # "all_linear", with a warning). ComfyUI's diffusers-name map for Flux models
+    # (comfy/utils.py flux_to_diffusers, used for `transformer.` and `lycoris_` keys) is built
+    # from FLUX.1's module names: FLUX.2 keys such as `ff_context.linear_in` are reported "lora
+    # key not loaded" (bghira/SimpleTuner issue 2439), so diffusers-layout files are not read
+    # whole there; save.format = "diffusers" remains for diffusers users.
+    default_format="kohya",
     text_encoder_prefixes={"qwen3": "text_encoder"},
     # Kept out of fp8 storage and quantization: the time/guidance embedder, the shared
     # modulation layers, the input and output projections.
