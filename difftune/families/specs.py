@@ -29,7 +29,9 @@ class TextEncoderSpec:
     adds its own special tokens (BOS) to the rendered text (False where the chat template
     writes them, as `apply_chat_template(tokenize=True)` does). `layers` lists the hidden_states
     indices read (instead of `hidden`) and `stack` how they join: "features" concatenates them
-    per token along the feature dimension, "axis" stacks them on a new dimension 1.
+    per token along the feature dimension, "axis" stacks them on a new dimension 1. `strip`
+    lists substrings removed from each caption before it is templated (as a pipeline does for
+    tokens its processor would read as images).
     """
 
     name: str
@@ -45,6 +47,7 @@ class TextEncoderSpec:
     specials: bool = True
     layers: tuple[int, ...] = ()
     stack: Literal["features", "axis"] = "features"
+    strip: tuple[str, ...] = ()
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
@@ -135,7 +138,8 @@ family's files would load, with the reason.
 
 CLIP_KINDS = ("clip", "clip_projection")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
-OPTIONAL_KEY_FIELDS = ("chat", "trim", "system", "parts", "specials", "layers", "stack")
+OPTIONAL_KEY_FIELDS = ("chat", "trim", "system", "parts", "specials", "layers", "stack",
+                       "strip")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

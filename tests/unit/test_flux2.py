@@ -17,7 +17,7 @@ from difftune.config import ModelConfig
 from difftune.families.base import Conditioning, TextEmbeds
 from difftune.families.flux2.tiny import build_tiny_flux2
 
-PROMPTS = ["a red circle on a blue background, seen from above", "a pink ring", ""]
+PROMPTS = ["a red circle on a blue background, seen from above", "a pink [IMG]ring", ""]
 PIPELINES = {"klein": "Flux2KleinPipeline", "dev": "Flux2Pipeline"}
 
 

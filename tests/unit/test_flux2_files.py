@@ -43,7 +43,8 @@ DOUBLE = {"attn.norm_q.weight": "img_attn.norm.query_norm.scale",
           "ff_context.linear_in.weight": "txt_mlp.0.weight",
           "ff_context.linear_out.weight": "txt_mlp.2.weight"}
 SINGLE = {"attn.to_qkv_mlp_proj.weight": "linear1.weight", "attn.to_out.weight": "linear2.weight",
-          "attn.norm_q.weight": "norm.query_norm.scale", "attn.norm_k.weight": "norm.key_norm.scale"}
+          "attn.norm_q.weight": "norm.query_norm.scale",
+          "attn.norm_k.weight": "norm.key_norm.scale"}
 
 
 def to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -86,7 +87,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, Pat
         out[variant] = (tiny, folder)
     tiny, folder = out["klein"]
     files = folder.parent
-    save_file(to_original(tiny["transformer"].state_dict()), str(files / "flux-2-klein.safetensors"))
+    save_file(to_original(tiny["transformer"].state_dict()),
+              str(files / "flux-2-klein.safetensors"))
     save_file({k: v.contiguous() for k, v in tiny["transformer"].state_dict().items()},
               str(files / "diffusers-transformer.safetensors"))
     vae = tiny["vae"].state_dict()

@@ -63,10 +63,16 @@ def chat_texts(spec: TextEncoderSpec, tokenizer: Any, texts: list[str]) -> list[
     def content(text: str) -> Any:
         return [{"type": "text", "text": text}] if spec.parts else text
 
+    def stripped(text: str) -> str:
+        for part in spec.strip:
+            text = text.replace(part, "")
+        return text
+
     head = [{"role": "system", "content": content(spec.system)}] if spec.system is not None else []
     options = {"add_generation_prompt": True, **dict(spec.chat)}
-    return [tokenizer.apply_chat_template(head + [{"role": "user", "content": content(t)}],
-                                          tokenize=False, **options)
+    return [tokenizer.apply_chat_template(
+                head + [{"role": "user", "content": content(stripped(t))}], tokenize=False,
+                **options)
             for t in texts]
 
 

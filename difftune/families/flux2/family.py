@@ -65,7 +65,8 @@ class Flux2Family(FamilyBase):
     presets = PRESETS
     loaders = Loaders("build_tiny_flux2", "load_flux2_files", "load_flux2_text_encoders")
 
-    def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
+    def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]
+                     ) -> TextEmbeds:
         """The stacked hidden states of the variant's encoder, every padded position kept (the
         pipelines' encode_prompt; the transformer gets no text mask)."""
         (out,) = outputs.values()

@@ -61,8 +61,11 @@ def _folder(cfg: "ModelConfig") -> Path:
 
 def load_flux2_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
     """Every component (single files over the folder's), plus "name" and "fingerprint"."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
-    from diffusers import Flux2Transformer2DModel
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2Transformer2DModel,
+    )
     from transformers import AutoTokenizer
 
     from difftune.families.flux2 import single

@@ -17,9 +17,19 @@ import torch
 
 from difftune.errors import ModelFileError
 from difftune.families.common.bfl import transformer_from_file
-from difftune.families.common.components import norm_groups, pretrained_from_state, vae_config
-from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
-                                                  missing_error, read_safetensors, strip_prefix)
+from difftune.families.common.components import (
+    norm_groups,
+    pretrained_from_state,
+    vae_config,
+)
+from difftune.families.common.single_file import (
+    assign_state,
+    cast_state,
+    count_blocks,
+    missing_error,
+    read_safetensors,
+    strip_prefix,
+)
 
 ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 VAE_PREFIXES = ("first_stage_model.", "vae.")
@@ -52,7 +62,8 @@ def load_transformer_file(path: Path, dtype: torch.dtype) -> Any:
     """The transformer from one file, original layout (converted by diffusers) or diffusers'."""
     from diffusers import Flux2Transformer2DModel
     from diffusers.loaders.single_file_utils import (
-        convert_flux2_transformer_checkpoint_to_diffusers)
+        convert_flux2_transformer_checkpoint_to_diffusers,
+    )
 
     def build(sd: dict[str, torch.Tensor], where: Path) -> torch.nn.Module:
         return Flux2Transformer2DModel(**transformer_config(sd, where))

@@ -78,9 +78,10 @@ DEV = replace(
         # caption as the user message (both as typed text parts), through Mistral's chat
         # template without a generation prompt, tokenized by apply_chat_template (the template
         # writes BOS), padded to 512, hidden_states 10, 20 and 30 concatenated per token.
+        # "[IMG]" is removed from captions first (format_input: Pixtral's image token).
         TextEncoderSpec("mistral3", "decoder", max_length=512, hidden="last", pooled=False,
                         mask=True, chat=(("add_generation_prompt", False),), system=DEV_SYSTEM,
-                        parts=True, specials=False, layers=(10, 20, 30)),
+                        parts=True, specials=False, layers=(10, 20, 30), strip=("[IMG]",)),
     ),
     # dev is guidance-distilled: its guidance embedding takes the scale, no CFG pass.
     default_cfg=1.0,

@@ -111,8 +111,12 @@ def tiny_qwen3(tok: Any) -> Any:
 def tiny_mistral3(tok: Any) -> Any:
     """Mistral3ForConditionalGeneration: a 30-layer tiny Mistral text model (dev reads hidden
     states 10, 20, 30) and a one-layer Pixtral vision tower the captions never use."""
-    from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
-                              PixtralVisionConfig)
+    from transformers import (
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        MistralConfig,
+        PixtralVisionConfig,
+    )
 
     text = MistralConfig(vocab_size=len(tok), hidden_size=WIDTH, intermediate_size=32,
                          num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1,
@@ -128,8 +132,11 @@ def tiny_mistral3(tok: Any) -> Any:
 def build_tiny_flux2(variant: str) -> dict[str, Any]:
     """All components of a tiny FLUX.2 `variant` ("klein" or "dev"), keyed as its pipeline
     names them. Deterministic: the same weights on every call, whatever the caller's RNG."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
-    from diffusers import Flux2Transformer2DModel
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2Transformer2DModel,
+    )
 
     tok = tiny_mistral_tokenizer() if variant == "dev" else tiny_qwen_tokenizer()
     with torch.random.fork_rng(devices=[]):

@@ -12,8 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -25,7 +25,13 @@ from difftune.config import ModelConfig, PrecisionConfig
 from difftune.precision.policy import PrecisionPolicy
 from difftune.report.metrics import Reporter
 
-from ..conftest import metrics_rows, pipeline_image, run_toml, train_cli, train_exit_code
+from ..conftest import (
+    metrics_rows,
+    pipeline_image,
+    run_toml,
+    train_cli,
+    train_exit_code,
+)
 
 AUGMENT = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_rate=0.3",
            "datasets.0.flip=true", "train.grad_accum=2", "save.every_n_steps=3"]
