@@ -201,6 +201,8 @@ def test_dev_trains_resumes_and_its_lora_loads_in_flux2_pipeline(
     """dev's tiny flavor (Mistral 3 encoder, guidance embedding): exact resume, and the saved
     diffusers file loads in Flux2Pipeline with every tensor used and the output changed."""
     _resume_matches(tmp_path, images, monkeypatch, [], model=DEV)
+    check = run_toml(tmp_path / "check", images, family="flux2", model=DEV)
+    assert main(["check", str(check)]) == 0
     family = families.get("flux2", "dev")
     policy = PrecisionPolicy.from_config(PrecisionConfig(), torch.device("cpu"))
     pipe = family.pipeline(family.load(ModelConfig(family="flux2", flavor="tiny", variant="dev"),
