@@ -37,17 +37,18 @@ KLEIN = FamilySpec(
     denoiser_prefix="transformer",
     # klein base runs real CFG at 4 (its pipeline's default; the step-distilled klein ignores it)
     default_cfg=4.0,
-    # The kohya layout in BFL's original names is the one both readers take completely for
-    # the attention and MLP presets: ComfyUI maps `lora_unet_<key>` for every
-    # `diffusion_model.<key>.weight` of any model (comfy/lora.py model_lora_keys_unet, its
-    # generic map), and diffusers' Flux2LoraLoaderMixin converts it
-    # (_convert_kohya_flux2_lora_to_diffusers; it skips the shared modulation layers of
-    # "all_linear", with a warning). ComfyUI's diffusers-name map for Flux models
-    # (comfy/utils.py flux_to_diffusers, used for `transformer.` and `lycoris_` keys) is built
-    # from FLUX.1's module names: FLUX.2 keys such as `ff_context.linear_in` are reported "lora
-    # key not loaded" (bghira/SimpleTuner issue 2439), so diffusers-layout files are not read
-    # whole there; save.format = "diffusers" remains for diffusers users.
-    default_format="kohya",
+    # The diffusers layout is the default: Flux2LoraLoaderMixin reads every module of it, and
+    # ComfyUI maps the diffusers block names under `transformer.` (comfy/lora.py
+    # model_lora_keys_unet, Flux branch, through comfy/utils.py flux_to_diffusers, whose block
+    # map names FLUX.2's `ff.linear_in/linear_out`, `ff_context.*`, `attn.to_qkv_mlp_proj` and
+    # `attn.to_out` in current trees; read here in a ComfyUI-derived copy of utils.py). Not
+    # mapped there: the shared modulation layers of the "all_linear" preset, and, in ComfyUI
+    # versions before FLUX.2's MLP names were added, `ff*.linear_in/out` ("lora key not
+    # loaded", bghira/SimpleTuner issue 2439). save.format = "kohya" writes BFL's original
+    # names (fused qkv), which ComfyUI reads for every module through its generic
+    # `lora_unet_<diffusion_model key>` map; diffusers' kohya converter
+    # (_convert_kohya_flux2_lora_to_diffusers) reads it except those modulation layers.
+    default_format="diffusers",
     text_encoder_prefixes={"qwen3": "text_encoder"},
     # Kept out of fp8 storage and quantization: the time/guidance embedder, the shared
     # modulation layers, the input and output projections.
