@@ -29,7 +29,7 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
                           precision: PrecisionConfig | None = None) -> list[str]:
     """Text-encoder options the family cannot honour (unknown names, masks, skips, formats)."""
     family = model.family
-    spec = registry.spec(family)
+    spec = registry.spec(family, model.variant)
     names = spec.encoder_names
     problems = [f"adapter.text_encoders: {n!r} is not a text encoder of model.family = "
                 f"\"{family}\"; choose from {', '.join(names)}"
@@ -84,7 +84,7 @@ def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:
 
 def embedding_problems(cfg: "RunConfig") -> list[str]:
     """Textual-inversion settings that cannot work (checked at load, not mid-run)."""
-    a, names = cfg.adapter, registry.spec(cfg.model.family).encoder_names
+    a, names = cfg.adapter, registry.spec(cfg.model.family, cfg.model.variant).encoder_names
     problems = []
     if a.type == "embedding" and not a.embeddings:
         problems.append("adapter.type = \"embedding\" needs at least one [[adapter.embeddings]] "
@@ -102,7 +102,7 @@ def embedding_problems(cfg: "RunConfig") -> list[str]:
             problems.append(f"adapter.embeddings[{i}].encoders: {bad} not text encoders of "
                             f"model.family = \"{cfg.model.family}\"; choose from {', '.join(names)}")
     problems += _output_embedding_problems(cfg)
-    refused = registry.spec(cfg.model.family).embeddings_refused
+    refused = registry.spec(cfg.model.family, cfg.model.variant).embeddings_refused
     if a.embeddings and refused is not None:
         problems.append(f"adapter.embeddings: model.family = \"{cfg.model.family}\" cannot "
                         f"train embeddings ({refused}); remove them")
@@ -115,7 +115,7 @@ def embedding_problems(cfg: "RunConfig") -> list[str]:
 def _output_embedding_problems(cfg: "RunConfig") -> list[str]:
     """Output embeddings in an encoder whose hidden states the family never reads (only its
     pooled output): they would change nothing, so they are refused before anything loads."""
-    spec = registry.spec(cfg.model.family)
+    spec = registry.spec(cfg.model.family, cfg.model.variant)
     pooled_only = {e.name for e in spec.text_encoders if e.hidden == "none"}
     problems = []
     for e in cfg.adapter.embeddings:
@@ -130,7 +130,7 @@ def _output_embedding_problems(cfg: "RunConfig") -> list[str]:
 def control_problems(cfg: "RunConfig") -> list[str]:
     """Edit pairs (`control_path`) the family cannot take: none at all, or more references per
     pair than it reads. Checked at load, before the data is scanned."""
-    spec = registry.spec(cfg.model.family)
+    spec = registry.spec(cfg.model.family, cfg.model.variant)
     problems = []
     for d, ds in enumerate(cfg.datasets):
         for s, sub in enumerate(ds.subsets):
@@ -272,7 +272,7 @@ def memory_problems(cfg: "RunConfig") -> list[str]:
                         "loss scaler must see every gradient before any step; use bf16")
     if t.optimizer == "adamw8bit" and t.device == "cpu":
         problems.append(EIGHT_BIT_CPU)
-    spec = registry.spec(cfg.model.family)
+    spec = registry.spec(cfg.model.family, cfg.model.variant)
     if t.blocks_to_swap and not spec.swap_blocks:
         problems.append(no_swap(spec.name))
     if t.blocks_to_swap and t.compile:

@@ -28,6 +28,11 @@ class ModelConfig(_Section):
     """Which base model to fine-tune and where its files are (local files only)."""
 
     family: str = Field("flux", description="Model family (one of `families.registry.names()`).")
+    variant: str | None = Field(
+        None, description="The released kind, for families with several (their spec's "
+                          "variants); default: what model.path's model_index.json declares, "
+                          "else the family's first. model.flavor = \"tiny\" builds its tiny "
+                          "flavor.")
     flavor: Literal["tiny"] | None = Field(
         None, description='"tiny" builds the built-in tiny model that needs no files.'
     )
@@ -67,6 +72,16 @@ class ModelConfig(_Section):
             raise PydanticCustomError("literal_error", "Input should be {expected}",
                                       {"expected": expected})
         return family
+
+    @model_validator(mode="after")
+    def _variant(self) -> "ModelConfig":
+        """The variant resolved once, here: as given, from the folder, or the default (see
+        `families.registry.resolve_variant`)."""
+        from difftune.families.registry import resolve_variant
+
+        # Written past validate_assignment, which would run this validator again.
+        self.__dict__["variant"] = resolve_variant(self.family, self.variant, self.path)
+        return self
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

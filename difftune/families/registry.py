@@ -8,6 +8,8 @@ torch and the model libraries only then).
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftune.errors import ConfigError
@@ -25,6 +27,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "z_image": ("difftune.families.z_image.spec", "difftune.families.z_image.family.ZImageFamily"),
     "qwen_image": ("difftune.families.qwen_image.spec",
                    "difftune.families.qwen_image.family.QwenImageFamily"),
+    "flux2": ("difftune.families.flux2.spec", "difftune.families.flux2.family.Flux2Family"),
 }
 
 
@@ -39,14 +42,49 @@ def _check(name: str) -> None:
         raise ConfigError(f"model.family = {name!r} is unknown; choose one of {sorted(FAMILIES)}")
 
 
-def spec(name: str) -> FamilySpec:
-    """The light facts of family `name` (imports no torch)."""
+def spec(name: str, variant: str | None = None) -> FamilySpec:
+    """The light facts of family `name` (imports no torch): of its `variant` where the family
+    declares variants (the default one for None)."""
     _check(name)
-    return importlib.import_module(FAMILIES[name][0]).SPEC
+    try:
+        return importlib.import_module(FAMILIES[name][0]).SPEC.pick(variant)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
-def get(name: str) -> "Family":
-    """A new object of the family registered under `name`."""
-    _check(name)
+def get(name: str, variant: str | None = None) -> "Family":
+    """A new object of the family registered under `name` (of its `variant`, where it has
+    variants: the default one for None)."""
+    spec(name, variant)
     module, cls = FAMILIES[name][1].rsplit(".", 1)
-    return getattr(importlib.import_module(module), cls)()
+    family = getattr(importlib.import_module(module), cls)
+    return family(variant) if variant is not None else family()
+
+
+def resolve_variant(name: str, variant: str | None, folder: Path | None) -> str | None:
+    """The variant a model config means: `variant` as given, else the one a diffusers folder's
+    model_index.json declares (its pipeline class), else the family's default; None for a
+    family without variants. Raises ValueError for an unknown variant, a folder whose pipeline
+    is none of the family's, or a config naming another variant than its folder."""
+    top = importlib.import_module(FAMILIES[name][0]).SPEC
+    top.pick(variant)
+    if not top.variants:
+        return None
+    index = folder / "model_index.json" if folder is not None else None
+    declared = None
+    if index is not None and index.is_file():
+        try:
+            pipeline = str(json.loads(index.read_text(encoding="utf-8")).get("_class_name"))
+        except (OSError, ValueError, AttributeError) as err:
+            raise ValueError(f"{index} cannot be read as JSON ({err}); it names the folder's "
+                             "pipeline, which picks the variant") from None
+        declared = top.variant_of_pipeline(pipeline)
+        if declared is None:
+            known = ", ".join(f"{s.pipeline_class} ({n})" for n, s in top.variants)
+            raise ValueError(f"{index} names the pipeline {pipeline!r}, which is no variant of "
+                             f"model.family = \"{name}\" (known: {known})")
+    if variant is not None and declared is not None and variant != declared:
+        raise ValueError(f"model.variant = {variant!r}, but the folder {folder} holds the "
+                         f"{declared!r} variant (its model_index.json); set model.variant = "
+                         f"{declared!r} or point model.path at a {variant!r} folder")
+    return variant or declared or top.variants[0][0]

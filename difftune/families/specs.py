@@ -22,13 +22,20 @@ class TextEncoderSpec:
     `chat` wraps each caption as one user message in the tokenizer's chat template, with these
     template options (None: the caption is tokenized as it is); `trim` keeps only the tokens the
     mask marks (variable-length outputs: cache entries hold the caption's own tokens, batches
-    are padded back with a mask, see `families.base.pad_cat`).
-    `template` is a format string with `{}` for the caption, used instead of a chat template
-    (the pipeline's own fixed prompt); `drop` leading tokens are dropped after the mask trim
-    (a template's prefix the pipeline removes); `layers` reads these `hidden_states` indices
-    instead of `hidden` (one index: that state; several: concatenated along the features);
-    `pad` pads a batch to the spec's `max_length` ("max_length") or to its longest text
-    ("longest", with `max_length` as the truncation limit), as the family's pipeline does.
+    are padded back with a mask, see `families.base.pad_cat`). A chat option may also override
+    `add_generation_prompt` (True unless given). `system` is a system message put before the
+    user message; `parts` writes each message's content as a list of typed text parts (as
+    multimodal processors take it) rather than a string; `specials` is whether the tokenizer
+    adds its own special tokens (BOS) to the rendered text (False where the chat template
+    writes them, as `apply_chat_template(tokenize=True)` does). `strip` lists substrings removed
+    from each caption before it is templated (as a pipeline does for tokens its processor would
+    read as images). `template` is a format string with `{}` for the caption, used instead of a
+    chat template (the pipeline's own fixed prompt); `drop` leading tokens are dropped after the
+    mask trim (a template's prefix the pipeline removes). `layers` lists the `hidden_states`
+    indices read (instead of `hidden`) and `stack` how several join: "features" concatenates
+    them per token along the feature dimension, "axis" stacks them on a new dimension 1. `pad`
+    pads a batch to the spec's `max_length` ("max_length") or to its longest text ("longest",
+    with `max_length` as the truncation limit), as the family's pipeline does.
     """
 
     name: str
@@ -39,16 +46,20 @@ class TextEncoderSpec:
     mask: bool = False
     chat: tuple[tuple[str, bool], ...] | None = None
     trim: bool = False
+    system: str | None = None
+    parts: bool = False
+    specials: bool = True
+    strip: tuple[str, ...] = ()
     template: str | None = None
     drop: int = 0
     layers: tuple[int, ...] = ()
+    stack: Literal["features", "axis"] = "features"
     pad: Literal["max_length", "longest"] = "max_length"
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
-        (`chat`, `trim`, `template`, `drop`, `layers`, `pad`) enter only when set, so the keys
-        of encoders without them (and the caches written before those fields existed) stay as
-        they were."""
+        (`DECODER_FIELDS`) enter only when set, so the keys of encoders without them (and the
+        caches written before those fields existed) stay as they were."""
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
         for name in DECODER_FIELDS:
             if fields[name] == self.__dataclass_fields__[name].default:
@@ -96,6 +107,33 @@ family's files would load, with the reason.
     # How many control/reference images an edit pair may give the family (0: it trains no
     # edit model, and a dataset's `control_path` is refused at load).
     control_images: int = 0
+    # Released kinds that differ in kind (text encoder, pipeline): ((variant name, its spec),
+    # ...), the first the default; each variant's spec names itself in `variant`. Chosen by
+    # `model.variant`, or read from a diffusers folder's model_index.json (`pipeline_class`).
+    variants: tuple[tuple[str, "FamilySpec"], ...] = ()
+    variant: str | None = None
+
+    def pick(self, variant: str | None) -> "FamilySpec":
+        """The spec of `variant` (the default variant's for None; this spec for a family
+        without variants). Raises ValueError naming the choices for an unknown variant."""
+        if not self.variants:
+            if variant is not None:
+                raise ValueError(f"model.family = \"{self.name}\" has no variants; remove "
+                                 "model.variant")
+            return self
+        if variant is None:
+            return self.variants[0][1]
+        for name, spec in self.variants:
+            if name == variant:
+                return spec
+        choices = ", ".join(repr(n) for n, _ in self.variants)
+        raise ValueError(f"model.variant = {variant!r} is not a variant of model.family = "
+                         f"\"{self.name}\"; choose one of {choices}")
+
+    def variant_of_pipeline(self, pipeline_class: str) -> str | None:
+        """The variant whose diffusers pipeline is `pipeline_class` (a folder's model_index.json
+        `_class_name`), or None when no variant declares it."""
+        return next((n for n, s in self.variants if s.pipeline_class == pipeline_class), None)
 
     @property
     def encoder_names(self) -> tuple[str, ...]:
@@ -110,7 +148,8 @@ family's files would load, with the reason.
 
 CLIP_KINDS = ("clip", "clip_projection")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
-DECODER_FIELDS = ("chat", "trim", "template", "drop", "layers", "pad")
+DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "drop",
+                  "layers", "stack", "pad")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

@@ -79,7 +79,7 @@ def load_data(cfg: RunConfig, family: Family) -> DataSet:
 
 def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool = True) -> Run:
     """Load the model, add the LoRA and set up the caches (not yet filled)."""
-    family = families.get(cfg.model.family)
+    family = families.get(cfg.model.family, cfg.model.variant)
     dataset = dataset or load_data(cfg, family)
     device = resolve_device(cfg.train.device)
     savers.check(cfg, family, device, current().world)

@@ -83,7 +83,7 @@ def run_check(cfg: RunConfig) -> list[str]:
     if cfg.save.dir.is_dir():
         RunLock(cfg.save.dir).acquire().release()  # raises while another run holds it
     report.append(f"output folder: {cfg.save.dir} (nothing would be overwritten)")
-    data = load_data(cfg, families.get(cfg.model.family))
+    data = load_data(cfg, families.get(cfg.model.family, cfg.model.variant))
     report += _describe_data(data)
     run = prepare(cfg, dataset=data, show_progress=False)
     report.append(f"model: {run.comps.name} loaded on {run.policy.device}; LoRA rank "

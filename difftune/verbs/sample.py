@@ -71,7 +71,7 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     prompts = prompts or cfg.sample.prompts
     if prompts is None:
         raise ConfigError("no prompts: pass --prompts FILE or set sample.prompts in the config")
-    family = families.get(cfg.model.family)
+    family = families.get(cfg.model.family, cfg.model.variant)
     policy = PrecisionPolicy.from_config(cfg.precision, resolve_device(cfg.train.device))
     comps = family.load(cfg.model, policy)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)

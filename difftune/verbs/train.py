@@ -58,7 +58,7 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
     """The run once its folder is held: data (checked against a resumed checkpoint before the
     model loads), model, caches, training."""
     started = time.perf_counter()
-    data = load_data(cfg, families.get(cfg.model.family))
+    data = load_data(cfg, families.get(cfg.model.family, cfg.model.variant))
     if checkpoint is not None:
         CheckpointManager.check_data(checkpoint, data, cfg.train.batch_size * dist.world,
                                      cfg.train.seed)

@@ -120,7 +120,7 @@ def pipeline_image(pipe: DiffusionPipeline, prompt: str = "a red circle", size: 
     """A 2-step, seed-0 image from `pipe` (T5 prompts capped at 32 tokens where it has T5)."""
     if "max_sequence_length" in inspect.signature(pipe.__call__).parameters:
         kw.setdefault("max_sequence_length", 32)
-    out = pipe(prompt, height=size, width=size, num_inference_steps=2,
+    out = pipe(prompt=prompt, height=size, width=size, num_inference_steps=2,
                generator=torch.Generator().manual_seed(0), output_type="pt", **kw)
     return out.images
 

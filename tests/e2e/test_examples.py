@@ -13,12 +13,13 @@ import re
 from pathlib import Path
 
 import pytest
-from diffusers import (ChromaPipeline, FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline,
-                       StableDiffusionXLPipeline, ZImagePipeline)
+from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxPipeline, QwenImagePipeline,
+                       StableDiffusion3Pipeline, StableDiffusionXLPipeline, ZImagePipeline)
 
 from difftune.cli import main
 from difftune.families.chroma.tiny import build_tiny_chroma
 from difftune.families.flux.tiny import build_tiny_flux
+from difftune.families.flux2.tiny import build_tiny_flux2
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
 from difftune.families.sd3.tiny import build_tiny_sd3
 from difftune.families.sdxl.tiny import build_tiny_sdxl
@@ -27,6 +28,7 @@ from difftune.families.z_image.tiny import build_tiny_z_image
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "flux-dev-lora.toml": (FluxPipeline, build_tiny_flux),
+             "flux2-lora.toml": (Flux2KleinPipeline, lambda: build_tiny_flux2("klein")),
              "qwen-image-lora.toml": (QwenImagePipeline, build_tiny_qwen_image),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
              "sdxl-lora.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
@@ -34,7 +36,8 @@ PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "z-image-lora.toml": (ZImagePipeline, build_tiny_z_image)}
 # Single-file overrides of the folder (the FLUX.1 example's ComfyUI files) are dropped: the
 # folder then provides those components. Single files are checked in tests/unit/test_flux_files.py.
-SINGLE_FILE = re.compile(r'^(transformer|vae|clip_l|clip_g|t5) = ".*$', re.MULTILINE)
+SINGLE_FILE = re.compile(r'^(transformer|vae|clip_l|clip_g|t5|text_encoder) = ".*$',
+                         re.MULTILINE)
 
 
 def test_every_example_is_covered() -> None:

@@ -94,19 +94,36 @@ class FamilyBase:
         for fact in FACTS:
             setattr(cls, fact, getattr(cls.spec, fact))
 
+    def __init__(self, variant: str | None = None) -> None:
+        """The family, of its `variant` where its spec declares variants (the default one for
+        None): the variant's spec and facts then replace the class's on this object."""
+        spec = type(self).spec.pick(variant)
+        if spec is not type(self).spec:
+            self.spec = spec
+            for fact in FACTS:
+                setattr(self, fact, getattr(spec, fact))
+
     def _role(self, role: str, function: str) -> Callable[..., Any]:
         """A function of one of the family folder's role modules ("tiny", "files"), imported
         only now (they import diffusers and transformers)."""
         package = type(self).__module__.rsplit(".", 1)[0]
         return getattr(importlib.import_module(f"{package}.{role}"), function)
 
+    def _tiny(self) -> dict[str, Any]:
+        """The tiny flavor's components (of the spec's variant, passed to the builder, where
+        the family has variants)."""
+        build = self._role("tiny", self.loaders.tiny)
+        return build(self.spec.variant) if self.spec.variant is not None else build()
+
     def _parts(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> dict[str, Any]:
         """Every component by its pipeline name, plus "name" and "fingerprint" (and
         "t5_max_length" where the loaded T5 declares one)."""
         if cfg.flavor == "tiny":
-            parts = self._role("tiny", self.loaders.tiny)()
+            parts = self._tiny()
             name = self.spec.name
-            parts.update(name=f"difftune/tiny-{name}", fingerprint=f"tiny-{name}-v1")
+            # the variant (where the family has variants) in the fingerprint: caches differ
+            kind = "-".join(n for n in (name, self.spec.variant) if n)
+            parts.update(name=f"difftune/tiny-{name}", fingerprint=f"tiny-{kind}-v1")
             return parts
         dtypes = {self.spec.denoiser_part: policy.denoiser,
                   "text_encoders": policy.text_encoders, "vae": policy.vae}
@@ -115,7 +132,7 @@ class FamilyBase:
     def _text_parts(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> dict[str, Any]:
         """The text encoders alone, by pipeline name, from the same sources as `_parts`."""
         if cfg.flavor == "tiny":
-            return self._role("tiny", self.loaders.tiny)()
+            return self._tiny()
         return self._role("files", self.loaders.text_files)(cfg, policy.text_encoders)
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:

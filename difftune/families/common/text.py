@@ -53,16 +53,33 @@ def model_clip_roots(family: Family, c: Components) -> dict[str, str]:
             if s.is_clip and c.text_encoders.get(s.name) is not None}
 
 
+def _stripped(spec: TextEncoderSpec, text: str) -> str:
+    """`text` without the spec's `strip` substrings."""
+    for part in spec.strip:
+        text = text.replace(part, "")
+    return text
+
+
 def chat_texts(spec: TextEncoderSpec, tokenizer: Any, texts: list[str]) -> list[str]:
     """Each text put in the spec's fixed `template` (a format string), or as one user message
-    in the tokenizer's chat template (with the spec's template options, e.g. enable_thinking)
-    when the spec declares one; else the texts as they are."""
+    in the tokenizer's chat template (with the spec's template options, e.g. enable_thinking,
+    its system message before it, and its content as typed text parts where the spec says so)
+    when the spec declares a chat; else the texts as they are. The spec's `strip` substrings
+    are removed from each text first."""
+    texts = [_stripped(spec, t) for t in texts]
     if spec.template is not None:
         return [spec.template.format(t) for t in texts]
     if spec.chat is None:
         return list(texts)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                          add_generation_prompt=True, **dict(spec.chat))
+
+    def content(text: str) -> Any:
+        return [{"type": "text", "text": text}] if spec.parts else text
+
+    head = [{"role": "system", "content": content(spec.system)}] if spec.system is not None else []
+    options = {"add_generation_prompt": True, **dict(spec.chat)}
+    return [tokenizer.apply_chat_template(
+                head + [{"role": "user", "content": content(t)}], tokenize=False,
+                **options)
             for t in texts]
 
 
@@ -89,18 +106,31 @@ def trimmed(out: dict[str, torch.Tensor], drop: int = 0) -> dict[str, torch.Tens
     return {k: cut(k, v) for k, v in out.items()}
 
 
-def tokenize(tokenizer: Any, texts: list[str], max_length: int,
-             pad: str = "max_length") -> dict[str, torch.Tensor]:
+def tokenize(tokenizer: Any, texts: list[str], max_length: int, pad: str = "max_length",
+             specials: bool = True) -> dict[str, torch.Tensor]:
     """Pad/truncate every text to `max_length` tokens (or pad to the longest text with `pad`
-    "longest"), as the pipelines do at inference."""
+    "longest"), as the pipelines do at inference (`specials`: whether the tokenizer adds its
+    own special tokens)."""
+    extra = {} if specials else {"add_special_tokens": False}
     enc = tokenizer(
         texts,
         padding=pad,
         max_length=max_length,
         truncation=True,
         return_tensors="pt",
+        **extra,
     )
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def stacked(states: list[torch.Tensor], how: str) -> torch.Tensor:
+    """Several (B, L, D) hidden states joined: "features" gives (B, L, n * D), each token's
+    states side by side in the listed order; "axis" gives (B, n, L, D)."""
+    joined = torch.stack(states, dim=1)
+    if how == "axis":
+        return joined
+    b, n, length, d = joined.shape
+    return joined.permute(0, 2, 1, 3).reshape(b, length, n * d)
 
 
 @dataclass(frozen=True)
@@ -146,7 +176,8 @@ def encode(
     the chat template first; a trimming spec returns only the masked positions (`trimmed`).
     Gradients follow the caller's grad mode, so a trained encoder can run here with autograd on.
     """
-    tokens = tokenize(tokenizer, chat_texts(spec, tokenizer, texts), max_length, spec.pad)
+    tokens = tokenize(tokenizer, chat_texts(spec, tokenizer, texts), max_length, spec.pad,
+                      spec.specials)
     device = module_device(model)
     ids = tokens["input_ids"].to(device)
     attention = tokens["attention_mask"].to(device)
@@ -162,7 +193,7 @@ def encode(
     out = model(ids, **kwargs)
     result: dict[str, torch.Tensor] = {}
     if spec.layers:
-        result["hidden"] = torch.cat([out.hidden_states[i] for i in spec.layers], dim=-1)
+        result["hidden"] = stacked([out.hidden_states[k] for k in spec.layers], spec.stack)
     elif spec.hidden != "none":
         result["hidden"] = out.hidden_states[index] if want_states else out.last_hidden_state
     if spec.pooled:

@@ -1,0 +1,117 @@
+"""Load FLUX.2 (klein or dev) from local files only: a diffusers folder and/or single files.
+
+`model.path` is a diffusers folder as Black Forest Labs publishes it (transformer/, vae/,
+text_encoder/, tokenizer/, scheduler/, model_index.json naming Flux2KleinPipeline or
+Flux2Pipeline, which picks the variant). `model.transformer`, `model.vae` and
+`model.text_encoder` are single .safetensors files as ComfyUI users keep them (see
+`flux2/single.py`); a single file overrides the folder's component and the tokenizer always
+comes from the folder. Weights are read through safetensors only; a missing or wrong file
+raises `ModelFileError` naming the path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from difftune.errors import ModelFileError
+from difftune.families.common.bfl import DYNAMIC_SHIFT_SCHEDULER
+from difftune.families.common.folders import check_folder, folder_files, from_folder
+from difftune.families.common.single_file import fingerprint
+
+if TYPE_CHECKING:
+    from difftune.config import ModelConfig
+
+WHAT = "FLUX.2"
+# The released scheduler_config.json (klein and dev): FLUX.1's dynamic shift settings; the
+# pipelines pass their own mu (compute_empirical_mu), so the shift is resolution- and
+# step-count-dependent as they compute it.
+SCHEDULER_CONFIG: dict[str, Any] = {**DYNAMIC_SHIFT_SCHEDULER, "time_shift_type": "exponential"}
+# The released transformers' configs (FLUX.2 [klein] 4B and 9B, FLUX.2 [dev]); joint_attention_dim
+# is three stacked encoder layers (3 x 2560 Qwen3-4B, 3 x 4096 Qwen3-8B, 3 x 5120 Mistral Small).
+TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
+    "klein-4b": {"in_channels": 128, "num_layers": 5, "num_single_layers": 20,
+                 "attention_head_dim": 128, "num_attention_heads": 24,
+                 "joint_attention_dim": 7680, "axes_dims_rope": (32, 32, 32, 32),
+                 "guidance_embeds": False},
+    "klein-9b": {"in_channels": 128, "num_layers": 8, "num_single_layers": 24,
+                 "attention_head_dim": 128, "num_attention_heads": 32,
+                 "joint_attention_dim": 12288, "axes_dims_rope": (32, 32, 32, 32),
+                 "guidance_embeds": False},
+    "dev": {"in_channels": 128, "num_layers": 8, "num_single_layers": 48,
+            "attention_head_dim": 128, "num_attention_heads": 48, "joint_attention_dim": 15360,
+            "axes_dims_rope": (32, 32, 32, 32), "guidance_embeds": True},
+}
+# The text encoders' classes per variant (the released folders' text_encoder/config.json).
+ENCODER_CLASSES = {"klein": "Qwen3ForCausalLM", "dev": "Mistral3ForConditionalGeneration"}
+
+
+def _folder(cfg: "ModelConfig") -> Path:
+    """model.path, which FLUX.2 needs for its tokenizer (also with single files)."""
+    if cfg.path is None:
+        raise ModelFileError("model.family = \"flux2\" reads its tokenizer from a diffusers "
+                             "folder; set model.path to a folder in the FLUX.2 layout "
+                             "(model_index.json, tokenizer/, text_encoder/, ...)")
+    folder = Path(cfg.path).expanduser()
+    check_folder(folder, WHAT)
+    return folder
+
+
+def load_flux2_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """Every component (single files over the folder's), plus "name" and "fingerprint"."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2Transformer2DModel,
+    )
+    from transformers import AutoTokenizer
+
+    from difftune.families.flux2 import single
+
+    folder = _folder(cfg)
+    files, subs = [], ["tokenizer"]
+    if cfg.text_encoder is not None:
+        files.append(Path(cfg.text_encoder))
+    else:
+        subs.append("text_encoder")
+    if cfg.transformer is not None:
+        transformer = single.load_transformer_file(Path(cfg.transformer), dtypes["transformer"])
+        files.append(Path(cfg.transformer))
+    else:
+        transformer = from_folder(Flux2Transformer2DModel, folder, "transformer",
+                                  dtypes["transformer"], WHAT)
+        subs.append("transformer")
+    if cfg.vae is not None:
+        vae = single.load_vae_file(Path(cfg.vae), dtypes["vae"])
+        files.append(Path(cfg.vae))
+    else:
+        vae = from_folder(AutoencoderKLFlux2, folder, "vae", dtypes["vae"], WHAT)
+        subs.append("vae")
+    if (folder / "scheduler").is_dir():
+        scheduler = from_folder(FlowMatchEulerDiscreteScheduler, folder, "scheduler", None, WHAT)
+        subs.append("scheduler")
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
+    return {
+        "transformer": transformer, "vae": vae, "scheduler": scheduler,
+        "tokenizer": from_folder(AutoTokenizer, folder, "tokenizer", None, WHAT),
+        **load_flux2_text_encoders(cfg, dtypes["text_encoders"]),
+        "name": Path(cfg.transformer).stem if cfg.transformer is not None else folder.name,
+        "fingerprint": fingerprint(folder_files(folder, subs)[1:] + files),
+    }
+
+
+def load_flux2_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
+    """The variant's text encoder alone: `model.text_encoder` if given, else the folder's."""
+    import transformers
+
+    from difftune.families.flux2 import single
+
+    variant = cfg.variant or "klein"
+    if cfg.text_encoder is not None:
+        return {"text_encoder": single.load_text_encoder_file(Path(cfg.text_encoder), dtype,
+                                                              variant)}
+    cls = getattr(transformers, ENCODER_CLASSES[variant])
+    return {"text_encoder": from_folder(cls, _folder(cfg), "text_encoder", dtype, WHAT)}

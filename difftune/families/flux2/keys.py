@@ -1,0 +1,98 @@
+"""FLUX.2 LoRA names: the diffusers layout, the original (BFL) kohya layout, and the names
+other tools give the model.
+
+diffusers names (`transformer.<module>.lora_A/B.weight`, Flux2Transformer2DModel's modules) are
+read by Flux2LoraLoaderMixin. The kohya layout names BFL's original modules
+(`lora_unet_double_blocks_0_img_attn_qkv`, `lora_unet_single_blocks_0_linear1`, ...), which
+ComfyUI reads for any model through its generic `lora_unet_<diffusion_model key>` map and
+diffusers through `_convert_kohya_flux2_lora_to_diffusers`. FLUX.2 differs from FLUX.1 here:
+its single blocks' `linear1` is one diffusers module (`attn.to_qkv_mlp_proj`), its MLPs are
+`ff.linear_in/linear_out` (gated: `linear_in` emits 2 x 3 x the width), and its modulation
+layers are shared by all blocks (`double_stream_modulation_img.lin`, ...). Read besides: the
+diffusers names under `diffusion_model.` (ai-toolkit's PEFT files, without alpha) with
+`lora_down`/`lora_up` factors and `.alpha` entries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difftune.families.common.block_table import BlockTable, Row
+from difftune.families.common.kohya import KohyaNames, fused_from_kohya, fused_to_kohya
+
+# Model-spec architecture / implementation and kohya's base-model names, per variant.
+ARCHITECTURE = {"klein": "flux-2-klein", "dev": "flux-2-dev"}
+IMPLEMENTATION = "https://github.com/black-forest-labs/flux2"
+BASE_VERSION = {"klein": "flux2_klein", "dev": "flux2_dev"}
+NETWORK_MODULE = "networks.lora_flux2"
+NAMES = KohyaNames("FLUX.2", "a", "BFL")
+GATED = 6  # ff.linear_in's output width as a multiple of its input: 2 (gate, up) x mlp_ratio 3
+DOUBLE_BLOCK: tuple[Row, ...] = (
+    ("img_attn_qkv", (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1))),
+    ("img_attn_proj", (("attn.to_out.0", 1),)),
+    ("txt_attn_qkv", (("attn.add_q_proj", 1), ("attn.add_k_proj", 1), ("attn.add_v_proj", 1))),
+    ("txt_attn_proj", (("attn.to_add_out", 1),)),
+    ("img_mlp_0", (("ff.linear_in", GATED),)),
+    ("img_mlp_2", (("ff.linear_out", 1),)),
+    ("txt_mlp_0", (("ff_context.linear_in", GATED),)),
+    ("txt_mlp_2", (("ff_context.linear_out", 1),)),
+)
+SINGLE_BLOCK: tuple[Row, ...] = (
+    ("linear1", (("attn.to_qkv_mlp_proj", 1),)),
+    ("linear2", (("attn.to_out", 1),)),
+)
+NON_BLOCK: tuple[Row, ...] = (
+    ("double_stream_modulation_img_lin", (("double_stream_modulation_img.linear", 6),)),
+    ("double_stream_modulation_txt_lin", (("double_stream_modulation_txt.linear", 6),)),
+    ("single_stream_modulation_lin", (("single_stream_modulation.linear", 3),)),
+    ("img_in", (("x_embedder", 1),)),
+    ("txt_in", (("context_embedder", 1),)),
+    ("final_layer_linear", (("proj_out", 1),)),
+)
+TABLE = BlockTable(
+    blocks=(("transformer_blocks", "double_blocks", DOUBLE_BLOCK),
+            ("single_transformer_blocks", "single_blocks", SINGLE_BLOCK)),
+    non_block=NON_BLOCK,
+)
+
+
+def diffusers_to_kohya(state: dict[str, torch.Tensor], alpha: float, rank: int,
+                       prefix: str = "transformer") -> dict[str, torch.Tensor]:
+    """A diffusers-named FLUX.2 LoRA in kohya names (qkv fused as `block_table` fuses them); a
+    module with no original name raises `CheckpointError` rather than being dropped."""
+    return fused_to_kohya(state, alpha, rank, prefix, NAMES, TABLE.entries_for,
+                          lambda entry, pairs, r: TABLE.fuse(entry, pairs, r, float(alpha)))
+
+
+def kohya_to_diffusers(state: dict[str, torch.Tensor], prefix: str = "transformer"
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """A kohya/ComfyUI FLUX.2 LoRA back in diffusers names, with each module's alpha; keys that
+    are not FLUX.2 transformer LoRA keys raise `CheckpointError`."""
+    return fused_from_kohya(state, prefix, NAMES, TABLE.table_for, TABLE.split)
+FOREIGN_PREFIXES = ("diffusion_model.", "model.diffusion_model.")
+FACTORS = {".lora_down.weight": ".lora_A.weight", ".lora_up.weight": ".lora_B.weight"}
+
+
+def diffusers_names(tensors: dict[str, torch.Tensor], prefix: str = "transformer"
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """A FLUX.2 LoRA state in diffusers names (`<prefix>.<module>.lora_A/B.weight`) and the
+    alpha of each module (`<prefix>.<module>`) that has an `.alpha` entry: kohya files through
+    `kohya_to_diffusers`, the others by their prefixes and factor names."""
+    if any(k.startswith("lora_unet_") for k in tensors):
+        return kohya_to_diffusers(tensors, prefix)
+    out: dict[str, torch.Tensor] = {}
+    alphas: dict[str, float] = {}
+    for key, value in tensors.items():
+        name = key
+        for foreign in FOREIGN_PREFIXES:
+            if name.startswith(foreign):
+                name = f"{prefix}.{name[len(foreign):]}"
+                break
+        for old, new in FACTORS.items():
+            if name.endswith(old):
+                name = name[: -len(old)] + new
+        if name.endswith(".alpha"):
+            alphas[name[: -len(".alpha")]] = float(value.item())
+        else:
+            out[name] = value
+    return out, alphas

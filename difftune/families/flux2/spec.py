@@ -1,0 +1,98 @@
+"""FLUX.2's light facts (no torch): its two kinds, each with its own text encoder and pipeline.
+
+FLUX.2 klein (4B with Qwen3-4B, 9B with Qwen3-8B; Flux2KleinPipeline) and FLUX.2 dev (32B with
+Mistral Small 3.1; Flux2Pipeline) share the transformer architecture (Flux2Transformer2DModel)
+and the autoencoder (AutoencoderKLFlux2) but not the text encoder, so the family declares two
+variants; `model.variant` picks one (or a folder's model_index.json declares it). Read by config
+validation before anything heavy is imported, and by `Flux2Family`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+
+# diffusers' pipelines/flux2/system_messages.py SYSTEM_MESSAGE (from BFL's flux2 repository):
+# the system turn Flux2Pipeline puts before every prompt for Mistral.
+DEV_SYSTEM = ("You are an AI that reasons about image descriptions. You give structured "
+              "responses focusing on object relationships, object\nattribution and actions "
+              "without speculation.")
+
+KLEIN = FamilySpec(
+    name="flux2",
+    variant="klein",
+    text_encoders=(
+        # Flux2KleinPipeline._get_qwen3_prompt_embeds: each caption as one user message in
+        # Qwen3's chat template (generation prompt, enable_thinking=False), padded to 512
+        # tokens, run under the attention mask, hidden_states 9, 18 and 27 concatenated per
+        # token. Every position (padding too) reaches the transformer, which gets no mask.
+        TextEncoderSpec("qwen3", "decoder", max_length=512, hidden="last", pooled=False,
+                        mask=True, chat=(("enable_thinking", False),), layers=(9, 18, 27)),
+    ),
+    objective="flow",
+    kohya_text_encoders_refused="difftune trains FLUX.2's transformer only",
+    # AutoencoderKLFlux2 downscales 8x and its latents are patchified 2x2: sides multiple of 16.
+    bucket_step=16,
+    denoiser_prefix="transformer",
+    # klein base runs real CFG at 4 (its pipeline's default; the step-distilled klein ignores it)
+    default_cfg=4.0,
+    # The diffusers layout is the default: Flux2LoraLoaderMixin reads every module of it, and
+    # ComfyUI maps the diffusers block names under `transformer.` (comfy/lora.py
+    # model_lora_keys_unet, Flux branch, through comfy/utils.py flux_to_diffusers, whose block
+    # map names FLUX.2's `ff.linear_in/linear_out`, `ff_context.*`, `attn.to_qkv_mlp_proj` and
+    # `attn.to_out` in current trees; read here in a ComfyUI-derived copy of utils.py). Not
+    # mapped there: the shared modulation layers of the "all_linear" preset, and, in ComfyUI
+    # versions before FLUX.2's MLP names were added, `ff*.linear_in/out` ("lora key not
+    # loaded", bghira/SimpleTuner issue 2439). save.format = "kohya" writes BFL's original
+    # names (fused qkv), which ComfyUI reads for every module through its generic
+    # `lora_unet_<diffusion_model key>` map; diffusers' kohya converter
+    # (_convert_kohya_flux2_lora_to_diffusers) reads it except those modulation layers.
+    default_format="diffusers",
+    text_encoder_prefixes={"qwen3": "text_encoder"},
+    # Kept out of fp8 storage and quantization: the time/guidance embedder, the shared
+    # modulation layers, the input and output projections.
+    keep_high={
+        "denoiser": (r"^time_guidance_embed\.", r"^double_stream_modulation_", 
+                     r"^single_stream_modulation\.", r"^x_embedder$", r"^context_embedder$",
+                     r"^norm_out\.", r"^proj_out$"),
+        "text_encoders": (r"embed_tokens", r"norm$", r"lm_head"),
+        "vae": VAE_KEEP_HIGH + (r"^bn$",),
+    },
+    swap_blocks=("transformer_blocks", "single_transformer_blocks"),
+    compile_blocks=("transformer_blocks", "single_transformer_blocks"),
+    denoiser_part="transformer",
+    encoder_parts=(("qwen3", "text_encoder", "tokenizer"),),
+    pipeline_class="Flux2KleinPipeline",
+    # Flux2LoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
+    text_encoder_lora_refused=(("qwen3", "Flux2KleinPipeline.load_lora_weights reads "
+                                         "transformer LoRAs only; train the transformer only"),),
+    embeddings_refused=("FLUX.2's text encoders read captions through a chat template and "
+                        "stack inner hidden states; textual inversion is not supported for them"),
+)
+
+DEV = replace(
+    KLEIN,
+    variant="dev",
+    text_encoders=(
+        # Flux2Pipeline._get_mistral_3_small_prompt_embeds: BFL's system message, then the
+        # caption as the user message (both as typed text parts), through Mistral's chat
+        # template without a generation prompt, tokenized by apply_chat_template (the template
+        # writes BOS), padded to 512, hidden_states 10, 20 and 30 concatenated per token.
+        # "[IMG]" is removed from captions first (format_input: Pixtral's image token).
+        TextEncoderSpec("mistral3", "decoder", max_length=512, hidden="last", pooled=False,
+                        mask=True, chat=(("add_generation_prompt", False),), system=DEV_SYSTEM,
+                        parts=True, specials=False, layers=(10, 20, 30), strip=("[IMG]",)),
+    ),
+    # dev is guidance-distilled: its guidance embedding takes the scale, no CFG pass.
+    default_cfg=1.0,
+    text_encoder_prefixes={"mistral3": "text_encoder"},
+    encoder_parts=(("mistral3", "text_encoder", "tokenizer"),),
+    pipeline_class="Flux2Pipeline",
+    text_encoder_lora_refused=(("mistral3", "Flux2Pipeline.load_lora_weights reads "
+                                            "transformer LoRAs only; train the transformer "
+                                            "only"),),
+)
+
+# The family's spec: klein's facts (the default variant), with both variants declared.
+SPEC = replace(KLEIN, variant=None, variants=(("klein", KLEIN), ("dev", DEV)))
