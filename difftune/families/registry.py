@@ -23,6 +23,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "sdxl": ("difftune.families.sdxl.spec", "difftune.families.sdxl.family.SDXLFamily"),
     "chroma": ("difftune.families.chroma.spec", "difftune.families.chroma.family.ChromaFamily"),
     "z_image": ("difftune.families.z_image.spec", "difftune.families.z_image.family.ZImageFamily"),
+    "krea2": ("difftune.families.krea2.spec", "difftune.families.krea2.family.Krea2Family"),
 }
 
 

@@ -23,6 +23,13 @@ class TextEncoderSpec:
     template options (None: the caption is tokenized as it is); `trim` keeps only the tokens the
     mask marks (variable-length outputs: cache entries hold the caption's own tokens, batches
     are padded back with a mask, see `families.base.pad_cat`).
+    `template` is a format string (`{}` for the caption) used instead of a chat template;
+    `suffix` is text tokenized on its own and appended after the padded caption (so padding
+    sits between them and `max_length` counts the output, suffix included); `drop` leading
+    tokens are removed from the outputs; `layers` are the `hidden_states` indices read (instead
+    of `hidden`), stacked as `stack` says ("axis": a new axis after the sequence, (batch, seq,
+    layers, dim)); `valid_positions` > 0 passes position ids that count only the masked tokens
+    (padding takes no position), repeated over that many rotary axes (3 for Qwen-VL's mRoPE).
     """
 
     name: str
@@ -33,13 +40,19 @@ class TextEncoderSpec:
     mask: bool = False
     chat: tuple[tuple[str, bool], ...] | None = None
     trim: bool = False
+    template: str | None = None
+    suffix: str | None = None
+    drop: int = 0
+    layers: tuple[int, ...] = ()
+    stack: Literal["features", "axis"] = "features"
+    valid_positions: int = 0
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
-        (`chat`, `trim`) enter only when set, so the keys of encoders without them (and the
-        caches written before those fields existed) stay as they were."""
+        (`chat`, `trim`, `template`, ...) enter only when set, so the keys of encoders without
+        them (and the caches written before those fields existed) stay as they were."""
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        for name in ("chat", "trim"):
+        for name in DECODER_FIELDS:
             if fields[name] == self.__dataclass_fields__[name].default:
                 del fields[name]
         return fields
@@ -95,6 +108,9 @@ family's files would load, with the reason.
 
 
 CLIP_KINDS = ("clip", "clip_projection")
+# TextEncoderSpec fields that enter cache keys only when set (see `key_fields`).
+DECODER_FIELDS = ("chat", "trim", "template", "suffix", "drop", "layers", "stack",
+                  "valid_positions")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

@@ -54,8 +54,11 @@ def model_clip_roots(family: Family, c: Components) -> dict[str, str]:
 
 
 def chat_texts(spec: TextEncoderSpec, tokenizer: Any, texts: list[str]) -> list[str]:
-    """Each text as one user message in the tokenizer's chat template (with the spec's template
-    options, e.g. enable_thinking) when the spec declares one; else the texts as they are."""
+    """Each text put in the spec's `template` (its `{}` replaced by the text) or as one user
+    message in the tokenizer's chat template (with the spec's template options, e.g.
+    enable_thinking) when the spec declares one; else the texts as they are."""
+    if spec.template is not None:
+        return [spec.template.replace("{}", t, 1) for t in texts]
     if spec.chat is None:
         return list(texts)
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
@@ -93,6 +96,45 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, tor
         return_tensors="pt",
     )
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def spec_tokens(spec: TextEncoderSpec, tokenizer: Any, texts: list[str], max_length: int
+                ) -> dict[str, torch.Tensor]:
+    """The token ids and mask an encoder reads: the (templated) texts padded to `max_length`,
+    or, with a `suffix`, padded to `max_length + drop` less the suffix's tokens and followed by
+    the suffix tokenized on its own (padding in between, as pipelines that pad the caption
+    before the assistant turn do), so `max_length` tokens remain after the drop."""
+    texts = chat_texts(spec, tokenizer, texts)
+    if spec.suffix is None:
+        return tokenize(tokenizer, texts, max_length)
+    tail = tokenizer([spec.suffix] * len(texts), return_tensors="pt")
+    body = tokenize(tokenizer, texts, max_length + spec.drop - tail["input_ids"].shape[1])
+    return {k: torch.cat([body[k], tail[k]], dim=1) for k in ("input_ids", "attention_mask")}
+
+
+def valid_positions(mask: torch.Tensor, axes: int) -> torch.Tensor:
+    """Position ids that count only the masked tokens (padding takes no position; leading
+    padding sits at 0), repeated over `axes` rotary axes: (axes, batch, length)."""
+    positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    return positions.unsqueeze(0).expand(axes, -1, -1)
+
+
+def hidden_of(spec: TextEncoderSpec, out: Any, index: int, want_states: bool) -> torch.Tensor:
+    """The hidden state the spec reads: its `layers` stacked (on a new axis after the sequence,
+    or concatenated along the features), else the one at `index` (or the last state)."""
+    if spec.layers:
+        states = [out.hidden_states[i] for i in spec.layers]
+        return torch.stack(states, dim=2) if spec.stack == "axis" else torch.cat(states, dim=-1)
+    return out.hidden_states[index] if want_states else out.last_hidden_state
+
+
+def dropped(out: dict[str, torch.Tensor], drop: int) -> dict[str, torch.Tensor]:
+    """Outputs without their first `drop` positions (sequence tensors: as long as the mask)."""
+    if drop == 0:
+        return out
+    length = out["mask"].shape[1] if "mask" in out else out["hidden"].shape[1]
+    return {k: v[:, drop:] if v.dim() >= 2 and v.shape[1] == length else v
+            for k, v in out.items()}
 
 
 @dataclass(frozen=True)
@@ -135,10 +177,11 @@ def encode(
     `hidden` is the last or penultimate hidden state as the spec declares, `clip_skip` layers
     further back; `pooled` is the model's pooled (CLIP) or projected (CLIP with projection)
     output. `mask` overrides the spec's mask flag when given. A chat spec wraps the texts in
-    the chat template first; a trimming spec returns only the masked positions (`trimmed`).
+    the chat template first (`spec_tokens`: template, suffix); a trimming spec returns only the
+    masked positions (`trimmed`), then `drop` leading positions go (`dropped`).
     Gradients follow the caller's grad mode, so a trained encoder can run here with autograd on.
     """
-    tokens = tokenize(tokenizer, chat_texts(spec, tokenizer, texts), max_length)
+    tokens = spec_tokens(spec, tokenizer, texts, max_length)
     device = module_device(model)
     ids = tokens["input_ids"].to(device)
     attention = tokens["attention_mask"].to(device)
@@ -146,20 +189,23 @@ def encode(
     # hidden_states[-1] is the last layer before any final norm; "last" reads the normed output
     # unless layers are skipped, which (as in diffusers) counts back from the penultimate state.
     index = {"last": -1, "penultimate": -2, "none": -1}[spec.hidden] - clip_skip
-    want_states = spec.hidden == "penultimate" or (spec.hidden == "last" and clip_skip > 0)
+    want_states = (spec.hidden == "penultimate" or (spec.hidden == "last" and clip_skip > 0)
+                   or bool(spec.layers))
     kwargs: dict[str, Any] = {"output_hidden_states": want_states}
     if use_mask:
         kwargs["attention_mask"] = attention
+    if spec.valid_positions:
+        kwargs["position_ids"] = valid_positions(attention, spec.valid_positions)
     out = model(ids, **kwargs)
     result: dict[str, torch.Tensor] = {}
     if spec.hidden != "none":
-        result["hidden"] = out.hidden_states[index] if want_states else out.last_hidden_state
+        result["hidden"] = hidden_of(spec, out, index, want_states)
     if spec.pooled:
         projected = spec.kind == "clip_projection"
         result["pooled"] = out.text_embeds if projected else out.pooler_output
     if use_mask:
         result["mask"] = attention
-    return trimmed(result) if spec.trim and use_mask else result
+    return dropped(trimmed(result) if spec.trim and use_mask else result, spec.drop)
 
 
 def encode_all(
