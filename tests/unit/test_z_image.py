@@ -140,11 +140,14 @@ def test_cache_key_fields_grow_only_where_decoder_fields_are_set() -> None:
     those spec fields existed (their disk caches stay valid); Z-Image's Qwen3 adds both."""
     import dataclasses
 
+    from difftune.families.specs import DECODER_FIELDS
+
     for name in families.names():
         for spec in families.spec(name).text_encoders:
             fields = spec.key_fields()
-            old = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("chat", "trim")}
-            if spec.chat is None and not spec.trim:
+            old = {k: v for k, v in dataclasses.asdict(spec).items() if k not in DECODER_FIELDS}
+            if all(getattr(spec, f) == spec.__dataclass_fields__[f].default
+                   for f in DECODER_FIELDS):
                 assert fields == old, spec.name
     qwen = families.spec("z_image").text_encoders[0].key_fields()
     assert qwen["chat"] == (("enable_thinking", True),) and qwen["trim"] is True
