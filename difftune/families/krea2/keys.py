@@ -101,6 +101,7 @@ def diffusers_names(tensors: dict[str, torch.Tensor], prefix: str = "transformer
     `base_model.model.`) and kohya `lora_unet_` names; other keys pass through unchanged."""
     out: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}
+    original: set[str] = set()
     for key, value in tensors.items():
         name = key
         for old, new in FACTORS.items():
@@ -108,11 +109,20 @@ def diffusers_names(tensors: dict[str, torch.Tensor], prefix: str = "transformer
                 name = name[: -len(old)] + new
         module, tail = _split(name)
         target = _module_of(module, prefix)
-        name = f"{prefix}.{target}{tail}" if target is not None and tail else name
+        if target is not None and tail:
+            if original_module(module.split(".", 1)[-1]) is None:
+                original.add(f"{prefix}.{target}")
+            name = f"{prefix}.{target}{tail}"
         if tail == ".alpha":
             alphas[name[: -len(".alpha")]] = float(value.item())
         else:
             out[name] = value
+    # Original-layout files without alpha (ai-toolkit's, the reference trainer's, ours) are
+    # read at scale 1, as diffusers and ComfyUI read them: alpha = the module's rank.
+    for module in original - set(alphas):
+        down = out.get(f"{module}.lora_A.weight")
+        if down is not None:
+            alphas[module] = float(down.shape[0])
     return out, alphas
 
 

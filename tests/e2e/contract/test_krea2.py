@@ -202,8 +202,9 @@ def test_init_lora_reads_other_trainers_layouts(trained: Callable[[str], Path], 
 
 def test_original_layout_loads_in_diffusers_like_the_diffusers_one(
         trained: Callable[[str], Path], images: Path, tmp_path: Path) -> None:
-    """save.format = "kohya" writes the original layout (`diffusion_model.blocks.N.attn.wq`);
-    Krea2Pipeline.load_lora_weights converts it and samples what the diffusers file gives."""
+    """save.format = "kohya" (the default) writes the original layout
+    (`diffusion_model.blocks.N.attn.wq`); Krea2Pipeline.load_lora_weights converts it and samples
+    what the diffusers file gives, and --init-lora reads it as the diffusers file."""
     from ..conftest import pipeline_image, tiny_pipeline
 
     out = train(tmp_path / "orig", images, 'save.format="kohya"', steps=2)
@@ -217,3 +218,11 @@ def test_original_layout_loads_in_diffusers_like_the_diffusers_one(
         pipe.load_lora_weights(str(path / "lora.safetensors"))
         images_.append(pipeline_image(pipe))
     torch.testing.assert_close(images_[0], images_[1], rtol=0, atol=1e-5)
+    # Our original-layout file (scale folded, metadata alpha 8) starts a run as the diffusers one.
+    losses = []
+    for name, path in (("from_orig", out), ("from_diff", twin)):
+        (tmp_path / name).mkdir()
+        cfg = run_toml(tmp_path / name, images, steps=1, family="krea2")
+        assert train_exit_code(cfg, extra=["--init-lora", str(path / "lora.safetensors")]) == 0
+        losses.append(metrics_rows(tmp_path / name / "out")[0]["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
