@@ -124,7 +124,7 @@ def test_released_config_builds_on_meta() -> None:
     from diffusers import Krea2Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
-    from difftune.families.krea2.files import TEXT_CONFIG, TRANSFORMER_CONFIG, VISION_CONFIG
+    from difftune.families.krea2.released import TEXT_CONFIG, TRANSFORMER_CONFIG, VISION_CONFIG
 
     with torch.device("meta"):
         transformer = Krea2Transformer2DModel(**TRANSFORMER_CONFIG)

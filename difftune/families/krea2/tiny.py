@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from difftune.families.common.tiny import TEXT_WIDTH
-from difftune.families.krea2.files import (SCHEDULER_CONFIG, TEXT_CONFIG, VAE_CONFIG,
-                                           VISION_CONFIG)
+from difftune.families.krea2.files import SCHEDULER_CONFIG
+from difftune.families.krea2.released import TEXT_CONFIG, VAE_CONFIG, VISION_CONFIG
 from difftune.families.krea2.spec import PREFIX, SUFFIX
 
 SEED = 4321
@@ -91,6 +91,7 @@ def tiny_text_encoder(tok: Any) -> Any:
             "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
             "head_dim": 16, "max_position_embeddings": 2048, "pad_token_id": tok.pad_token_id,
             "rope_parameters": {**TEXT_CONFIG["rope_parameters"], "mrope_section": [4, 2, 2]}}
+    # [4, 2, 2]: Qwen3-VL's [24, 20, 20] split rule at head size 16 (single.mrope_section)
     vision = {**VISION_CONFIG, "depth": 1, "hidden_size": 16, "intermediate_size": 32,
               "num_heads": 2, "out_hidden_size": TEXT_WIDTH, "deepstack_visual_indexes": [0]}
     return Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision, **ids))
