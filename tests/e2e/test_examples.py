@@ -12,12 +12,13 @@ import re
 from pathlib import Path
 
 import pytest
-from diffusers import (ChromaPipeline, FluxPipeline, StableDiffusion3Pipeline,
+from diffusers import (ChromaPipeline, FluxPipeline, Krea2Pipeline, StableDiffusion3Pipeline,
                        StableDiffusionXLPipeline, ZImagePipeline)
 
 from difftune.cli import main
 from difftune.families.chroma.tiny import build_tiny_chroma
 from difftune.families.flux.tiny import build_tiny_flux
+from difftune.families.krea2.tiny import build_tiny_krea2
 from difftune.families.sd3.tiny import build_tiny_sd3
 from difftune.families.sdxl.tiny import build_tiny_sdxl
 from difftune.families.z_image.tiny import build_tiny_z_image
@@ -25,6 +26,7 @@ from difftune.families.z_image.tiny import build_tiny_z_image
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "flux-dev-lora.toml": (FluxPipeline, build_tiny_flux),
+             "krea2-lora.toml": (Krea2Pipeline, build_tiny_krea2),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
              "sdxl-lora.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
              "sdxl-pivotal.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
