@@ -136,3 +136,13 @@ def test_released_config_builds_on_meta() -> None:
     assert 12.0e9 < n_dit < 13.0e9, n_dit
     assert 3.9e9 < n_text < 4.1e9, n_text  # Qwen3-VL-4B's language model (no LM head)
     assert 0.35e9 < n_vision < 0.45e9, n_vision
+
+
+def test_cache_key_fields_name_the_prompt_layout() -> None:
+    """The layout fields enter Krea 2's cache key (a changed template or layer list is a new
+    entry); the unset chat/trim fields stay out."""
+    fields = families.spec("krea2").text_encoders[0].key_fields()
+    assert fields["template"].endswith("<|im_start|>user\n{}") and fields["drop"] == 34
+    assert fields["suffix"] == "<|im_end|>\n<|im_start|>assistant\n"
+    assert len(fields["layers"]) == 12 and fields["stack"] == "axis"
+    assert fields["valid_positions"] == 3 and "chat" not in fields and "trim" not in fields

@@ -141,3 +141,67 @@ def test_no_folder_is_refused(saved: tuple[dict, Path]) -> None:
                       t5=folder.parent / "qwen_image_vae.safetensors")
     with pytest.raises(ModelFileError, match="set model.path"):
         load_krea2_files(cfg, FP32)
+
+
+def _wan_names() -> dict[str, str]:
+    """diffusers -> original names of the autoencoder's middle, attention, head and quant
+    tensors: the literal tables of diffusers' own converter, inverted."""
+    import ast
+    import inspect
+    import textwrap
+
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(convert_wan_vae_to_diffusers)))
+    tables: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict) and node.keys:
+            tables.update(ast.literal_eval(node))
+    return {v: k for k, v in tables.items()}
+
+
+RESIDUAL = (("norm1.gamma", "residual.0.gamma"), ("conv1.", "residual.2."),
+            ("norm2.gamma", "residual.3.gamma"), ("conv2.", "residual.6."),
+            ("conv_shortcut.", "shortcut."))
+
+
+def to_wan(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers-layout Qwen-Image autoencoder state in the original (Wan 2.1) layout."""
+    names = _wan_names()
+
+    def residual(rest: str) -> str:
+        for new, old in RESIDUAL:
+            if rest.startswith(new):
+                return old + rest[len(new):]
+        return rest
+
+    out = {}
+    for key, value in sd.items():
+        name = names.get(key, key)
+        if m := re.match(r"(encoder|decoder)\.conv_in\.(.*)", key):
+            name = f"{m[1]}.conv1.{m[2]}"
+        elif m := re.match(r"encoder\.down_blocks\.(\d+)\.(.*)", key):
+            name = f"encoder.downsamples.{m[1]}.{residual(m[2])}"
+        elif m := re.match(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", key):
+            name = f"decoder.upsamples.{4 * int(m[1]) + int(m[2])}.{residual(m[3])}"
+        elif m := re.match(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.*)", key):
+            name = f"decoder.upsamples.{4 * int(m[1]) + 3}.{m[2]}"
+        out[name] = value.contiguous()
+    return out
+
+
+def test_autoencoder_in_the_original_wan_layout(tmp_path: Path) -> None:
+    """ComfyUI's qwen_image_vae.safetensors layout (Wan 2.1 names), two blocks a level as
+    released, loads through diffusers' converter into the same autoencoder."""
+    from diffusers import AutoencoderKLQwenImage
+
+    from difftune.families.krea2.single import load_vae_file
+    from difftune.families.krea2.tiny import TINY_VAE_CONFIG
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(**{**TINY_VAE_CONFIG, "num_res_blocks": 2})
+    wan = to_wan(vae.state_dict())
+    assert "encoder.conv1.weight" in wan and not any("down_blocks" in k for k in wan)
+    assert not any("mid_block" in k or "norm_out" in k for k in wan)
+    save_file(wan, str(tmp_path / "qwen_image_vae.safetensors"))
+    _equal(load_vae_file(tmp_path / "qwen_image_vae.safetensors", torch.float32), vae)
