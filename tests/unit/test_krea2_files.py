@@ -205,3 +205,20 @@ def test_autoencoder_in_the_original_wan_layout(tmp_path: Path) -> None:
     assert not any("mid_block" in k or "norm_out" in k for k in wan)
     save_file(wan, str(tmp_path / "qwen_image_vae.safetensors"))
     _equal(load_vae_file(tmp_path / "qwen_image_vae.safetensors", torch.float32), vae)
+
+
+def test_other_layer_taps_are_refused(tmp_path: Path) -> None:
+    """A model_index.json that taps other encoder layers than the ones captions are encoded
+    with is refused, naming both."""
+    import json
+
+    from difftune.families.krea2.files import pipeline_options
+
+    (tmp_path / "model_index.json").write_text(json.dumps(
+        {"_class_name": "Krea2Pipeline", "is_distilled": True,
+         "text_encoder_select_layers": [1, 2, 3]}))
+    with pytest.raises(ModelFileError, match=r"selects text-encoder layers \[1, 2, 3\]"):
+        pipeline_options(tmp_path)
+    (tmp_path / "model_index.json").write_text(json.dumps({"is_distilled": True}))
+    assert pipeline_options(tmp_path) == {"is_distilled": True,
+                                          "text_encoder_select_layers": None}

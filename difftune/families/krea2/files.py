@@ -20,6 +20,7 @@ import torch
 from difftune.errors import ModelFileError
 from difftune.families.common.folders import check_folder, folder_files, from_folder
 from difftune.families.common.single_file import fingerprint
+from difftune.families.krea2.spec import LAYERS
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -46,6 +47,12 @@ def pipeline_options(folder: Path | None) -> dict[str, Any]:
     if index is not None and index.is_file():
         data = json.loads(index.read_text(encoding="utf-8"))
         options.update({k: data[k] for k in PIPELINE_DEFAULTS if data.get(k) is not None})
+    taps = options["text_encoder_select_layers"]
+    if taps is not None and tuple(taps) != LAYERS:
+        raise ModelFileError(
+            f"{index} selects text-encoder layers {list(taps)}; difftune encodes captions with "
+            f"Krea 2's layers {list(LAYERS)} (the released pipeline's), so the LoRA would learn "
+            "a different conditioning: use a folder in the released layout")
     return options
 
 
