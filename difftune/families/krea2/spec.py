@@ -41,17 +41,17 @@ SPEC = FamilySpec(
     denoiser_prefix="transformer",
     # Krea2Pipeline's default guidance_scale 4.5 is pos + 4.5 (pos - neg): CFG at scale 5.5.
     default_cfg=5.5,
-    # The default layout is the original one (save.format "kohya" writes it, keys.to_original:
-    # `diffusion_model.blocks.N.attn.wq.lora_A.weight`, scale folded, no alpha), the one both
-    # readers take completely: diffusers' Krea2LoraLoaderMixin.lora_state_dict converts
-    # `diffusion_model.` files with _convert_non_diffusers_krea2_lora_to_diffusers (every module
-    # of the presets is in its map; it refuses any key besides the factors, hence no alpha), and
-    # ComfyUI's comfy/lora.py model_lora_keys_unet maps every `diffusion_model.<name>` weight of
-    # its model by name ("generic lora format") and `lora_unet_<name with _>`: ComfyUI's Krea 2
-    # model keeps the original module names (its checkpoints are in the original layout), so the
-    # original names are its names. The diffusers layout (`transformer.<module>`) is read by
-    # diffusers as is, and is written on request (save.format = "diffusers").
-    default_format="kohya",
+    # Both layouts are read completely by both readers. ComfyUI (comfy/ldm/krea2/model.py) keeps
+    # the original module names (`blocks.N.attn.wq`, `txtfusion.*`, `first`, `tmlp.0`, ...), so
+    # comfy/lora.py model_lora_keys_unet reads `diffusion_model.<original name>` by name (its
+    # generic map), and comfy/utils.py krea2_to_diffusers maps the diffusers names
+    # (`transformer_blocks.N.attn.to_q`, `ff.*`, `text_fusion.*`, `img_in`, ...) onto them for
+    # `transformer.`-prefixed files. diffusers' Krea2LoraLoaderMixin reads its own names as they
+    # are and converts `diffusion_model.` files (_convert_non_diffusers_krea2_lora_to_diffusers,
+    # which refuses any key besides the factors: no alpha). The diffusers layout is the default
+    # (PEFT metadata, no conversion); save.format = "kohya" writes the original layout
+    # (keys.to_original, scale folded) that the Krea 2 reference trainer and ai-toolkit use.
+    default_format="diffusers",
     text_encoder_prefixes={"qwen3vl": "text_encoder"},
     # Kept out of fp8 storage and quantization: the patch, time and text embedders, the text
     # fusion's layer projector and the final layer (diffusers skips time_embed and the norms in

@@ -202,7 +202,7 @@ def test_init_lora_reads_other_trainers_layouts(trained: Callable[[str], Path], 
 
 def test_original_layout_loads_in_diffusers_like_the_diffusers_one(
         trained: Callable[[str], Path], images: Path, tmp_path: Path) -> None:
-    """save.format = "kohya" (the default) writes the original layout
+    """save.format = "kohya" writes the original layout
     (`diffusion_model.blocks.N.attn.wq`); Krea2Pipeline.load_lora_weights converts it and samples
     what the diffusers file gives, and --init-lora reads it as the diffusers file."""
     from ..conftest import pipeline_image, tiny_pipeline
