@@ -1,7 +1,7 @@
 """Krea 2 from local files: a diffusers folder in the released layout (the tiny pipeline saved
 with save_pretrained, distilled flag and layer taps in model_index.json), and the single files
-ComfyUI users keep (original-layout transformer, the autoencoder, Qwen3-VL as a conditional-
-generation or text-only file) over that folder, each equal to the tiny model it was written
+ComfyUI users keep (original-layout transformer, the autoencoder in the Wan or diffusers
+layout, Qwen3-VL as transformers or ComfyUI save it) over that folder, each equal to the tiny model it was written
 from; the transformer's original names convert as diffusers' own converter reads them."""
 
 from __future__ import annotations
@@ -66,9 +66,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     full = {f"model.{k}": v.contiguous() for k, v in te.items()}
     full["lm_head.weight"] = full["model.language_model.embed_tokens.weight"].clone()
     save_file(full, str(files / "qwen3vl_4b.safetensors"))
-    text_only = {f"model.{k.removeprefix('language_model.')}": v.contiguous()
-                 for k, v in te.items() if k.startswith("language_model.")}
-    save_file(text_only, str(files / "qwen3vl_4b_text.safetensors"))
+    # ComfyUI's layout (comfy/text_encoders/qwen3vl.py Qwen3VL): the language model under
+    # `model.`, the vision tower under `visual.`.
+    comfy = {f"model.{k.removeprefix('language_model.')}": v.contiguous()
+             for k, v in te.items() if k.startswith("language_model.")}
+    comfy |= {k: v.contiguous() for k, v in te.items() if k.startswith("visual.")}
+    save_file(comfy, str(files / "qwen3vl_4b_comfy.safetensors"))
     return tiny, folder
 
 
@@ -97,7 +100,7 @@ def test_diffusers_folder(saved: tuple[dict, Path]) -> None:
     assert len(parts["tokenizer"]("<|im_start|>system\n")["input_ids"]) == 3
 
 
-@pytest.mark.parametrize("encoder", ["qwen3vl_4b", "qwen3vl_4b_text"])
+@pytest.mark.parametrize("encoder", ["qwen3vl_4b", "qwen3vl_4b_comfy"])
 def test_single_files_over_the_folder(saved: tuple[dict, Path], encoder: str) -> None:
     tiny, folder = saved
     cfg = ModelConfig(family="krea2", path=folder,

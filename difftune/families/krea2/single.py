@@ -6,7 +6,8 @@ convert_krea2_transformer_checkpoint_to_diffusers, or already in the diffusers l
 Qwen-Image autoencoder in the original (Wan 2.1) layout, converted by diffusers'
 convert_wan_vae_to_diffusers (the same module tree), or in the diffusers layout; the Qwen3-VL
 text encoder as a Qwen3VLForConditionalGeneration (`model.language_model.*`), a bare
-Qwen3VLModel (`language_model.*`) or a text-only file (`model.layers.*`). Sizes come from the
+Qwen3VLModel (`language_model.*`) or as ComfyUI keeps it (comfy/text_encoders/qwen3vl.py:
+the language model under `model.`, the vision tower under `visual.`). Sizes come from the
 tensors' shapes, the rest from the released configs (files.py).
 """
 
