@@ -30,12 +30,17 @@ class TextEncoderSpec:
     writes them, as `apply_chat_template(tokenize=True)` does). `strip` lists substrings removed
     from each caption before it is templated (as a pipeline does for tokens its processor would
     read as images). `template` is a format string with `{}` for the caption, used instead of a
-    chat template (the pipeline's own fixed prompt); `drop` leading tokens are dropped after the
-    mask trim (a template's prefix the pipeline removes). `layers` lists the `hidden_states`
+    chat template (the pipeline's own fixed prompt); `suffix` is text tokenized on its own and
+    appended after the padded caption (so padding sits between them and `max_length` counts the
+    output, suffix included); `drop` leading tokens are dropped from the outputs (after the
+    mask trim: a template's prefix the pipeline removes). `layers` lists the `hidden_states`
     indices read (instead of `hidden`) and `stack` how several join: "features" concatenates
-    them per token along the feature dimension, "axis" stacks them on a new dimension 1. `pad`
-    pads a batch to the spec's `max_length` ("max_length") or to its longest text ("longest",
-    with `max_length` as the truncation limit), as the family's pipeline does.
+    them per token along the feature dimension, "axis" stacks them on a new axis after the
+    sequence, (batch, seq, layers, dim). `pad` pads a batch to the spec's `max_length`
+    ("max_length") or to its longest text ("longest", with `max_length` as the truncation
+    limit), as the family's pipeline does. `valid_positions` > 0 passes position ids that count
+    only the masked tokens (padding takes no position), repeated over that many rotary axes (3
+    for Qwen-VL's mRoPE).
     """
 
     name: str
@@ -51,10 +56,12 @@ class TextEncoderSpec:
     specials: bool = True
     strip: tuple[str, ...] = ()
     template: str | None = None
+    suffix: str | None = None
     drop: int = 0
     layers: tuple[int, ...] = ()
     stack: Literal["features", "axis"] = "features"
     pad: Literal["max_length", "longest"] = "max_length"
+    valid_positions: int = 0
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
@@ -148,8 +155,8 @@ family's files would load, with the reason.
 
 CLIP_KINDS = ("clip", "clip_projection")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
-DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "drop",
-                  "layers", "stack", "pad")
+DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "suffix",
+                  "drop", "layers", "stack", "pad", "valid_positions")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

@@ -13,13 +13,15 @@ import re
 from pathlib import Path
 
 import pytest
-from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxPipeline, QwenImagePipeline,
-                       StableDiffusion3Pipeline, StableDiffusionXLPipeline, ZImagePipeline)
+from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxPipeline, Krea2Pipeline,
+                       QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline,
+                       ZImagePipeline)
 
 from difftune.cli import main
 from difftune.families.chroma.tiny import build_tiny_chroma
 from difftune.families.flux.tiny import build_tiny_flux
 from difftune.families.flux2.tiny import build_tiny_flux2
+from difftune.families.krea2.tiny import build_tiny_krea2
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
 from difftune.families.sd3.tiny import build_tiny_sd3
 from difftune.families.sdxl.tiny import build_tiny_sdxl
@@ -29,6 +31,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "flux-dev-lora.toml": (FluxPipeline, build_tiny_flux),
              "flux2-lora.toml": (Flux2KleinPipeline, lambda: build_tiny_flux2("klein")),
+             "krea2-lora.toml": (Krea2Pipeline, build_tiny_krea2),
              "qwen-image-lora.toml": (QwenImagePipeline, build_tiny_qwen_image),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
              "sdxl-lora.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),

@@ -68,7 +68,7 @@ def chat_texts(spec: TextEncoderSpec, tokenizer: Any, texts: list[str]) -> list[
     are removed from each text first."""
     texts = [_stripped(spec, t) for t in texts]
     if spec.template is not None:
-        return [spec.template.format(t) for t in texts]
+        return [spec.template.replace("{}", t, 1) for t in texts]
     if spec.chat is None:
         return list(texts)
 
@@ -123,14 +123,44 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int, pad: str = "max_
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
-def stacked(states: list[torch.Tensor], how: str) -> torch.Tensor:
-    """Several (B, L, D) hidden states joined: "features" gives (B, L, n * D), each token's
-    states side by side in the listed order; "axis" gives (B, n, L, D)."""
-    joined = torch.stack(states, dim=1)
-    if how == "axis":
-        return joined
-    b, n, length, d = joined.shape
-    return joined.permute(0, 2, 1, 3).reshape(b, length, n * d)
+def spec_tokens(spec: TextEncoderSpec, tokenizer: Any, texts: list[str], max_length: int
+                ) -> dict[str, torch.Tensor]:
+    """The token ids and mask an encoder reads: the (templated) texts padded to `max_length`,
+    or, with a `suffix`, padded to `max_length + drop` less the suffix's tokens and followed by
+    the suffix tokenized on its own (padding in between, as pipelines that pad the caption
+    before the assistant turn do), so `max_length` tokens remain after the drop."""
+    texts = chat_texts(spec, tokenizer, texts)
+    if spec.suffix is None:
+        return tokenize(tokenizer, texts, max_length, spec.pad, spec.specials)
+    tail = tokenizer([spec.suffix] * len(texts), return_tensors="pt")
+    body = tokenize(tokenizer, texts, max_length + spec.drop - tail["input_ids"].shape[1],
+                    spec.pad, spec.specials)
+    return {k: torch.cat([body[k], tail[k]], dim=1) for k in ("input_ids", "attention_mask")}
+
+
+def valid_positions(mask: torch.Tensor, axes: int) -> torch.Tensor:
+    """Position ids that count only the masked tokens (padding takes no position; leading
+    padding sits at 0), repeated over `axes` rotary axes: (axes, batch, length)."""
+    positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    return positions.unsqueeze(0).expand(axes, -1, -1)
+
+
+def hidden_of(spec: TextEncoderSpec, out: Any, index: int, want_states: bool) -> torch.Tensor:
+    """The hidden state the spec reads: its `layers` stacked (on a new axis after the sequence,
+    or concatenated along the features), else the one at `index` (or the last state)."""
+    if spec.layers:
+        states = [out.hidden_states[i] for i in spec.layers]
+        return torch.stack(states, dim=2) if spec.stack == "axis" else torch.cat(states, dim=-1)
+    return out.hidden_states[index] if want_states else out.last_hidden_state
+
+
+def dropped(out: dict[str, torch.Tensor], drop: int) -> dict[str, torch.Tensor]:
+    """Outputs without their first `drop` positions (sequence tensors: as long as the mask)."""
+    if drop == 0:
+        return out
+    length = out["mask"].shape[1] if "mask" in out else out["hidden"].shape[1]
+    return {k: v[:, drop:] if v.dim() >= 2 and v.shape[1] == length else v
+            for k, v in out.items()}
 
 
 @dataclass(frozen=True)
@@ -173,11 +203,11 @@ def encode(
     `hidden` is the last or penultimate hidden state as the spec declares, `clip_skip` layers
     further back; `pooled` is the model's pooled (CLIP) or projected (CLIP with projection)
     output. `mask` overrides the spec's mask flag when given. A chat spec wraps the texts in
-    the chat template first; a trimming spec returns only the masked positions (`trimmed`).
+    the chat template first (`spec_tokens`: template, suffix); a trimming spec returns only the
+    masked positions (`trimmed`), then `drop` leading positions go (`dropped`).
     Gradients follow the caller's grad mode, so a trained encoder can run here with autograd on.
     """
-    tokens = tokenize(tokenizer, chat_texts(spec, tokenizer, texts), max_length, spec.pad,
-                      spec.specials)
+    tokens = spec_tokens(spec, tokenizer, texts, max_length)
     device = module_device(model)
     ids = tokens["input_ids"].to(device)
     attention = tokens["attention_mask"].to(device)
@@ -190,18 +220,20 @@ def encode(
     kwargs: dict[str, Any] = {"output_hidden_states": want_states}
     if use_mask:
         kwargs["attention_mask"] = attention
+    if spec.valid_positions:
+        kwargs["position_ids"] = valid_positions(attention, spec.valid_positions)
     out = model(ids, **kwargs)
     result: dict[str, torch.Tensor] = {}
-    if spec.layers:
-        result["hidden"] = stacked([out.hidden_states[k] for k in spec.layers], spec.stack)
-    elif spec.hidden != "none":
-        result["hidden"] = out.hidden_states[index] if want_states else out.last_hidden_state
+    if spec.hidden != "none":
+        result["hidden"] = hidden_of(spec, out, index, want_states)
     if spec.pooled:
         projected = spec.kind == "clip_projection"
         result["pooled"] = out.text_embeds if projected else out.pooler_output
     if use_mask:
         result["mask"] = attention
-    return trimmed(result, spec.drop) if spec.trim and use_mask else result
+    if spec.trim and use_mask:
+        return trimmed(result, spec.drop)
+    return dropped(result, spec.drop)
 
 
 def encode_all(

@@ -1,0 +1,124 @@
+"""Load Krea 2 from local files only: a diffusers folder and/or single files.
+
+`model.path` is a diffusers folder in the layout Krea2Pipeline.save_pretrained writes
+(transformer/, vae/ (AutoencoderKLQwenImage), text_encoder/ (Qwen3VLModel), tokenizer/,
+scheduler/, model_index.json with `text_encoder_select_layers` and `is_distilled`).
+`model.transformer`, `model.vae` and `model.text_encoder` are single .safetensors files as
+ComfyUI users keep them (see `krea2.single`); a single file overrides the folder's component,
+and the tokenizer always comes from the folder. Weights are read through safetensors only; a
+missing or wrong file raises `ModelFileError` naming the path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from difftune.errors import ModelFileError
+from difftune.families.common.folders import check_folder, folder_files, from_folder
+from difftune.families.common.single_file import fingerprint
+from difftune.families.krea2.spec import LAYERS
+
+if TYPE_CHECKING:
+    from difftune.config import ModelConfig
+
+SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+WHAT = "Krea 2"
+# Krea2Pipeline's schedule: the resolution-aware exponential time shift, mu from the image
+# token count between base_shift at 256 and max_shift at 6400 tokens (the pipeline's documented
+# scheduler settings; the distilled checkpoint fixes mu at 1.15 instead).
+SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True,
+    "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
+    "max_image_seq_len": 6400, "time_shift_type": "exponential",
+}
+# Krea2Pipeline options stored in model_index.json, with the pipeline's defaults.
+PIPELINE_DEFAULTS: dict[str, Any] = {"is_distilled": False, "text_encoder_select_layers": None}
+
+
+def pipeline_options(folder: Path | None) -> dict[str, Any]:
+    """`is_distilled` and `text_encoder_select_layers` from the folder's model_index.json
+    (the pipeline's defaults where it has none)."""
+    options = dict(PIPELINE_DEFAULTS)
+    index = folder / "model_index.json" if folder is not None else None
+    if index is not None and index.is_file():
+        data = json.loads(index.read_text(encoding="utf-8"))
+        options.update({k: data[k] for k in PIPELINE_DEFAULTS if data.get(k) is not None})
+    taps = options["text_encoder_select_layers"]
+    if taps is not None and tuple(taps) != LAYERS:
+        raise ModelFileError(
+            f"{index} selects text-encoder layers {list(taps)}; difftune encodes captions with "
+            f"Krea 2's layers {list(LAYERS)} (the released pipeline's), so the LoRA would learn "
+            "a different conditioning: use a folder in the released layout")
+    return options
+
+
+def _folder(cfg: "ModelConfig") -> Path:
+    """model.path, which Krea 2 needs for its tokenizer (also with single files)."""
+    if cfg.path is None:
+        raise ModelFileError("model.family = \"krea2\" reads its Qwen3-VL tokenizer from a "
+                             "diffusers folder; set model.path to a folder in the Krea2Pipeline "
+                             "layout (text_encoder/, tokenizer/, ...)")
+    folder = Path(cfg.path).expanduser()
+    if cfg.transformer is None or cfg.vae is None or cfg.text_encoder is None:
+        check_folder(folder, WHAT)
+    return folder
+
+
+def load_krea2_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """Every component in `dtypes` (single files over the folder's), plus "name",
+    "fingerprint" and the pipeline options."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
+                           Krea2Transformer2DModel)
+    from transformers import AutoTokenizer
+
+    from difftune.families.krea2 import single
+
+    folder = _folder(cfg)
+    files, subs = [], ["tokenizer"]
+    if cfg.text_encoder is not None:
+        files.append(Path(cfg.text_encoder))
+    else:
+        subs.append("text_encoder")
+    if cfg.transformer is not None:
+        transformer = single.load_transformer_file(Path(cfg.transformer), dtypes["transformer"])
+        files.append(Path(cfg.transformer))
+    else:
+        transformer = from_folder(Krea2Transformer2DModel, folder, "transformer",
+                                  dtypes["transformer"], WHAT)
+        subs.append("transformer")
+    if cfg.vae is not None:
+        vae = single.load_vae_file(Path(cfg.vae), dtypes["vae"])
+        files.append(Path(cfg.vae))
+    else:
+        vae = from_folder(AutoencoderKLQwenImage, folder, "vae", dtypes["vae"], WHAT)
+        subs.append("vae")
+    if (folder / "scheduler").is_dir():
+        scheduler = from_folder(FlowMatchEulerDiscreteScheduler, folder, "scheduler", None, WHAT)
+        subs.append("scheduler")
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
+    index = [folder / "model_index.json"] if (folder / "model_index.json").is_file() else []
+    return {
+        "transformer": transformer, "vae": vae, "scheduler": scheduler,
+        "tokenizer": from_folder(AutoTokenizer, folder, "tokenizer", None, WHAT),
+        **load_krea2_text_encoders(cfg, dtypes["text_encoders"]),
+        "name": Path(cfg.transformer).stem if cfg.transformer is not None else folder.name,
+        "fingerprint": fingerprint(folder_files(folder, subs)[1:] + index + files),
+        "pipeline_options": pipeline_options(folder),
+    }
+
+
+def load_krea2_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
+    """The Qwen3-VL text encoder alone: `model.text_encoder` if given, else the folder's."""
+    from transformers import Qwen3VLModel
+
+    from difftune.families.krea2 import single
+
+    if cfg.text_encoder is not None:
+        return {"text_encoder": single.load_text_encoder_file(Path(cfg.text_encoder), dtype)}
+    return {"text_encoder": from_folder(Qwen3VLModel, _folder(cfg), "text_encoder", dtype,
+                                        WHAT)}
