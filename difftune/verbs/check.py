@@ -88,6 +88,7 @@ def run_check(cfg: RunConfig) -> list[str]:
     run = prepare(cfg, dataset=data, show_progress=False)
     report.append(f"model: {run.comps.name} loaded on {run.policy.device}; LoRA rank "
                   f"{cfg.adapter.rank} on {len(run.targets)} layers")
+    report.append(_parameter_line(run))
     report.append(savers.describe(cfg, run.family, run.comps.denoiser))
     if cfg.adapter.type == "lora":
         report.append(_format_line(run))
@@ -113,6 +114,29 @@ def run_check(cfg: RunConfig) -> list[str]:
     report += describe_captions(run)
     report += _check_sample(run)
     return report
+
+
+def _amount(n: int) -> str:
+    """A parameter count in words users compare model sizes by (20.43 B, 1.2 M)."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
+
+
+def _parameter_line(run: Run) -> str:
+    """The loaded model's parameter counts (the base weights, LoRA factors apart), so a user
+    sees which model and size was really loaded, and what the run trains."""
+    def base(module: torch.nn.Module) -> int:
+        return sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
+
+    parts = [f"denoiser {_amount(base(run.comps.denoiser))}"]
+    parts += [f"text encoder {name} {_amount(base(m))}"
+              for name, m in run.comps.text_encoders.items() if m is not None]
+    parts.append(f"VAE {_amount(base(run.comps.vae))}")
+    trained = sum(p.numel() for m in [run.comps.denoiser, *run.trained_encoders.values()]
+                  for p in m.parameters() if p.requires_grad)
+    return f"parameters: {', '.join(parts)}; {_amount(trained)} trained"
 
 
 def _format_line(run: Run) -> str:
@@ -161,11 +185,25 @@ def _check_sample(run: Run) -> list[str]:
     runner = sampler_for(run, None, Path())
     specs = runner.prompts()
     step = run.family.bucket_step * 2
-    probe = [replace(s, width=step, height=step, steps=1) for s in specs[:1]]
+    # Two steps: some released schedulers (a terminal stretch) divide by zero with one.
+    probe = [replace(s, width=step, height=step, steps=2) for s in specs[:1]]
     if not probe:
         return [f"sampling: {run.cfg.sample.prompts} holds no usable prompt"]
     with tempfile.TemporaryDirectory() as tmp:
         images = runner.run(0, probe, Path(tmp))
+        flat = bool(images) and _flat(images[0])
     if not images:
         return ["sampling: FAILED (see the warning above); training would go on without samples"]
-    return [f"sampling: {len(specs)} prompt(s) read; a 1-step {step}x{step} sample works"]
+    if flat:
+        return [f"sampling: FAILED: the 2-step {step}x{step} probe image is one flat colour "
+                "(NaN or inf in the pipeline); training would go on with blank samples"]
+    return [f"sampling: {len(specs)} prompt(s) read; a 2-step {step}x{step} sample works"]
+
+
+def _flat(path: Path) -> bool:
+    """Whether an image is one single colour (what a NaN latent decodes to)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        low, high = zip(*image.convert("RGB").getextrema())
+    return low == high

@@ -81,6 +81,7 @@ def test_check_passes_on_the_example(name: str, tmp_path: Path, images: Path, pr
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "check passed" in out and "gradients flow into" in out and "sample works" in out
+    assert re.search(r"parameters: denoiser [0-9.]+ [KMB]?.*; [0-9.]+ [KM] trained", out)
 
 
 def test_check_passes_on_the_tiny_example(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from difftune import families
+from difftune.config import ModelConfig, PrecisionConfig
 from difftune.families.base import Conditioning, TextEmbeds
 from difftune.families.krea2.tiny import build_tiny_krea2
+from difftune.precision.policy import PrecisionPolicy
 
 PROMPTS = ["a red circle on a blue background", "a pink ring", "",
            "a very long caption " + "with many words " * 12]
@@ -146,3 +148,22 @@ def test_cache_key_fields_name_the_prompt_layout() -> None:
     assert fields["suffix"] == "<|im_end|>\n<|im_start|>assistant\n"
     assert len(fields["layers"]) == 12 and fields["stack"] == "axis"
     assert fields["valid_positions"] == 3 and "chat" not in fields and "trim" not in fields
+
+
+def test_flux_shift_follows_the_pipeline_for_base_and_distilled_models() -> None:
+    """Base: mu from the scheduler's constants (256 -> 6400 tokens, 0.5 -> 1.15, as
+    Krea2Pipeline's calculate_shift); distilled: the pipeline's fixed mu 1.15."""
+    from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
+
+    from difftune.config import TrainConfig
+    from difftune.families.krea2.family import DISTILLED_MU
+
+    family = families.get("krea2")
+    comps = family.load(ModelConfig(family="krea2", flavor="tiny"),
+                        PrecisionPolicy.from_config(PrecisionConfig(), torch.device("cpu")))
+    cfg = TrainConfig(timesteps="flux_shift")
+    base = family.objective(comps, cfg).dynamic
+    assert base.mu(1024) == pytest.approx(calculate_shift(1024, 256, 6400, 0.5, 1.15))
+    comps.extras["pipeline_options"]["is_distilled"] = True
+    distilled = family.objective(comps, cfg).dynamic
+    assert distilled.mu(256) == distilled.mu(6400) == DISTILLED_MU

@@ -127,7 +127,7 @@ def test_predict_is_the_velocity_the_pipeline_steps_with() -> None:
 def test_latents_are_normalized_per_channel_as_the_pipeline_decodes() -> None:
     """encode_images gives (z - mean) / std of the VAE's mode; `vae.decode` (what the pipeline
     does: latents * std + mean, one frame) reads them back to the VAE's own decoding."""
-    from difftune.families.qwen_image import vae
+    from difftune.families.common import frame_vae as vae
 
     _, family, comps = _pipe_and_family()
     pixels = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
@@ -146,11 +146,8 @@ def test_released_config_builds_on_meta() -> None:
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from difftune.families.qwen_image.files import (
-        TRANSFORMER_CONFIG,
-        VAE_CONFIG,
-        text_encoder_config,
-    )
+    from difftune.families.common.frame_vae import RELEASED_CONFIG as VAE_CONFIG
+    from difftune.families.qwen_image.files import TRANSFORMER_CONFIG, text_encoder_config
 
     with torch.device("meta"):
         transformer = QwenImageTransformer2DModel(**TRANSFORMER_CONFIG)

@@ -19,6 +19,7 @@ from difftune.families.common import text
 from difftune.families.common.kohya import has_original_prefix, original_to_kohya
 from difftune.families.specs import FamilySpec
 from difftune.train.objectives import FlowMatching
+from difftune.train.objectives.flow import scheduler_shift
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -183,8 +184,9 @@ class FamilyBase:
         return list(self.presets[preset])
 
     def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":
-        """Rectified flow with the configured timestep sampling (DDPM families override)."""
-        return FlowMatching(cfg)
+        """Rectified flow with the configured timestep sampling, whose `flux_shift` is the
+        loaded scheduler's resolution-dependent shift (DDPM families override)."""
+        return FlowMatching(cfg, scheduler_shift(c.scheduler.config))
 
     @torch.no_grad()
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:

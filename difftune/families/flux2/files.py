@@ -18,8 +18,8 @@ import torch
 
 from difftune.errors import ModelFileError
 from difftune.families.common.bfl import DYNAMIC_SHIFT_SCHEDULER
-from difftune.families.common.folders import check_folder, folder_files, from_folder
-from difftune.families.common.single_file import fingerprint
+from difftune.families.common.folders import check_folder, from_folder
+from difftune.families.common.transformer_folder import FolderLayout, load_components
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -59,49 +59,18 @@ def _folder(cfg: "ModelConfig") -> Path:
     return folder
 
 
-def load_flux2_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
-    """Every component (single files over the folder's), plus "name" and "fingerprint"."""
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2Transformer2DModel,
-    )
-    from transformers import AutoTokenizer
+def _layout() -> FolderLayout:
+    """FLUX.2's classes and single-file loaders."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
     from difftune.families.flux2 import single
 
-    folder = _folder(cfg)
-    files, subs = [], ["tokenizer"]
-    if cfg.text_encoder is not None:
-        files.append(Path(cfg.text_encoder))
-    else:
-        subs.append("text_encoder")
-    if cfg.transformer is not None:
-        transformer = single.load_transformer_file(Path(cfg.transformer), dtypes["transformer"])
-        files.append(Path(cfg.transformer))
-    else:
-        transformer = from_folder(Flux2Transformer2DModel, folder, "transformer",
-                                  dtypes["transformer"], WHAT)
-        subs.append("transformer")
-    if cfg.vae is not None:
-        vae = single.load_vae_file(Path(cfg.vae), dtypes["vae"])
-        files.append(Path(cfg.vae))
-    else:
-        vae = from_folder(AutoencoderKLFlux2, folder, "vae", dtypes["vae"], WHAT)
-        subs.append("vae")
-    if (folder / "scheduler").is_dir():
-        scheduler = from_folder(FlowMatchEulerDiscreteScheduler, folder, "scheduler", None, WHAT)
-        subs.append("scheduler")
-    else:
-        scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
-    return {
-        "transformer": transformer, "vae": vae, "scheduler": scheduler,
-        "tokenizer": from_folder(AutoTokenizer, folder, "tokenizer", None, WHAT),
-        **load_flux2_text_encoders(cfg, dtypes["text_encoders"]),
-        "name": Path(cfg.transformer).stem if cfg.transformer is not None else folder.name,
-        "fingerprint": fingerprint(folder_files(folder, subs)[1:] + files),
-    }
+    return FolderLayout(WHAT, Flux2Transformer2DModel, AutoencoderKLFlux2,
+                        single.load_transformer_file, single.load_vae_file, SCHEDULER_CONFIG)
 
+def load_flux2_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """Every component (single files over the folder's), plus "name" and "fingerprint"."""
+    return load_components(cfg, dtypes, _folder(cfg), _layout(), load_flux2_text_encoders)
 
 def load_flux2_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
     """The variant's text encoder alone: `model.text_encoder` if given, else the folder's."""

@@ -14,17 +14,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.families.base import Components, Conditioning, TextEmbeds
+from difftune.families.common import frame_vae
 from difftune.families.common.family import FamilyBase, Loaders
 from difftune.families.common.latents import pack, unpack
-from difftune.families.krea2.latents import encode_frames
 from difftune.families.krea2.spec import SPEC
+from difftune.train.objectives.flow import DynamicShift, FlowMatching
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
-    from difftune.config import ModelConfig
+    from difftune.config import ModelConfig, TrainConfig
     from difftune.precision.policy import PrecisionPolicy
 
+# Krea2Pipeline's fixed timestep shift for the distilled (turbo) checkpoint.
+DISTILLED_MU = 1.15
 _BLOCK = r"transformer_blocks\.\d+\."
 _ATTENTION = [_BLOCK + r"attn\.(?:to_q|to_k|to_v|to_out\.0)"]
 _MLP = [_BLOCK + r"ff\.(?:gate|up|down)"]
@@ -63,6 +66,13 @@ class Krea2Family(FamilyBase):
         comps.extras["pipeline_options"] = dict(parts.get("pipeline_options", PIPELINE_DEFAULTS))
         return comps
 
+    def objective(self, c: Components, cfg: "TrainConfig") -> FlowMatching:
+        """Rectified flow; `flux_shift` shifts as Krea2Pipeline does: from the scheduler's
+        resolution-dependent mu for the base model, by the fixed mu of the distilled one."""
+        if c.extras.get("pipeline_options", {}).get("is_distilled"):
+            return FlowMatching(cfg, DynamicShift(base_shift=DISTILLED_MU, max_shift=DISTILLED_MU))
+        return super().objective(c, cfg)
+
     def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]
                      ) -> TextEmbeds:
         """The stacked hidden states and their bool mask (Krea2Pipeline.encode_prompt)."""
@@ -74,7 +84,7 @@ class Krea2Family(FamilyBase):
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels in [-1, 1] -> one-frame Qwen-Image latents normalized by their channel
         statistics (the inverse of the pipeline's decode)."""
-        return encode_frames(c.vae, pixels)
+        return frame_vae.encode(c.vae, pixels)
 
     def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
                 cond: Conditioning) -> torch.Tensor:

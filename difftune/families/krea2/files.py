@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.common.folders import check_folder, folder_files, from_folder
-from difftune.families.common.single_file import fingerprint
+from difftune.families.common.folders import check_folder, from_folder
+from difftune.families.common.transformer_folder import FolderLayout, load_components
 from difftune.families.krea2.spec import LAYERS
 
 if TYPE_CHECKING:
@@ -68,49 +68,24 @@ def _folder(cfg: "ModelConfig") -> Path:
     return folder
 
 
-def load_krea2_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
-    """Every component in `dtypes` (single files over the folder's), plus "name",
-    "fingerprint" and the pipeline options."""
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
-                           Krea2Transformer2DModel)
-    from transformers import AutoTokenizer
+def _layout() -> FolderLayout:
+    """Krea 2's classes and single-file loaders."""
+    from diffusers import AutoencoderKLQwenImage, Krea2Transformer2DModel
 
     from difftune.families.krea2 import single
 
-    folder = _folder(cfg)
-    files, subs = [], ["tokenizer"]
-    if cfg.text_encoder is not None:
-        files.append(Path(cfg.text_encoder))
-    else:
-        subs.append("text_encoder")
-    if cfg.transformer is not None:
-        transformer = single.load_transformer_file(Path(cfg.transformer), dtypes["transformer"])
-        files.append(Path(cfg.transformer))
-    else:
-        transformer = from_folder(Krea2Transformer2DModel, folder, "transformer",
-                                  dtypes["transformer"], WHAT)
-        subs.append("transformer")
-    if cfg.vae is not None:
-        vae = single.load_vae_file(Path(cfg.vae), dtypes["vae"])
-        files.append(Path(cfg.vae))
-    else:
-        vae = from_folder(AutoencoderKLQwenImage, folder, "vae", dtypes["vae"], WHAT)
-        subs.append("vae")
-    if (folder / "scheduler").is_dir():
-        scheduler = from_folder(FlowMatchEulerDiscreteScheduler, folder, "scheduler", None, WHAT)
-        subs.append("scheduler")
-    else:
-        scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
-    index = [folder / "model_index.json"] if (folder / "model_index.json").is_file() else []
-    return {
-        "transformer": transformer, "vae": vae, "scheduler": scheduler,
-        "tokenizer": from_folder(AutoTokenizer, folder, "tokenizer", None, WHAT),
-        **load_krea2_text_encoders(cfg, dtypes["text_encoders"]),
-        "name": Path(cfg.transformer).stem if cfg.transformer is not None else folder.name,
-        "fingerprint": fingerprint(folder_files(folder, subs)[1:] + index + files),
-        "pipeline_options": pipeline_options(folder),
-    }
+    return FolderLayout(WHAT, Krea2Transformer2DModel, AutoencoderKLQwenImage,
+                        single.load_transformer_file, single.load_vae_file, SCHEDULER_CONFIG)
 
+def load_krea2_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """Every component in `dtypes` (single files over the folder's), plus "name",
+    "fingerprint" (model_index.json too: it holds the layer taps and schedule) and the
+    pipeline options."""
+    folder = _folder(cfg)
+    index = folder / "model_index.json"
+    return {**load_components(cfg, dtypes, folder, _layout(), load_krea2_text_encoders,
+                              (index,) if index.is_file() else ()),
+            "pipeline_options": pipeline_options(folder)}
 
 def load_krea2_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
     """The Qwen3-VL text encoder alone: `model.text_encoder` if given, else the folder's."""

@@ -32,8 +32,3 @@ VISION_CONFIG: dict[str, Any] = {
     "temporal_patch_size": 2, "num_position_embeddings": 2304,
     "deepstack_visual_indexes": [5, 11, 17],
 }
-# The Qwen-Image autoencoder (AutoencoderKLQwenImage's defaults, its latent statistics).
-VAE_CONFIG: dict[str, Any] = {
-    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
-    "attn_scales": [], "temperal_downsample": [False, True, True], "dropout": 0.0,
-}

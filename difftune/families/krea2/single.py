@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from difftune.families.common import frame_vae
 from difftune.families.common.components import pretrained_from_state
 from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
                                                   missing_error, read_safetensors, strip_prefix)
-from difftune.families.krea2.released import TEXT_CONFIG, TRANSFORMER_CONFIG, VAE_CONFIG
+from difftune.families.krea2.released import TEXT_CONFIG, TRANSFORMER_CONFIG
 
 _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 # The vision tower, which text prompts never run: a stub of no blocks (a file's vision weights
@@ -87,26 +88,9 @@ def load_transformer_file(path: Path, dtype: torch.dtype) -> Any:
 
 
 def load_vae_file(path: Path, dtype: torch.dtype) -> Any:
-    """The Qwen-Image autoencoder from one file (`qwen_image_vae.safetensors`): the original
-    (Wan 2.1) layout converted by diffusers, or the diffusers layout. Widths and depth come
-    from the shapes, the rest (channel multipliers, temporal downsampling, latent statistics)
-    is the released configuration."""
-    from diffusers import AutoencoderKLQwenImage
-    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
-
-    sd = strip_prefix(read_safetensors(path, "Qwen-Image autoencoder"), ("vae.",))
-    if "encoder.conv1.weight" in sd:
-        sd = convert_wan_vae_to_diffusers(dict(sd))
-    try:
-        config = {**VAE_CONFIG, "z_dim": sd["post_quant_conv.weight"].shape[0],
-                  "base_dim": sd["encoder.conv_in.weight"].shape[0],
-                  "num_res_blocks": count_blocks(sd, "decoder.up_blocks.0.resnets.") - 1}
-    except KeyError as err:
-        raise missing_error(path, "a Qwen-Image autoencoder", err) from None
-    with torch.device("meta"):
-        model = AutoencoderKLQwenImage(**config)
-    return assign_state(model, cast_state(sd, dtype), path, "Qwen-Image autoencoder")
-
+    """The Qwen-Image autoencoder from one file (`qwen_image_vae.safetensors`: Wan-2.1 layout
+    as ComfyUI keeps it, or diffusers')."""
+    return frame_vae.load_file(path, dtype, "Qwen-Image autoencoder")
 
 def text_encoder_config(sd: dict[str, torch.Tensor], path: Path) -> Any:
     """Qwen3VLConfig from a language model's shapes (`language_model.*`), stub vision tower."""

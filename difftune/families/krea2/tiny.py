@@ -17,7 +17,8 @@ import torch
 
 from difftune.families.common.tiny import TEXT_WIDTH
 from difftune.families.krea2.files import SCHEDULER_CONFIG
-from difftune.families.krea2.released import TEXT_CONFIG, VAE_CONFIG, VISION_CONFIG
+from difftune.families.common.frame_vae import RELEASED_CONFIG as VAE_CONFIG
+from difftune.families.krea2.released import TEXT_CONFIG, VISION_CONFIG
 from difftune.families.krea2.spec import PREFIX, SUFFIX
 
 SEED = 4321

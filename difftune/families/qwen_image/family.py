@@ -16,15 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.families.base import Components, Conditioning, TextEmbeds
+from difftune.families.common import frame_vae
 from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
 from difftune.families.common.family import Loaders
 from difftune.families.common.latents import pack, unpack
-from difftune.families.qwen_image import vae
 from difftune.families.qwen_image.spec import SPEC
-from difftune.train.objectives.flow import DynamicShift, FlowMatching
 
 if TYPE_CHECKING:
-    from difftune.config import TrainConfig
+    pass
 
 _BLOCK = r"transformer_blocks\.\d+\."
 _ATTENTION = [_BLOCK + r"attn\.(?:to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj"
@@ -60,20 +59,10 @@ class QwenImageFamily(DiffusersLayoutFamily):
         qwen = outputs["qwen2_5_vl"]
         return TextEmbeds({"prompt_embeds": qwen["hidden"], "prompt_embeds_mask": qwen["mask"]})
 
-    def objective(self, c: Components, cfg: "TrainConfig") -> FlowMatching:
-        """Rectified flow whose resolution-dependent shift (`train.timesteps = "flux_shift"`)
-        is the pipeline's: mu from the loaded scheduler's constants (256 -> 8192 image tokens,
-        0.5 -> 0.9 as released), t shifted by exp(mu) as its exponential time shift does."""
-        sc = c.scheduler.config
-        return FlowMatching(cfg, DynamicShift(int(sc.get("base_image_seq_len", 256)),
-                                              int(sc.get("max_image_seq_len", 4096)),
-                                              float(sc.get("base_shift", 0.5)),
-                                              float(sc.get("max_shift", 1.15))))
-
     @torch.no_grad()
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels in [-1, 1] -> normalized (B, 16, h, w) latents (one frame, axis dropped)."""
-        return vae.encode(c.vae, pixels)
+        return frame_vae.encode(c.vae, pixels)
 
     def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
                 cond: Conditioning) -> torch.Tensor:

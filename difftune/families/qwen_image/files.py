@@ -22,16 +22,17 @@ import torch
 
 from difftune.errors import ModelFileError
 from difftune.families.common.components import pretrained_from_state
-from difftune.families.common.folders import check_folder, folder_files, from_folder
+from difftune.families.common import frame_vae
+from difftune.families.common.folders import check_folder, from_folder
 from difftune.families.common.single_file import (
     assign_state,
     cast_state,
     count_blocks,
-    fingerprint,
     missing_error,
     read_safetensors,
     strip_prefix,
 )
+from difftune.families.common.transformer_folder import FolderLayout, load_components
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -53,10 +54,6 @@ TRANSFORMER_CONFIG: dict[str, Any] = {
     "guidance_embeds": False, "axes_dims_rope": (16, 56, 56),
 }
 # The released VAE's architecture (its per-channel latents_mean/std are the class defaults).
-VAE_CONFIG: dict[str, Any] = {
-    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
-    "attn_scales": [], "temperal_downsample": [False, True, True], "dropout": 0.0,
-}
 # Qwen2.5-VL-7B-Instruct, the text encoder (its hidden size is joint_attention_dim).
 TEXT_CONFIG: dict[str, Any] = {
     "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
@@ -106,7 +103,6 @@ def load_transformer_file(path: Path, dtype: torch.dtype) -> Any:
     """The transformer from one file in the diffusers names (ComfyUI's and diffusers' layout
     for this model), with or without ComfyUI's `model.diffusion_model.` prefix."""
     from diffusers import QwenImageTransformer2DModel
-
     from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
     sd = strip_prefix(read_safetensors(path, "Qwen-Image transformer"), _ORIGINAL_PREFIXES)
@@ -122,26 +118,8 @@ def load_transformer_file(path: Path, dtype: torch.dtype) -> Any:
 
 
 def load_vae_file(path: Path, dtype: torch.dtype) -> Any:
-    """AutoencoderKLQwenImage from one file: the Wan-2.1-style layout ComfyUI keeps
-    (`encoder.downsamples.*`, converted by diffusers' Wan VAE converter) or the diffusers one."""
-    from diffusers import AutoencoderKLQwenImage
-    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
-
-    sd = strip_prefix(read_safetensors(path, "Qwen-Image VAE"), ("vae.",))
-    if "encoder.conv_in.weight" not in sd:
-        if "encoder.conv1.weight" not in sd:
-            raise ModelFileError(f"{path} does not look like a Qwen-Image VAE: neither "
-                                 "encoder.conv1 (ComfyUI) nor encoder.conv_in (diffusers)")
-        sd = convert_wan_vae_to_diffusers(dict(sd))
-    try:
-        base = sd["encoder.conv_in.weight"].shape[0]
-        z_dim = sd["post_quant_conv.weight"].shape[0]
-    except KeyError as err:
-        raise missing_error(path, "a Qwen-Image VAE", err) from None
-    with torch.device("meta"):
-        model = AutoencoderKLQwenImage(**{**VAE_CONFIG, "base_dim": base, "z_dim": z_dim})
-    return assign_state(model, cast_state(sd, dtype), path, "Qwen-Image VAE")
-
+    """AutoencoderKLQwenImage from one file (Wan-2.1 layout as ComfyUI keeps it, or diffusers')."""
+    return frame_vae.load_file(path, dtype, "Qwen-Image VAE")
 
 def load_text_encoder_file(path: Path, dtype: torch.dtype) -> Any:
     """Qwen2.5-VL from one file as ComfyUI keeps it (`qwen_2.5_vl_7b.safetensors`), in the
@@ -211,48 +189,17 @@ def _folder(cfg: ModelConfig) -> Path:
     return folder
 
 
+def _layout() -> FolderLayout:
+    """Qwen-Image's classes and single-file loaders."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
+    return FolderLayout(WHAT, QwenImageTransformer2DModel, AutoencoderKLQwenImage,
+                        load_transformer_file, load_vae_file, SCHEDULER_CONFIG)
+
 def load_qwen_image_files(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
     """Every component in `dtypes` (single files over the folder's), plus "name" and
     "fingerprint"."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import AutoTokenizer
-
-    folder = _folder(cfg)
-    files, subs = [], ["tokenizer"]
-    if cfg.text_encoder is not None:
-        files.append(Path(cfg.text_encoder))
-    else:
-        subs.append("text_encoder")
-    if cfg.transformer is not None:
-        transformer = load_transformer_file(Path(cfg.transformer), dtypes["transformer"])
-        files.append(Path(cfg.transformer))
-    else:
-        transformer = from_folder(QwenImageTransformer2DModel, folder, "transformer",
-                                  dtypes["transformer"], WHAT)
-        subs.append("transformer")
-    if cfg.vae is not None:
-        vae = load_vae_file(Path(cfg.vae), dtypes["vae"])
-        files.append(Path(cfg.vae))
-    else:
-        vae = from_folder(AutoencoderKLQwenImage, folder, "vae", dtypes["vae"], WHAT)
-        subs.append("vae")
-    if (folder / "scheduler").is_dir():
-        scheduler = from_folder(FlowMatchEulerDiscreteScheduler, folder, "scheduler", None, WHAT)
-        subs.append("scheduler")
-    else:
-        scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
-    return {
-        "transformer": transformer, "vae": vae, "scheduler": scheduler,
-        "tokenizer": from_folder(AutoTokenizer, folder, "tokenizer", None, WHAT),
-        **load_qwen_image_text_encoders(cfg, dtypes["text_encoders"]),
-        "name": Path(cfg.transformer).stem if cfg.transformer is not None else folder.name,
-        "fingerprint": fingerprint(folder_files(folder, subs)[1:] + files),
-    }
-
+    return load_components(cfg, dtypes, _folder(cfg), _layout(), load_qwen_image_text_encoders)
 
 def load_qwen_image_text_encoders(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The Qwen2.5-VL text encoder alone: `model.text_encoder` if given, else the folder's."""

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from difftune.families.common.tiny import TEXT_WIDTH
-from difftune.families.qwen_image.files import SCHEDULER_CONFIG, VAE_CONFIG
+from difftune.families.common.frame_vae import RELEASED_CONFIG as VAE_CONFIG
+from difftune.families.qwen_image.files import SCHEDULER_CONFIG
 from difftune.families.qwen_image.spec import TEMPLATE
 
 SEED = 4321

@@ -17,12 +17,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.common.components import (VAE_PREFIX, pretrained_from_state,
-                                                  vae_from_state)
-from difftune.families.common.folders import check_folder, folder_files, from_folder
-from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
-                                                  fingerprint, missing_error, read_safetensors,
-                                                  strip_prefix)
+from difftune.families.common.components import (
+    VAE_PREFIX,
+    pretrained_from_state,
+    vae_from_state,
+)
+from difftune.families.common.folders import check_folder, from_folder
+from difftune.families.common.single_file import (
+    assign_state,
+    cast_state,
+    count_blocks,
+    missing_error,
+    read_safetensors,
+    strip_prefix,
+)
+from difftune.families.common.transformer_folder import FolderLayout, load_components
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -80,7 +89,8 @@ def load_transformer_file(path: Path, dtype: torch.dtype) -> Any:
     diffusers layout."""
     from diffusers import ZImageTransformer2DModel
     from diffusers.loaders.single_file_utils import (
-        convert_z_image_transformer_checkpoint_to_diffusers)
+        convert_z_image_transformer_checkpoint_to_diffusers,
+    )
 
     sd = strip_prefix(read_safetensors(path, "Z-Image transformer"), _ORIGINAL_PREFIXES)
     if "all_x_embedder.2-1.weight" not in sd:
@@ -113,44 +123,17 @@ def _folder(cfg: "ModelConfig") -> Path:
     return folder
 
 
+def _layout() -> FolderLayout:
+    """Z-Image's classes and single-file loaders."""
+    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+
+    return FolderLayout(WHAT, ZImageTransformer2DModel, AutoencoderKL, load_transformer_file,
+                        load_vae_file, SCHEDULER_CONFIG)
+
 def load_z_image_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
     """Every component in `dtypes` (single files over the folder's), plus "name" and
     "fingerprint"."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
-    from transformers import AutoTokenizer
-
-    folder = _folder(cfg)
-    files, subs = [], ["tokenizer"]
-    if cfg.text_encoder is not None:
-        files.append(Path(cfg.text_encoder))
-    else:
-        subs.append("text_encoder")
-    if cfg.transformer is not None:
-        transformer = load_transformer_file(Path(cfg.transformer), dtypes["transformer"])
-        files.append(Path(cfg.transformer))
-    else:
-        transformer = from_folder(ZImageTransformer2DModel, folder, "transformer",
-                                  dtypes["transformer"], WHAT)
-        subs.append("transformer")
-    if cfg.vae is not None:
-        vae = load_vae_file(Path(cfg.vae), dtypes["vae"])
-        files.append(Path(cfg.vae))
-    else:
-        vae = from_folder(AutoencoderKL, folder, "vae", dtypes["vae"], WHAT)
-        subs.append("vae")
-    if (folder / "scheduler").is_dir():
-        scheduler = from_folder(FlowMatchEulerDiscreteScheduler, folder, "scheduler", None, WHAT)
-        subs.append("scheduler")
-    else:
-        scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
-    return {
-        "transformer": transformer, "vae": vae, "scheduler": scheduler,
-        "tokenizer": from_folder(AutoTokenizer, folder, "tokenizer", None, WHAT),
-        **load_z_image_text_encoders(cfg, dtypes["text_encoders"]),
-        "name": Path(cfg.transformer).stem if cfg.transformer is not None else folder.name,
-        "fingerprint": fingerprint(folder_files(folder, subs)[1:] + files),
-    }
-
+    return load_components(cfg, dtypes, _folder(cfg), _layout(), load_z_image_text_encoders)
 
 def load_z_image_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
     """The Qwen3 text encoder alone: `model.text_encoder` if given, else the folder's."""

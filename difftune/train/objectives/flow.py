@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,6 +40,18 @@ class DynamicShift:
 
 
 FLUX_SHIFT = DynamicShift()
+
+
+def scheduler_shift(config: Any) -> DynamicShift:
+    """The resolution-dependent shift a dynamic-shifting scheduler config declares (its
+    `base_image_seq_len`, `max_image_seq_len`, `base_shift`, `max_shift`), FLUX.1's for a
+    scheduler without dynamic shifting, so `flux_shift` trains as the family's pipeline shifts."""
+    if not config.get("use_dynamic_shifting", False):
+        return FLUX_SHIFT
+    return DynamicShift(int(config.get("base_image_seq_len", BASE_SEQ)),
+                        int(config.get("max_image_seq_len", MAX_SEQ)),
+                        float(config.get("base_shift", BASE_SHIFT)),
+                        float(config.get("max_shift", MAX_SHIFT)))
 
 
 def flux_mu(image_tokens: int) -> float:

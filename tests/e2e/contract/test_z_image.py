@@ -1,119 +1,14 @@
-"""Z-Image-only behaviour through the real CLI on the tiny flavor: block swap and gradient
-checkpointing train bitwise like the plain run, a slice of the precision matrix (bf16 with fp8
-storage, fp16 with int8 quantization), exact resume and disk caches with caption augmentations
-(cached, variable-length text embeddings), two processes against one, another trainer's LoRA
-names for --init-lora, and the refusals its spec declares."""
+"""Z-Image-only behaviour through the real CLI on the tiny flavor: another trainer's LoRA names
+for --init-lora (the training paths every family takes are in test_training_paths)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
-import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
-from difftune.cli import main
-from difftune.report.metrics import Reporter
-
-from ..conftest import metrics_rows, run_toml, train_cli, train_exit_code
-
-AUGMENT = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_rate=0.3",
-           "datasets.0.flip=true", "train.grad_accum=2", "save.every_n_steps=3"]
-
-
-def train(folder: Path, images: Path, *sets: str, **kw: object) -> Path:
-    """A Z-Image run through the CLI; the output folder."""
-    return train_cli(folder, images, *sets, family="z_image", **kw)
-
-
-def outputs(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """A run's losses and its saved LoRA."""
-    return [r["loss"] for r in metrics_rows(out)], load_file(str(out / "lora.safetensors"))
-
-
-def assert_same(a: Path, b: Path) -> None:
-    """Bitwise equal losses and LoRA tensors."""
-    (la, wa), (lb, wb) = outputs(a), outputs(b)
-    assert la == lb
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
-def test_block_swap_and_checkpointing_train_like_the_plain_run(images: Path,
-                                                              tmp_path: Path) -> None:
-    plain = train(tmp_path / "plain", images, steps=2)
-    ckpt = train(tmp_path / "ckpt", images, "train.gradient_checkpointing=true", steps=2)
-    swap = train(tmp_path / "swap", images, "train.gradient_checkpointing=true",
-                 "train.blocks_to_swap=1", steps=2)
-    assert_same(plain, ckpt)
-    assert_same(plain, swap)
-    assert "block swap: 1 of 2 denoiser blocks live in host memory" in (
-        swap / "difftune.log").read_text()
-
-
-@pytest.mark.parametrize("sets", [
-    ('precision.mixed="bf16"', 'precision.denoiser="fp8"', 'precision.text_encoders="fp8"'),
-    ('precision.mixed="fp16"', 'precision.quantize.denoiser="int8"'),
-], ids=["bf16-fp8", "fp16-int8"])
-def test_precision_slice(sets: tuple[str, ...], images: Path, tmp_path: Path) -> None:
-    out = train(tmp_path, images, *sets, 'adapter.targets="attention"', steps=2)
-    losses, lora = outputs(out)
-    assert len(losses) == 2 and all(0 < x < 100 for x in losses)
-    assert lora and all(v.dtype == torch.float32 and torch.isfinite(v).all()
-                        for v in lora.values())
-
-
-def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
-        tmp_path: Path, images: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = run_toml(tmp_path / "a", images, steps=6, family="z_image")
-    b = run_toml(tmp_path / "b", images, steps=6, family="z_image")
-    assert train_exit_code(a, *AUGMENT) == 0
-    real = Reporter.step
-
-    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
-        real(self, s, *args, **kwargs)
-        if s == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    with monkeypatch.context() as mp:
-        mp.setattr(Reporter, "step", reporting)
-        assert train_exit_code(b, *AUGMENT) == 0
-    assert train_exit_code(b, *AUGMENT, extra=["--resume", "latest"]) == 0
-    rows = [[(r["step"], r["loss"]) for r in map(json.loads, (p / "out" / "metrics.jsonl")
-                                                 .read_text().splitlines())]
-            for p in (tmp_path / "a", tmp_path / "b")]
-    assert rows[0] == rows[1]
-    assert_same(tmp_path / "a" / "out", tmp_path / "b" / "out")
-
-
-@pytest.mark.parametrize("sets, message", [
-    (['save.format="kohya"'], 'save.format = "kohya" is not written for model.family = "z_image"'),
-    (['adapter.text_encoders=["qwen3"]'], "'qwen3' of model.family = \"z_image\" cannot get a LoRA"),
-])
-def test_refusals(sets: list[str], message: str, tmp_path: Path, images: Path,
-                  capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = run_toml(tmp_path, images, family="z_image")
-    assert main(["train", str(cfg), "--no-progress", *[x for s in sets for x in ("--set", s)]]
-                ) == 2
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "out" / "lora.safetensors").exists()
-
-
-def test_embeddings_refused(tmp_path: Path, images: Path,
-                            capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = run_toml(tmp_path, images, family="z_image")
-    cfg.write_text(cfg.read_text().replace(
-        "[[datasets]]", '[[adapter.embeddings]]\nname = "<sks>"\ninit = "a dog"\n\n[[datasets]]',
-        1))
-    assert main(["check", str(cfg)]) == 2
-    assert "textual inversion is not supported" in capsys.readouterr().err
+from ..conftest import metrics_rows, run_toml, train_exit_code
 
 
 def test_init_lora_from_ai_toolkit_names(trained: Callable[[str], Path], images: Path,
@@ -134,40 +29,3 @@ def test_init_lora_from_ai_toolkit_names(trained: Callable[[str], Path], images:
     assert losses[0] == losses[1] != losses[2]  # the file's weights were used, read alike
 
 
-def test_disk_cache_of_variable_length_embeddings(images: Path, tmp_path: Path) -> None:
-    """Caption-augmented runs read back from disk (trimmed entries, padded per batch) train
-    exactly as with the memory cache, the second disk run reading what the first wrote."""
-    sets = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_rate=0.3"]
-    disk = [*sets, 'cache.text="disk"', 'cache.latents="disk"',
-            f'cache.dir="{(tmp_path / "cache").as_posix()}"']
-    memory = train(tmp_path / "memory", images, *sets, steps=3)
-    first = train(tmp_path / "first", images, *disk, steps=3)
-    entries = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
-    second = train(tmp_path / "second", images, *disk, steps=3)
-    assert entries and entries == sorted(p.name for p in (tmp_path / "cache").rglob("*")
-                                         if p.is_file())
-    assert_same(memory, first)
-    assert_same(memory, second)
-
-
-def test_two_processes_match_one_with_the_same_global_batch(images: Path, tmp_path: Path) -> None:
-    """Two processes of batch 1 (accelerate launch, gloo, disk caches shared between them) train
-    as one process of batch 2 does, whose batches pad captions of unequal length."""
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
-    one = run_toml(tmp_path / "one", images, steps=2, family="z_image")
-    assert train_exit_code(one) == 0
-    two = run_toml(tmp_path / "two", images, steps=2, family="z_image")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-           "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", "0", "-m", "difftune", "train", str(two), "--no-progress",
-           "--set", "train.batch_size=1", "--set", 'cache.text="disk"',
-           "--set", 'cache.latents="disk"']
-    root = Path(__file__).resolve().parents[3]
-    done = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (la, wa), (lb, wb) = outputs(tmp_path / "one" / "out"), outputs(tmp_path / "two" / "out")
-    assert la == pytest.approx(lb, rel=1e-5)
-    assert wa.keys() == wb.keys()
-    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 0.1 * 1e-2  # 0.1 x lr

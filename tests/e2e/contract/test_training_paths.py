@@ -1,0 +1,188 @@
+"""Training paths every family takes through the real CLI on its tiny flavor: block swap and
+gradient checkpointing train bitwise like the plain run, a slice of the precision matrix (bf16
+with fp8 storage, fp16 with int8 quantization), exact resume and disk caches with caption
+augmentations, two processes against one, and the refusals the family's spec declares.
+
+Parametrized over the registry. Families with a decoder-LLM text encoder (variable-length,
+templated or stacked text embeddings that the older suites' FLUX.1 runs never exercise) run in
+the default tier; the others with `--full` (their paths are covered there by test_resume,
+test_memory_savers, test_distributed and test_disk_cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftune import families
+from difftune.cli import main
+from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
+from difftune.report.metrics import Reporter
+
+from ..conftest import metrics_rows, run_toml, train_cli, train_exit_code
+
+AUGMENT = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_rate=0.3",
+           "datasets.0.flip=true", "train.grad_accum=2", "save.every_n_steps=3"]
+
+
+def _tier(name: str) -> object:
+    """The family as a parameter: default tier for decoder-LLM text encoders, else --full."""
+    decoder = any(s.kind == "decoder" for s in families.spec(name).text_encoders)
+    return pytest.param(name, marks=() if decoder else pytest.mark.full_only)
+
+
+FAMILIES = [_tier(n) for n in families.names()]
+
+
+def outputs(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A run's losses and its saved LoRA."""
+    return [r["loss"] for r in metrics_rows(out)], load_file(str(out / "lora.safetensors"))
+
+
+def assert_same(a: Path, b: Path) -> None:
+    """Bitwise equal losses and LoRA tensors."""
+    (la, wa), (lb, wb) = outputs(a), outputs(b)
+    assert la == lb
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_swap_and_checkpointing_train_like_the_plain_run(family: str, images: Path,
+                                                              tmp_path: Path) -> None:
+    plain = train_cli(tmp_path / "plain", images, steps=2, family=family)
+    ckpt = train_cli(tmp_path / "ckpt", images, "train.gradient_checkpointing=true", steps=2,
+                     family=family)
+    assert_same(plain, ckpt)
+    if not families.spec(family).swap_blocks:
+        return
+    swap = train_cli(tmp_path / "swap", images, "train.gradient_checkpointing=true",
+                     "train.blocks_to_swap=1", steps=2, family=family)
+    assert_same(plain, swap)
+    assert re.search(r"block swap: 1 of \d+ denoiser blocks live in host memory",
+                     (swap / "difftune.log").read_text())
+
+
+@pytest.mark.parametrize("sets", [
+    ('precision.mixed="bf16"', 'precision.denoiser="fp8"', 'precision.text_encoders="fp8"'),
+    ('precision.mixed="fp16"', 'precision.quantize.denoiser="int8"'),
+], ids=["bf16-fp8", "fp16-int8"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_precision_slice(family: str, sets: tuple[str, ...], images: Path,
+                         tmp_path: Path) -> None:
+    out = train_cli(tmp_path, images, *sets, 'adapter.targets="attention"', steps=2,
+                    family=family)
+    losses, lora = outputs(out)
+    assert len(losses) == 2 and all(0 < x < 100 for x in losses)
+    assert lora and all(v.dtype == torch.float32 and torch.isfinite(v).all()
+                        for v in lora.values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
+        family: str, tmp_path: Path, images: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = run_toml(tmp_path / "a", images, steps=6, family=family)
+    b = run_toml(tmp_path / "b", images, steps=6, family=family)
+    assert train_exit_code(a, *AUGMENT) == 0
+    real = Reporter.step
+
+    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
+        real(self, s, *args, **kwargs)
+        if s == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Reporter, "step", reporting)
+        assert train_exit_code(b, *AUGMENT) == 0
+    assert train_exit_code(b, *AUGMENT, extra=["--resume", "latest"]) == 0
+    rows = [[(r["step"], r["loss"]) for r in map(json.loads, (p / "out" / "metrics.jsonl")
+                                                 .read_text().splitlines())]
+            for p in (tmp_path / "a", tmp_path / "b")]
+    assert rows[0] == rows[1]
+    assert_same(tmp_path / "a" / "out", tmp_path / "b" / "out")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_disk_cache_with_caption_augmentations_equals_the_memory_cache(
+        family: str, images: Path, tmp_path: Path) -> None:
+    """Caption-augmented runs read back from disk train exactly as with the memory cache, the
+    second disk run reading what the first wrote."""
+    sets = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_rate=0.3"]
+    disk = [*sets, 'cache.text="disk"', 'cache.latents="disk"',
+            f'cache.dir="{(tmp_path / "cache").as_posix()}"']
+    memory = train_cli(tmp_path / "memory", images, *sets, steps=3, family=family)
+    first = train_cli(tmp_path / "first", images, *disk, steps=3, family=family)
+    entries = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    second = train_cli(tmp_path / "second", images, *disk, steps=3, family=family)
+    assert entries and entries == sorted(p.name for p in (tmp_path / "cache").rglob("*")
+                                         if p.is_file())
+    assert_same(memory, first)
+    assert_same(memory, second)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_processes_match_one_with_the_same_global_batch(family: str, images: Path,
+                                                            tmp_path: Path) -> None:
+    """Two processes of batch 1 (accelerate launch, gloo, disk caches shared between them) train
+    as one process of batch 2 does (whose batches pad captions of unequal length)."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = run_toml(tmp_path / "one", images, steps=2, family=family)
+    assert train_exit_code(one) == 0
+    two = run_toml(tmp_path / "two", images, steps=2, family=family)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+           "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", "0", "-m", "difftune", "train", str(two), "--no-progress",
+           "--set", "train.batch_size=1", "--set", 'cache.text="disk"',
+           "--set", 'cache.latents="disk"']
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (la, wa), (lb, wb) = outputs(tmp_path / "one" / "out"), outputs(tmp_path / "two" / "out")
+    assert la == pytest.approx(lb, rel=1e-5)
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 0.1 * 1e-2  # 0.1 x lr
+
+
+def _declared_refusals(family: str) -> list[tuple[list[str], str]]:
+    """(settings, message) for each refusal the family declares: text encoders that cannot get
+    a LoRA, and the kohya layout where only the diffusers one is written."""
+    spec = families.spec(family)
+    out = [([f'adapter.text_encoders=["{name}"]'],
+            f"'{name}' of model.family = \"{family}\" cannot get a LoRA")
+           for name, _ in spec.text_encoder_lora_refused]
+    if isinstance(families.get(family), DiffusersLayoutFamily):
+        out.append((['save.format="kohya"'],
+                    f'save.format = "kohya" is not written for model.family = "{family}"'))
+    return out
+
+
+@pytest.mark.parametrize("family", families.names())
+def test_declared_refusals_stop_the_run_before_anything_is_written(
+        family: str, tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for i, (sets, message) in enumerate(_declared_refusals(family)):
+        (tmp_path / str(i)).mkdir()
+        cfg = run_toml(tmp_path / str(i), images, family=family)
+        args = ["train", str(cfg), "--no-progress", *[x for s in sets for x in ("--set", s)]]
+        assert main(args) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / str(i) / "out" / "lora.safetensors").exists()
+    refused = families.spec(family).embeddings_refused
+    if refused is not None:
+        (tmp_path / "emb").mkdir()
+        cfg = run_toml(tmp_path / "emb", images, family=family)
+        cfg.write_text(cfg.read_text().replace(
+            "[[datasets]]",
+            '[[adapter.embeddings]]\nname = "<sks>"\ninit = "a dog"\n\n[[datasets]]', 1))
+        assert main(["check", str(cfg)]) == 2
+        assert refused in capsys.readouterr().err
