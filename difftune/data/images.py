@@ -178,3 +178,21 @@ def load_pixels(
     array = np.asarray(img, dtype=np.uint8)  # (H, W, 3)
     pixels = torch.from_numpy(array.copy()).permute(2, 0, 1).float()
     return pixels / 127.5 - 1.0
+
+
+def load_control_pixels(path: Path, size: tuple[int, int]) -> torch.Tensor:
+    """Decode a control image into a (3, H, W) float32 tensor in [-1, 1] for `size` = (W, H).
+
+    Decoded as `load_pixels` decodes (EXIF orientation, RGB with alpha over white), then
+    resized to `size` with LANCZOS, without cropping: an edit pipeline stretches its input
+    image to the chosen size (diffusers' VaeImageProcessor.resize), so the control is trained
+    as it is sampled. An image already at `size` is not resampled at all.
+    """
+    with strict_decoding(), Image.open(path) as raw:
+        img = _to_rgb(ImageOps.exif_transpose(raw))
+    if img.size != tuple(size):
+        img = img.resize(tuple(size), Image.Resampling.LANCZOS)
+    # The pipeline's arithmetic (VaeImageProcessor: /255 in float32, then 2x - 1), so the
+    # control latents equal the pipeline's bit for bit.
+    array = np.asarray(img, dtype=np.uint8).astype(np.float32) / 255.0
+    return 2.0 * torch.from_numpy(array).permute(2, 0, 1) - 1.0

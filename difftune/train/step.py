@@ -8,6 +8,8 @@ this reads (model, data, caches).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from difftune.families.base import Conditioning
@@ -43,6 +45,9 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     captions = [run.captions.text(i, s, step) for i, s in zip(indices, per_sample)]
     embeds = run.texts.get(captions).to(device)
     cond = conditioning(run, indices, per_sample)
+    if run.data.items[indices[0]].controls:
+        controls = tuple(c.to(device) for c in run.controls.batch(indices))
+        cond = replace(cond, controls=controls)
     with run.policy.autocast():
         pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
     return objectives.loss(pred, draw.target, draw.weights)
