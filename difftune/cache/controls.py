@@ -62,7 +62,7 @@ class ControlSource:
         key, fields = self._key(index, n)
         item = self.items[index]
         pixels = load_control_pixels(item.controls[n], item.control_sizes[n])
-        latent = self.family.encode_images(self.comps, pixels[None])[0].cpu()
+        latent = self.family.encode_images(self.comps, pixels)[0].cpu()
         self.store.put(key, {"latent": latent}, {k: str(v) for k, v in fields.items()})
         return latent
 

@@ -181,7 +181,7 @@ def load_pixels(
 
 
 def load_control_pixels(path: Path, size: tuple[int, int]) -> torch.Tensor:
-    """Decode a control image into a (3, H, W) float32 tensor in [-1, 1] for `size` = (W, H).
+    """Decode a control image into a (1, 3, H, W) float32 batch in [-1, 1] for `size` = (W, H).
 
     Decoded as `load_pixels` decodes (EXIF orientation, RGB with alpha over white), then
     resized to `size` with LANCZOS, without cropping: an edit pipeline stretches its input
@@ -192,7 +192,8 @@ def load_control_pixels(path: Path, size: tuple[int, int]) -> torch.Tensor:
         img = _to_rgb(ImageOps.exif_transpose(raw))
     if img.size != tuple(size):
         img = img.resize(tuple(size), Image.Resampling.LANCZOS)
-    # The pipeline's arithmetic (VaeImageProcessor: /255 in float32, then 2x - 1), so the
-    # control latents equal the pipeline's bit for bit.
-    array = np.asarray(img, dtype=np.uint8).astype(np.float32) / 255.0
-    return 2.0 * torch.from_numpy(array).permute(2, 0, 1) - 1.0
+    # The pipeline's arithmetic (VaeImageProcessor: /255 in float32, then 2x - 1) and memory
+    # layout (a channels-last batch: the VAE's convolutions round differently on another
+    # layout), so the control latents equal the pipeline's bit for bit.
+    array = np.asarray(img, dtype=np.uint8).astype(np.float32)[None] / 255.0
+    return 2.0 * torch.from_numpy(array).permute(0, 3, 1, 2) - 1.0
