@@ -180,6 +180,13 @@ def load_pixels(
     return pixels / 127.5 - 1.0
 
 
+def load_rgb(path: Path) -> Image.Image:
+    """An image file decoded strictly, EXIF orientation applied, as RGB (alpha over white):
+    the decoding every training image gets, for input images handed to a pipeline."""
+    with strict_decoding(), Image.open(path) as raw:
+        return _to_rgb(ImageOps.exif_transpose(raw))
+
+
 def load_control_pixels(path: Path, size: tuple[int, int]) -> torch.Tensor:
     """Decode a control image into a (1, 3, H, W) float32 batch in [-1, 1] for `size` = (W, H).
 
@@ -188,8 +195,7 @@ def load_control_pixels(path: Path, size: tuple[int, int]) -> torch.Tensor:
     image to the chosen size (diffusers' VaeImageProcessor.resize), so the control is trained
     as it is sampled. An image already at `size` is not resampled at all.
     """
-    with strict_decoding(), Image.open(path) as raw:
-        img = _to_rgb(ImageOps.exif_transpose(raw))
+    img = load_rgb(path)
     if img.size != tuple(size):
         img = img.resize(tuple(size), Image.Resampling.LANCZOS)
     # The pipeline's arithmetic (VaeImageProcessor: /255 in float32, then 2x - 1) and memory
