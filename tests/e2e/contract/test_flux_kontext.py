@@ -141,3 +141,21 @@ def test_resume_with_controls_and_disk_caches_is_exact(
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     cache = [p for p in (tmp_path / "a").rglob("*.safetensors") if "latents" in p.parts]
     assert len(cache) == 8  # 4 target and 4 control latents on disk
+
+
+def test_a_missing_or_unreadable_input_image_skips_only_its_prompt(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    prompts = tmp_path / "prompts" / "edit.txt"
+    prompts.parent.mkdir()
+    (prompts.parent / "broken.png").write_bytes(b"not an image")
+    prompts.write_text(f"make the circle red --ci {(EDIT / 'before/circle.png').as_posix()} "
+                       "--w 64 --h 64 --s 2\n"
+                       "lost --ci nowhere.png --w 64 --h 64 --s 2\n"
+                       "broken --ci broken.png --w 64 --h 64 --s 2\n", encoding="utf-8")
+    with caplog.at_level("WARNING", logger="difftune"):
+        out = train(tmp_path / "run", prompts=prompts, steps=2)
+    names = sorted(p.name for p in (out / "samples").glob("step-000002_*.png"))
+    assert names == ["step-000002_00_make-the-circle-red.png", "step-000002_grid.png"]
+    text = caplog.text
+    assert "nowhere.png does not exist" in text
+    assert "sample prompt 'broken' skipped: an input image cannot be read" in text
