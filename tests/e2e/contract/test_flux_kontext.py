@@ -79,9 +79,9 @@ def _sample(pipe: object, prompt: str, image: Path, width: int, height: int) -> 
 
 def test_check_reports_the_bundled_pairs(tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", str(kontext_toml(tmp_path))]) == 0
+    assert main(["check", str(kontext_toml(tmp_path, prompts=EDIT / "prompts.txt"))]) == 0
     out = capsys.readouterr().out
-    assert "check passed" in out and "edit pairs: 4 complete" in out
+    assert "check passed" in out and "edit pairs: 4 complete" in out and "sample works" in out
 
 
 def test_samples_use_the_input_images(trained: Path) -> None:
