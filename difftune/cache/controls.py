@@ -9,9 +9,12 @@ share the latent store (memory or disk) without ever colliding with a target's e
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 
 from difftune.cache.keys import control_fields, entry_key
 from difftune.cache.sources import Progress, Share, _no_progress
@@ -19,6 +22,8 @@ from difftune.cache.store import Store
 from difftune.data.discover import Item
 from difftune.data.images import load_control_pixels
 from difftune.families.base import Components, Family
+
+log = logging.getLogger("difftune")
 
 
 class ControlSource:
@@ -30,6 +35,7 @@ class ControlSource:
         self.family, self.comps, self.items, self.store = family, comps, items, store
         self.dtype = str(comps.vae.dtype).removeprefix("torch.")
         self._keys: dict[tuple[int, int], tuple[str, dict[str, Any]]] = {}
+        self.unreadable: set[tuple[Path, ...]] = set()  # warned once each
 
     def _key(self, index: int, n: int) -> tuple[str, dict[str, Any]]:
         """The entry key (and its fields) of item `index`'s control number `n`."""
@@ -48,6 +54,20 @@ class ControlSource:
             hit = self.store.get(self._key(index, n)[0])
             out.append((hit["latent"] if hit is not None else self._make(index, n)).float())
         return out
+
+    def readable(self, index: int) -> list[torch.Tensor] | None:
+        """`get`, or None when a control image can no longer be read (deleted or damaged
+        mid-run, latents not cached): that pair is skipped, with one warning per file."""
+        try:
+            return self.get(index)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+            paths = self.items[index].controls
+            if paths not in self.unreadable:
+                self.unreadable.add(paths)
+                log.warning("control image of %s cannot be read any more (%s: %s); the pair's "
+                            "samples are skipped from now on (training goes on)",
+                            self.items[index].path, type(err).__name__, err)
+            return None
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         """The batch's control latents: one (B, C, h, w) tensor per control number (the

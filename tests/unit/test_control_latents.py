@@ -93,3 +93,22 @@ def test_flip_with_control_path_is_refused_at_load(tmp_path: Path) -> None:
         load_config(config)
     config.write_text(config.read_text().replace("flip = true\n", ""))
     assert load_config(config).model.variant == "kontext"
+
+
+def test_a_control_damaged_mid_run_skips_its_pair_with_one_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from difftune.cache.store import NullStore
+
+    family = families.get("flux", "kontext")
+    policy = type("P", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
+                            "denoiser": torch.float32, "vae": torch.float32,
+                            "text_encoders": torch.float32})()
+    comps = family.load(ModelConfig(family="flux", flavor="tiny", variant="kontext"), policy)
+    data = build([_pairs(tmp_path)], family.bucket_step, family.control_size)
+    source = ControlSource(family, comps, data.items, NullStore())  # cache.latents = "none"
+    assert source.readable(0) is not None
+    data.items[0].controls[0].write_bytes(b"damaged")
+    with caplog.at_level("WARNING", logger="difftune"):
+        assert source.readable(0) is None and source.readable(0) is None
+    assert caplog.text.count("cannot be read any more") == 1
+    assert source.readable(1) is not None
