@@ -33,9 +33,9 @@ KONTEXT = 'family = "flux"\nflavor = "tiny"\nvariant = "kontext"'
 DISK = '\n[cache]\nlatents = "disk"\ntext = "disk"\n'
 
 
-def kontext_toml(folder: Path, **kw: object) -> Path:
+def kontext_toml(folder: Path, model: str = KONTEXT, **kw: object) -> Path:
     """`run_toml` on the bundled edit pairs (after/ trained, before/ their controls)."""
-    path = run_toml(folder, EDIT / "after", model=KONTEXT, **kw)  # type: ignore[arg-type]
+    path = run_toml(folder, EDIT / "after", model=model, **kw)  # type: ignore[arg-type]
     target = f'path = "{(EDIT / "after").as_posix()}"\n'
     text = path.read_text(encoding="utf-8")
     assert target in text
@@ -159,3 +159,14 @@ def test_a_missing_or_unreadable_input_image_skips_only_its_prompt(
     text = caplog.text
     assert "nowhere.png does not exist" in text
     assert "sample prompt 'broken' skipped: an input image cannot be read" in text
+
+
+def test_a_kontext_diffusers_folder_is_read_as_kontext(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """model.path alone: the folder's model_index.json (FluxKontextPipeline) picks the variant."""
+    folder = tmp_path / "tiny-kontext"
+    _pipeline().save_pretrained(str(folder), safe_serialization=True)  # type: ignore[attr-defined]
+    cfg = kontext_toml(tmp_path, model=f'family = "flux"\npath = "{folder.as_posix()}"')
+    assert main(["check", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "edit pairs: 4 complete" in out and "check passed" in out
