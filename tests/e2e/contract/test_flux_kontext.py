@@ -82,6 +82,8 @@ def test_check_reports_the_bundled_pairs(tmp_path: Path,
     assert main(["check", str(kontext_toml(tmp_path, prompts=EDIT / "prompts.txt"))]) == 0
     out = capsys.readouterr().out
     assert "check passed" in out and "edit pairs: 4 complete" in out and "sample works" in out
+    # at resolution 64: Kontext's preferred sizes scaled by 64/1024, multiples of 16
+    assert "control size 64x64: 2" in out and "control size 64x48: 1" in out
 
 
 def test_samples_use_the_input_images(trained: Path) -> None:
