@@ -55,3 +55,11 @@ def text_fields(
     """The inputs that decide a text entry: exact caption and each encoder's declared settings."""
     return {"kind": "text", "family": family, "model": fingerprint, "dtype": dtype,
             "caption": caption, "encoders": encoders}
+
+
+def control_fields(family: str, fingerprint: str, dtype: str, image: Path,
+                   size: tuple[int, int], rule: str) -> dict[str, Any]:
+    """The inputs that decide a control-image latent: its content, the size it is encoded at
+    and the family's size rule (`rule`; resized whole, never cropped or flipped)."""
+    return {"kind": "control", "family": family, "model": fingerprint, "dtype": dtype,
+            "image_sha256": file_hash(image), "size": list(size), "rule": rule}

@@ -141,6 +141,12 @@ def control_problems(cfg: "RunConfig") -> list[str]:
             elif n > spec.control_images:
                 problems.append(f"{where}: {n} control folders, but model.family = "
                                 f"\"{spec.name}\" reads at most {spec.control_images} per pair")
+            # Refused rather than mirroring both images: an instruction may name a side ("move
+            # the cup to the left"), which a mirrored pair would teach backwards.
+            if n and sub.flip:
+                problems.append(f"datasets[{d}].subsets[{s}].flip: edit pairs are not mirrored "
+                                "(an instruction that names a side would be taught backwards); "
+                                "set flip = false for a subset with control_path")
     return problems
 
 

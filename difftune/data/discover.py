@@ -14,7 +14,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from difftune.config import DatasetConfig, SubsetConfig
 from difftune.data.captions import WILDCARD, CaptionAugment
@@ -26,6 +26,9 @@ from difftune.errors import DataError
 log = logging.getLogger("difftune.data")
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp"})
+# A family's control-image size rule: (control's upright size, target bucket, dataset
+# resolution) -> the (width, height) the control is encoded at.
+ControlSize = Callable[[tuple[int, int], tuple[int, int], int], tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,8 @@ class Item:
     `size` is the upright (EXIF-rotated) original (width, height); `bucket` the (width, height)
     it is trained at; `dataset`/`subset` index the config lists; `repeats`, `flip`, `crop` and
     the caption augmentations (`augment`) come from its subset; `controls` are its edit
-    pair's control/reference images (empty for text-to-image subsets).
+    pair's control/reference images (empty for text-to-image subsets) and `control_sizes` the
+    (width, height) each is encoded at, by the family's rule (`Family.control_size`).
     """
 
     path: Path
@@ -49,6 +53,7 @@ class Item:
     crop: str
     augment: CaptionAugment = CaptionAugment()
     controls: tuple[Path, ...] = ()
+    control_sizes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -146,10 +151,20 @@ def _place(probed: tuple[int, int] | str, buckets: list[Bucket]
     return upscale_problem(probed, bucket) or (probed, bucket)
 
 
+def _control_sizes(controls: tuple[Path, ...], bucket: Bucket, resolution: int,
+                   rule: ControlSize | None) -> tuple[tuple[int, int], ...]:
+    """The size each control image is encoded at (the target's bucket without a rule)."""
+    if rule is None:
+        return tuple((bucket[0], bucket[1]) for _ in controls)
+    return tuple(rule(probe_image(p), bucket, resolution) for p in controls)
+
+
 def _subset_items(
-    sub: SubsetConfig, d: int, s: int, buckets: list[Bucket], out: DataSet
+    sub: SubsetConfig, d: int, s: int, buckets: list[Bucket], out: DataSet,
+    resolution: int = 0, control_size: ControlSize | None = None,
 ) -> list[Item]:
-    """Items of one subset; skipped files and missing captions are recorded in `out`."""
+    """Items of one subset; skipped files and missing captions are recorded in `out`.
+    `control_size` sizes each edit pair's control images at the dataset's `resolution`."""
     where = f"datasets[{d}].subsets[{s}].path"
     if not sub.path.exists():
         raise DataError(f"{where}: folder {sub.path} does not exist; fix the path in the config")
@@ -189,6 +204,7 @@ def _subset_items(
                 crop=sub.crop,
                 augment=augment,
                 controls=controls,
+                control_sizes=_control_sizes(controls, bucket, resolution, control_size),
             )
         )
     if not sub.wildcards and any(WILDCARD.search(it.caption) for it in items):
@@ -212,20 +228,22 @@ def dataset_buckets(ds: DatasetConfig, bucket_step: int) -> list[Bucket]:
     return make_buckets(ds.resolution, ds.min_side, ds.max_side, step)
 
 
-def build(datasets: list[DatasetConfig], bucket_step: int) -> DataSet:
+def build(datasets: list[DatasetConfig], bucket_step: int,
+          control_size: ControlSize | None = None) -> DataSet:
     """Discover, check and bucket every image of every dataset.
 
     `bucket_step` is the model family's default side granularity, used where a dataset leaves
     `bucket_step` unset. Raises `DataError` for a missing folder or a dataset with no usable
     image; everything else (unreadable files, missing captions) is a logged warning and is
-    recorded in the result.
+    recorded in the result. `control_size` is the family's control-image size rule (see
+    `ControlSize`; None: a control takes its target's bucket).
     """
     out = DataSet(items=[])
     for d, ds in enumerate(datasets):
         buckets = dataset_buckets(ds, bucket_step)
         found = []
         for s, sub in enumerate(ds.subsets):
-            found += _subset_items(sub, d, s, buckets, out)
+            found += _subset_items(sub, d, s, buckets, out, ds.resolution, control_size)
         if not found:
             folders = ", ".join(str(sub.path) for sub in ds.subsets)
             skipped = [f"{p.name}: {why}" for p, why in out.skipped if _under(p, ds)]

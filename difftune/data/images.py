@@ -178,3 +178,28 @@ def load_pixels(
     array = np.asarray(img, dtype=np.uint8)  # (H, W, 3)
     pixels = torch.from_numpy(array.copy()).permute(2, 0, 1).float()
     return pixels / 127.5 - 1.0
+
+
+def load_rgb(path: Path) -> Image.Image:
+    """An image file decoded strictly, EXIF orientation applied, as RGB (alpha over white):
+    the decoding every training image gets, for input images handed to a pipeline."""
+    with strict_decoding(), Image.open(path) as raw:
+        return _to_rgb(ImageOps.exif_transpose(raw))
+
+
+def load_control_pixels(path: Path, size: tuple[int, int]) -> torch.Tensor:
+    """Decode a control image into a (1, 3, H, W) float32 batch in [-1, 1] for `size` = (W, H).
+
+    Decoded as `load_pixels` decodes (EXIF orientation, RGB with alpha over white), then
+    resized to `size` with LANCZOS, without cropping: an edit pipeline stretches its input
+    image to the chosen size (diffusers' VaeImageProcessor.resize), so the control is trained
+    as it is sampled. An image already at `size` is not resampled at all.
+    """
+    img = load_rgb(path)
+    if img.size != tuple(size):
+        img = img.resize(tuple(size), Image.Resampling.LANCZOS)
+    # The pipeline's arithmetic (VaeImageProcessor: /255 in float32, then 2x - 1) and memory
+    # layout (a channels-last batch: the VAE's convolutions round differently on another
+    # layout), so the control latents equal the pipeline's bit for bit.
+    array = np.asarray(img, dtype=np.uint8).astype(np.float32)[None] / 255.0
+    return 2.0 * torch.from_numpy(array).permute(0, 3, 1, 2) - 1.0

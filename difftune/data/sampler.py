@@ -1,4 +1,5 @@
-"""Batches that never mix buckets, in an order fixed by (seed, epoch), resumable exactly.
+"""Batches that never mix buckets (nor control-image sizes), in an order fixed by (seed,
+epoch), resumable exactly.
 
 Each epoch every item appears `repeats` times. The expanded list is shuffled with a generator
 seeded from (seed, epoch), grouped by bucket (keeping the shuffled order inside a bucket), cut
@@ -47,6 +48,16 @@ class Batch:
     seeds: tuple[int, ...]
 
 
+Group = tuple[tuple[int, int], tuple[tuple[int, int], ...]]
+
+
+def group_of(item: Item) -> Group:
+    """What a batch must share: the bucket and the control images' sizes (so the control
+    latents of a batch stack). Items without controls group by bucket alone, in the same
+    sorted order as before control sizes existed."""
+    return (item.bucket, item.control_sizes)
+
+
 class BucketBatchSampler:
     """Infinite, deterministic, resumable bucketed batch sampler over a `DataSet`'s items.
 
@@ -75,9 +86,9 @@ class BucketBatchSampler:
     @property
     def len_epoch(self) -> int:
         """Batches per epoch (the same every epoch: it depends only on bucket sizes)."""
-        per_bucket: dict[tuple[int, int], int] = {}
+        per_bucket: dict[Group, int] = {}
         for it in self.items:
-            per_bucket[it.bucket] = per_bucket.get(it.bucket, 0) + it.repeats
+            per_bucket[group_of(it)] = per_bucket.get(group_of(it), 0) + it.repeats
         return sum(-(-n // self.batch_size) for n in per_bucket.values())
 
     def epoch_plan(self, epoch: int) -> list[list[tuple[int, int]]]:
@@ -87,9 +98,9 @@ class BucketBatchSampler:
         rng = random.Random(_hash64("order", self.seed, epoch))
         samples = [(i, k) for i, it in enumerate(self.items) for k in range(it.repeats)]
         rng.shuffle(samples)
-        by_bucket: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        by_bucket: dict[Group, list[tuple[int, int]]] = {}
         for sample in samples:
-            by_bucket.setdefault(self.items[sample[0]].bucket, []).append(sample)
+            by_bucket.setdefault(group_of(self.items[sample[0]]), []).append(sample)
         plan = []
         for bucket in sorted(by_bucket):  # sorted: independent of dict insertion order
             group = by_bucket[bucket]
@@ -146,7 +157,10 @@ class BucketBatchSampler:
         The fingerprint covers each item's file name, bucket and repeats (not the full path, so
         a dataset folder that moved still resumes).
         """
-        layout = [(it.path.name, it.bucket, it.repeats) for it in self.items]
+        layout: list[tuple[Any, ...]] = [(it.path.name, it.bucket, it.repeats)
+                                         for it in self.items]
+        if any(it.control_sizes for it in self.items):  # runs without controls: as before
+            layout = [(*row, it.control_sizes) for row, it in zip(layout, self.items)]
         return {
             "seed": self.seed,
             "batch_size": self.batch_size,

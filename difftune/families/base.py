@@ -88,13 +88,16 @@ class Conditioning:
     """Per-batch inputs besides latents, text and time, for the families that use them.
 
     `guidance` is the distilled-guidance input (FLUX.1-dev); sizes are (height, width) and crops
-    (top, left), one per sample, for SDXL's micro-conditioning (`add_time_ids`).
+    (top, left), one per sample, for SDXL's micro-conditioning (`add_time_ids`). `controls`
+    holds an edit batch's control-image latents, one (B, C, h, w) tensor per control image in
+    the order of the subset's `control_path` (empty for text-to-image batches).
     """
 
     guidance: float
     original_sizes: list[tuple[int, int]]
     crops: list[tuple[int, int]]
     target_sizes: list[tuple[int, int]]
+    controls: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,14 @@ class Family(Protocol):
     # How many control/reference images an edit pair or an edit sample prompt may give it
     # (0: it is no edit model).
     control_images: int
+    # Names the control-size rule and its parameters (part of control-latent cache keys).
+    control_rule: str
+
+    def control_size(self, image_size: tuple[int, int], target_bucket: tuple[int, int],
+                     resolution: int) -> tuple[int, int]:
+        """The (width, height) a control image of upright `image_size` is encoded at, for a
+        target in `target_bucket` of a dataset at `resolution`: the family's pipeline's rule."""
+        ...
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Load (or build, for the tiny flavor) all components from local files."""
@@ -219,6 +230,11 @@ class Family(Protocol):
     def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
                         guidance: float, cfg: float) -> dict[str, Any]:
         """Pipeline keyword arguments: precomputed (negative) embeddings, guidance, CFG scale."""
+        ...
+
+    def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
+        """Pipeline keyword arguments for a sample prompt's input images (PIL, upright RGB),
+        resized by the family's control rule, for an output of `width` x `height`."""
         ...
 
     def model_spec(self, c: Components) -> ModelSpec:

@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 from difftune.config import SampleConfig
+from difftune.data.images import load_rgb
 from difftune.sample.prompts import PromptSpec, parse_line, read_prompts  # noqa: F401 (re-exported)
 from difftune.train.rng import GlobalRngs
 
@@ -144,7 +145,13 @@ class SampleRunner:
                          step, len(paths), len(specs))
                 break
             try:
-                image = self.generate(spec)
+                inputs = [load_rgb(p) for p in spec.images]
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+                log.warning("sample prompt %r skipped: an input image cannot be read (%s: %s)",
+                            spec.prompt[:40], type(err).__name__, err)
+                continue
+            try:
+                image = self.generate(spec, inputs)
             except Exception as err:  # one bad prompt (a size, memory) spares the others
                 _failed(f"sample {i} ({spec.prompt[:40]!r}) at step {step}", err)
                 continue
@@ -168,8 +175,10 @@ class SampleRunner:
         return w, h
 
     @torch.no_grad()
-    def generate(self, spec: PromptSpec) -> Image.Image:
-        """One image for one prompt, through the family's diffusers pipeline."""
+    def generate(self, spec: PromptSpec, inputs: list[Image.Image] | None = None
+                 ) -> Image.Image:
+        """One image for one prompt, through the family's diffusers pipeline; `inputs` are the
+        prompt's input images (decoded upright RGB), for an edit family's pipeline."""
         if self._pipe is None:
             self._pipe = self.family.pipeline(self.comps)
         device, dtype = self.policy.device, self.comps.denoiser.dtype
@@ -177,6 +186,7 @@ class SampleRunner:
         negative = self.texts.get([spec.negative]).to(device, dtype) if spec.cfg > 1.0 else None
         kwargs = self.family.pipeline_inputs(embeds, negative, spec.guidance, spec.cfg)
         width, height = self._size(spec)
+        kwargs.update(self.family.pipeline_images(inputs or [], width, height))
         generator = torch.Generator("cpu").manual_seed(spec.seed)
         with self.policy.autocast():
             result = self._pipe(**kwargs, width=width, height=height,

@@ -22,6 +22,7 @@ from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.lora import add_lora, suffix_patterns
 from difftune.cache import make_store
 from difftune.cache.store import MemoryStore, Store
+from difftune.cache.controls import ControlSource
 from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
 from difftune.data.captions import Captions
@@ -53,6 +54,12 @@ class Run:
     text_targets: dict[str, list[str]] = field(default_factory=dict)
     embeddings: Embeddings | None = None
     dist: Dist = field(default_factory=Dist)
+    controls: ControlSource = field(init=False)
+
+    def __post_init__(self) -> None:
+        """Edit pairs' control latents share the latent store (their keys are their own)."""
+        self.controls = ControlSource(self.family, self.comps, self.data.items,
+                                      self.latents.store)
 
     @property
     def trained_encoders(self) -> dict[str, torch.nn.Module]:
@@ -73,8 +80,9 @@ def progress(show: bool) -> Any:
 
 
 def load_data(cfg: RunConfig, family: Family) -> DataSet:
-    """Discover the datasets (cheap: no model needed); warns about every skipped file."""
-    return data.build(cfg.datasets, family.bucket_step)
+    """Discover the datasets (cheap: no model needed); warns about every skipped file. Edit
+    pairs' control images are sized by the family's rule (`Family.control_size`)."""
+    return data.build(cfg.datasets, family.bucket_step, family.control_size)
 
 
 def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool = True) -> Run:
@@ -144,6 +152,7 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
     wrap = progress(show_progress and dist.main)
     if cache.latents != "none":
         share_cache(run.latents.store, run.latents.fill(wrap, dist.share), dist)
+        share_cache(run.latents.store, run.controls.fill(wrap, dist.share), dist)
     live = False
     if cache.text != "none":
         known = [run.captions.known_texts(i) for i in range(len(run.data.items))]

@@ -8,6 +8,8 @@ this reads (model, data, caches).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from difftune.families.base import Conditioning
@@ -30,6 +32,9 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     device = run.policy.device
     per_sample = seeds if seeds is not None else [None] * len(indices)
     found = [run.latents.readable(i, f, s) for i, f, s in zip(indices, flips, per_sample)]
+    # An edit pair whose control image can no longer be read is skipped like its target.
+    controls = [run.controls.readable(i) for i in indices]
+    found = [x if c is not None else None for x, c in zip(found, controls)]
     keep = [k for k, latent in enumerate(found) if latent is not None]
     if not keep:
         return None
@@ -43,6 +48,10 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     captions = [run.captions.text(i, s, step) for i, s in zip(indices, per_sample)]
     embeds = run.texts.get(captions).to(device)
     cond = conditioning(run, indices, per_sample)
+    kept = [controls[k] for k in keep]
+    if kept[0]:  # one (B, C, h, w) tensor per control image: the sampler never mixes sizes
+        cond = replace(cond, controls=tuple(torch.stack([c[n] for c in kept]).to(device)
+                                            for n in range(len(kept[0]))))
     with run.policy.autocast():
         pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
     return objectives.loss(pred, draw.target, draw.weights)

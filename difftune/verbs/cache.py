@@ -43,7 +43,8 @@ def _prune(run: Run, extra_texts: list[str]) -> list[str]:
     lines = []
     known = [run.captions.known_texts(i) for i in range(len(run.data.items))]
     texts = [t for k in known if k is not None for t in k] + extra_texts
-    wanted = {"latents": run.latents.keys, "text": lambda: run.texts.keys(texts)}
+    wanted = {"latents": lambda: run.latents.keys() | run.controls.keys(),
+              "text": lambda: run.texts.keys(texts)}
     for kind, store in (("latents", run.latents.store), ("text", run.texts.store)):
         if isinstance(store, DiskStore):
             files, freed = store.prune(wanted[kind]())

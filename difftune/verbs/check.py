@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def _describe_data(data: DataSet) -> list[str]:
         refs = sorted({len(it.controls) for it in data.items if it.controls})
         lines.append(f"edit pairs: {s['pairs']} complete ({'/'.join(map(str, refs))} control "
                      "image(s) each)")
+        sizes = Counter(size for it in data.items for size in it.control_sizes)
+        lines += [f"  control size {w}x{h}: {n}" for (w, h), n in sorted(sizes.items())]
     lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
     lines += [f"  skipped {p}: {why}" for p, why in data.skipped]
     return lines

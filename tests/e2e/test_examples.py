@@ -13,11 +13,13 @@ import re
 from pathlib import Path
 
 import pytest
-from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxPipeline, Krea2Pipeline,
+from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxKontextPipeline, FluxPipeline,
+                       Krea2Pipeline,
                        QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline,
                        ZImagePipeline)
 
 from difftune.cli import main
+from difftune.verbs.demo import demo_dir
 from difftune.families.chroma.tiny import build_tiny_chroma
 from difftune.families.flux.tiny import build_tiny_flux
 from difftune.families.flux2.tiny import build_tiny_flux2
@@ -30,6 +32,7 @@ from difftune.families.z_image.tiny import build_tiny_z_image
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "flux-dev-lora.toml": (FluxPipeline, build_tiny_flux),
+             "flux-kontext-lora.toml": (FluxKontextPipeline, lambda: build_tiny_flux("kontext")),
              "flux2-lora.toml": (Flux2KleinPipeline, lambda: build_tiny_flux2("klein")),
              "krea2-lora.toml": (Krea2Pipeline, build_tiny_krea2),
              "qwen-image-lora.toml": (QwenImagePipeline, build_tiny_qwen_image),
@@ -58,6 +61,13 @@ def _localize(example: Path, tmp_path: Path, images: Path, prompts: Path) -> Pat
     text = re.sub(r'^path = "/models/[^"]*"', f'path = "{folder.as_posix()}"', text,
                   flags=re.MULTILINE)
     text = SINGLE_FILE.sub("", text)
+    if "control_path" in text:  # an edit example: the bundled edit pairs
+        edit = demo_dir().parent / "edit"
+        text = re.sub(r'^path = "/data/[^"]*"', f'path = "{(edit / "after").as_posix()}"', text,
+                      flags=re.MULTILINE)
+        text = re.sub(r'^control_path = "/data/[^"]*"',
+                      f'control_path = "{(edit / "before").as_posix()}"', text,
+                      flags=re.MULTILINE)
     text = re.sub(r'^path = "/data/[^"]*"', f'path = "{images.as_posix()}"', text,
                   flags=re.MULTILINE)
     text = re.sub(r'^dir = "/runs/[^"]*"', f'dir = "{(tmp_path / "out").as_posix()}"', text,

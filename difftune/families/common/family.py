@@ -82,6 +82,9 @@ class FamilyBase:
     implement the family-specific protocol methods)."""
 
     spec: ClassVar[FamilySpec]
+    # The control-size rule's name and parameters (in control-latent cache keys): by default a
+    # control takes its target's bucket.
+    control_rule: ClassVar[str] = "target-bucket"
     # LoRA preset -> full-match regexes of denoiser module names.
     presets: ClassVar[dict[str, list[str]]]
     loaders: ClassVar[Loaders]
@@ -197,6 +200,16 @@ class FamilyBase:
         z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
         shift = vae.config.shift_factor or 0.0
         return (z - shift) * vae.config.scaling_factor
+
+    def control_size(self, image_size: tuple[int, int], target_bucket: tuple[int, int],
+                     resolution: int) -> tuple[int, int]:
+        """The size a control image is encoded at: its target's bucket, unless the family's
+        pipeline sizes its input images by a rule of its own (it then overrides this)."""
+        return (target_bucket[0], target_bucket[1])
+
+    def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
+        """The pipeline's input-image arguments (edit families override; none by default)."""
+        return {}
 
     def pipeline(self, c: Components) -> "DiffusionPipeline":
         """The family's diffusers pipeline over the loaded components (text encoders wherever

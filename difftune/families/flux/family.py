@@ -1,8 +1,10 @@
-"""FLUX.1 (dev and schnell): a flow-matching MMDiT with CLIP-L (pooled) and T5-XXL (sequence).
+"""FLUX.1 (dev, schnell and Kontext): a flow-matching MMDiT with CLIP-L (pooled) and T5-XXL
+(sequence).
 
 Latents are 16-channel VAE latents packed into 2x2 patches (64 features a token); positions go
 to the transformer as (0, row, col) ids; guidance-distilled checkpoints (dev) take the guidance
-value as an input.
+value as an input. The Kontext variant appends its input image's packed latents after the
+target's tokens (`kontext.py`) and is trained on edit pairs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from difftune.families.base import Components, Conditioning, ModelSpec, TextEmbe
 from difftune.families.common.bfl import ATTENTION_PATTERNS, MLP_PATTERNS
 from difftune.families.common.family import BlockTableFamily, Loaders, prompt_kwargs
 from difftune.families.common.latents import image_ids, pack, unpack
+from difftune.families.flux import kontext
 from difftune.families.flux.spec import SPEC
 
 # LoRA presets: the BFL layout's attention and MLP patterns, plus FLUX.1's modulation layers.
@@ -35,6 +38,14 @@ class FluxFamily(BlockTableFamily):
     spec = SPEC
     presets = PRESETS
     loaders = Loaders("build_tiny_flux", "load_flux_files", "load_flux_text_encoders")
+    control_rule = kontext.RULE
+
+    def control_size(self, image_size: tuple[int, int], target_bucket: tuple[int, int],
+                     resolution: int) -> tuple[int, int]:
+        """Kontext's input-image size (`kontext.control_size`): the preferred resolution
+        closest in aspect ratio scaled to the dataset's resolution, whatever the target's
+        bucket (FluxKontextPipeline sizes its input image on its own, not to the output)."""
+        return kontext.control_size(image_size, resolution)
 
     def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
         """CLIP-L pooled output and T5 last hidden states, as FluxPipeline.encode_prompt."""
@@ -51,17 +62,21 @@ class FluxFamily(BlockTableFamily):
         kwargs: dict[str, Any] = {}
         if model.config.guidance_embeds:
             kwargs["guidance"] = torch.full((b,), cond.guidance, device=noisy.device, dtype=dtype)
+        tokens = pack(noisy)
+        # Kontext: control tokens follow the target's; the loss reads the target's only.
+        hidden, ids = kontext.with_controls(tokens, image_ids(h, w, noisy.device, dtype),
+                                            cond.controls)
         out = model(
-            hidden_states=pack(noisy),
+            hidden_states=hidden,
             encoder_hidden_states=prompt,
             pooled_projections=embeds.tensors["pooled_prompt_embeds"],
             timestep=t.to(dtype),
-            img_ids=image_ids(h, w, noisy.device, dtype),
+            img_ids=ids,
             txt_ids=torch.zeros(prompt.shape[1], 3, device=noisy.device, dtype=dtype),
             return_dict=False,
             **kwargs,
         )[0]
-        return unpack(out, h, w)
+        return unpack(out[:, : tokens.shape[1]].contiguous(), h, w)
 
     def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
                         guidance: float, cfg: float) -> dict[str, Any]:
@@ -71,6 +86,13 @@ class FluxFamily(BlockTableFamily):
             kwargs.update(prompt_kwargs(negative, "negative_"))
             kwargs["true_cfg_scale"] = cfg
         return kwargs
+
+    def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
+        """FluxKontextPipeline's `image` (resized by Kontext's rule) and `max_area`; nothing for
+        the base variant, whose FluxPipeline takes no input image."""
+        if not self.spec.control_images:
+            return {}
+        return kontext.pipeline_images(images, width, height)
 
     def model_spec(self, c: Components) -> ModelSpec:
         """FLUX.1 dev (guidance-distilled) or schnell, as kohya and model sites name them."""

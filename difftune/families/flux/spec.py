@@ -1,13 +1,20 @@
 """FLUX.1's light facts (no torch): text encoders, objective, refusals, defaults.
 
-Read by config validation before anything heavy is imported, and by `FluxFamily`.
+Read by config validation before anything heavy is imported, and by `FluxFamily`. Two variants:
+"base" (FluxPipeline: dev and schnell, told apart by the loaded transformer's guidance
+embedding) and "kontext" (FLUX.1 Kontext: the same transformer class and text encoders, trained
+on edit pairs, sampled by FluxKontextPipeline with one input image).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
 
-SPEC = FamilySpec(
+# The base variant keeps `variant` None so its tiny flavor's fingerprint, and with it every
+# cache key written before variants existed, stays as it was.
+BASE = FamilySpec(
     name="flux",
     text_encoders=(
         TextEncoderSpec("clip_l", "clip", max_length=77, hidden="none", pooled=True),
@@ -37,3 +44,10 @@ SPEC = FamilySpec(
                    ("t5", "text_encoder_2", "tokenizer_2")),
     pipeline_class="FluxPipeline",
 )
+
+# FLUX.1 Kontext: the conditioning image's packed latents follow the target's tokens
+# (FluxKontextPipeline.prepare_latents), so each edit pair gives exactly one control image.
+KONTEXT = replace(BASE, variant="kontext", pipeline_class="FluxKontextPipeline",
+                  control_images=1)
+
+SPEC = replace(BASE, variants=(("base", BASE), ("kontext", KONTEXT)))

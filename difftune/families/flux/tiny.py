@@ -55,8 +55,12 @@ def _seeded_models(clip_tok: Any, t5_tok: Any) -> dict[str, Any]:
             "text_encoder_2": t5.eval()}
 
 
-def build_tiny_flux() -> dict[str, Any]:
+def build_tiny_flux(variant: str | None = None) -> dict[str, Any]:
     """All components of a tiny FLUX.1-dev-like model, keyed as FluxPipeline names them.
+
+    `variant` "kontext" (None and "base": the default) gets the same components: FLUX.1
+    Kontext is the guidance-embedding transformer with FluxKontextPipeline's component names,
+    which are FluxPipeline's, so only the pipeline class and the conditioning differ.
 
     Deterministic: the same weights on every call, whatever the caller's RNG state (the global
     RNG is forked and restored). Also returns "t5_max_length", the tiny T5 sequence length.
