@@ -113,3 +113,31 @@ def test_sampling_sizes_references_by_the_rule() -> None:
     assert family.pipeline_images([], 64, 64) == {}
     tiny = Image.new("RGB", (64, 96))  # the rule at 64x64 would go under 64 px: kept as is
     assert family.pipeline_images([tiny], 64, 64)["image"][0] is tiny
+
+
+def test_reference_latents_are_keyed_by_resolution_and_cropped(tmp_path: Path) -> None:
+    """The crop depends on the area cap, so a reference's cache key names the resolution; an
+    image under the cap is cropped, never scaled; the tiny fingerprints are unchanged."""
+    from difftune.cache.controls import ControlSource
+    from difftune.cache.store import MemoryStore
+    from difftune.data.discover import Item
+    from difftune.data.images import load_control_pixels
+
+    _, family, comps = _setup("klein")
+    path = _image(tmp_path / "ref.png", (90, 70), 5)
+    size = family.control_size((90, 70), (64, 64), 1024)
+    assert size == (80, 64)
+    pixels = family.control_pixels(path, size, 1024)
+    whole = load_control_pixels(path, (90, 70))
+    assert torch.equal(pixels, whole[:, :, 3:67, 5:85])  # the center crop, no resampling
+    item = Item(path=path, caption="", size=(64, 64), bucket=(64, 64), dataset=0, subset=0,
+                repeats=1, flip=False, crop="center", controls=(path,), control_sizes=(size,))
+    keys = [ControlSource(family, comps, [item], MemoryStore(), (r,)).keys() for r in (512, 1024)]
+    assert keys[0] != keys[1]
+    policy = type("P", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
+                            "denoiser": torch.float32, "vae": torch.float32,
+                            "text_encoders": torch.float32})()
+    from difftune.config import ModelConfig
+
+    loaded = families.get("flux2").load(ModelConfig(family="flux2", flavor="tiny"), policy)
+    assert loaded.fingerprint == "tiny-flux2-klein-v1"
