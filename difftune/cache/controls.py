@@ -20,7 +20,6 @@ from difftune.cache.keys import control_fields, entry_key
 from difftune.cache.sources import Progress, Share, _no_progress
 from difftune.cache.store import Store
 from difftune.data.discover import Item
-from difftune.data.images import load_control_pixels
 from difftune.families.base import Components, Family
 
 log = logging.getLogger("difftune")
@@ -30,9 +29,11 @@ class ControlSource:
     """Control-image latents of dataset items, by (item index, control number)."""
 
     def __init__(self, family: Family, comps: Components, items: list[Item],
-                 store: Store) -> None:
-        """`store` is the run's latent store (keys of another kind: no collision)."""
+                 store: Store, resolutions: tuple[int, ...] = ()) -> None:
+        """`store` is the run's latent store (keys of another kind: no collision);
+        `resolutions` the datasets' resolutions, by dataset index (0 where not given)."""
         self.family, self.comps, self.items, self.store = family, comps, items, store
+        self.resolutions = resolutions
         self.dtype = str(comps.vae.dtype).removeprefix("torch.")
         self._keys: dict[tuple[int, int], tuple[str, dict[str, Any]]] = {}
         self.unreadable: set[tuple[Path, ...]] = set()  # warned once each
@@ -43,9 +44,13 @@ class ControlSource:
             item = self.items[index]
             fields = control_fields(self.family.name, self.comps.fingerprint, self.dtype,
                                     item.controls[n], item.control_sizes[n],
-                                    self.family.control_rule)
+                                    self.family.control_key(self._resolution(item)))
             self._keys[index, n] = entry_key(fields), fields
         return self._keys[index, n]
+
+    def _resolution(self, item: Item) -> int:
+        """The resolution of `item`'s dataset (0 when the caller gave none)."""
+        return self.resolutions[item.dataset] if item.dataset < len(self.resolutions) else 0
 
     def get(self, index: int) -> list[torch.Tensor]:
         """Item `index`'s control latents (C, h, w) in float32, one per control image."""
@@ -81,7 +86,8 @@ class ControlSource:
         """Encode one control image at its size and store it (on the CPU, in the VAE dtype)."""
         key, fields = self._key(index, n)
         item = self.items[index]
-        pixels = load_control_pixels(item.controls[n], item.control_sizes[n])
+        pixels = self.family.control_pixels(item.controls[n], item.control_sizes[n],
+                                            self._resolution(item))
         latent = self.family.encode_images(self.comps, pixels)[0].cpu()
         self.store.put(key, {"latent": latent}, {k: str(v) for k, v in fields.items()})
         return latent

@@ -187,17 +187,24 @@ def load_rgb(path: Path) -> Image.Image:
         return _to_rgb(ImageOps.exif_transpose(raw))
 
 
-def load_control_pixels(path: Path, size: tuple[int, int]) -> torch.Tensor:
+def load_control_pixels(path: Path, size: tuple[int, int], fit: tuple[int, int] | None = None,
+                        image: Image.Image | None = None) -> torch.Tensor:
     """Decode a control image into a (1, 3, H, W) float32 batch in [-1, 1] for `size` = (W, H).
 
-    Decoded as `load_pixels` decodes (EXIF orientation, RGB with alpha over white), then
-    resized to `size` with LANCZOS, without cropping: an edit pipeline stretches its input
-    image to the chosen size (diffusers' VaeImageProcessor.resize), so the control is trained
-    as it is sampled. An image already at `size` is not resampled at all.
+    Decoded as `load_pixels` decodes (EXIF orientation, RGB with alpha over white; `image` is
+    that decoding when the caller already has it), then resized to `size` with LANCZOS,
+    without cropping: an edit pipeline stretches its input image to the chosen size (diffusers'
+    VaeImageProcessor.resize), so the control is trained as it is sampled. With `fit`, for a
+    pipeline that crops instead, it is resized to `fit` and center-cropped to `size`. An image
+    already at the size it is resized to is not resampled at all.
     """
-    img = load_rgb(path)
+    img = image if image is not None else load_rgb(path)
+    scaled = tuple(fit) if fit is not None else tuple(size)
+    if img.size != scaled:
+        img = img.resize(scaled, Image.Resampling.LANCZOS)
     if img.size != tuple(size):
-        img = img.resize(tuple(size), Image.Resampling.LANCZOS)
+        left, top = (img.size[0] - size[0]) // 2, (img.size[1] - size[1]) // 2
+        img = img.crop((left, top, left + size[0], top + size[1]))
     # The pipeline's arithmetic (VaeImageProcessor: /255 in float32, then 2x - 1) and memory
     # layout (a channels-last batch: the VAE's convolutions round differently on another
     # layout), so the control latents equal the pipeline's bit for bit.

@@ -9,6 +9,7 @@ step, key layouts; `difftune.families.specs`) or implemented behind these method
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -175,6 +176,16 @@ class Family(Protocol):
                      resolution: int) -> tuple[int, int]:
         """The (width, height) a control image of upright `image_size` is encoded at, for a
         target in `target_bucket` of a dataset at `resolution`: the family's pipeline's rule."""
+        ...
+
+    def control_pixels(self, path: Path, size: tuple[int, int], resolution: int
+                       ) -> torch.Tensor:
+        """A control image's (1, 3, H, W) pixels in [-1, 1] at `size` (from `control_size`) for
+        a dataset at `resolution`, prepared as the family's pipeline prepares its inputs."""
+        ...
+
+    def control_key(self, resolution: int) -> str:
+        """The control rule as control-latent cache keys name it (see `control_rule`)."""
         ...
 
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:

@@ -59,7 +59,8 @@ class Run:
     def __post_init__(self) -> None:
         """Edit pairs' control latents share the latent store (their keys are their own)."""
         self.controls = ControlSource(self.family, self.comps, self.data.items,
-                                      self.latents.store)
+                                      self.latents.store,
+                                      tuple(d.resolution for d in self.cfg.datasets))
 
     @property
     def trained_encoders(self) -> dict[str, torch.nn.Module]:

@@ -34,6 +34,7 @@ PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "flux-dev-lora.toml": (FluxPipeline, build_tiny_flux),
              "flux-kontext-lora.toml": (FluxKontextPipeline, lambda: build_tiny_flux("kontext")),
              "flux2-lora.toml": (Flux2KleinPipeline, lambda: build_tiny_flux2("klein")),
+             "flux2-edit-lora.toml": (Flux2KleinPipeline, lambda: build_tiny_flux2("klein")),
              "krea2-lora.toml": (Krea2Pipeline, build_tiny_krea2),
              "qwen-image-lora.toml": (QwenImagePipeline, build_tiny_qwen_image),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
@@ -68,6 +69,10 @@ def _localize(example: Path, tmp_path: Path, images: Path, prompts: Path) -> Pat
         text = re.sub(r'^control_path = "/data/[^"]*"',
                       f'control_path = "{(edit / "before").as_posix()}"', text,
                       flags=re.MULTILINE)
+        # a list of reference folders: each one becomes before/ (two references a pair)
+        text = re.sub(r"^control_path = \[.*$", lambda m: re.sub(
+            r'"/data/[^"]*"', f'"{(edit / "before").as_posix()}"', m.group(0)), text,
+            flags=re.MULTILINE)
     text = re.sub(r'^path = "/data/[^"]*"', f'path = "{images.as_posix()}"', text,
                   flags=re.MULTILINE)
     text = re.sub(r'^dir = "/runs/[^"]*"', f'dir = "{(tmp_path / "out").as_posix()}"', text,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
@@ -206,6 +207,20 @@ class FamilyBase:
         """The size a control image is encoded at: its target's bucket, unless the family's
         pipeline sizes its input images by a rule of its own (it then overrides this)."""
         return (target_bucket[0], target_bucket[1])
+
+    def control_pixels(self, path: Path, size: tuple[int, int], resolution: int
+                       ) -> torch.Tensor:
+        """A control image's (1, 3, H, W) pixels at `size` for a dataset at `resolution`: by
+        default stretched to `size` (`load_control_pixels`); a family whose pipeline crops
+        instead overrides this."""
+        from difftune.data.images import load_control_pixels
+
+        return load_control_pixels(path, size)
+
+    def control_key(self, resolution: int) -> str:
+        """The control rule as control-latent cache keys name it: `control_rule`, plus the
+        resolution where a family's pixels depend on more than the encoded size."""
+        return self.control_rule
 
     def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
         """The pipeline's input-image arguments (edit families override; none by default)."""

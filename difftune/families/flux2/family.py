@@ -9,12 +9,14 @@ tokens with (t, h, w, l) position ids; text tokens get (0, 0, 0, index) ids. kle
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from difftune.families.base import Components, Conditioning, ModelSpec, TextEmbeds
 from difftune.families.common.family import FamilyBase, Loaders
+from difftune.families.flux2 import reference
 from difftune.families.flux2.spec import SPEC
 
 _DOUBLE = r"transformer_blocks\.\d+\."
@@ -64,6 +66,25 @@ class Flux2Family(FamilyBase):
     spec = SPEC
     presets = PRESETS
     loaders = Loaders("build_tiny_flux2", "load_flux2_files", "load_flux2_text_encoders")
+    control_rule = reference.RULE
+
+    def control_size(self, image_size: tuple[int, int], target_bucket: tuple[int, int],
+                     resolution: int) -> tuple[int, int]:
+        """A reference image's size (`reference.control_size`): its own, capped at the dataset's
+        resolution squared in area and floored to multiples of 16, whatever the target's bucket
+        (the pipelines size references on their own; exact at resolution 1024)."""
+        return reference.control_size(image_size, resolution * resolution)
+
+    def control_pixels(self, path: Path, size: tuple[int, int], resolution: int
+                       ) -> torch.Tensor:
+        """A reference scaled to the area cap and center-cropped to `size`, as the pipelines
+        prepare theirs (`reference.load_pixels`)."""
+        return reference.load_pixels(path, size, resolution)
+
+    def control_key(self, resolution: int) -> str:
+        """The rule and the resolution: the crop depends on the area cap, not only on the
+        encoded size."""
+        return f"{self.control_rule}/{resolution}"
 
     def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]
                      ) -> TextEmbeds:
@@ -98,9 +119,12 @@ class Flux2Family(FamilyBase):
         guidance = None
         if model.config.guidance_embeds:
             guidance = torch.full((b,), cond.guidance, device=noisy.device, dtype=torch.float32)
-        out = model(hidden_states=patches.reshape(b, ch, h * w).permute(0, 2, 1),
-                    encoder_hidden_states=prompt, timestep=t.to(dtype), guidance=guidance,
-                    img_ids=latent_ids(b, h, w, noisy.device),
+        # references' tokens follow the target's (reference.py); the loss reads the target's
+        hidden, ids = reference.with_references(
+            patches.reshape(b, ch, h * w).permute(0, 2, 1), latent_ids(b, h, w, noisy.device),
+            tuple(patchify(r) for r in cond.controls))
+        out = model(hidden_states=hidden, encoder_hidden_states=prompt, timestep=t.to(dtype),
+                    guidance=guidance, img_ids=ids,
                     txt_ids=text_ids(b, prompt.shape[1], noisy.device), return_dict=False)[0]
         return unpatchify(out[:, : h * w].permute(0, 2, 1).reshape(b, ch, h, w))
 
@@ -117,6 +141,11 @@ class Flux2Family(FamilyBase):
             kwargs.update(negative_prompt_embeds=negative.tensors["prompt_embeds"],
                           guidance_scale=cfg)
         return kwargs
+
+    def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
+        """The pipelines' `image` list: a sample prompt's references sized by the training
+        rule at the output's area (`reference.pipeline_images`)."""
+        return reference.pipeline_images(images, width, height)
 
     def model_spec(self, c: Components) -> ModelSpec:
         """FLUX.2 klein or dev, as model sites name them."""

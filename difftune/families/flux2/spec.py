@@ -64,6 +64,11 @@ KLEIN = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen3", "text_encoder", "tokenizer"),),
     pipeline_class="Flux2KleinPipeline",
+    # Reference images (flux2/reference.py): both pipelines take `image=` a list of any length,
+    # each reference's tokens following the target's. Each adds all of its tokens to every
+    # attention call (4096 at 1024 x 1024: four add 16384 to the target's 4096), so memory and
+    # step time grow fast with each; four per pair (and per sample prompt) is difftune's bound.
+    control_images=4,
     # Flux2LoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
     text_encoder_lora_refused=(("qwen3", "Flux2KleinPipeline.load_lora_weights reads "
                                          "transformer LoRAs only; train the transformer only"),),
