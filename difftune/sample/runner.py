@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from difftune.cache.text_images import from_pil
 from difftune.config import SampleConfig
 from difftune.data.images import load_rgb
 from difftune.sample.prompts import PromptSpec, parse_line, read_prompts  # noqa: F401 (re-exported)
@@ -182,8 +183,11 @@ class SampleRunner:
         if self._pipe is None:
             self._pipe = self.family.pipeline(self.comps)
         device, dtype = self.policy.device, self.comps.denoiser.dtype
-        embeds = self.texts.get([spec.prompt]).to(device, dtype)
-        negative = self.texts.get([spec.negative]).to(device, dtype) if spec.cfg > 1.0 else None
+        # The images the pipeline's text encoder would read (none for most families).
+        seen = [tuple(from_pil(i) for i in self.family.pipeline_text_images(inputs or []))]
+        embeds = self.texts.get([spec.prompt], seen).to(device, dtype)
+        negative = (self.texts.get([spec.negative], seen).to(device, dtype) if spec.cfg > 1.0
+                    else None)
         kwargs = self.family.pipeline_inputs(embeds, negative, spec.guidance, spec.cfg)
         width, height = self._size(spec)
         kwargs.update(self.family.pipeline_images(inputs or [], width, height))

@@ -199,7 +199,22 @@ def _layout() -> FolderLayout:
 def load_qwen_image_files(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
     """Every component in `dtypes` (single files over the folder's), plus "name" and
     "fingerprint"."""
-    return load_components(cfg, dtypes, _folder(cfg), _layout(), load_qwen_image_text_encoders)
+    parts = load_components(cfg, dtypes, _folder(cfg), _layout(), load_qwen_image_text_encoders)
+    if cfg.variant not in (None, "base"):
+        parts["processor"] = load_processor(_folder(cfg))
+    return parts
+
+
+def load_processor(folder: Path) -> Any:
+    """An edit folder's Qwen2.5-VL processor (processor/: the image processor's settings and
+    the tokenizer), read locally."""
+    from transformers import AutoProcessor
+
+    sub = folder / "processor"
+    if not sub.is_dir():
+        raise ModelFileError(f"{folder} has no processor/ folder; Qwen-Image-Edit folders "
+                             "hold Qwen2.5-VL's processor there")
+    return AutoProcessor.from_pretrained(sub, local_files_only=True)
 
 def load_qwen_image_text_encoders(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The Qwen2.5-VL text encoder alone: `model.text_encoder` if given, else the folder's."""
