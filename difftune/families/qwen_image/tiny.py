@@ -20,7 +20,7 @@ import torch
 
 from difftune.families.common.tiny import TEXT_WIDTH
 from difftune.families.common.frame_vae import RELEASED_CONFIG as VAE_CONFIG
-from difftune.families.qwen_image.files import SCHEDULER_CONFIG
+from difftune.families.qwen_image.files import SCHEDULER_CONFIG, vl_processor
 from difftune.families.qwen_image.spec import EDIT_TEMPLATE, TEMPLATE
 
 SEED = 4321
@@ -127,22 +127,10 @@ def tiny_qwen25_vl_config(tok: Any) -> Any:
 
 
 def tiny_processor(tok: Any) -> Any:
-    """A Qwen2VLProcessor over `tok` and Qwen2VLImageProcessorPil's defaults (the image processor
-    transformers uses without torchvision), without a video
-    processor (transformers checks that sub-processor's class, which needs torchvision even
-    when absent; images are all the edit pipelines give it)."""
-    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    """Qwen2.5-VL's processor over `tok` and the image processor's defaults."""
+    from transformers import Qwen2VLImageProcessorPil
 
-    class Processor(Qwen2VLProcessor):
-        """Qwen2VLProcessor that accepts no video processor."""
-
-        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
-            """The base check, skipped for an absent sub-processor."""
-            if argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    return Processor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tok)
+    return vl_processor(Qwen2VLImageProcessorPil(), tok)
 
 
 def build_tiny_qwen_image(variant: str | None = None) -> dict[str, Any]:
