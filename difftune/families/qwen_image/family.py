@@ -86,8 +86,11 @@ class QwenImageFamily(DiffusersLayoutFamily):
 
     def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
         """The edit pipelines' `image` (one, or a list for Plus); they size it themselves."""
-        if not self.spec.control_images or not images:
+        if not self.spec.control_images:
             return {}
+        if not images:
+            raise ValueError(f"{self.spec.pipeline_class} edits an input image and makes no "
+                             "image from text alone; name one with --ci <image>")
         return {"image": list(images) if self._plus else images[0]}
 
     def pipeline(self, c: Components) -> "DiffusionPipeline":
