@@ -23,7 +23,7 @@ from difftune.families.common.latents import unpack
 from difftune.families.qwen_image import edit
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
 
-PIPELINES = {"edit": "QwenImageEditPipeline"}
+PIPELINES = {"edit": "QwenImageEditPipeline", "edit-plus": "QwenImageEditPlusPipeline"}
 
 
 def _cpu_policy() -> Any:
@@ -60,6 +60,7 @@ def test_variants_from_config_and_folder(tmp_path: Path) -> None:
         assert ModelConfig(family="qwen_image", path=folder).variant == variant
         assert families.spec("qwen_image", variant).pipeline_class == pipeline
     assert families.spec("qwen_image", "edit").control_images == 1
+    assert families.spec("qwen_image", "edit-plus").control_images == 3
     assert families.spec("qwen_image").control_images == 0
 
 

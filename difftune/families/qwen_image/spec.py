@@ -106,4 +106,4 @@ def _edit(variant: str, pipeline: str, image_prompt: str, images: int) -> Family
 
 EDIT = _edit("edit", "QwenImageEditPipeline", VISION, 1)
 EDIT_PLUS = _edit("edit-plus", "QwenImageEditPlusPipeline", "Picture {}: " + VISION, PLUS_IMAGES)
-SPEC = replace(BASE, variants=(("base", BASE), ("edit", EDIT)))
+SPEC = replace(BASE, variants=(("base", BASE), ("edit", EDIT), ("edit-plus", EDIT_PLUS)))

@@ -3,7 +3,8 @@ flavor and the bundled edit pairs: check reports the pairs, training samples thr
 QwenImageEditPipeline with each prompt's input image, the LoRA loads in QwenImageEditPipeline
 (which encodes the instruction with the image itself) and gives the trained model's images, a
 run with reference latents and image-reading text entries in disk caches resumes exactly, and
-a QwenImageEditPipeline folder is read as the edit variant."""
+a QwenImageEditPipeline folder is read as the edit variant; the same for "edit-plus" with two
+input images per pair (QwenImageEditPlusPipeline)."""
 
 from __future__ import annotations
 
@@ -133,3 +134,74 @@ def test_an_edit_diffusers_folder_is_read_as_edit(tmp_path: Path,
     assert main(["check", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "edit pairs: 4 complete" in out and "check passed" in out
+
+
+PLUS = 'family = "qwen_image"\nflavor = "tiny"\nvariant = "edit-plus"'
+
+
+def plus_toml(folder: Path, **kw: object) -> Path:
+    """An edit-plus run on the bundled pairs with two input images each: before/ and a
+    mirrored copy of it (control_path lists both folders)."""
+    mirrored = folder / "mirrored"
+    mirrored.mkdir(parents=True, exist_ok=True)
+    for image in (EDIT / "before").glob("*.png"):
+        with Image.open(image) as img:
+            img.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(mirrored / image.name)
+    path = kontext_toml(folder, model=PLUS, **kw)
+    one = f'control_path = "{(EDIT / "before").as_posix()}"'
+    text = path.read_text(encoding="utf-8")
+    assert one in text
+    two = (f'control_path = ["{(EDIT / "before").as_posix()}", '
+           f'"{mirrored.as_posix()}"]')
+    path.write_text(text.replace(one, two), encoding="utf-8")
+    return path
+
+
+def test_edit_plus_trains_and_its_lora_gives_the_trained_models_images(tmp_path: Path) -> None:
+    """Two input images per pair: samples through QwenImageEditPlusPipeline with both, and the
+    LoRA loaded there (the pipeline encoding the texts with both images) gives them."""
+    prompts = tmp_path / "prompts.txt"
+    circle = [EDIT / "before/circle.png", tmp_path / "mirrored/circle.png"]
+    prompts.write_text(f"make the circle red --ci {circle[0].as_posix()} "
+                       f"--ci {circle[1].as_posix()} --w 64 --h 64 --s 4\n", encoding="utf-8")
+    cfg = plus_toml(tmp_path, prompts=prompts)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    out = tmp_path / "out"
+    family = families.get("qwen_image", "edit-plus")
+    policy = PrecisionPolicy.from_config(PrecisionConfig(), torch.device("cpu"))
+    pipe = family.pipeline(family.load(ModelConfig(family="qwen_image", flavor="tiny",
+                                                   variant="edit-plus"), policy))
+    assert type(pipe).__name__ == "QwenImageEditPlusPipeline"
+    pipe.load_lora_weights(str(out / "lora.safetensors"))  # type: ignore[attr-defined]
+    result = pipe(prompt="make the circle red", negative_prompt="",  # type: ignore[operator]
+                  true_cfg_scale=4.0, image=[load_rgb(p) for p in circle], width=64, height=64,
+                  num_inference_steps=4, generator=torch.Generator("cpu").manual_seed(0))
+    with Image.open(out / "samples/step-000004_00_make-the-circle-red.png") as img:
+        ours = np.asarray(img.convert("RGB"), dtype=np.int16)
+    assert np.abs(np.asarray(result.images[0], dtype=np.int16) - ours).max() <= 1
+    assert all(np.isfinite(r["loss"]) for r in metrics_rows(out))
+
+
+def test_edit_plus_resume_with_disk_caches_is_exact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = plus_toml(tmp_path / "a", steps=4, extra=DISK)
+    b = plus_toml(tmp_path / "b", steps=4, extra=DISK)
+    assert train_exit_code(a) == 0
+    real = Reporter.step
+
+    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
+        real(self, s, *args, **kwargs)
+        if s == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Reporter, "step", reporting)
+        assert train_exit_code(b) == 0
+    assert train_exit_code(b, extra=["--resume", "latest"]) == 0
+    rows = [[(r["step"], r["loss"]) for r in map(json.loads, (p / "out" / "metrics.jsonl")
+                                                 .read_text().splitlines())]
+            for p in (tmp_path / "a", tmp_path / "b")]
+    assert rows[0] == rows[1] and len(rows[0]) == 4
+    files = list((tmp_path / "a").rglob("*.safetensors"))
+    assert len([p for p in files if "latents" in p.parts]) == 12  # 4 targets, 8 references
+    assert len([p for p in files if "text" in p.parts]) == 4  # one per instruction+images
