@@ -34,7 +34,9 @@ class TextImage:
 
         from difftune.data.images import load_rgb
 
-        img = self.image if self.image is not None else load_rgb(self.path)  # type: ignore[arg-type]
+        img = self.image
+        if img is None:
+            img = load_rgb(self.path)  # type: ignore[arg-type]
         if self.size is not None and img.size != tuple(self.size):
             img = img.resize(tuple(self.size), Image.Resampling.LANCZOS)
         return img

@@ -8,7 +8,8 @@ prompt template, so that its system prefix is the same 34 tokens it is for the r
 tokenizer (the pipeline drops exactly 34). FlowMatchEulerDiscreteScheduler with the released
 settings. The edit variants' tokenizer also merges the edit template's words, and comes inside
 a Qwen2VLProcessor (Qwen2VLImageProcessorPil's defaults: 14-pixel patches merged 2x2, as
-released) whose image tokens the tiny vision tower reads. Nothing is downloaded; weights are random from a fixed seed inside a forked RNG.
+released) whose image tokens the tiny vision tower reads. Nothing is downloaded; weights are
+random from a fixed seed inside a forked RNG.
 """
 
 from __future__ import annotations
