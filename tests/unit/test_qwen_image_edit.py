@@ -162,3 +162,23 @@ def test_text_entries_are_keyed_by_the_image(tmp_path: Path) -> None:
     other = from_file(path, size, "another-rule")
     texts.get(["make it red"], [(other,)])
     assert len(store) == 4  # the size rule is part of the key
+
+
+def test_training_reads_pair_images_at_the_pipelines_text_sizes(tmp_path: Path) -> None:
+    from difftune.cache.controls import ControlSource
+    from difftune.data.discover import Item
+
+    paths = [_image(tmp_path / f"in{n}.png", s, n) for n, s in enumerate([(40, 30), (30, 60)])]
+    item = Item(tmp_path / "t.png", "make it red", (64, 64), (64, 64), 0, 0, 1, False,
+                "center", controls=tuple(paths), control_sizes=((64, 64), (32, 64)))
+    for variant, area in (("edit", 1024 * 1024), ("edit-plus", 384 * 384)):
+        _, family, comps = _setup(variant)
+        images = ControlSource(family, comps, [item], MemoryStore()).text_images(0)
+        assert [i.size for i in images] == [edit.dimensions(area, (40, 30)),
+                                             edit.dimensions(area, (30, 60))]
+        assert images[0].load().size == images[0].size
+        assert family.text_image_rule in images[0].key
+    # a family whose encoders read no images gets none (its text keys stay as they were)
+    flux = families.get("flux", "kontext")
+    comps = flux.load(ModelConfig(family="flux", flavor="tiny", variant="kontext"), _cpu_policy())
+    assert ControlSource(flux, comps, [item], MemoryStore()).text_images(0) == ()
