@@ -19,7 +19,9 @@ from PIL import Image
 from difftune.cache.keys import control_fields, entry_key
 from difftune.cache.sources import Progress, Share, _no_progress
 from difftune.cache.store import Store
+from difftune.cache.text_images import TextImage, from_file
 from difftune.data.discover import Item
+from difftune.data.images import probe_image
 from difftune.families.base import Components, Family
 
 log = logging.getLogger("difftune")
@@ -37,6 +39,8 @@ class ControlSource:
         self.dtype = str(comps.vae.dtype).removeprefix("torch.")
         self._keys: dict[tuple[int, int], tuple[str, dict[str, Any]]] = {}
         self.unreadable: set[tuple[Path, ...]] = set()  # warned once each
+        self.reads_images = any(s.reads_images for s in family.text_encoders)
+        self._text_images: dict[int, tuple[TextImage, ...]] = {}
 
     def _key(self, index: int, n: int) -> tuple[str, dict[str, Any]]:
         """The entry key (and its fields) of item `index`'s control number `n`."""
@@ -73,6 +77,26 @@ class ControlSource:
                             "samples are skipped from now on (training goes on)",
                             self.items[index].path, type(err).__name__, err)
             return None
+
+    def text_images(self, index: int) -> tuple[TextImage, ...]:
+        """Item `index`'s control images as its text encoder reads them with the caption (at
+        the family's `text_image_size`); () when no encoder of the family reads images."""
+        if not self.reads_images:
+            return ()
+        if index not in self._text_images:
+            item, rule = self.items[index], self.family.text_image_rule
+            self._text_images[index] = tuple(
+                from_file(path, self.family.text_image_size(probe_image(path), size), rule)
+                for path, size in zip(item.controls, item.control_sizes))
+        return self._text_images[index]
+
+    def text_requests(self, known: list[list[str] | None]
+                      ) -> tuple[list[str], list[tuple[TextImage, ...]]]:
+        """The captions every item may draw (`known`: per item, None when drawn afresh) and,
+        parallel to them, the item's text images."""
+        pairs = [(t, self.text_images(i)) for i, k in enumerate(known) if k is not None
+                 for t in k]
+        return [t for t, _ in pairs], [im for _, im in pairs]
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         """The batch's control latents: one (B, C, h, w) tensor per control number (the

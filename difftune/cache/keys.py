@@ -51,10 +51,16 @@ def latent_fields(
 
 def text_fields(
     family: str, fingerprint: str, dtype: str, caption: str, encoders: list[dict[str, Any]],
+    images: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The inputs that decide a text entry: exact caption and each encoder's declared settings."""
-    return {"kind": "text", "family": family, "model": fingerprint, "dtype": dtype,
-            "caption": caption, "encoders": encoders}
+    """The inputs that decide a text entry: exact caption and each encoder's declared settings,
+    and the content keys of the images an encoder reads with the caption (only when it reads
+    some: the keys of text-only entries stay as they were)."""
+    fields: dict[str, Any] = {"kind": "text", "family": family, "model": fingerprint,
+                              "dtype": dtype, "caption": caption, "encoders": encoders}
+    if images:
+        fields["images"] = images
+    return fields
 
 
 def control_fields(family: str, fingerprint: str, dtype: str, image: Path,

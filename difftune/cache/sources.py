@@ -21,6 +21,7 @@ from PIL import Image
 from difftune.cache.keys import entry_key, latent_fields, text_fields
 from difftune.adapters.embeddings import Embeddings
 from difftune.cache.store import Store
+from difftune.cache.text_images import TextImage
 from difftune.data.discover import Item
 from difftune.data.images import crop_box, load_pixels
 from difftune.families.base import Components, Family, TextEmbeds, pad_cat
@@ -33,6 +34,7 @@ log = logging.getLogger("difftune")
 
 
 Share = Callable[[list[Any]], list[Any]]  # a process's part of a list of work items
+Images = tuple[TextImage, ...]  # the images an encoder reads with one caption
 
 
 def _no_progress(it: Iterable, desc: str, total: int) -> Iterable:
@@ -147,7 +149,9 @@ class TextSource:
     Each frozen encoder's output for one caption is its own cache entry (keyed by that encoder's
     spec, max length, mask and clip skip), so training one encoder never invalidates another's
     entries. Encoders in `trained` are never cached: they run live on every call, with
-    gradients when the caller's grad mode is on.
+    gradients when the caller's grad mode is on. An encoder whose spec reads images gets each
+    caption's images (`images`, parallel to the captions; none when not given), and their
+    content keys enter its entries' keys; other encoders ignore them.
     """
 
     def __init__(self, family: Family, comps: Components, store: Store,
@@ -160,7 +164,7 @@ class TextSource:
         self.options = options or EncodeOptions()
         self.trained = frozenset(trained)
         self.specs = {s.name: s for s in family.text_encoders}
-        self._keys: dict[tuple[str, str], tuple[str, dict[str, object]]] = {}
+        self._keys: dict[tuple[str, str, Images], tuple[str, dict[str, object]]] = {}
         # Kept apart from the modules, which may be unloaded: part of every key.
         self._dtypes = {n: str(m.dtype).removeprefix("torch.")
                         for n, m in comps.text_encoders.items()}
@@ -204,23 +208,35 @@ class TextSource:
         return dict(spec.key_fields(), max_length=text.max_length(spec, self.comps.extras),
                     mask=self.options.mask_for(spec), clip_skip=self.options.skip_for(spec))
 
-    def _key(self, name: str, caption: str) -> tuple[str, dict[str, object]]:
-        if (name, caption) not in self._keys:
+    def _images(self, name: str, images: Images) -> Images:
+        """The images encoder `name` reads (none unless its spec reads images)."""
+        return images if self.specs[name].reads_images else ()
+
+    def _key(self, name: str, caption: str, images: Images = ()
+             ) -> tuple[str, dict[str, object]]:
+        images = self._images(name, images)
+        if (name, caption, images) not in self._keys:
             dtype = self._dtypes[name]
             fields = text_fields(family=self.family.name, fingerprint=self.comps.fingerprint,
                                  dtype=dtype, caption=caption,
-                                 encoders=[self.encoder_fields(name)])
-            self._keys[name, caption] = entry_key(fields), fields
-        return self._keys[name, caption]
+                                 encoders=[self.encoder_fields(name)],
+                                 images=[i.key for i in images])
+            self._keys[name, caption, images] = entry_key(fields), fields
+        return self._keys[name, caption, images]
 
-    def _run(self, name: str, captions: list[str]) -> dict[str, torch.Tensor]:
+    def _run(self, name: str, captions: list[str], images: list[Images] | None = None
+             ) -> dict[str, torch.Tensor]:
         """One encoder on a batch of captions, in the caller's grad mode (placeholders
         expanded to their tokens, and output embeddings put in, for the encoders that learn)."""
         spec, emb = self.specs[name], self.embeddings
+        tok = self.comps.tokenizers[name]
+        if spec.reads_images:
+            pics = [[i.load() for i in imgs] for imgs in (images or [()] * len(captions))]
+            return text.encode_with_images(spec, self.comps.text_encoders[name], tok,
+                                           captions, pics)
         if emb is not None:
             captions = [emb.expand(name, c) for c in captions]
         length = text.max_length(spec, self.comps.extras)
-        tok = self.comps.tokenizers[name]
         out = text.encode(spec, self.comps.text_encoders[name], tok, captions, length,
                           self.options.mask_for(spec), self.options.skip_for(spec))
         if emb is not None and name in emb.encoders():
@@ -234,41 +250,47 @@ class TextSource:
         """A frozen encoder's outputs (CPU tensors) for a batch, encoding only the misses."""
         return self._frozen_outputs([name], captions)[name]
 
-    def _frozen_outputs(self, names: list[str], captions: list[str]
+    def _frozen_outputs(self, names: list[str], captions: list[str],
+                        images: list[Images] | None = None
                         ) -> dict[str, dict[str, torch.Tensor]]:
         """Frozen encoders' outputs by name; every miss is encoded in one `resident` block."""
-        found: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        requests = list(zip(captions, images or [()] * len(captions)))
+        found: dict[tuple[str, str, Images], dict[str, torch.Tensor]] = {}
         misses = []
         for name in names:
-            for cap in dict.fromkeys(captions):
-                hit = self.store.get(self._key(name, cap)[0])
+            for cap, imgs in dict.fromkeys(requests):
+                hit = self.store.get(self._key(name, cap, imgs)[0])
                 if hit is None:
-                    misses.append((name, cap))
+                    misses.append((name, cap, imgs))
                 else:
-                    found[name, cap] = hit
+                    found[name, cap, imgs] = hit
         if misses:
             with self.resident():
-                found.update({(n, c): self._make(n, c) for n, c in misses})
-        return {n: pad_cat([found[n, c] for c in captions]) for n in names}
+                found.update({m: self._make(*m) for m in misses})
+        return {n: pad_cat([found[n, c, i] for c, i in requests]) for n in names}
 
-    def _make(self, name: str, caption: str) -> dict[str, torch.Tensor]:
-        """Encode one caption with one frozen encoder and store it.
+    def _make(self, name: str, caption: str, images: Images = ()) -> dict[str, torch.Tensor]:
+        """Encode one caption (with its images) with one frozen encoder and store it.
 
         One caption at a time: batched kernels can differ in the last bits with the batch
         size, and an entry's value must depend on its key alone.
         """
-        key, fields = self._key(name, caption)
+        key, fields = self._key(name, caption, images)
         with torch.no_grad():
-            out = {k: v.cpu() for k, v in self._run(name, [caption]).items()}
+            out = {k: v.cpu() for k, v in
+                   self._run(name, [caption], [self._images(name, images)]).items()}
         self.store.put(key, out, {k: str(v) for k, v in fields.items()})
         return out
 
-    def outputs(self, captions: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """Every encoder's outputs: trained ones live (on their device), frozen ones cached."""
-        out = {name: self._run(name, captions) for name in self.specs if name in self.trained}
+    def outputs(self, captions: list[str], images: list[Images] | None = None
+                ) -> dict[str, dict[str, torch.Tensor]]:
+        """Every encoder's outputs: trained ones live (on their device), frozen ones cached;
+        `images`: each caption's images, for the encoders that read them."""
+        out = {name: self._run(name, captions, images) for name in self.specs
+               if name in self.trained}
         device = next((t.device for o in out.values() for t in o.values()), torch.device("cpu"))
         plain = [n for n in self._frozen() if not self._uses(n, captions)]
-        frozen = self._frozen_outputs(plain, captions)
+        frozen = self._frozen_outputs(plain, captions, images)
         out.update({n: {k: v.to(device) for k, v in o.items()} for n, o in frozen.items()})
         for name in self._frozen():
             if name not in plain:
@@ -292,32 +314,35 @@ class TextSource:
         joined = pad_cat([{k: v.to(device) for k, v in p.items()} for p in parts.values()])
         return {k: v[back.to(device)] for k, v in joined.items()}
 
-    def get(self, captions: list[str]) -> TextEmbeds:
-        """Embeddings for a batch of captions, combined by the family."""
-        return self.family.combine_text(self.comps, self.outputs(captions))
+    def get(self, captions: list[str], images: list[Images] | None = None) -> TextEmbeds:
+        """Embeddings for a batch of captions (with each one's images, for the encoders that
+        read them), combined by the family."""
+        return self.family.combine_text(self.comps, self.outputs(captions, images))
 
-    def keys(self, captions: list[str]) -> set[str]:
+    def keys(self, captions: list[str], images: list[Images] | None = None) -> set[str]:
         """The entry keys of these captions for every frozen encoder (what `--prune` keeps)."""
-        return {self._key(n, c)[0] for c in dict.fromkeys(captions) for n in self.specs
+        requests = dict.fromkeys(zip(captions, images or [()] * len(captions)))
+        return {self._key(n, c, i)[0] for c, i in requests for n in self.specs
                 if self._cacheable(n, c)}
 
     def fill(self, captions: list[str], progress: Progress = _no_progress,
-             share: Share = list) -> list[str]:
-        """Encode every distinct caption not yet stored, for every frozen encoder (of this
-        process's `share` of the captions); returns the keys computed."""
+             share: Share = list, images: list[Images] | None = None) -> list[str]:
+        """Encode every distinct caption (with its images) not yet stored, for every frozen
+        encoder (of this process's `share` of them); returns the keys computed."""
         frozen = self._frozen()
-        distinct = share(list(dict.fromkeys(captions)))
-        missing = self.store.missing([self._key(n, c)[0] for c in distinct for n in frozen])
-        todo: dict[str, list[str]] = {}
-        for caption in distinct:
-            names = [n for n in frozen if self._key(n, caption)[0] in missing
+        distinct = share(list(dict.fromkeys(zip(captions, images or [()] * len(captions)))))
+        missing = self.store.missing([self._key(n, c, i)[0] for c, i in distinct
+                                      for n in frozen])
+        todo: dict[tuple[str, Images], list[str]] = {}
+        for caption, imgs in distinct:
+            names = [n for n in frozen if self._key(n, caption, imgs)[0] in missing
                      and self._cacheable(n, caption)]
             if names:
-                todo[caption] = names
+                todo[caption, imgs] = names
         if not todo:
             return []
         with self.resident():
-            for caption in progress(todo, "caching text embeddings", len(todo)):
-                for name in todo[caption]:
-                    self._make(name, caption)
-        return [self._key(n, c)[0] for c, names in todo.items() for n in names]
+            for caption, imgs in progress(todo, "caching text embeddings", len(todo)):
+                for name in todo[caption, imgs]:
+                    self._make(name, caption, imgs)
+        return [self._key(n, c, i)[0] for (c, i), names in todo.items() for n in names]

@@ -188,6 +188,20 @@ class Family(Protocol):
         """The control rule as control-latent cache keys name it (see `control_rule`)."""
         ...
 
+    def text_image_size(self, image_size: tuple[int, int], control_size: tuple[int, int]
+                        ) -> tuple[int, int]:
+        """The (width, height) a text encoder that reads images (`TextEncoderSpec.image_prompt`)
+        reads a control image of upright `image_size` at (encoded at `control_size`)."""
+        ...
+
+    # Names the text-image size rule (part of the keys of text entries that read images).
+    text_image_rule: str
+
+    def pipeline_text_images(self, images: list[Any]) -> list[Any]:
+        """A sample prompt's input images (PIL) as the pipeline's text encoder reads them
+        (sized by the pipeline's rule); none for a family whose encoders read no images."""
+        ...
+
     def load(self, cfg: "ModelConfig", policy: "PrecisionPolicy") -> Components:
         """Load (or build, for the tiny flavor) all components from local files."""
         ...

@@ -40,7 +40,10 @@ class TextEncoderSpec:
     ("max_length") or to its longest text ("longest", with `max_length` as the truncation
     limit), as the family's pipeline does. `valid_positions` > 0 passes position ids that count
     only the masked tokens (padding takes no position), repeated over that many rotary axes (3
-    for Qwen-VL's mRoPE).
+    for Qwen-VL's mRoPE). `image_prompt` (None: text only) makes a vision-language encoder
+    read the item's control images with its caption, through the processor held as its
+    tokenizer: this format string (`{}` the image's 1-based number) is written once per image
+    before the caption, and the processor expands its image tokens.
     """
 
     name: str
@@ -62,6 +65,7 @@ class TextEncoderSpec:
     stack: Literal["features", "axis"] = "features"
     pad: Literal["max_length", "longest"] = "max_length"
     valid_positions: int = 0
+    image_prompt: str | None = None
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
@@ -77,6 +81,11 @@ class TextEncoderSpec:
     def is_clip(self) -> bool:
         """Whether this is a CLIP encoder (BOS first, clip_skip meaningful)."""
         return self.kind in CLIP_KINDS
+
+    @property
+    def reads_images(self) -> bool:
+        """Whether this encoder reads the item's control images with its caption."""
+        return self.image_prompt is not None
 
 
 @dataclass(frozen=True)
@@ -156,7 +165,7 @@ family's files would load, with the reason.
 CLIP_KINDS = ("clip", "clip_projection")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
 DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "suffix",
-                  "drop", "layers", "stack", "pad", "valid_positions")
+                  "drop", "layers", "stack", "pad", "valid_positions", "image_prompt")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

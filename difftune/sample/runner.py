@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from difftune.cache.text_images import from_pil
 from difftune.config import SampleConfig
 from difftune.data.images import load_rgb
 from difftune.sample.prompts import PromptSpec, parse_line, read_prompts  # noqa: F401 (re-exported)
@@ -136,8 +137,7 @@ class SampleRunner:
 
     def _run(self, step: int, specs: list[PromptSpec], out_dir: Path, label: str) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
-        texts = [s.prompt for s in specs] + [s.negative for s in specs if s.cfg > 1.0]
-        self.texts.fill(texts)  # every new text of the event at once (one reload at most)
+        self._prefill(specs)  # every new text of the event at once (one reload at most)
         paths, images = [], []
         for i, spec in enumerate(specs):
             if self.stop():
@@ -166,6 +166,26 @@ class SampleRunner:
                 self.reporter.image("samples", np.asarray(sheet), step)
         return paths
 
+    def _seen(self, inputs: list[Image.Image]) -> tuple[Any, ...]:
+        """The images the pipeline's text encoder reads with a prompt's texts (none for
+        families whose encoders read no images), as text-cache key parts."""
+        return tuple(from_pil(i) for i in self.family.pipeline_text_images(inputs))
+
+    def _prefill(self, specs: list[PromptSpec]) -> None:
+        """Encode the event's texts (each with the images its encoder reads) in one go; a
+        prompt whose input image cannot be read is left to `_run`, which reports it."""
+        texts: list[str] = []
+        images: list[tuple[Any, ...]] = []
+        for spec in specs:
+            try:
+                seen = self._seen([load_rgb(p) for p in spec.images]) if spec.images else ()
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+                continue
+            for text in [spec.prompt] + ([spec.negative] if spec.cfg > 1.0 else []):
+                texts.append(text)
+                images.append(seen)
+        self.texts.fill(texts, images=images)
+
     def _size(self, spec: PromptSpec) -> tuple[int, int]:
         step = self.family.bucket_step
         w, h = max(step, spec.width // step * step), max(step, spec.height // step * step)
@@ -182,8 +202,11 @@ class SampleRunner:
         if self._pipe is None:
             self._pipe = self.family.pipeline(self.comps)
         device, dtype = self.policy.device, self.comps.denoiser.dtype
-        embeds = self.texts.get([spec.prompt]).to(device, dtype)
-        negative = self.texts.get([spec.negative]).to(device, dtype) if spec.cfg > 1.0 else None
+        # The images the pipeline's text encoder would read (none for most families).
+        seen = [self._seen(inputs or [])]
+        embeds = self.texts.get([spec.prompt], seen).to(device, dtype)
+        negative = (self.texts.get([spec.negative], seen).to(device, dtype) if spec.cfg > 1.0
+                    else None)
         kwargs = self.family.pipeline_inputs(embeds, negative, spec.guidance, spec.cfg)
         width, height = self._size(spec)
         kwargs.update(self.family.pipeline_images(inputs or [], width, height))

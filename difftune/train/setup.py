@@ -158,8 +158,10 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
     if cache.text != "none":
         known = [run.captions.known_texts(i) for i in range(len(run.data.items))]
         live = any(k is None for k in known)
-        texts = [t for k in known if k is not None for t in k]
-        share_cache(run.texts.store, run.texts.fill(texts + extra_texts, wrap, dist.share), dist)
+        texts, images = run.controls.text_requests(known)
+        images += [()] * len(extra_texts)
+        share_cache(run.texts.store, run.texts.fill(texts + extra_texts, wrap, dist.share,
+                                                    images), dist)
     report_bad_entries(run)
     dist.barrier()  # every process's disk entries are written before anyone reads them
     if cache.unload_text_encoders:

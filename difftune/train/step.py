@@ -46,7 +46,8 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
         draw = draw.rows(torch.tensor(keep))
         indices, per_sample = [indices[k] for k in keep], [per_sample[k] for k in keep]
     captions = [run.captions.text(i, s, step) for i, s in zip(indices, per_sample)]
-    embeds = run.texts.get(captions).to(device)
+    images = [run.controls.text_images(i) for i in indices]  # () unless the encoder reads them
+    embeds = run.texts.get(captions, images).to(device)
     cond = conditioning(run, indices, per_sample)
     kept = [controls[k] for k in keep]
     if kept[0]:  # one (B, C, h, w) tensor per control image: the sampler never mixes sizes

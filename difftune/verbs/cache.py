@@ -42,9 +42,10 @@ def _prune(run: Run, extra_texts: list[str]) -> list[str]:
     """Delete the disk entries this config no longer references; report the space freed."""
     lines = []
     known = [run.captions.known_texts(i) for i in range(len(run.data.items))]
-    texts = [t for k in known if k is not None for t in k] + extra_texts
+    texts, images = run.controls.text_requests(known)
     wanted = {"latents": lambda: run.latents.keys() | run.controls.keys(),
-              "text": lambda: run.texts.keys(texts)}
+              "text": lambda: run.texts.keys(texts + extra_texts,
+                                             images + [()] * len(extra_texts))}
     for kind, store in (("latents", run.latents.store), ("text", run.texts.store)):
         if isinstance(store, DiskStore):
             files, freed = store.prune(wanted[kind]())

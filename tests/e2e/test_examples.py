@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxKontextPipeline, FluxPipeline,
-                       Krea2Pipeline,
+                       Krea2Pipeline, QwenImageEditPipeline,
                        QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline,
                        ZImagePipeline)
 
@@ -37,6 +37,8 @@ PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "flux2-edit-lora.toml": (Flux2KleinPipeline, lambda: build_tiny_flux2("klein")),
              "krea2-lora.toml": (Krea2Pipeline, build_tiny_krea2),
              "qwen-image-lora.toml": (QwenImagePipeline, build_tiny_qwen_image),
+             "qwen-image-edit-lora.toml": (QwenImageEditPipeline,
+                                           lambda: build_tiny_qwen_image("edit")),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
              "sdxl-lora.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
              "sdxl-pivotal.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
@@ -73,6 +75,7 @@ def _localize(example: Path, tmp_path: Path, images: Path, prompts: Path) -> Pat
         text = re.sub(r"^control_path = \[.*$", lambda m: re.sub(
             r'"/data/[^"]*"', f'"{(edit / "before").as_posix()}"', m.group(0)), text,
             flags=re.MULTILINE)
+        prompts = edit / "prompts.txt"  # with input images (an edit-only pipeline needs one)
     text = re.sub(r'^path = "/data/[^"]*"', f'path = "{images.as_posix()}"', text,
                   flags=re.MULTILINE)
     text = re.sub(r'^dir = "/runs/[^"]*"', f'dir = "{(tmp_path / "out").as_posix()}"', text,

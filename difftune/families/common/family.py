@@ -86,6 +86,8 @@ class FamilyBase:
     # The control-size rule's name and parameters (in control-latent cache keys): by default a
     # control takes its target's bucket.
     control_rule: ClassVar[str] = "target-bucket"
+    # The text-image size rule's name (text entries' keys): by default the control's size.
+    text_image_rule: ClassVar[str] = "control-size"
     # LoRA preset -> full-match regexes of denoiser module names.
     presets: ClassVar[dict[str, list[str]]]
     loaders: ClassVar[Loaders]
@@ -225,6 +227,17 @@ class FamilyBase:
     def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
         """The pipeline's input-image arguments (edit families override; none by default)."""
         return {}
+
+    def text_image_size(self, image_size: tuple[int, int], control_size: tuple[int, int]
+                        ) -> tuple[int, int]:
+        """The size an image-reading text encoder reads a control image at: the size it is
+        encoded at, unless the family's pipeline sizes it otherwise (it then overrides this)."""
+        return (control_size[0], control_size[1])
+
+    def pipeline_text_images(self, images: list[Any]) -> list[Any]:
+        """The images the pipeline's text encoder reads: none, unless an encoder reads them
+        (families whose encoders do override this)."""
+        return []
 
     def pipeline(self, c: Components) -> "DiffusionPipeline":
         """The family's diffusers pipeline over the loaded components (text encoders wherever

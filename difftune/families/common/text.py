@@ -236,18 +236,44 @@ def encode(
     return dropped(result, spec.drop)
 
 
+def encode_with_images(spec: TextEncoderSpec, model: torch.nn.Module, processor: Any,
+                       texts: list[str], images: list[list[Any]]) -> dict[str, torch.Tensor]:
+    """Encode texts with a vision-language encoder that reads each text's images (PIL, as
+    given: sized by the caller) too: the spec's `image_prompt` once per image before the
+    caption, in the spec's template; the processor (its tokenizer and image processor) pads
+    to the longest and expands the image tokens; the model reads the pixels with the tokens.
+    Returns "hidden" and "mask", trimmed and dropped as `encode` does."""
+    assert spec.image_prompt is not None
+    prompts = ["".join(spec.image_prompt.format(i + 1) for i in range(len(imgs))) + t
+               for t, imgs in zip(texts, images)]
+    flat = [img for imgs in images for img in imgs]
+    inputs = processor(text=chat_texts(spec, processor, prompts), images=flat or None,
+                       padding=True, return_tensors="pt")
+    device = module_device(model)
+    attention = inputs["attention_mask"].to(device)
+    vision = {k: inputs[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in inputs}
+    out = model(input_ids=inputs["input_ids"].to(device), attention_mask=attention,
+                output_hidden_states=True, **vision)
+    result = {"hidden": hidden_of(spec, out, -1, True), "mask": attention}
+    return trimmed(result, spec.drop) if spec.trim else dropped(result, spec.drop)
+
+
 def encode_all(
     specs: tuple[TextEncoderSpec, ...],
     c: Components,
     texts: list[str],
     options: EncodeOptions | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Every encoder's outputs by spec name (no grad: for sampling and cache filling)."""
+    """Every encoder's outputs by spec name (no grad: for sampling and cache filling; an
+    encoder that reads images reads none here)."""
     options = options or EncodeOptions()
+
+    def one(spec: TextEncoderSpec) -> dict[str, torch.Tensor]:
+        model, tok = c.text_encoders[spec.name], c.tokenizers[spec.name]
+        if spec.reads_images:
+            return encode_with_images(spec, model, tok, texts, [[] for _ in texts])
+        return encode(spec, model, tok, texts, max_length(spec, c.extras),
+                      options.mask_for(spec), options.skip_for(spec))
+
     with torch.no_grad():
-        return {
-            spec.name: encode(spec, c.text_encoders[spec.name], c.tokenizers[spec.name], texts,
-                              max_length(spec, c.extras), options.mask_for(spec),
-                              options.skip_for(spec))
-            for spec in specs
-        }
+        return {spec.name: one(spec) for spec in specs}

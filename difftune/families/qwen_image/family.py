@@ -6,7 +6,9 @@ Latents come from AutoencoderKLQwenImage (a video-style VAE: a frame axis, and p
 `img_shapes` (frames, rows, columns of patches) for its RoPE, the time as sigma in [0, 1], the
 text embeddings with their mask, and predicts the velocity (noise - x0) the scheduler steps
 with. Text embeddings are variable-length (the template's 34 tokens dropped, only each
-caption's own tokens kept) and travel padded with a mask (`families.base.pad_cat`).
+caption's own tokens kept) and travel padded with a mask (`families.base.pad_cat`). The edit
+variants (`edit.py`) read the instruction with the input image(s) through Qwen2.5-VL's vision
+tower and append the images' packed latents after the target's tokens.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from difftune.families.common import frame_vae
 from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
 from difftune.families.common.family import Loaders
 from difftune.families.common.latents import pack, unpack
+from difftune.families.qwen_image import edit
 from difftune.families.qwen_image.spec import SPEC
 
 if TYPE_CHECKING:
-    pass
+    from diffusers import DiffusionPipeline
 
 _BLOCK = r"transformer_blocks\.\d+\."
 _ATTENTION = [_BLOCK + r"attn\.(?:to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj"
@@ -51,6 +54,59 @@ class QwenImageFamily(DiffusersLayoutFamily):
     presets = PRESETS
     loaders = Loaders("build_tiny_qwen_image", "load_qwen_image_files",
                       "load_qwen_image_text_encoders")
+    control_rule = edit.RULE
+
+    @property
+    def _plus(self) -> bool:
+        """Whether this variant takes several input images (the Plus pipeline's sizes)."""
+        return self.spec.control_images > 1
+
+    @property
+    def text_image_rule(self) -> str:  # type: ignore[override]
+        """The edit pipelines' text-image size rule (edit or Plus)."""
+        return edit.text_rule(self._plus)
+
+    def control_size(self, image_size: tuple[int, int], target_bucket: tuple[int, int],
+                     resolution: int) -> tuple[int, int]:
+        """A reference image's VAE size: the edit pipelines' rule at the dataset's resolution
+        (`edit.control_size`), whatever the target's bucket."""
+        return edit.control_size(image_size, resolution)
+
+    def text_image_size(self, image_size: tuple[int, int], control_size: tuple[int, int]
+                        ) -> tuple[int, int]:
+        """The size the pipeline gives its text encoder an input image at (edit: 1024 x 1024
+        in area; Plus: 384 x 384), from the image's own size."""
+        return edit.dimensions(edit.text_area(self._plus), image_size)
+
+    def pipeline_text_images(self, images: list[Any]) -> list[Any]:
+        """The sample's input images as the edit pipeline's text encoder reads them."""
+        if not self.spec.control_images:
+            return []
+        return edit.text_images(images, self._plus)
+
+    def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
+        """The edit pipelines' `image` (one, or a list for Plus); they size it themselves."""
+        if not self.spec.control_images:
+            return {}
+        if not images:
+            raise ValueError(f"{self.spec.pipeline_class} edits an input image and makes no "
+                             "image from text alone; name one with --ci <image>")
+        return {"image": list(images) if self._plus else images[0]}
+
+    def pipeline(self, c: Components) -> "DiffusionPipeline":
+        """The variant's pipeline; the edit pipelines take the processor (held as the text
+        encoder's tokenizer) and its tokenizer."""
+        if not self.spec.control_images:
+            return super().pipeline(c)
+        import diffusers
+
+        processor = c.tokenizers["qwen2_5_vl"]
+        pipe = getattr(diffusers, self.spec.pipeline_class)(
+            transformer=c.denoiser, vae=c.vae, scheduler=c.scheduler,
+            text_encoder=c.text_encoders["qwen2_5_vl"], tokenizer=processor.tokenizer,
+            processor=processor)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]
                      ) -> TextEmbeds:
@@ -75,16 +131,19 @@ class QwenImageFamily(DiffusersLayoutFamily):
         guidance = None
         if c.denoiser.config.guidance_embeds:
             guidance = torch.full((b,), float(cond.guidance), device=noisy.device)
+        tokens = pack(noisy)
+        # Edit variants: reference tokens follow the target's; the loss reads the target's only.
+        hidden, shapes = edit.with_controls(tokens, h, w, cond.controls)
         out = c.denoiser(
-            hidden_states=pack(noisy),
+            hidden_states=hidden,
             encoder_hidden_states=embeds.tensors["prompt_embeds"].to(dtype),
             encoder_hidden_states_mask=None if bool(mask.all()) else mask,
             timestep=t.to(dtype),
-            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            img_shapes=[shapes] * b,
             guidance=guidance,
             return_dict=False,
         )[0]
-        return unpack(out, h, w)
+        return unpack(out[:, : tokens.shape[1]].contiguous() if cond.controls else out, h, w)
 
     def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
                         guidance: float, cfg: float) -> dict[str, Any]:

@@ -199,7 +199,44 @@ def _layout() -> FolderLayout:
 def load_qwen_image_files(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
     """Every component in `dtypes` (single files over the folder's), plus "name" and
     "fingerprint"."""
-    return load_components(cfg, dtypes, _folder(cfg), _layout(), load_qwen_image_text_encoders)
+    parts = load_components(cfg, dtypes, _folder(cfg), _layout(), load_qwen_image_text_encoders)
+    if cfg.variant not in (None, "base"):
+        parts["processor"] = load_processor(_folder(cfg))
+    return parts
+
+
+def vl_processor(image_processor: Any, tokenizer: Any) -> Any:
+    """Qwen2.5-VL's processor (images and text; the edit pipelines give it no video), as a
+    Qwen2VLProcessor without the video processor, whose class transformers checks and saves
+    even when absent (and which needs torchvision)."""
+    from transformers import Qwen2VLProcessor as Base
+
+    class Qwen2VLProcessor(Base):
+        """Qwen2VLProcessor over an image processor and a tokenizer only."""
+
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None,
+                      chat_template: Any = None, **kwargs: Any) -> None:
+            """Base's init, without a video processor."""
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template,
+                             **kwargs)
+
+    # Saved folders name transformers' class, which reads them back wherever it can load.
+    Qwen2VLProcessor.__module__ = "transformers"
+    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
+
+def load_processor(folder: Path) -> Any:
+    """An edit folder's Qwen2.5-VL processor (processor/: the image processor's settings and
+    the tokenizer), read locally."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    sub = folder / "processor"
+    if not sub.is_dir():
+        raise ModelFileError(f"{folder} has no processor/ folder; Qwen-Image-Edit folders "
+                             "hold Qwen2.5-VL's processor there")
+    return vl_processor(Qwen2VLImageProcessorPil.from_pretrained(sub, local_files_only=True),
+                        AutoTokenizer.from_pretrained(sub, local_files_only=True))
+
 
 def load_qwen_image_text_encoders(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The Qwen2.5-VL text encoder alone: `model.text_encoder` if given, else the folder's."""

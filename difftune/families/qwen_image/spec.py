@@ -4,10 +4,16 @@ defaults.
 Read by config validation before anything heavy is imported, and by `QwenImageFamily`.
 Qwen-Image and Qwen-Image-2512 share the architecture (the same transformer, VAE, text encoder,
 prompt template and scheduler config; 2512 is a later training of the same weights), so one
-spec serves both.
+spec serves both. Two edit variants read the instruction together with the input image(s)
+through Qwen2.5-VL's vision tower (their processor held as the encoder's tokenizer) and append
+the input images' packed latents after the target's tokens: "edit" (Qwen-Image-Edit,
+QwenImageEditPipeline, one image) and "edit-plus" (Qwen-Image-Edit-2509 and -2511,
+QwenImageEditPlusPipeline, up to three images, each named "Picture N:" in the prompt).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
 
@@ -19,7 +25,23 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
 DROP = 34
 MAX_TOKENS = 1024  # the pipeline's tokenizer_max_length: caption tokens kept after the drop
 
-SPEC = FamilySpec(
+# The edit pipelines' prompt_template_encode and prompt_template_encode_start_idx (the system
+# turn and "<|im_start|>user\n" are 64 tokens of Qwen2's tokenizer); each input image enters
+# the user turn before the instruction as its vision tokens ("Picture N: " before each in the
+# Plus pipeline), which the processor expands to the image's patch count.
+EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, "
+                 "size, texture, objects, background), then explain how the user's text "
+                 "instruction should alter or modify the image. Generate a new image that meets "
+                 "the user's requirements while maintaining consistency with the original input "
+                 "where appropriate.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+                 "<|im_start|>assistant\n")
+EDIT_DROP = 64
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+PLUS_IMAGES = 3  # input images a Qwen-Image-Edit-2509/2511 edit pair may give
+
+# The default variant keeps `variant` None so its tiny flavor's fingerprint, and with it every
+# cache key written before variants existed, stays as it was.
+BASE = FamilySpec(
     name="qwen_image",
     text_encoders=(
         # QwenImagePipeline._get_qwen_prompt_embeds: the caption in the fixed template,
@@ -67,3 +89,21 @@ SPEC = FamilySpec(
                         "template whose first 34 tokens are dropped; textual inversion is not "
                         "supported for it"),
 )
+
+
+def _edit(variant: str, pipeline: str, image_prompt: str, images: int) -> FamilySpec:
+    """An edit variant: the VL encoder reads the instruction in the edit template after one
+    `image_prompt` per input image (not truncated: the pipelines pass the processor's whole
+    output), its processor serves as the tokenizer, `images` input images at most."""
+    encoder = TextEncoderSpec("qwen2_5_vl", "decoder", max_length=MAX_TOKENS + EDIT_DROP,
+                              hidden="last", pooled=False, mask=True, trim=True,
+                              template=EDIT_TEMPLATE, drop=EDIT_DROP, layers=(-1,),
+                              pad="longest", image_prompt=image_prompt)
+    return replace(BASE, variant=variant, pipeline_class=pipeline, control_images=images,
+                   text_encoders=(encoder,),
+                   encoder_parts=(("qwen2_5_vl", "text_encoder", "processor"),))
+
+
+EDIT = _edit("edit", "QwenImageEditPipeline", VISION, 1)
+EDIT_PLUS = _edit("edit-plus", "QwenImageEditPlusPipeline", "Picture {}: " + VISION, PLUS_IMAGES)
+SPEC = replace(BASE, variants=(("base", BASE), ("edit", EDIT), ("edit-plus", EDIT_PLUS)))

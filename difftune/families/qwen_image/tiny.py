@@ -6,7 +6,10 @@ tower, and a Qwen2 byte-level BPE tokenizer built here: the 256 byte symbols, Qw
 special tokens (ChatML and vision tokens), and merges for the words of QwenImagePipeline's
 prompt template, so that its system prefix is the same 34 tokens it is for the real
 tokenizer (the pipeline drops exactly 34). FlowMatchEulerDiscreteScheduler with the released
-settings. Nothing is downloaded; weights are random from a fixed seed inside a forked RNG.
+settings. The edit variants' tokenizer also merges the edit template's words, and comes inside
+a Qwen2VLProcessor (Qwen2VLImageProcessorPil's defaults: 14-pixel patches merged 2x2, as
+released) whose image tokens the tiny vision tower reads. Nothing is downloaded; weights are
+random from a fixed seed inside a forked RNG.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import torch
 
 from difftune.families.common.tiny import TEXT_WIDTH
 from difftune.families.common.frame_vae import RELEASED_CONFIG as VAE_CONFIG
-from difftune.families.qwen_image.files import SCHEDULER_CONFIG
-from difftune.families.qwen_image.spec import TEMPLATE
+from difftune.families.qwen_image.files import SCHEDULER_CONFIG, vl_processor
+from difftune.families.qwen_image.spec import EDIT_TEMPLATE, TEMPLATE
 
 SEED = 4321
 # Qwen2's special tokens (its tokenizer's added special tokens), in their id order.
@@ -38,6 +41,10 @@ CHAT_TEMPLATE = (
 # Words given whole-word merges besides the template's (short captions in tests and examples).
 EXTRA_WORDS = ("a", "red", "blue", "circle", "square", "on", "in", "pink", "ring", "photo")
 
+# Pieces Qwen2's vocabulary holds whole in the edit template (" (", "),", " user", "'s"): with
+# them its prefix is the same 64 tokens the edit pipelines drop.
+EDIT_MERGES = (("Ġ", "("), (")", ","), ("Ġ", "user"), ("'", "s"))
+
 TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
     "patch_size": 2,
     "in_channels": 64,
@@ -52,13 +59,15 @@ TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
 TINY_VAE_CONFIG: dict[str, Any] = {**VAE_CONFIG, "base_dim": 8}  # released depth, 12x narrower
 
 
-def template_words() -> list[str]:
+def template_words(edit: bool = False) -> list[str]:
     """The byte-level pre-tokens of the template and extra words that get merges (" the" as
-    "Ġthe"), in first-seen order."""
+    "Ġthe"), in first-seen order; then the edit template's (`edit`)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte = bytes_to_unicode()
     text = re.sub(r"<\|[a-z_]+\|>", "\n", TEMPLATE.replace("{}", " ")) + " " + " ".join(EXTRA_WORDS)
+    if edit:
+        text += re.sub(r"<\|[a-z_]+\|>", "\n", EDIT_TEMPLATE.replace("{}", " "))
     words = re.findall(r" ?[A-Za-z]+", text)
     out: list[str] = []
     for w in words:
@@ -68,7 +77,7 @@ def template_words() -> list[str]:
     return out
 
 
-def tiny_qwen2_tokenizer() -> Any:
+def tiny_qwen2_tokenizer(edit: bool = False) -> Any:
     """A Qwen2 byte-level BPE tokenizer: the 256 byte symbols, a merge chain for each template
     word (so each is one token, as in Qwen2's real vocabulary), Qwen2's special tokens
     (<|endoftext|> pads, <|im_end|> ends) and a ChatML chat template."""
@@ -77,12 +86,15 @@ def tiny_qwen2_tokenizer() -> Any:
 
     symbols = sorted(bytes_to_unicode().values())
     merges: list[tuple[str, str]] = []
-    for word in template_words():
+    for word in template_words(edit):
         for i in range(1, len(word)):
             left, piece = word[:i], word[: i + 1]
             if piece not in symbols:
                 merges.append((left, word[i]))
                 symbols.append(piece)
+    for left, right in EDIT_MERGES if edit else ():
+        merges.append((left, right))
+        symbols.append(left + right)
     vocab = {s: i for i, s in enumerate(symbols + list(SPECIAL_TOKENS))}
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
                          pad_token="<|endoftext|>")
@@ -115,8 +127,16 @@ def tiny_qwen25_vl_config(tok: Any) -> Any:
                             tie_word_embeddings=False)
 
 
-def build_tiny_qwen_image() -> dict[str, Any]:
-    """All components of a tiny Qwen-Image model, keyed as QwenImagePipeline names them.
+def tiny_processor(tok: Any) -> Any:
+    """Qwen2.5-VL's processor over `tok` and the image processor's defaults."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return vl_processor(Qwen2VLImageProcessorPil(), tok)
+
+
+def build_tiny_qwen_image(variant: str | None = None) -> dict[str, Any]:
+    """All components of a tiny Qwen-Image model, keyed as QwenImagePipeline names them (as
+    the edit pipelines name them for an edit `variant`: a "processor" holding the tokenizer).
 
     Deterministic: the same weights on every call, whatever the caller's RNG state.
     """
@@ -127,11 +147,15 @@ def build_tiny_qwen_image() -> dict[str, Any]:
     )
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    tok = tiny_qwen2_tokenizer()
+    edit = variant is not None and variant != "base"
+    tok = tiny_qwen2_tokenizer(edit)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         transformer = QwenImageTransformer2DModel(**TINY_TRANSFORMER_CONFIG)
         encoder = Qwen2_5_VLForConditionalGeneration(tiny_qwen25_vl_config(tok))
         vae = AutoencoderKLQwenImage(**TINY_VAE_CONFIG)
-    return {"transformer": transformer.eval(), "text_encoder": encoder.eval(), "tokenizer": tok,
-            "vae": vae.eval(), "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)}
+    parts = {"transformer": transformer.eval(), "text_encoder": encoder.eval(), "tokenizer": tok,
+             "vae": vae.eval(), "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)}
+    if edit:
+        parts["processor"] = tiny_processor(tok)
+    return parts
