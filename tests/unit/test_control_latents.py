@@ -3,6 +3,7 @@ content-addressed control latents in memory and disk stores, and the refusals at
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,12 @@ def test_control_latents_are_cached_by_content(tmp_path: Path, disk: bool) -> No
     fresh = ControlSource(family, comps, data.items, MemoryStore()).batch([1])[0]
     assert torch.equal(first, fresh)
     keys = source.keys()
-    _img(data.items[1].controls[0], (96, 48), 99)  # edited: a new entry, by construction
+    edited = data.items[1].controls[0]
+    _img(edited, (96, 48), 99)  # edited: a new entry, by construction
+    # An edit lands on a later clock tick than the first read (file hashes are memoized on
+    # path, size and mtime); within one tick a same-size rewrite would look unchanged.
+    later = edited.stat().st_mtime_ns + 10**9
+    os.utime(edited, ns=(later, later))
     assert ControlSource(family, comps, data.items, store).keys() != keys
 
 
