@@ -131,6 +131,40 @@ def train_exit_code(cfg: Path, *sets: str, extra: list[str] | None = None) -> in
     return main(args + (extra or []))
 
 
+def stopped_and_resumed(a: Path, b: Path, monkeypatch: pytest.MonkeyPatch, stop: int,
+                        *sets: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """Run config `a` through; run config `b` stopped by SIGINT after step `stop` (the run saves
+    a checkpoint and exits cleanly), then resumed from it. Returns both runs' (step, loss)
+    rows, for exact-resume tests to compare."""
+    import os
+    import signal
+
+    from difftune.report.metrics import Reporter
+
+    assert train_exit_code(a, *sets) == 0
+    real = Reporter.step
+
+    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
+        real(self, s, *args, **kwargs)
+        if s == stop:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Reporter, "step", reporting)
+        assert train_exit_code(b, *sets) == 0
+    assert train_exit_code(b, *sets, extra=["--resume", "latest"]) == 0
+    rows = [[(r["step"], r["loss"]) for r in metrics_rows(cfg.parent / "out")] for cfg in (a, b)]
+    return rows[0], rows[1]
+
+
+def assert_same_lora(a: Path, b: Path) -> None:
+    """Two output folders' final LoRA files hold bitwise equal tensors under the same keys."""
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(str(out / "lora.safetensors")) for out in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def lora_metadata(path: Path) -> dict[str, str]:
     """A safetensors file's metadata ({} when it has none)."""
     with safe_open(str(path), "pt") as f:

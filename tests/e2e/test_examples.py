@@ -108,7 +108,14 @@ def test_check_passes_on_the_tiny_example(capsys: pytest.CaptureFixture[str], tm
     assert "check passed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", sorted(PIPELINES))
+def _reload_tier(name: str) -> object:
+    """An edit example (it names control_path) reloads the same text encoders as its family's
+    text-to-image example, whose case runs by default: its own case runs with --full."""
+    edit = "control_path" in (EXAMPLES / name).read_text(encoding="utf-8")
+    return pytest.param(name, marks=pytest.mark.full_only if edit else ())
+
+
+@pytest.mark.parametrize("name", [_reload_tier(n) for n in sorted(PIPELINES)])
 def test_text_encoders_reload_from_the_folder(name: str, tmp_path: Path, images: Path,
                                               prompts: Path) -> None:
     """What `cache.unload_text_encoders` reloads: the folder's encoders, as a full load has them."""
@@ -121,7 +128,7 @@ def test_text_encoders_reload_from_the_folder(name: str, tmp_path: Path, images:
     path = _localize(EXAMPLES / name, tmp_path, images, prompts)
     cfg = load_config(path, ["precision.mixed=\"no\"", "precision.denoiser=\"fp32\"",
                              "precision.text_encoders=\"fp32\"", "precision.vae=\"fp32\""])
-    family = families.get(cfg.model.family)
+    family = families.get(cfg.model.family, cfg.model.variant)
     policy = PrecisionPolicy.from_config(cfg.precision, resolve_device("cpu"))
     again = family.load_text_encoders(cfg.model, policy)
     full = family.load(cfg.model, policy).text_encoders

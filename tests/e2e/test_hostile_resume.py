@@ -205,8 +205,8 @@ def test_sigterm_during_a_sample_event_stops_after_the_current_image(
     cfg = run_toml(tmp_path, images, prompts=prompts)
     real = SampleRunner.generate
 
-    def signalled(self: SampleRunner, spec: PromptSpec) -> object:
-        image = real(self, spec)
+    def signalled(self: SampleRunner, spec: PromptSpec, *args: object) -> object:
+        image = real(self, spec, *args)
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # a second one never cuts the save short
         return image

@@ -5,9 +5,6 @@ training, exact resume, and its LoRA loaded by Flux2Pipeline."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,12 +16,12 @@ from difftune import families
 from difftune.cli import main
 from difftune.config import ModelConfig, PrecisionConfig
 from difftune.precision.policy import PrecisionPolicy
-from difftune.report.metrics import Reporter
 
 from ..conftest import (
     metrics_rows,
     pipeline_image,
     run_toml,
+    stopped_and_resumed,
     train_cli,
     train_exit_code,
 )
@@ -56,21 +53,7 @@ def _resume_matches(tmp_path: Path, images: Path, monkeypatch: pytest.MonkeyPatc
     (tmp_path / "b").mkdir()
     a = run_toml(tmp_path / "a", images, steps=6, family="flux2", model=model)
     b = run_toml(tmp_path / "b", images, steps=6, family="flux2", model=model)
-    assert train_exit_code(a, *sets) == 0
-    real = Reporter.step
-
-    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
-        real(self, s, *args, **kwargs)
-        if s == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    with monkeypatch.context() as mp:
-        mp.setattr(Reporter, "step", reporting)
-        assert train_exit_code(b, *sets) == 0
-    assert train_exit_code(b, *sets, extra=["--resume", "latest"]) == 0
-    rows = [[(r["step"], r["loss"]) for r in map(json.loads, (p / "out" / "metrics.jsonl")
-                                                 .read_text().splitlines())]
-            for p in (tmp_path / "a", tmp_path / "b")]
+    rows = stopped_and_resumed(a, b, monkeypatch, 3, *sets)
     assert rows[0] == rows[1]
     assert_same(tmp_path / "a" / "out", tmp_path / "b" / "out")
 

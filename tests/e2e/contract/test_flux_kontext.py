@@ -6,9 +6,6 @@ latents in disk caches resumes exactly."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +19,14 @@ from difftune.cli import main
 from difftune.config import ModelConfig, PrecisionConfig
 from difftune.data.images import load_rgb
 from difftune.precision.policy import PrecisionPolicy
-from difftune.report.metrics import Reporter
 from difftune.verbs.demo import demo_dir
 
-from ..conftest import metrics_rows, run_toml, train_exit_code
+from ..conftest import (
+    assert_same_lora,
+    metrics_rows,
+    run_toml,
+    stopped_and_resumed,
+)
 from .test_flux import DOUBLE_BLOCKS
 
 EDIT = demo_dir().parent / "edit"
@@ -122,25 +123,9 @@ def test_resume_with_controls_and_disk_caches_is_exact(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a = kontext_toml(tmp_path / "a", steps=6, extra=DISK)
     b = kontext_toml(tmp_path / "b", steps=6, extra=DISK)
-    assert train_exit_code(a) == 0
-    real = Reporter.step
-
-    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
-        real(self, s, *args, **kwargs)
-        if s == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    with monkeypatch.context() as mp:
-        mp.setattr(Reporter, "step", reporting)
-        assert train_exit_code(b) == 0
-    assert train_exit_code(b, extra=["--resume", "latest"]) == 0
-    rows = [[(r["step"], r["loss"]) for r in map(json.loads, (p / "out" / "metrics.jsonl")
-                                                 .read_text().splitlines())]
-            for p in (tmp_path / "a", tmp_path / "b")]
+    rows = stopped_and_resumed(a, b, monkeypatch, 3)
     assert rows[0] == rows[1] and len(rows[0]) == 6
-    wa, wb = (load_file(str(p / "out" / "lora.safetensors")) for p in (tmp_path / "a",
-                                                                      tmp_path / "b"))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_lora(tmp_path / "a" / "out", tmp_path / "b" / "out")
     cache = [p for p in (tmp_path / "a").rglob("*.safetensors") if "latents" in p.parts]
     assert len(cache) == 8  # 4 target and 4 control latents on disk
 

@@ -8,25 +8,20 @@ input images per pair (QwenImageEditPlusPipeline)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file
 
 from difftune import families
 from difftune.cli import main
 from difftune.config import ModelConfig, PrecisionConfig
 from difftune.data.images import load_rgb
 from difftune.precision.policy import PrecisionPolicy
-from difftune.report.metrics import Reporter
 
-from ..conftest import metrics_rows, train_exit_code
+from ..conftest import assert_same_lora, metrics_rows, stopped_and_resumed
 from .test_flux_kontext import DISK, EDIT, kontext_toml
 
 VARIANT = "edit"
@@ -99,25 +94,9 @@ def test_resume_with_controls_and_disk_caches_is_exact(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a = kontext_toml(tmp_path / "a", model=MODEL, steps=6, extra=DISK)
     b = kontext_toml(tmp_path / "b", model=MODEL, steps=6, extra=DISK)
-    assert train_exit_code(a) == 0
-    real = Reporter.step
-
-    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
-        real(self, s, *args, **kwargs)
-        if s == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    with monkeypatch.context() as mp:
-        mp.setattr(Reporter, "step", reporting)
-        assert train_exit_code(b) == 0
-    assert train_exit_code(b, extra=["--resume", "latest"]) == 0
-    rows = [[(r["step"], r["loss"]) for r in map(json.loads, (p / "out" / "metrics.jsonl")
-                                                 .read_text().splitlines())]
-            for p in (tmp_path / "a", tmp_path / "b")]
+    rows = stopped_and_resumed(a, b, monkeypatch, 3)
     assert rows[0] == rows[1] and len(rows[0]) == 6
-    wa, wb = (load_file(str(p / "out" / "lora.safetensors")) for p in (tmp_path / "a",
-                                                                      tmp_path / "b"))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_lora(tmp_path / "a" / "out", tmp_path / "b" / "out")
     files = list((tmp_path / "a").rglob("*.safetensors"))
     assert len([p for p in files if "latents" in p.parts]) == 8  # 4 targets, 4 references
     # one text entry per (instruction, input image): the 4 pairs' captions are distinct
@@ -182,25 +161,12 @@ def test_edit_plus_trains_and_its_lora_gives_the_trained_models_images(tmp_path:
     assert all(np.isfinite(r["loss"]) for r in metrics_rows(out))
 
 
+@pytest.mark.full_only  # the "edit" variant's exact-resume case runs by default
 def test_edit_plus_resume_with_disk_caches_is_exact(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a = plus_toml(tmp_path / "a", steps=4, extra=DISK)
     b = plus_toml(tmp_path / "b", steps=4, extra=DISK)
-    assert train_exit_code(a) == 0
-    real = Reporter.step
-
-    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
-        real(self, s, *args, **kwargs)
-        if s == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    with monkeypatch.context() as mp:
-        mp.setattr(Reporter, "step", reporting)
-        assert train_exit_code(b) == 0
-    assert train_exit_code(b, extra=["--resume", "latest"]) == 0
-    rows = [[(r["step"], r["loss"]) for r in map(json.loads, (p / "out" / "metrics.jsonl")
-                                                 .read_text().splitlines())]
-            for p in (tmp_path / "a", tmp_path / "b")]
+    rows = stopped_and_resumed(a, b, monkeypatch, 2)
     assert rows[0] == rows[1] and len(rows[0]) == 4
     files = list((tmp_path / "a").rglob("*.safetensors"))
     assert len([p for p in files if "latents" in p.parts]) == 12  # 4 targets, 8 references

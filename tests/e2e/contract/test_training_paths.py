@@ -11,10 +11,8 @@ for families with variable-length captions (the batching two processes could spl
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +24,8 @@ from safetensors.torch import load_file
 from difftune import families
 from difftune.cli import main
 from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
-from difftune.report.metrics import Reporter
 
-from ..conftest import metrics_rows, run_toml, train_cli, train_exit_code
+from ..conftest import metrics_rows, run_toml, stopped_and_resumed, train_cli, train_exit_code
 
 AUGMENT = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_rate=0.3",
            "datasets.0.flip=true", "train.grad_accum=2", "save.every_n_steps=3"]
@@ -89,21 +86,7 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_one(
     (tmp_path / "b").mkdir()
     a = run_toml(tmp_path / "a", images, steps=6, family=family)
     b = run_toml(tmp_path / "b", images, steps=6, family=family)
-    assert train_exit_code(a, *AUGMENT) == 0
-    real = Reporter.step
-
-    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
-        real(self, s, *args, **kwargs)
-        if s == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    with monkeypatch.context() as mp:
-        mp.setattr(Reporter, "step", reporting)
-        assert train_exit_code(b, *AUGMENT) == 0
-    assert train_exit_code(b, *AUGMENT, extra=["--resume", "latest"]) == 0
-    rows = [[(r["step"], r["loss"]) for r in map(json.loads, (p / "out" / "metrics.jsonl")
-                                                 .read_text().splitlines())]
-            for p in (tmp_path / "a", tmp_path / "b")]
+    rows = stopped_and_resumed(a, b, monkeypatch, 3, *AUGMENT)
     assert rows[0] == rows[1]
     assert_same(tmp_path / "a" / "out", tmp_path / "b" / "out")
 
