@@ -87,7 +87,8 @@ def _train(args: argparse.Namespace) -> int:
     except StepFailed as failed:
         return _step_failed(failed, args)
     if current().main:
-        print(f"LoRA written to {result.lora}")
+        what = "fine-tuned model" if cfg.adapter.type == "full" else "LoRA"
+        print(f"{what} written to {result.lora}")
     return 0
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftune.config.base import QUANT_BACKENDS
+from difftune.config.full import warn_ignored_full
 from difftune.errors import ConfigError, ModelFileError
 from difftune.families import registry
 from difftune.files.names import embedding_stem, name_too_long
@@ -40,7 +41,8 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
                      for n in precision.text_encoders if n not in names]
     problems += [f"adapter.text_encoders: {n!r} of model.family = \"{family}\" cannot get a "
                  f"LoRA ({why}); remove it"
-                 for n, why in spec.text_encoder_lora_refused if n in adapter.text_encoders]
+                 for n, why in spec.text_encoder_lora_refused
+                 if n in adapter.text_encoders and adapter.type != "full"]
     if len(set(adapter.text_encoders)) != len(adapter.text_encoders):
         problems.append("adapter.text_encoders lists an encoder twice; list each once")
     if model.t5_mask and "t5" not in names:
@@ -49,7 +51,7 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
         problems.append(f"model.clip_skip: model.family = \"{family}\" reads no CLIP hidden "
                         "state (only CLIP's pooled output), so there is nothing to skip; remove it")
     refused = spec.kohya_text_encoders_refused
-    if fmt == "kohya" and adapter.text_encoders and refused is not None:
+    if fmt == "kohya" and adapter.text_encoders and refused is not None and adapter.type != "full":
         problems.append(f"save.format = \"kohya\" cannot hold the text-encoder LoRA of "
                         f"model.family = \"{family}\" ({refused}); "
                         "use save.format = \"diffusers\" or train the denoiser only")
@@ -304,6 +306,7 @@ EIGHT_BIT_CPU = ("train.optimizer = \"adamw8bit\" runs on CUDA only (bitsandbyte
 
 def warn_ignored(cfg: RunConfig) -> None:
     """One warning for each option that is set but has no effect with the rest of the config."""
+    warn_ignored_full(cfg)
     for d, ds in enumerate(cfg.datasets):
         for i, sub in enumerate(ds.subsets):
             for what in sub.ignored_caption_options():

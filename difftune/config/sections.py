@@ -163,9 +163,14 @@ class EmbeddingConfig(_Section):
 class AdapterConfig(_Section):
     """The LoRA (and/or textual-inversion embeddings) to train."""
 
-    type: Literal["lora", "embedding"] = Field(
-        "lora", description="lora (optionally with embeddings: pivotal tuning) or embedding "
-                            "(textual inversion alone).")
+    type: Literal["lora", "embedding", "full"] = Field(
+        "lora", description="lora (optionally with embeddings: pivotal tuning), embedding "
+                            "(textual inversion alone) or full (the denoiser's own weights, "
+                            "fp32 master weights; see adapters/full.py).")
+    train_blocks: list[str] | None = Field(
+        None, min_length=1,
+        description="adapter.type = \"full\": train only the denoiser modules these glob "
+                    "patterns name (e.g. [\"transformer_blocks.*\"]); default: all of it.")
     embeddings: list[EmbeddingConfig] = Field(
         default_factory=list, description="Placeholder tokens to learn ([[adapter.embeddings]]).")
     embedding_lr: float | None = Field(
@@ -181,7 +186,8 @@ class AdapterConfig(_Section):
     )
     text_encoders: list[str] = Field(
         default_factory=list,
-        description='Text encoders that get a LoRA too, by name (e.g. ["clip_l"]); never cached.',
+        description='Text encoders that train too, by name (e.g. ["clip_l"]): a LoRA on each, '
+                    'or with adapter.type = "full" their own weights; never cached.',
     )
     text_encoder_targets: list[str] = Field(
         default_factory=lambda: list(TEXT_ENCODER_TARGETS),

@@ -59,6 +59,7 @@ def apply(cfg: RunConfig, family: Family, denoiser: torch.nn.Module,
             raise ConfigError(f"train.blocks_to_swap = {t.blocks_to_swap}, but the {family.name} "
                               f"denoiser has {len(blocks)} blocks; swap at most "
                               f"{len(blocks) - 1}")
+        refuse_trained_swap(cfg, blocks[len(blocks) - t.blocks_to_swap:])
         swap = BlockSwap(blocks, t.blocks_to_swap, device)
         swap.install(denoiser)
         log.info("block swap: %d of %d denoiser blocks live in host memory", t.blocks_to_swap,
@@ -69,6 +70,19 @@ def apply(cfg: RunConfig, family: Family, denoiser: torch.nn.Module,
             block.compile()
         log.info("torch.compile: %d denoiser blocks (compiled on their first call)", len(blocks))
     return swap
+
+
+def refuse_trained_swap(cfg: RunConfig, swapped: list[torch.nn.Module]) -> None:
+    """Block swap streams frozen weights: a fully trained weight (with its optimizer state)
+    in a swapped block is refused, naming the first such block."""
+    if cfg.adapter.type != "full":
+        return
+    for i, block in enumerate(swapped):
+        if any(p.requires_grad for p in block.parameters()):
+            raise ConfigError(
+                f"train.blocks_to_swap = {cfg.train.blocks_to_swap} would swap trained weights "
+                f"(swapped block {i + 1} of {len(swapped)} is in adapter.train_blocks); swap "
+                "fewer blocks, or train only blocks outside the last ones")
 
 
 def describe(cfg: RunConfig, family: Family, denoiser: torch.nn.Module) -> str:

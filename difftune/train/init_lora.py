@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_non_finite,
                                        non_finite, split_lora_key, with_clip_root)
-from difftune.errors import CheckpointError, NonFiniteError
+from difftune.errors import ConfigError, CheckpointError, NonFiniteError
 from difftune.families.common.text import model_clip_roots
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.train.checkpoint import CheckpointManager
@@ -48,6 +48,9 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
     CLIP modules are matched whether the file names them under `text_model.` (what every
     reader maps, and difftune writes) or not (difftune's files before that), and a file
     holding NaN or inf, or a bad alpha, is refused before anything is copied."""
+    if manager.cfg.adapter.type == "full":
+        raise ConfigError(f"--init-lora {path}: adapter.type = \"full\" trains the weights "
+                          "themselves; merge the LoRA into the base model first, or train a LoRA")
     raw, meta = read_lora(path)
     bad = non_finite(raw)
     if bad:

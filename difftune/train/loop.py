@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from difftune.adapters.lora import lora_parameters
+from difftune.adapters.full import trained_parameters
 from difftune.data.sampler import Batch, BucketBatchSampler
 from difftune.report.metrics import Reporter
 from difftune.sample.runner import SampleRunner
@@ -181,12 +181,14 @@ def _step(run: Run, hooks: Hooks, state: TrainState, batches: Iterator[Batch],
 
 
 def param_groups(run: Run) -> list[dict[str, Any]]:
-    """Optimizer groups: the denoiser LoRA at train.lr, the text-encoder LoRAs at their own lr."""
-    groups: list[dict[str, Any]] = [{"params": lora_parameters(run.comps.denoiser)}]
+    """Optimizer groups: the denoiser's trained weights (LoRA, or its own for a full
+    fine-tune) at train.lr, the text encoders' at their own lr."""
+    kind = run.cfg.adapter.type
+    groups: list[dict[str, Any]] = [{"params": trained_parameters(run.comps.denoiser, kind)}]
     encoders = run.trained_encoders
     if encoders:
         lr = run.cfg.adapter.text_encoder_lr or run.cfg.train.lr
-        params = [p for e in encoders.values() for p in lora_parameters(e)]
+        params = [p for e in encoders.values() for p in trained_parameters(e, kind)]
         groups.append({"params": params, "lr": lr})
     if run.embeddings is not None:
         groups.append({"params": list(run.embeddings.parameters().values()),

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from difftune import data, families
 
 from difftune.precision import lowbit
+from difftune.adapters import full
 from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.lora import add_lora, suffix_patterns
 from difftune.cache import make_store
@@ -104,6 +105,8 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
                     else family.lora_targets(a.targets))
         targets = add_lora(comps.denoiser, patterns, a.rank, a.scale_alpha, a.dropout,
                            cfg.train.seed)
+    elif a.type == "full":
+        targets = full.make_trainable(comps.denoiser, a.train_blocks)
     if cfg.train.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
     savers.apply(cfg, family, comps.denoiser, policy.device)
@@ -132,11 +135,16 @@ def reload_text_encoders(cfg: RunConfig, family: Family, policy: PrecisionPolicy
 
 
 def add_text_encoder_loras(cfg: RunConfig, comps: Components) -> dict[str, list[str]]:
-    """LoRA (fp32, seeded like the denoiser's) on each text encoder the config trains.
+    """LoRA (fp32, seeded like the denoiser's) on each text encoder the config trains, or
+    with adapter.type = "full" the encoder's own weights (fp32 master weights).
 
-    Returns the targeted module names per encoder; the names were validated at config load.
+    Returns the targeted module (full: parameter) names per encoder; the names were
+    validated at config load.
     """
     a = cfg.adapter
+    if a.type == "full":
+        return {name: full.make_trainable(comps.text_encoders[name], None)
+                for name in a.text_encoders}
     patterns = suffix_patterns(a.text_encoder_targets)
     return {name: add_lora(comps.text_encoders[name], patterns, a.rank, a.scale_alpha,
                            a.dropout, cfg.train.seed)

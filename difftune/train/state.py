@@ -120,13 +120,14 @@ def _configured_rates(opt: torch.optim.Optimizer, sched: torch.optim.lr_schedule
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state by canonical name (`names`: id(param) -> name)."""
+    """The optimizer's per-parameter state by canonical name (`names`: id(param) -> name),
+    where it lives (the checkpoint writer moves it to the host shard by shard)."""
     out = {}
     for group in opt.param_groups:
         for p in group["params"]:
             for key, value in opt.state.get(p, {}).items():
                 tensor = value if torch.is_tensor(value) else torch.tensor(value)
-                out[f"{names[id(p)]}{SEP}{key}"] = tensor.detach().cpu().contiguous()
+                out[f"{names[id(p)]}{SEP}{key}"] = tensor.detach()
     return out
 
 

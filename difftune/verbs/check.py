@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from difftune import families
-from difftune.adapters.lora import lora_parameters
+from difftune.adapters.full import trained_parameters
 from difftune.config import RunConfig
 from difftune.data.discover import DataSet
 from difftune.errors import DataError
@@ -89,8 +89,9 @@ def run_check(cfg: RunConfig) -> list[str]:
     data = load_data(cfg, families.get(cfg.model.family, cfg.model.variant))
     report += _describe_data(data)
     run = prepare(cfg, dataset=data, show_progress=False)
-    report.append(f"model: {run.comps.name} loaded on {run.policy.device}; LoRA rank "
-                  f"{cfg.adapter.rank} on {len(run.targets)} layers")
+    report.append(f"model: {run.comps.name} loaded on {run.policy.device}; " + (
+        f"full fine-tune of {len(run.targets)} denoiser tensors" if cfg.adapter.type == "full"
+        else f"LoRA rank {cfg.adapter.rank} on {len(run.targets)} layers"))
     report.append(_parameter_line(run))
     report.append(savers.describe(cfg, run.family, run.comps.denoiser))
     if cfg.adapter.type == "lora":
@@ -155,9 +156,11 @@ def _gradient_flow(run: Run, caption: str) -> list[str]:
     """What got a gradient in the check step (LoRAs, and embeddings `caption` uses); raises
     if one got none."""
     groups: dict[str, list[torch.nn.Parameter]] = {}
-    if run.cfg.adapter.type == "lora":
-        groups["the denoiser"] = lora_parameters(run.comps.denoiser)
-    groups |= {f"text encoder {n}": lora_parameters(m) for n, m in run.trained_encoders.items()}
+    kind = run.cfg.adapter.type
+    if kind in ("lora", "full"):
+        groups["the denoiser"] = trained_parameters(run.comps.denoiser, kind)
+    groups |= {f"text encoder {n}": trained_parameters(m, kind)
+               for n, m in run.trained_encoders.items()}
     if run.embeddings is not None:
         for item in run.embeddings.learned:
             if item.spec.name in caption:

@@ -2,8 +2,12 @@
 
 Folder layout (`checkpoints/step-000123/`):
 - `trainable.safetensors`: the trained weights (fp32) by canonical name (the diffusers LoRA
-  key, never a position or a peft / quantizer internal name);
+  key, or the module's own parameter name for a full fine-tune; never a position or a peft /
+  quantizer internal name);
 - `optimizer.safetensors`: each parameter's optimizer state as `<name>::<key>`;
+  both written shard by shard when large (`trainable-00001-of-00004.safetensors`... and
+  `trainable.safetensors.index.json`, see files/shards.py), so a save of a full fine-tune
+  never holds a second copy of the model or of the optimizer state in host memory;
 - `rng.safetensors`: torch CPU, each CUDA device, and the run's noise generator;
 - `state.json`: step, sampler position, optimizer groups, LR schedule, loss scaler, python and
   numpy RNG, counters, identity of the adapter, resolved config, versions; written last, so a
@@ -32,6 +36,7 @@ from difftune import __version__
 from difftune.adapters.formats import write_safetensors
 from difftune.errors import CheckpointError
 from difftune.files.safe import is_pickle, pickle_refusal
+from difftune.files.shards import SHARD_BYTES, read_sharded, write_sharded
 from difftune.train.checkpoint.check import check_doc, check_optimizer, check_rng, check_trainable
 
 CHECKPOINT_FORMAT = 1
@@ -100,7 +105,8 @@ def read(path: Path) -> Checkpoint:
             raise CheckpointError(f"checkpoint {path} has format {doc.get('format')!r}; this "
                                   f"difftune reads format {CHECKPOINT_FORMAT}")
         check_doc(doc, path / "state.json")
-        trainable, optimizer, rng = (load_file(str(path / name)) for name in FILES[:3])
+        trainable, optimizer = (read_sharded(path / name) for name in FILES[:2])
+        rng = load_file(str(path / FILES[2]))
     except (OSError, ValueError, SafetensorError) as err:
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
                               "it is damaged or not a difftune checkpoint") from None
@@ -112,7 +118,9 @@ def read(path: Path) -> Checkpoint:
 
 def lora_file(folder: Path) -> Path:
     """The LoRA file a checkpoint folder holds beside its state files."""
-    found = [p for p in sorted(folder.glob("*.safetensors")) if p.name not in FILES]
+    found = [p for p in sorted(folder.glob("*.safetensors")) if p.name not in FILES
+             and not p.name.startswith(tuple(n.removesuffix(".safetensors") + "-"
+                                             for n in FILES))]
     return found[0] if found else folder
 
 
@@ -140,6 +148,13 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """A safetensors file (with the mode the umask gives), synced to disk."""
     write_safetensors(path, tensors)
     fsync(path)
+
+
+def write_big(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+              max_bytes: int = SHARD_BYTES) -> None:
+    """A tensor set that may be large (weights, optimizer state), written shard by shard
+    (each cast to `dtype` and moved to the host on its own), every file synced to disk."""
+    write_sharded(path, tensors, dtype, max_bytes, after=fsync)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -32,6 +32,8 @@ def resume_identity(cfg: RunConfig, targets: list[str] | None = None) -> dict[st
                            "alpha": a.scale_alpha}
     if targets is not None:
         out["targets"] = sorted(targets)
+    if a.type == "full":
+        out["train_blocks"] = a.train_blocks
     return out | {"text_encoders": sorted(a.text_encoders),
                   "embeddings": [e.model_dump(mode="json") for e in a.embeddings]}
 

@@ -18,6 +18,8 @@ import torch
 from difftune import __version__
 from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.formats import fold_scale, merged_adapter_metadata, save_lora, with_clip_root
+from difftune.adapters.full import named_full
+from difftune.adapters.full_files import save_folder
 from difftune.adapters.lora import lora_state
 from difftune.adapters.metadata import FileFacts, embedding_keys, lora_keys
 from difftune.config import RunConfig, SaveConfig
@@ -103,6 +105,8 @@ class LoraFiles:
         files = self.save_embeddings(step, final, path)
         if self.cfg.adapter.type == "embedding":
             return files[0]
+        if self.cfg.adapter.type == "full":
+            return self.save_full(step, final, path)
         a, fmt = self.cfg.adapter, str(self.cfg.save.format)
         modules = self.modules()
         state = {k: v for prefix, m in modules.items() for k, v in lora_state(m, prefix).items()}
@@ -125,6 +129,17 @@ class LoraFiles:
         log.info("saved LoRA %s", path)
         return path
 
+    def save_full(self, step: int, final: bool, path: Path | None = None) -> Path:
+        """A full fine-tune's trained models as diffusers folders in save.dtype, under
+        `<name>/` (`<name>-step000123/` before the end), each in its pipeline subfolder."""
+        lora = path or self.lora_path(step, final)
+        folder = lora.with_name(lora.name.removesuffix(".safetensors"))
+        with writing(folder.parent, f"model {folder.name}", self.bytes_needed(), FIX):
+            for prefix, module in self.modules().items():
+                save_folder(module, folder / prefix, DTYPES[self.cfg.save.dtype])
+        log.info("saved the fine-tuned model %s", folder)
+        return folder
+
     def save_embeddings(self, step: int, final: bool, folder_of: Path | None) -> list[Path]:
         """One file per placeholder (`<placeholder>.safetensors`, tensors named by encoder as
         ComfyUI / A1111 read them) in `embeddings/`, or beside `folder_of`; [] without any."""
@@ -146,14 +161,19 @@ class LoraFiles:
 
     def modules(self) -> dict[str, torch.nn.Module]:
         """Every module that carries a trained LoRA, by its LoRA key prefix."""
-        out = {self.family.denoiser_prefix: self.comps.denoiser} if self.cfg.adapter.type == "lora" else {}
+        trains = self.cfg.adapter.type in ("lora", "full")
+        out = {self.family.denoiser_prefix: self.comps.denoiser} if trains else {}
         for name in self.cfg.adapter.text_encoders:
             out[self.family.text_encoder_prefixes[name]] = self.comps.text_encoders[name]
         return out
 
     def trainable(self) -> dict[str, torch.nn.Parameter]:
         """The trained parameters by canonical name: the diffusers LoRA key, which depends on
-        neither peft's adapter naming nor how the base layer is stored or quantized."""
+        neither peft's adapter naming nor how the base layer is stored or quantized (a full
+        fine-tune's: `<prefix>.<parameter name>`)."""
+        if self.cfg.adapter.type == "full":
+            return {k: p for prefix, m in self.modules().items()
+                    for k, p in named_full(m, prefix).items()}
         out = {f"{prefix}.{_ADAPTER.sub('', n)}": p for prefix, module in self.modules().items()
                for n, p in module.named_parameters() if ".lora_" in n}
         return out | (self.embeddings.parameters() if self.embeddings is not None else {})

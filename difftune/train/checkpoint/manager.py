@@ -53,6 +53,8 @@ class CheckpointManager(LoraFiles):
         """Refuse a resume whose scanned datasets differ from the checkpoint's."""
         check_data(ckpt, data, global_batch, seed)
 
+    shard_bytes = files.SHARD_BYTES  # the largest shard of trainable/optimizer files
+
     def identity(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint (else the weights mean nothing)."""
         return resume_identity(self.cfg, self.targets)
@@ -89,11 +91,12 @@ class CheckpointManager(LoraFiles):
         tmp.mkdir(parents=True)
         params = self.trainable()
         saved = state.state_dict()
-        files.write_tensors(tmp / FILES[0], {n: p.detach().float().cpu().contiguous()
-                                             for n, p in params.items()})
-        files.write_tensors(tmp / FILES[1], saved["optimizer"]["tensors"])
+        # Shard by shard: each shard is cast and copied to the host only while it is written.
+        files.write_big(tmp / FILES[0], params, torch.float32, self.shard_bytes)
+        files.write_big(tmp / FILES[1], saved["optimizer"]["tensors"], None, self.shard_bytes)
         files.write_tensors(tmp / FILES[2], saved["rng"]["tensors"])
-        self.save_lora(state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
+        if self.cfg.adapter.type != "full":  # a full fine-tune's weights are trainable.*
+            self.save_lora(state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
         doc = {"format": CHECKPOINT_FORMAT, "complete": True, "step": saved["step"],
                "sampler": saved["sampler"], "counters": saved["counters"],
                "optimizer": saved["optimizer"]["groups"], "scheduler": saved["scheduler"],
