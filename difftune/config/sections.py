@@ -203,6 +203,24 @@ class AdapterConfig(_Section):
         return float(self.alpha if self.alpha is not None else self.rank)
 
 
+class EmaConfig(_Section):
+    """An exponential moving average of the trained weights (diffusers' EMAModel)."""
+
+    enabled: bool = Field(False, description="Keep an EMA of the trained weights.")
+    decay: float = Field(0.999, gt=0, lt=1, description="The EMA decay (the weight of the "
+                         "average at each update; reached after the warm-up ramp).")
+    every_n_steps: int = Field(1, ge=1, description="Update the EMA every N optimizer steps.")
+    warmup: bool = Field(True, description="diffusers' ramp: the first update takes the weights, "
+                         "the k-th after it uses min(decay, k / (9 + k)); false: decay from "
+                         "the second update on.")
+    cpu: bool = Field(False, description="Keep the EMA in host memory (no accelerator memory; "
+                      "each update copies the weights to the host tensor by tensor).")
+    use_for: list[Literal["saves", "samples"]] = Field(
+        default_factory=lambda: ["saves"],
+        description="What uses the EMA weights: the saved files (LoRA / fine-tuned model) "
+                    "and/or the samples; checkpoints always hold both.")
+
+
 class TrainConfig(_Section):
     """The optimisation recipe."""
 
@@ -230,6 +248,7 @@ class TrainConfig(_Section):
         "as soon as its gradient is complete, and the gradient is freed at once (no gradient "
         "accumulation; max_grad_norm then clips each tensor on its own).")
     compile: bool = Field(False, description="torch.compile each block of the denoiser.")
+    ema: EmaConfig = Field(default_factory=EmaConfig)
     seed: int = 42
     timesteps: Literal["uniform", "sigmoid", "shift", "flux_shift"] = Field(
         "sigmoid", description="How training timesteps are drawn."

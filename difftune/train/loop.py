@@ -22,6 +22,7 @@ from difftune.data.sampler import Batch, BucketBatchSampler
 from difftune.report.metrics import Reporter
 from difftune.sample.runner import SampleRunner
 from difftune.train.checkpoint import Checkpoint, CheckpointManager
+from difftune.train.ema import Ema, using
 from difftune.train.guard import NonFiniteGuard, TrainingDiverged
 from difftune.train.optim import make_optimizer, make_scheduler
 from difftune.train.rng import RunRngs, seed_everything
@@ -101,10 +102,12 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
         if step < cfg.train.steps:
             _between_steps(run, hooks, state, step)
     set_training(run, False)
-    result.lora = hooks.checkpoints.save_lora(cfg.train.steps, final=True)
+    with using(state.ema, "saves"):
+        result.lora = hooks.checkpoints.save_lora(cfg.train.steps, final=True)
     hooks.checkpoints.save(state)
     if cfg.sample.at_end and hooks.sampler:
-        hooks.sampler.run(cfg.train.steps)
+        with using(state.ema, "samples"):
+            hooks.sampler.run(cfg.train.steps)
     return result
 
 
@@ -115,6 +118,7 @@ def build_state(run: Run, names: dict[int, str]) -> TrainState:
     cfg = run.cfg
     groups = param_groups(run)
     opt = make_optimizer(groups, cfg.train)
+    params = [p for g in groups for p in g["params"]]
     return TrainState(
         opt=opt, sched=make_scheduler(opt, cfg.train),
         scaler=torch.amp.GradScaler(run.policy.device.type,
@@ -124,7 +128,8 @@ def build_state(run: Run, names: dict[int, str]) -> TrainState:
         sampler=BucketBatchSampler(run.data, cfg.train.batch_size * run.dist.world,
                                    cfg.train.seed),
         guard=NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.precision.mixed, cfg.train.lr),
-        names=names, train=cfg.train, params=[p for g in groups for p in g["params"]])
+        names=names, train=cfg.train, params=params,
+        ema=Ema(params, names, cfg.train.ema) if cfg.train.ema.enabled else None)
 
 
 def _guarded_step(run: Run, hooks: Hooks, state: TrainState, batches: Iterator[Batch],
@@ -168,6 +173,8 @@ def _step(run: Run, hooks: Hooks, state: TrainState, batches: Iterator[Batch],
                              run.cfg.train.max_grad_norm)
         state.updating = False
         state.guard.scaler_skipped(state.scaler)
+        if state.ema is not None:
+            state.ema.update(step)
         return loss, epoch, lr
     # Nothing is applied: gradients dropped, schedule advanced to stay on the step count.
     state.opt.zero_grad(set_to_none=True)
@@ -274,10 +281,12 @@ def _between_steps(run: Run, hooks: Hooks, state: TrainState, step: int) -> None
     cfg = run.cfg
     saved = None
     if _due(step, cfg.save.every_n_steps):
-        hooks.checkpoints.save_lora(step)
+        with using(state.ema, "saves"):
+            hooks.checkpoints.save_lora(step)
         saved = hooks.checkpoints.save(state)
     if hooks.sampler and _due(step, cfg.sample.every_n_steps):
-        hooks.sampler.run(step)
+        with using(state.ema, "samples"):
+            hooks.sampler.run(step)
     asked = hooks.stop()
     stop = run.dist.any(asked)  # every process stops after the same step
     if stop and not asked:

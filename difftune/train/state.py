@@ -20,6 +20,7 @@ import torch
 from difftune.config import TrainConfig
 from difftune.data.sampler import BucketBatchSampler
 from difftune.errors import CheckpointError
+from difftune.train.ema import Ema
 from difftune.train.guard import NonFiniteGuard
 from difftune.train.optim import lr_factor
 from difftune.train.rng import GlobalRngs, RunRngs
@@ -60,6 +61,7 @@ class TrainState:
     params: list[torch.nn.Parameter]
     step: int = 0
     updating: bool = False
+    ema: Ema | None = None
 
     @property
     def generator(self) -> torch.Generator:
@@ -73,11 +75,15 @@ class TrainState:
                 "optimizer": {"groups": optimizer_groups(self.opt, self.names),
                               "tensors": optimizer_tensors(self.opt, self.names)},
                 "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
-                "rng": self.rngs.state_dict()}
+                "rng": self.rngs.state_dict(),
+                "ema": self.ema.state_dict() if self.ema is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()`; this config's peak rates and schedule govern from the
         next step on (see `_configured_rates`)."""
+        if self.ema is not None and state.get("ema") is None:
+            raise CheckpointError("the checkpoint holds no EMA (its run had train.ema off); "
+                                  "resume with train.ema.enabled = false, or start anew")
         configured = [g["initial_lr"] for g in self.opt.param_groups]  # this config's peaks
         load_optimizer(self.opt, self.names, state["optimizer"]["groups"],
                        state["optimizer"]["tensors"])
@@ -89,6 +95,8 @@ class TrainState:
         self.sampler.load_state_dict(state["sampler"])
         self.guard.load_state_dict(state["counters"])
         self.step = int(state["step"])
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
 
     def snapshot(self) -> Snapshot:
         """What a rescue checkpoint of the current step needs, taken before the next draws."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel
 
+from difftune.sample.runner import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.files import read
 from tests.e2e.conftest import metrics_rows, run_toml, stopped_and_resumed
@@ -16,9 +17,9 @@ from tests.e2e.conftest import metrics_rows, run_toml, stopped_and_resumed
 FULL = '\n[adapter]\ntype = "full"\ntrain_blocks = ["transformer_blocks.*", "proj_out"]\n'
 
 
-def _config(folder: Path, images: Path, steps: int = 4) -> Path:
+def _config(folder: Path, images: Path, steps: int = 4, prompts: Path | None = None) -> Path:
     """The shared tiny run file, turned into a full fine-tune of some blocks."""
-    cfg = run_toml(folder, images, steps=steps, fmt=None)
+    cfg = run_toml(folder, images, steps=steps, fmt=None, prompts=prompts)
     text = cfg.read_text().replace("[adapter]\nrank = 4\nalpha = 8\ntargets = \"all_linear\"\n",
                                    FULL.lstrip("\n"))
     assert text != cfg.read_text()
@@ -26,19 +27,37 @@ def _config(folder: Path, images: Path, steps: int = 4) -> Path:
     return cfg
 
 
-def test_full_finetune_resumes_exactly_and_writes_a_diffusers_folder(
-        tmp_path: Path, images: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_finetune_with_ema_resumes_exactly_and_writes_a_diffusers_folder(
+        tmp_path: Path, images: Path, prompts: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Small shards, so the weights and the optimizer state are written as several files.
     monkeypatch.setattr(CheckpointManager, "shard_bytes", 48 << 10)
-    a, b = _config(tmp_path / "a", images), _config(tmp_path / "b", images)
-    sets = ("train.gradient_checkpointing=true", "save.every_n_steps=2", "train.lr=1e-3")
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+
+    def sample(self: SampleRunner, step: int, *args: object, **kw: object) -> list[Path]:
+        """What the samples would be drawn with: the trained proj_out weight at that step."""
+        seen[(str(self.out_dir), step)] = self.comps.denoiser.proj_out.weight.detach().clone()
+        return []
+
+    monkeypatch.setattr(SampleRunner, "run", sample)
+    a, b = (_config(tmp_path / n, images, prompts=prompts) for n in ("a", "b"))
+    sets = ("train.gradient_checkpointing=true", "save.every_n_steps=2", "train.lr=1e-3",
+            "train.ema.enabled=true", "train.ema.decay=0.5", 'train.ema.use_for=["saves","samples"]')
     ra, rb = stopped_and_resumed(a, b, monkeypatch, 2, *sets)
     assert ra == rb  # bitwise equal losses
     ckpt = sorted((tmp_path / "b" / "out" / "checkpoints").iterdir())[-1]
     assert (ckpt / "trainable.safetensors.index.json").is_file()
     assert (ckpt / "optimizer.safetensors.index.json").is_file()
     assert len(list(ckpt.glob("trainable-*.safetensors"))) > 1
-    state = read(ckpt).trainable
+    saved = read(ckpt)
+    assert saved.ema is not None and saved.ema.keys() == saved.trainable.keys()
+    assert not torch.equal(saved.ema["transformer.proj_out.weight"],
+                           saved.trainable["transformer.proj_out.weight"])
+    # Samples (steps 2 and 4 of the resumed run b) were drawn with the EMA weights.
+    b_samples = str(tmp_path / "b" / "out" / "samples")
+    step2 = read(tmp_path / "b" / "out" / "checkpoints" / "step-000002").ema
+    assert torch.equal(seen[(b_samples, 2)], step2["transformer.proj_out.weight"])
+    assert torch.equal(seen[(b_samples, 4)], saved.ema["transformer.proj_out.weight"])
+    state = saved.ema  # the files are written from the EMA (use_for saves)
     assert state and all(k.startswith(("transformer.transformer_blocks.", "transformer.proj_out"))
                          for k in state)
     for run in ("a", "b"):

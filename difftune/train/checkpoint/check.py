@@ -124,6 +124,15 @@ def check_optimizer(tensors: dict[str, torch.Tensor], trainable: dict[str, torch
             raise _refuse(path, f"{key} holds {value.numel()} values, not one step count")
 
 
+def check_ema(ema: dict[str, torch.Tensor], trainable: dict[str, torch.Tensor],
+              path: Path) -> None:
+    """Every EMA tensor averages a trained weight of the checkpoint, with its shape."""
+    for name, value in ema.items():
+        if name not in trainable or value.shape != trainable[name].shape:
+            raise _refuse(path, f"{name} averages no trained weight of the checkpoint of "
+                          f"shape {tuple(value.shape)}")
+
+
 def check_against_run(trainable: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
                       path: Path) -> None:
     """The checkpoint's weights are the run's trained weights, name for name and shape for

@@ -8,6 +8,8 @@ Folder layout (`checkpoints/step-000123/`):
   both written shard by shard when large (`trainable-00001-of-00004.safetensors`... and
   `trainable.safetensors.index.json`, see files/shards.py), so a save of a full fine-tune
   never holds a second copy of the model or of the optimizer state in host memory;
+- `ema.safetensors` (with `train.ema`): the moving average of the trained weights by
+  canonical name, sharded like them;
 - `rng.safetensors`: torch CPU, each CUDA device, and the run's noise generator;
 - `state.json`: step, sampler position, optimizer groups, LR schedule, loss scaler, python and
   numpy RNG, counters, identity of the adapter, resolved config, versions; written last, so a
@@ -36,11 +38,13 @@ from difftune import __version__
 from difftune.adapters.formats import write_safetensors
 from difftune.errors import CheckpointError
 from difftune.files.safe import is_pickle, pickle_refusal
-from difftune.files.shards import SHARD_BYTES, read_sharded, write_sharded
-from difftune.train.checkpoint.check import check_doc, check_optimizer, check_rng, check_trainable
+from difftune.files.shards import SHARD_BYTES, exists, read_sharded, write_sharded
+from difftune.train.checkpoint.check import (check_doc, check_ema, check_optimizer, check_rng,
+                                             check_trainable)
 
 CHECKPOINT_FORMAT = 1
 FILES = ("trainable.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
+EMA_FILE = "ema.safetensors"
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Checkpoint:
     trainable: dict[str, torch.Tensor]
     optimizer: dict[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
+    ema: dict[str, torch.Tensor] | None = None
 
     @property
     def step(self) -> int:
@@ -65,7 +70,9 @@ class Checkpoint:
                 "counters": doc.get("counters", {}),
                 "optimizer": {"groups": doc["optimizer"], "tensors": self.optimizer},
                 "scheduler": doc["scheduler"], "scaler": doc["scaler"],
-                "rng": {"tensors": self.rng, "plain": doc["rng"]}}
+                "rng": {"tensors": self.rng, "plain": doc["rng"]},
+                "ema": None if self.ema is None else {"tensors": self.ema,
+                                                      "plain": doc.get("ema") or {}}}
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -107,20 +114,23 @@ def read(path: Path) -> Checkpoint:
         check_doc(doc, path / "state.json")
         trainable, optimizer = (read_sharded(path / name) for name in FILES[:2])
         rng = load_file(str(path / FILES[2]))
+        ema = read_sharded(path / EMA_FILE) if exists(path / EMA_FILE) else None
     except (OSError, ValueError, SafetensorError) as err:
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
                               "it is damaged or not a difftune checkpoint") from None
     check_rng(rng, path / FILES[2])
     check_trainable(trainable, int(doc["identity"]["rank"]), path / FILES[0])
     check_optimizer(optimizer, trainable, path / FILES[1])
-    return Checkpoint(path, doc, trainable, optimizer, rng)
+    check_ema(ema or {}, trainable, path / EMA_FILE)
+    return Checkpoint(path, doc, trainable, optimizer, rng, ema)
 
 
 def lora_file(folder: Path) -> Path:
     """The LoRA file a checkpoint folder holds beside its state files."""
-    found = [p for p in sorted(folder.glob("*.safetensors")) if p.name not in FILES
+    ours = (*FILES, EMA_FILE)
+    found = [p for p in sorted(folder.glob("*.safetensors")) if p.name not in ours
              and not p.name.startswith(tuple(n.removesuffix(".safetensors") + "-"
-                                             for n in FILES))]
+                                             for n in ours))]
     return found[0] if found else folder
 
 

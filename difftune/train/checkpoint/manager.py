@@ -95,12 +95,16 @@ class CheckpointManager(LoraFiles):
         files.write_big(tmp / FILES[0], params, torch.float32, self.shard_bytes)
         files.write_big(tmp / FILES[1], saved["optimizer"]["tensors"], None, self.shard_bytes)
         files.write_tensors(tmp / FILES[2], saved["rng"]["tensors"])
+        if saved["ema"] is not None:
+            files.write_big(tmp / files.EMA_FILE, saved["ema"]["tensors"], torch.float32,
+                            self.shard_bytes)
         if self.cfg.adapter.type != "full":  # a full fine-tune's weights are trainable.*
             self.save_lora(state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
         doc = {"format": CHECKPOINT_FORMAT, "complete": True, "step": saved["step"],
                "sampler": saved["sampler"], "counters": saved["counters"],
                "optimizer": saved["optimizer"]["groups"], "scheduler": saved["scheduler"],
                "scaler": saved["scaler"], "rng": saved["rng"]["plain"],
+               "ema": saved["ema"]["plain"] if saved["ema"] is not None else None,
                "identity": self.identity(), "config": self.cfg.model_dump(mode="json"),
                "versions": files.versions()}
         files.write_text(tmp / FILES[3], json.dumps(doc, indent=1))  # last: marks it complete
