@@ -266,6 +266,11 @@ class Family(Protocol):
         """The names other tools give the loaded base model (variant read from its config)."""
         ...
 
+    def single_file_layout(self, c: Components) -> Any:
+        """The denoiser's single-file layout (`files.single.Layout`: file name -> the diffusers
+        tensors it is made of) as ComfyUI and Forge load it, or None where there is none."""
+        ...
+
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
     ) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from difftune.train.objectives.flow import scheduler_shift
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
+    from difftune.files.single import Layout
 
     from difftune.config import ModelConfig, TrainConfig
     from difftune.precision.policy import PrecisionPolicy
@@ -262,6 +263,14 @@ class FamilyBase:
 
         return ModelSpec(name("ARCHITECTURE"), name("IMPLEMENTATION"), name("BASE_VERSION"),
                          name("NETWORK_MODULE"))
+
+    def single_file_layout(self, c: Components) -> "Layout | None":
+        """The layout of the single file ComfyUI and Forge load for this family's denoiser
+        (`files.single_file_layout(denoiser)` of the family folder), or None where the family
+        declares none (a full fine-tune is then written as a diffusers folder only)."""
+        package = type(self).__module__.rsplit(".", 1)[0]
+        layout = getattr(importlib.import_module(f"{package}.files"), "single_file_layout", None)
+        return layout(c.denoiser) if layout is not None else None
 
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float

@@ -36,6 +36,7 @@ from difftune.families.common.transformer_folder import FolderLayout, load_compo
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
+    from difftune.files.single import Layout
 
 WHAT = "Qwen-Image"
 # Qwen/Qwen-Image's scheduler/scheduler_config.json: a resolution-dependent (exponential) shift
@@ -246,3 +247,12 @@ def load_qwen_image_text_encoders(cfg: ModelConfig, dtype: torch.dtype) -> dict[
         return {"text_encoder": load_text_encoder_file(Path(cfg.text_encoder), dtype)}
     return {"text_encoder": from_folder(Qwen2_5_VLForConditionalGeneration, _folder(cfg),
                                         "text_encoder", dtype, WHAT)}
+
+
+def single_file_layout(model: torch.nn.Module) -> "Layout":
+    """The Qwen-Image transformer as ComfyUI keeps it (`qwen_image_bf16.safetensors`): the
+    diffusers names themselves (diffusers' single-file mapping for it is the identity)."""
+    from difftune.files.single import check_complete, identity_layout
+
+    names = list(model.state_dict())
+    return check_complete(identity_layout(names), names, "Qwen-Image")

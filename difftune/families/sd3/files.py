@@ -31,6 +31,7 @@ from difftune.families.sd3.spec import SPEC
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
+    from difftune.files.single import Layout
 
 SD3_ENCODER_PREFIXES = {"clip_l": "text_encoders.clip_l.transformer.",
                         "clip_g": "text_encoders.clip_g.transformer.",
@@ -230,3 +231,54 @@ def text_parts(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
         return load_sd3_file(cfg, {"text_encoders": dtype}, text_only=True)
     assert cfg.path is not None  # ModelConfig guarantees a source
     return load_sd3_folder_text_encoders(Path(cfg.path), dtype)
+
+
+# --- the original (MMDiT) checkpoint layout, written for a full fine-tune -------------------
+
+_MMDIT_TOP = {"pos_embed.proj": "x_embedder.proj",
+              "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+              "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+              "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+              "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
+              "context_embedder": "context_embedder", "proj_out": "final_layer.linear"}
+_MMDIT_BLOCK = {"attn.to_out.0": "x_block.attn.proj", "attn.to_add_out": "context_block.attn.proj",
+                "attn2.to_out.0": "x_block.attn2.proj", "attn.norm_q": "x_block.attn.ln_q",
+                "attn.norm_k": "x_block.attn.ln_k", "attn.norm_added_q": "context_block.attn.ln_q",
+                "attn.norm_added_k": "context_block.attn.ln_k",
+                "attn2.norm_q": "x_block.attn2.ln_q", "attn2.norm_k": "x_block.attn2.ln_k",
+                "norm1.linear": "x_block.adaLN_modulation.1",
+                "norm1_context.linear": "context_block.adaLN_modulation.1",
+                "ff.net.0.proj": "x_block.mlp.fc1", "ff.net.2": "x_block.mlp.fc2",
+                "ff_context.net.0.proj": "context_block.mlp.fc1",
+                "ff_context.net.2": "context_block.mlp.fc2"}
+# Fused q, k, v: the diffusers names' stem -> the MMDiT tensor.
+_MMDIT_QKV = (("attn.to_{}", "x_block.attn.qkv"), ("attn.add_{}_proj", "context_block.attn.qkv"),
+              ("attn2.to_{}", "x_block.attn2.qkv"))
+
+
+def single_file_layout(model: torch.nn.Module) -> "Layout":
+    """The SD3/3.5 transformer in Stability's MMDiT layout (`model.diffusion_model.
+    joint_blocks...`, as sd3.5_large.safetensors holds it): fused qkv, and the (shift, scale)
+    order of the final layer's modulation and of the last block's context modulation."""
+    from difftune.files.single import Piece, check_complete
+
+    names, last = list(model.state_dict()), model.config.num_layers - 1
+    out: dict[str, Piece] = {"pos_embed": Piece(("pos_embed.pos_embed",))}
+    for kind in ("weight", "bias"):
+        out[f"final_layer.adaLN_modulation.1.{kind}"] = Piece((f"norm_out.linear.{kind}",), True)
+        out |= {f"{dst}.{kind}": Piece((f"{src}.{kind}",)) for src, dst in _MMDIT_TOP.items()
+                if f"{src}.{kind}" in names}
+    for i in range(model.config.num_layers):
+        p, b = f"transformer_blocks.{i}.", f"joint_blocks.{i}."
+        for src, dst in _MMDIT_BLOCK.items():
+            for kind in ("weight", "bias"):
+                if f"{p}{src}.{kind}" in names:
+                    swap = src == "norm1_context.linear" and i == last  # context_pre_only
+                    out[f"{b}{dst}.{kind}"] = Piece((f"{p}{src}.{kind}",), swap)
+        for stem, dst in _MMDIT_QKV:
+            for kind in ("weight", "bias"):
+                parts = tuple(f"{p}{stem.format(x)}.{kind}" for x in "qkv")
+                if parts[0] in names:
+                    out[f"{b}{dst}.{kind}"] = Piece(parts)
+    layout = {UNET_PREFIX + k: v for k, v in out.items()}
+    return check_complete(layout, names, "SD3 MMDiT")

@@ -29,6 +29,7 @@ from difftune.families.common.single_file import (assign_state, cast_state, coun
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
+    from difftune.files.single import Layout
 
 SDXL_CLIP_L_PREFIX = "conditioner.embedders.0.transformer."
 SDXL_CLIP_G_PREFIX = "conditioner.embedders.1.model."
@@ -242,3 +243,53 @@ def text_parts(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         return load_sdxl_file(cfg, {"text_encoders": dtype}, text_only=True)
     assert cfg.path is not None  # ModelConfig guarantees a source
     return load_sdxl_folder_text_encoders(Path(cfg.path), dtype)
+
+
+# --- the original (SGM) checkpoint layout, written for a full fine-tune ---------------------
+
+_SGM_TOP = {"conv_in": "input_blocks.0.0", "time_embedding.linear_1": "time_embed.0",
+            "time_embedding.linear_2": "time_embed.2", "add_embedding.linear_1": "label_emb.0.0",
+            "add_embedding.linear_2": "label_emb.0.2", "conv_norm_out": "out.0",
+            "conv_out": "out.2"}
+_SGM_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
+               "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+_SGM_MID = {"resnets.0": "middle_block.0", "attentions.0": "middle_block.1",
+            "resnets.1": "middle_block.2"}
+
+
+def sgm_unet_name(key: str, per_level: int, up_attention: list[bool]) -> str:
+    """One diffusers UNet tensor name in the SGM numbering of the original checkpoints
+    (`input_blocks.<i>.<j>`, `middle_block.<j>`, `output_blocks.<i>.<j>`): each level holds
+    `per_level` layers (+1 going up) and then its down- or upsampler."""
+    top = next((k for k in _SGM_TOP if key.startswith(k + ".")), None)
+    if top is not None:
+        return _SGM_TOP[top] + key[len(top):]
+    part = key.split(".")
+    if part[0] == "mid_block":
+        head, rest = _SGM_MID[f"{part[1]}.{part[2]}"], part[3:]
+    else:
+        level, kind, j, rest = int(part[1]), part[2], int(part[3]), part[4:]
+        down = part[0] == "down_blocks"
+        sampler = kind in ("downsamplers", "upsamplers")
+        index = (1 if down else 0) + level * (per_level + 1) + (per_level if sampler else j)
+        slot = ("1" if kind == "attentions" else "0" if down or kind == "resnets"
+                else "2" if up_attention[level] else "1")
+        head = f"{'input_blocks' if down else 'output_blocks'}.{index}.{slot}"
+        if sampler:
+            rest = ["op" if down else "conv", rest[-1]]
+    if "resnets" in part:
+        rest = [_SGM_RESNET.get(".".join(rest[:-1]), ".".join(rest[:-1])), rest[-1]]
+    return ".".join([head, *rest])
+
+
+def single_file_layout(unet: torch.nn.Module) -> "Layout":
+    """The SDXL UNet in the original checkpoint layout (`model.diffusion_model.input_blocks...`,
+    as sd_xl_base_1.0.safetensors holds it; ComfyUI, Forge and diffusers' from_single_file read
+    it), one tensor per tensor."""
+    from difftune.files.single import Piece, check_complete
+
+    cfg, names = unet.config, list(unet.state_dict())
+    up_attention = ["CrossAttn" in t for t in cfg.up_block_types]
+    per_level = cfg.layers_per_block
+    layout = {UNET_PREFIX + sgm_unet_name(n, per_level, up_attention): Piece((n,)) for n in names}
+    return check_complete(layout, names, "SDXL original checkpoint")

@@ -23,6 +23,7 @@ from difftune.adapters.full_files import save_folder
 from difftune.adapters.lora import lora_state
 from difftune.adapters.metadata import FileFacts, embedding_keys, lora_keys
 from difftune.config import RunConfig, SaveConfig
+from difftune.files.single import write_layout
 from difftune.files.space import check_free, writing
 from difftune.families.base import Components, Family
 from difftune.families.common.text import file_clip_roots
@@ -131,13 +132,23 @@ class LoraFiles:
 
     def save_full(self, step: int, final: bool, path: Path | None = None) -> Path:
         """A full fine-tune's trained models as diffusers folders in save.dtype, under
-        `<name>/` (`<name>-step000123/` before the end), each in its pipeline subfolder."""
-        lora = path or self.lora_path(step, final)
-        folder = lora.with_name(lora.name.removesuffix(".safetensors"))
+        `<name>/` (`<name>-step000123/` before the end), each in its pipeline subfolder, and
+        the denoiser as the family's single file beside it (`<name>.safetensors`, where the
+        family declares one); returns the folder."""
+        file = path or self.lora_path(step, final)
+        folder = file.with_name(file.name.removesuffix(".safetensors"))
+        dtype = DTYPES[self.cfg.save.dtype]
         with writing(folder.parent, f"model {folder.name}", self.bytes_needed(), FIX):
             for prefix, module in self.modules().items():
-                save_folder(module, folder / prefix, DTYPES[self.cfg.save.dtype])
-        log.info("saved the fine-tuned model %s", folder)
+                save_folder(module, folder / prefix, dtype)
+            layout = self.family.single_file_layout(self.comps)
+            if layout is not None:
+                meta = {"format": "pt", "difftune.version": __version__,
+                        "difftune.family": self.family.name, "difftune.base_model": self.base_name,
+                        "difftune.steps": str(step)}
+                write_layout(file, layout, self.comps.denoiser.state_dict(), dtype, meta)
+        log.info("saved the fine-tuned model %s%s", folder,
+                 f" and {file.name}" if layout is not None else "")
         return folder
 
     def save_embeddings(self, step: int, final: bool, folder_of: Path | None) -> list[Path]:

@@ -1,0 +1,93 @@
+"""The single files a full fine-tune writes, read back by diffusers' own `from_single_file`
+(an independent reader) with the tiny flavor's config, offline: every tensor equal to the
+model's (fp32), or to its cast (bf16)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftune import families
+from difftune.config.sections import ModelConfig, PrecisionConfig
+from difftune.files.single import write_layout
+from difftune.precision.policy import PrecisionPolicy
+
+CPU = PrecisionPolicy.from_config(PrecisionConfig(), torch.device("cpu"))
+
+
+def _randomized(family: str) -> tuple[object, torch.nn.Module]:
+    """The family and its tiny denoiser with every weight random (zero-initialized layers
+    would hide a wrong order of halves)."""
+    fam = families.get(family)
+    model = fam.load(ModelConfig(family=family, flavor="tiny"), CPU).denoiser
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return fam, model
+
+
+def _written(fam: object, model: torch.nn.Module, folder: Path, dtype: torch.dtype) -> Path:
+    path = folder / "model.safetensors"  # the layout reads only the components' denoiser
+    write_layout(path, fam.single_file_layout(SimpleNamespace(denoiser=model)),
+                 model.state_dict(), dtype)
+    model.save_config(folder / "config")
+    return path
+
+
+@pytest.mark.parametrize("family, dtype", [
+    ("sdxl", torch.float32), ("sd3", torch.bfloat16),
+    pytest.param("qwen_image", torch.float32, marks=pytest.mark.full_only)])
+def test_single_file_loads_with_from_single_file(tmp_path: Path, family: str,
+                                                 dtype: torch.dtype) -> None:
+    fam, model = _randomized(family)
+    path = _written(fam, model, tmp_path, dtype)
+    keys = load_file(str(path)).keys()  # a valid safetensors file, in the original names
+    assert family == "qwen_image" or all(k.startswith("model.diffusion_model.") for k in keys)
+    theirs = type(model).from_single_file(str(path), config=str(tmp_path / "config"),
+                                          local_files_only=True, torch_dtype=dtype).state_dict()
+    ours = model.state_dict()
+    assert theirs.keys() == ours.keys()
+    for key, value in ours.items():
+        assert torch.equal(theirs[key], value.to(dtype)), key
+
+
+def test_flux_bfl_file_reads_back_through_diffusers_converter(tmp_path: Path) -> None:
+    """The tiny FLUX.1 through diffusers' BFL converter (our loader gives it the single blocks'
+    real width, which diffusers' from_single_file fixes at 3072; the full-width case is
+    below), with BFL's own names."""
+    from difftune.families.flux.files import load_transformer_file
+
+    fam, model = _randomized("flux")
+    path = _written(fam, model, tmp_path, torch.float32)
+    keys = load_file(str(path)).keys()
+    assert {"double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight",
+            "final_layer.adaLN_modulation.1.weight", "time_in.in_layer.weight"} <= keys
+    back = load_transformer_file(path, torch.float32).state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(back[key], value), key
+
+
+@pytest.mark.full_only
+def test_flux_full_width_file_loads_with_from_single_file(tmp_path: Path) -> None:
+    from diffusers import FluxTransformer2DModel
+
+    from difftune.families.flux.files import single_file_layout
+
+    config = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+                  attention_head_dim=128, num_attention_heads=24, joint_attention_dim=64,
+                  pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    model = FluxTransformer2DModel(**config).to(torch.bfloat16)
+    path = tmp_path / "flux.safetensors"
+    write_layout(path, single_file_layout(model), model.state_dict(), torch.bfloat16)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"_class_name": "FluxTransformer2DModel", **config}))
+    theirs = FluxTransformer2DModel.from_single_file(
+        str(path), config=str(tmp_path), local_files_only=True, torch_dtype=torch.bfloat16)
+    for key, value in model.state_dict().items():
+        assert torch.equal(theirs.state_dict()[key], value), key
