@@ -13,7 +13,8 @@ from difftune.sample.runner import SampleRunner
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.files import read
 from difftune.families.flux.files import load_transformer_file
-from tests.e2e.conftest import metrics_rows, run_toml, stopped_and_resumed, tiny_pipeline
+from tests.e2e.conftest import (copy_run, metrics_rows, run_toml, stopped_and_resumed,
+                                tiny_pipeline, train_exit_code)
 
 FULL = '\n[adapter]\ntype = "full"\ntrain_blocks = ["transformer_blocks.*", "proj_out"]\n'
 
@@ -74,3 +75,12 @@ def test_full_finetune_with_ema_resumes_exactly_and_writes_a_diffusers_folder(
     for key, value in single.items():  # trained weights from the EMA, the rest the base's
         assert torch.equal(value, state.get(f"transformer.{key}", base[key])), key
     assert metrics_rows(tmp_path / "b" / "out")[-1]["step"] == 4
+
+
+def test_resume_with_ema_from_a_run_without_is_refused(
+        finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = copy_run(finished, tmp_path / "run")
+    code = train_exit_code(cfg, "train.steps=6", "train.ema.enabled=true",
+                           extra=["--resume", "latest"])
+    assert code == 2
+    assert "holds no EMA" in capsys.readouterr().err
