@@ -84,3 +84,23 @@ def test_resume_with_ema_from_a_run_without_is_refused(
                            extra=["--resume", "latest"])
     assert code == 2
     assert "holds no EMA" in capsys.readouterr().err
+
+
+def test_full_text_encoder_with_fused_backward(tmp_path: Path, images: Path) -> None:
+    """adapter.text_encoders with type "full": the encoder's own weights train (fused backward
+    steps every tensor inside backward), and it is written as a transformers model folder."""
+    from transformers import CLIPTextModel
+
+    cfg = _config(tmp_path, images, steps=2)
+    cfg.write_text(cfg.read_text().replace('train_blocks = ["transformer_blocks.*", "proj_out"]',
+                                           'train_blocks = ["proj_out"]\ntext_encoders = ["clip_l"]'))
+    assert train_exit_code(cfg, "train.fused_backward=true") == 0
+    ckpt = read(sorted((tmp_path / "out" / "checkpoints").iterdir())[-1]).trainable
+    clip = {k.removeprefix("text_encoder."): v for k, v in ckpt.items()
+            if k.startswith("text_encoder.")}
+    assert clip and {k for k in ckpt if k.startswith("transformer.")} == {
+        "transformer.proj_out.weight", "transformer.proj_out.bias"}
+    saved = CLIPTextModel.from_pretrained(tmp_path / "out" / "lora" / "text_encoder").state_dict()
+    base = tiny_pipeline("flux").text_encoder.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in clip.items())
+    assert any(not torch.equal(base[k], v) for k, v in clip.items())  # it trained
