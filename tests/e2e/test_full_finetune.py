@@ -29,7 +29,7 @@ def _config(folder: Path, images: Path, steps: int = 4, prompts: Path | None = N
     return cfg
 
 
-def test_full_finetune_with_ema_resumes_exactly_and_writes_a_diffusers_folder(
+def test_full_finetune_with_ema_resumes_exactly_and_writes_loadable_files(
         tmp_path: Path, images: Path, prompts: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Small shards, so the weights and the optimizer state are written as several files.
     monkeypatch.setattr(CheckpointManager, "shard_bytes", 48 << 10)
@@ -51,6 +51,10 @@ def test_full_finetune_with_ema_resumes_exactly_and_writes_a_diffusers_folder(
     assert (ckpt / "optimizer.safetensors.index.json").is_file()
     assert len(list(ckpt.glob("trainable-*.safetensors"))) > 1
     saved = read(ckpt)
+    uninterrupted = read(tmp_path / "a" / "out" / "checkpoints" / ckpt.name)
+    for part in ("trainable", "ema", "optimizer"):  # bit for bit, each tensor
+        mine, theirs = getattr(saved, part), getattr(uninterrupted, part)
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert saved.ema is not None and saved.ema.keys() == saved.trainable.keys()
     assert not torch.equal(saved.ema["transformer.proj_out.weight"],
                            saved.trainable["transformer.proj_out.weight"])
