@@ -28,7 +28,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from safetensors import SafetensorError
@@ -38,7 +38,7 @@ from difftune import __version__
 from difftune.adapters.formats import write_safetensors
 from difftune.errors import CheckpointError
 from difftune.files.safe import is_pickle, pickle_refusal
-from difftune.files.shards import SHARD_BYTES, exists, read_sharded, write_sharded
+from difftune.files.shards import SHARD_BYTES, exists, meta, read_sharded, write_sharded
 from difftune.train.checkpoint.check import (check_doc, check_ema, check_optimizer, check_rng,
                                              check_trainable)
 
@@ -53,10 +53,11 @@ class Checkpoint:
 
     path: Path
     doc: dict[str, Any]
-    trainable: dict[str, torch.Tensor]
-    optimizer: dict[str, torch.Tensor]
+    # Weights, optimizer state and EMA are read lazily, one tensor at a time (LazyTensors).
+    trainable: Mapping[str, torch.Tensor]
+    optimizer: Mapping[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
-    ema: dict[str, torch.Tensor] | None = None
+    ema: Mapping[str, torch.Tensor] | None = None
 
     @property
     def step(self) -> int:
@@ -119,9 +120,11 @@ def read(path: Path) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
                               "it is damaged or not a difftune checkpoint") from None
     check_rng(rng, path / FILES[2])
-    check_trainable(trainable, int(doc["identity"]["rank"]), path / FILES[0])
-    check_optimizer(optimizer, trainable, path / FILES[1])
-    check_ema(ema or {}, trainable, path / EMA_FILE)
+    # Shapes and dtypes from the headers: nothing of the weights is read yet.
+    weights = meta(trainable)
+    check_trainable(weights, int(doc["identity"]["rank"]), path / FILES[0])
+    check_optimizer(meta(optimizer), weights, path / FILES[1])
+    check_ema(meta(ema or {}), weights, path / EMA_FILE)
     return Checkpoint(path, doc, trainable, optimizer, rng, ema)
 
 

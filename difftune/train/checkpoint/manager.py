@@ -20,6 +20,7 @@ import torch
 
 from difftune.config import RunConfig
 from difftune.data.discover import DataSet
+from difftune.files.shards import meta
 from difftune.files.space import writing
 from difftune.train.checkpoint import files
 from difftune.train.checkpoint.check import check_against_run
@@ -114,7 +115,7 @@ class CheckpointManager(LoraFiles):
         """Put the checkpoint's weights into the model and the rest into `state` (optimizer,
         schedule, scaler, RNGs, sampler position, counters, step)."""
         params = self.trainable()
-        check_against_run(ckpt.trainable, params, ckpt.path / FILES[0])
+        check_against_run(meta(ckpt.trainable), params, ckpt.path / FILES[0])
         with torch.no_grad():
             for name, value in ckpt.trainable.items():
                 params[name].copy_(value)
