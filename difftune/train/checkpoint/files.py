@@ -64,6 +64,11 @@ class Checkpoint:
         """The optimizer step the checkpoint was taken after."""
         return int(self.doc["step"])
 
+    def release(self) -> None:
+        """Let go of the lazily read files once their tensors are put back (an open file
+        of a checkpoint that `save.keep_last` prunes would keep its disk space)."""
+        self.trainable, self.optimizer, self.ema = {}, {}, None
+
     def train_state(self) -> dict[str, Any]:
         """The saved state in the shape `TrainState.load_state_dict` takes."""
         doc = self.doc

@@ -120,6 +120,7 @@ class CheckpointManager(LoraFiles):
             for name, value in ckpt.trainable.items():
                 params[name].copy_(value)
         state.load_state_dict(ckpt.train_state())
+        ckpt.release()
 
     def prune(self) -> None:
         """Keep the `save.keep_last` newest complete checkpoints."""
