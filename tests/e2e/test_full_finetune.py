@@ -108,3 +108,18 @@ def test_full_text_encoder_with_fused_backward(tmp_path: Path, images: Path) -> 
     base = tiny_pipeline("flux").text_encoder.state_dict()
     assert all(torch.equal(saved[k], v) for k, v in clip.items())
     assert any(not torch.equal(base[k], v) for k, v in clip.items())  # it trained
+
+
+def test_lora_with_ema_saves_the_average(tmp_path: Path, images: Path) -> None:
+    """EMA works for any trained set: a LoRA file written from the average (diffusers layout:
+    its up factors carry the scale alpha / rank = 2, exact in fp32)."""
+    from safetensors.torch import load_file
+
+    cfg = run_toml(tmp_path, images, steps=3)
+    assert train_exit_code(cfg, "train.ema.enabled=true", "train.ema.decay=0.5") == 0
+    saved = read(sorted((tmp_path / "out" / "checkpoints").iterdir())[-1])
+    lora = load_file(str(tmp_path / "out" / "lora.safetensors"))
+    assert saved.ema is not None and lora.keys() == saved.ema.keys()
+    for key, value in saved.ema.items():
+        assert torch.equal(lora[key], value * (2 if "lora_B" in key else 1)), key
+    assert any(not torch.equal(saved.ema[k], saved.trainable[k]) for k in saved.ema)
