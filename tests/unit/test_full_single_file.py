@@ -104,3 +104,30 @@ def test_bfl_full_width_file_loads_with_from_single_file(tmp_path: Path, cls: st
                                         torch_dtype=torch.bfloat16).state_dict()
     for key, value in model.state_dict().items():
         assert torch.equal(theirs[key], value), key
+
+
+def test_sd35_medium_dual_attention_file_loads_with_from_single_file(tmp_path: Path) -> None:
+    """SD3.5 Medium's MMDiT-X blocks (a second image attention, `attn2`) in the MMDiT layout."""
+    from diffusers import SD3Transformer2DModel
+
+    from difftune.families.sd3.files import single_file_layout
+    from difftune.families.sd3.tiny import TINY_SD3_TRANSFORMER_CONFIG
+
+    model = SD3Transformer2DModel(**{**TINY_SD3_TRANSFORMER_CONFIG, "dual_attention_layers": (0,)})
+    path = tmp_path / "model.safetensors"
+    write_layout(path, single_file_layout(model), model.state_dict(), torch.float32)
+    assert "model.diffusion_model.joint_blocks.0.x_block.attn2.qkv.weight" in load_file(str(path))
+    model.save_config(tmp_path / "config")
+    theirs = SD3Transformer2DModel.from_single_file(str(path), config=str(tmp_path / "config"),
+                                                    local_files_only=True).state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(theirs[key], value), key
+
+
+def test_chroma_layout_covers_the_tiny_model() -> None:
+    """Chroma's layout places every tensor once (its from_single_file check is at the
+    released width, in --full)."""
+    fam, model = _randomized("chroma")
+    layout = fam.single_file_layout(SimpleNamespace(denoiser=model))
+    assert {"double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight",
+            "distilled_guidance_layer.norms.0.scale", "final_layer.linear.weight"} <= set(layout)
