@@ -1,5 +1,7 @@
-"""Full fine-tuning through the real CLI on the tiny FLUX.1: exact resume with sharded
-checkpoints, trained blocks only, and the diffusers folder it writes (read by diffusers)."""
+"""Full fine-tuning and EMA through the real CLI on the tiny FLUX.1: exact resume with sharded
+checkpoints (weights, optimizer, EMA), trained blocks only, samples and files from the EMA, the
+diffusers folder (read by `from_pretrained`) and the BFL single file (read through diffusers'
+converter), a fully trained text encoder, and an EMA of a LoRA."""
 
 from __future__ import annotations
 
