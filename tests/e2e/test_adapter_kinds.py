@@ -1,0 +1,103 @@
+"""LoCon, LoHa, LoKr and DoRA runs through the real CLI: exact resume, `--init-lora` from their
+files, `check`'s report, and the refusals at config load. (Their files are checked against
+the LyCORIS library in test_lycoris_files.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftune.cli import main
+from difftune.config import load_config
+from difftune.errors import CheckpointError, ConfigError
+from difftune.train.checkpoint import CheckpointManager
+from difftune.train.init_lora import load_init_lora
+from difftune.train.setup import prepare
+
+from .conftest import assert_same_lora, lora_metadata, run_toml, stopped_and_resumed
+
+FULL = pytest.mark.full_only
+# Default: the two LyCORIS products on FLUX.1 (LoKr with its text-encoder adapter) and DoRA
+# LoCon with Conv2d layers on SDXL; the other kinds with --full.
+KINDS = [
+    ("flux", ["adapter.type=lokr", "adapter.rank=2", 'adapter.text_encoders=["clip_l"]']),
+    ("sdxl", ["adapter.type=locon", "adapter.dora=true", "adapter.conv_rank=2"]),
+    pytest.param("flux", ["adapter.type=loha"], marks=FULL),
+    pytest.param("flux", ["adapter.type=lokr", "adapter.full_matrix=true"], marks=FULL),
+    pytest.param("flux", ["adapter.dora=true"], marks=FULL),
+    pytest.param("sdxl", ["adapter.type=lokr", "adapter.rank=1", "adapter.decompose_both=true",
+                          "adapter.conv_rank=2"], marks=FULL),
+]
+
+
+def manager(cfg: Path, *sets: str) -> CheckpointManager:
+    """A prepared run's checkpoint manager (its adapter freshly initialized)."""
+    config = load_config(cfg, list(sets))
+    run = prepare(config, show_progress=False)
+    return CheckpointManager(config, run.family, run.comps, run.targets, {})
+
+
+@pytest.mark.parametrize("family,sets", KINDS)
+def test_resume_is_exact_and_init_lora_continues_from_the_file(
+        tmp_path: Path, images: Path, monkeypatch: pytest.MonkeyPatch, family: str,
+        sets: list[str]) -> None:
+    a, b = (run_toml(tmp_path / n, images, steps=3, fmt=None, family=family) for n in "ab")
+    full, resumed = stopped_and_resumed(a, b, monkeypatch, 2, *sets)
+    assert full == resumed
+    assert_same_lora(a.parent / "out", b.parent / "out")
+    saved = a.parent / "out" / "lora.safetensors"
+    kind = sets[0].split("=")[1] if sets[0].startswith("adapter.type") else "lora"
+    assert lora_metadata(saved)["difftune.adapter"] == kind
+    # A new run from the file starts from exactly the trained adapter.
+    trained = load_file(str(sorted((a.parent / "out" / "checkpoints").glob("step-*"))[-1]
+                             / "trainable.safetensors"))
+    m = manager(run_toml(tmp_path / "c", images, fmt=None, family=family), *sets)
+    load_init_lora(saved, m)
+    got = m.trainable()
+    assert got.keys() == trained.keys()
+    for key, value in trained.items():
+        torch.testing.assert_close(got[key].detach(), value, rtol=1e-6, atol=0, msg=key)
+
+
+def test_a_file_of_another_kind_is_refused(tmp_path: Path, images: Path) -> None:
+    src = manager(run_toml(tmp_path / "src", images, fmt=None), "adapter.type=lokr", "adapter.rank=2")
+    path = src.save_lora(1, final=True)
+    m = manager(run_toml(tmp_path / "new", images, fmt=None), "adapter.type=loha")
+    with pytest.raises(CheckpointError, match=r"holds a LoKr adapter.*trains a LoHa.*"
+                                              r"adapter.type = \"lokr\""):
+        load_init_lora(path, m)
+    plain = manager(run_toml(tmp_path / "plain", images))
+    with pytest.raises(CheckpointError, match="holds a LoKr adapter"):
+        load_init_lora(path, plain)
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["adapter.type=lokr", "adapter.dora=true"], r"adapter.dora works with adapter.type"),
+    (["adapter.type=loha", "adapter.conv_rank=4"], r"adapter.conv_rank: model.family = \"flux\" "
+                                                   r"has no Conv2d layers"),
+    (["adapter.factor=4"], r"adapter.factor is a LoKr option"),
+    (["adapter.type=lokr", "adapter.full_matrix=true", "adapter.decompose_both=true"],
+     r"full_matrix.*decompose_both"),
+    (["adapter.type=loha", "save.format=kohya"], r"save.format = \"kohya\" chooses a plain"),
+    (["adapter.type=lokr", "adapter.dropout=0.1"], r"adapter.dropout is LoRA's input dropout"),
+])
+def test_kind_options_that_cannot_work_are_refused_at_load(
+        tmp_path: Path, images: Path, sets: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(run_toml(tmp_path, images, fmt=None), sets)
+
+
+def test_check_states_the_kind_and_its_parameter_count(
+        tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = run_toml(tmp_path, images, fmt=None)
+    assert main(["check", str(cfg), "--set", "adapter.type=lokr", "--set",
+                 "adapter.rank=2"]) == 0
+    out = capsys.readouterr().out
+    m = manager(cfg, "adapter.type=lokr", "adapter.rank=2")
+    count = sum(p.numel() for p in m.trainable().values())
+    assert "adapter: LoKr, rank 2, on " in out
+    assert f"{count / 1e3:.2f} K trainable parameters" in out or f"{count} trainable" in out
+    assert "adapter file format: LyCORIS (lycoris_<module>" in out
