@@ -101,3 +101,56 @@ def test_check_states_the_kind_and_its_parameter_count(
     assert "adapter: LoKr, rank 2, on " in out
     assert f"{count / 1e3:.2f} K trainable parameters" in out or f"{count} trainable" in out
     assert "adapter file format: LyCORIS (lycoris_<module>" in out
+
+
+# The precision set-ups for the LyCORIS kinds: fp16/bf16 mixed on a half-precision base, fp8
+# storage, and a quantized (int8) base; one cell by default, the rest with --full.
+PRECISION = [
+    ("flux", "lokr", "bf16", "int8"),
+    pytest.param("flux", "lokr", "fp16", "half", marks=FULL),
+    pytest.param("flux", "lokr", "bf16", "fp8", marks=FULL),
+    pytest.param("sdxl", "loha", "bf16", "int8", marks=FULL),
+    pytest.param("sdxl", "locon", "fp16", "fp8", marks=FULL),
+    pytest.param("flux", "lora", "bf16", "int8", marks=FULL),  # DoRA on a quantized base
+]
+
+
+@pytest.mark.parametrize("family,kind,mixed,base", PRECISION)
+def test_lycoris_kinds_train_in_every_precision_mode(tmp_path: Path, images: Path, family: str,
+                                                     kind: str, mixed: str, base: str) -> None:
+    from .test_precision_matrix import BASES
+
+    parts = ("denoiser", "text_encoders", "vae")
+    precision = {"mixed": mixed, **BASES[base],
+                 **({p: mixed for p in parts} if base == "half" else {})}
+    extra = "\n[precision]\n" + "".join(
+        f"{k} = {_toml(v)}\n" for k, v in precision.items() if not isinstance(v, dict))
+    for table, values in ((k, v) for k, v in precision.items() if isinstance(v, dict)):
+        extra += f"[precision.{table}]\n" + "".join(f"{k} = {_toml(v)}\n"
+                                                   for k, v in values.items())
+    sets = [f"adapter.type={kind}", "adapter.rank=2", "train.steps=1"]
+    sets += ["adapter.dora=true"] if kind == "lora" else []
+    sets += ["adapter.conv_rank=2"] if family == "sdxl" else []
+    cfg = run_toml(tmp_path, images, fmt=None, family=family, extra=extra)
+    assert main(["train", str(cfg), "--no-progress"] + [a for s in sets
+                                                        for a in ("--set", s)]) == 0
+    out = tmp_path / "out"
+    saved = load_file(str(out / "lora.safetensors"))
+    trained = load_file(str(sorted((out / "checkpoints").glob("step-*"))[-1]
+                            / "trainable.safetensors"))
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in trained.values())
+    # Only adapter tensors reach the file (no quantizer or fp8 names leak), and a new run
+    # started from it holds the trained weights.
+    suffixes = {k.partition(".")[2] for k in saved}
+    assert suffixes and all(s == "alpha" or s.startswith(("lokr_", "hada_", "lora_", "dora"))
+                            for s in suffixes), suffixes
+    m = manager(cfg, *sets)
+    load_init_lora(out / "lora.safetensors", m)
+    got = m.trainable()
+    for key, value in trained.items():
+        torch.testing.assert_close(got[key].detach(), value, rtol=1e-6, atol=0, msg=key)
+
+
+def _toml(value: object) -> str:
+    """A TOML scalar."""
+    return f'"{value}"' if isinstance(value, str) else str(value).lower()
