@@ -23,7 +23,7 @@ from difftune.families.common.text import model_clip_roots
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.setup import prepare
 
-from .conftest import run_toml
+from .conftest import run_toml, tiny_pipeline
 
 
 def adapted_run(folder: Path, images: Path, family: str, *sets: str
@@ -140,3 +140,21 @@ def test_lycoris_reads_the_saved_file_as_trained(tmp_path: Path, images: Path, f
         lyco.merge_to(1.0)
         torch.testing.assert_close(lyco.org_module[0].weight, merged[prefix][name], rtol=1e-5,
                                    atol=1e-6, msg=lambda m: f"{prefix}.{name}: {m}")
+
+
+def test_diffusers_loads_an_sdxl_locon_file_exactly(tmp_path: Path, images: Path) -> None:
+    """diffusers' kohya converter reads SDXL LoCon files (Linear and Conv2d layers) into peft:
+    fused, its UNet equals the run's merged one. (diffusers 0.42 drops `dora_scale` from SD
+    and SDXL files with a warning and reads no LoHa/LoKr, so only LoCon is checked here.)"""
+    manager, path = adapted_run(tmp_path, images, "sdxl", "adapter.type=locon",
+                                "adapter.conv_rank=2", "adapter.conv_alpha=3")
+    pipe = tiny_pipeline("sdxl")
+    pipe.load_lora_weights(str(path))
+    pipe.fuse_lora()
+    theirs = dict(pipe.unet.named_modules())
+    ours = peft_merged(manager.comps.denoiser)
+    assert any(w.ndim == 4 for w in ours.values())  # conv layers are among them
+    for name, weight in ours.items():
+        layer = theirs[name]
+        base = layer.get_base_layer() if isinstance(layer, BaseTunerLayer) else layer
+        torch.testing.assert_close(base.weight, weight, rtol=1e-5, atol=1e-6, msg=name)
