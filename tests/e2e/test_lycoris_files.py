@@ -18,6 +18,7 @@ from lycoris.wrapper import create_lycoris_from_weights
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 
+from difftune import families
 from difftune.config import load_config
 from difftune.families.common.text import model_clip_roots
 from difftune.train.checkpoint import CheckpointManager
@@ -120,7 +121,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family,sets,factor", CASES)
+def _every_family() -> list:
+    """LoKr (with a text encoder where the family's can get one) on every family, --full."""
+    from .test_precision_matrix import trained_encoder
+
+    cases = []
+    for name in families.names():
+        encoder, refused = trained_encoder(name)
+        sets = ["adapter.type=lokr", "adapter.rank=2"]
+        sets += [] if refused else [f'adapter.text_encoders=["{encoder}"]']
+        cases.append(pytest.param(name, sets, "lokr_w1", marks=FULL, id=f"{name}-lokr"))
+    return cases
+
+
+@pytest.mark.parametrize("family,sets,factor", CASES + _every_family())
 def test_lycoris_reads_the_saved_file_as_trained(tmp_path: Path, images: Path, family: str,
                                                  sets: list[str], factor: str) -> None:
     manager, path = adapted_run(tmp_path, images, family, *sets)
