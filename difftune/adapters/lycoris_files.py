@@ -157,3 +157,33 @@ def _load_layer(path: object, module: str, layer: BaseTunerLayer,
                                   "adapter.rank (and the LoKr factor) to the file's")
         scaled = value * ratio if peft_name in _SCALED else value
         target.copy_(scaled.reshape(target.shape))
+
+
+def needs_lycoris(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a file is one diffusers' loaders cannot read (LoHa, LoKr, DoRA, or LyCORIS's
+    `lycoris_` names), so `apply_file` applies it through the LyCORIS library."""
+    return file_kind(tensors) != "lora" or any(k.startswith("lycoris_") for k in tensors)
+
+
+def apply_file(family: object, modules: dict[str, torch.nn.Module], roots: dict[str, str],
+               tensors: dict[str, torch.Tensor], weight: float) -> list[torch.nn.Module]:
+    """Apply a LyCORIS-layout file to live modules ({component prefix: module}) at `weight`
+    through the LyCORIS library's own modules (`create_lycoris_from_weights`, `apply_to`);
+    returns the networks (keep them alive while sampling). `roots` are the live CLIP roots
+    (`model_clip_roots`): files name CLIP modules under `text_model.`."""
+    from lycoris.wrapper import create_lycoris_from_weights  # only for sampling such files
+
+    names, networks = prefixes(family), []
+    for prefix, module in modules.items():
+        head = f"{names[prefix]}_"
+        strip = "text_model_" if roots.get(prefix, None) == "" else ""
+        mine = {"lycoris_" + k.removeprefix(head).removeprefix(strip): v
+                for k, v in tensors.items() if k.startswith(head)}
+        if not mine:
+            continue
+        param = next(module.parameters())
+        net, _ = create_lycoris_from_weights(weight, "", module, weights_sd=mine)
+        net.to(param.device)
+        net.apply_to()
+        networks.append(net)
+    return networks
