@@ -55,7 +55,10 @@ class LoraFiles:
         self.base_name, self.targets = comps.name, targets
         self.dataset_summary = dataset_summary
         # Resolved once, so the files, config.resolved.json and checkpoints all say the same.
-        cfg.save.format = lora_format(cfg.save, family)
+        # LyCORIS kinds have one layout, and save.format stays unset (it is refused with them).
+        self.lycoris = uses_lycoris_layout(cfg.adapter.type, cfg.adapter.dora)
+        if not self.lycoris:
+            cfg.save.format = lora_format(cfg.save, family)
 
     def write_config(self) -> Path:
         """The resolved config as JSON (every default filled in)."""
@@ -81,7 +84,7 @@ class LoraFiles:
             "difftune.version": __version__,
             "difftune.family": self.family.name,
             "difftune.base_model": self.base_name,
-            "difftune.format": str(self.cfg.save.format),
+            "difftune.format": "lycoris" if self.lycoris else str(self.cfg.save.format),
             "difftune.rank": str(a.rank),
             "difftune.alpha": str(float(alpha)),
             "difftune.trained_alpha": str(float(a.scale_alpha)),
@@ -107,7 +110,7 @@ class LoraFiles:
             return files[0]
         a, fmt = self.cfg.adapter, str(self.cfg.save.format)
         modules = self.modules()
-        if uses_lycoris_layout(a.type, a.dora):
+        if self.lycoris:
             return self._save_lycoris(step, final, path, modules)
         state = {k: v for prefix, m in modules.items() for k, v in lora_state(m, prefix).items()}
         # CLIP modules as every reader maps them (`text_encoder.text_model.encoder...`).
