@@ -112,7 +112,10 @@ PRECISION = [
     pytest.param("sdxl", "loha", "bf16", "int8", marks=FULL),
     pytest.param("sdxl", "locon", "fp16", "fp8", marks=FULL),
     pytest.param("flux", "lora", "bf16", "int8", marks=FULL),  # DoRA on a quantized base
+    pytest.param("flux", "lokr", "bf16", "qint8", marks=FULL),  # optimum-quanto
+    pytest.param("sdxl", "loha", "bf16", "qint8", marks=FULL),
 ]
+QUANTO = {"quantize": {"denoiser": "qint8", "text_encoders": "qint8"}}
 
 
 @pytest.mark.parametrize("family,kind,mixed,base", PRECISION)
@@ -120,8 +123,11 @@ def test_lycoris_kinds_train_in_every_precision_mode(tmp_path: Path, images: Pat
                                                      kind: str, mixed: str, base: str) -> None:
     from .test_precision_matrix import BASES
 
+    if base == "qint8":
+        pytest.importorskip("optimum.quanto")
+    bases = BASES | {"qint8": QUANTO}
     parts = ("denoiser", "text_encoders", "vae")
-    precision = {"mixed": mixed, **BASES[base],
+    precision = {"mixed": mixed, **bases[base],
                  **({p: mixed for p in parts} if base == "half" else {})}
     extra = "\n[precision]\n" + "".join(
         f"{k} = {_toml(v)}\n" for k, v in precision.items() if not isinstance(v, dict))
