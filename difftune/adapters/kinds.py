@@ -46,6 +46,7 @@ class Kind:
     factors: tuple[str, ...]  # peft attribute names of the trained tensors (file names too)
     build: Callable[[list[str], list[str], AdapterOptions], PeftConfig]
     algo: str  # LyCORIS's `algo` name (ss_network_args), what the file says it is
+    label: str  # how messages and `check` name it
 
 
 def _lora(linear: list[str], conv: list[str], o: AdapterOptions) -> PeftConfig:
@@ -81,11 +82,13 @@ def _conv_patterns(conv: list[str], o: AdapterOptions) -> dict[str, dict]:
 
 
 KINDS: dict[str, Kind] = {
-    "lora": Kind("lora", ("lora_A", "lora_B", "lora_magnitude_vector"), _lora, "lora"),
-    "locon": Kind("locon", ("lora_A", "lora_B", "lora_magnitude_vector"), _lora, "locon"),
-    "loha": Kind("loha", ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"), _loha, "loha"),
+    "lora": Kind("lora", ("lora_A", "lora_B", "lora_magnitude_vector"), _lora, "lora", "LoRA"),
+    "locon": Kind("locon", ("lora_A", "lora_B", "lora_magnitude_vector"), _lora, "locon",
+                  "LoCon"),
+    "loha": Kind("loha", ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"), _loha, "loha",
+                 "LoHa"),
     "lokr": Kind("lokr", ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a",
-                          "lokr_w2_b", "lokr_t2"), _lokr, "lokr"),
+                          "lokr_w2_b", "lokr_t2"), _lokr, "lokr", "LoKr"),
 }
 # Any kind's trained tensor, by its peft parameter name (`<module>.<factor>.<adapter>...`).
 _FACTOR = re.compile(r"\.(" + "|".join(sorted({f for k in KINDS.values() for f in k.factors}))

@@ -26,6 +26,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 from difftune.adapters.formats import with_clip_root
 from difftune.errors import CheckpointError
+from difftune.families.base import Family
 
 ADAPTER = "default"  # peft's adapter name in every difftune model
 # peft attribute -> the LyCORIS file's tensor name (others keep their names).
@@ -36,15 +37,15 @@ _SCALED = ("lora_B", "hada_w1_a", "lokr_w1", "lokr_w1_a")
 _RANKED = ("lora_A", "hada_w1_b", "lokr_w1_b", "lokr_w2_b")  # rows = the file's dim
 
 
-def prefixes(family: object) -> dict[str, str]:
+def prefixes(family: Family) -> dict[str, str]:
     """{component prefix ("unet", "text_encoder_2"): the file's name prefix}."""
-    out = {family.denoiser_prefix: family.lycoris_prefix}  # type: ignore[attr-defined]
-    encoders = family.text_encoder_prefixes.values()  # type: ignore[attr-defined]
+    out = {family.denoiser_prefix: family.lycoris_prefix}
+    encoders = family.text_encoder_prefixes.values()
     out |= {prefix: f"lora_te{i}" for i, prefix in enumerate(encoders, 1)}
     return out
 
 
-def adapted_layers(family: object, modules: dict[str, torch.nn.Module], roots: dict[str, str]
+def adapted_layers(family: Family, modules: dict[str, torch.nn.Module], roots: dict[str, str]
                    ) -> dict[str, BaseTunerLayer]:
     """{file module name: the peft layer} of every adapted layer of `modules` (by prefix).
 
@@ -165,7 +166,7 @@ def needs_lycoris(tensors: dict[str, torch.Tensor]) -> bool:
     return file_kind(tensors) != "lora" or any(k.startswith("lycoris_") for k in tensors)
 
 
-def apply_file(family: object, modules: dict[str, torch.nn.Module], roots: dict[str, str],
+def apply_file(family: Family, modules: dict[str, torch.nn.Module], roots: dict[str, str],
                tensors: dict[str, torch.Tensor], weight: float) -> list[torch.nn.Module]:
     """Apply a LyCORIS-layout file to live modules ({component prefix: module}) at `weight`
     through the LyCORIS library's own modules (`create_lycoris_from_weights`, `apply_to`);

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
-
 from typing import TYPE_CHECKING
 
+from difftune.adapters.kinds import kind
 from difftune.families.base import ModelSpec
 
 if TYPE_CHECKING:
@@ -75,8 +75,7 @@ def lycoris_keys(adapter: "AdapterConfig") -> dict[str, str]:
     """What a LyCORIS-layout file says it is: LyCORIS's kohya network module and its
     `ss_network_args` (algo, factor, conv dim...) as LyCORIS and the model sites read them, and
     difftune's own kind (what `--init-lora` checks a file against)."""
-    algo = "lokr" if adapter.type == "lokr" else "loha" if adapter.type == "loha" else "locon"
-    args: dict[str, object] = {"algo": algo}
+    args: dict[str, object] = {"algo": kind(adapter.type).algo}
     if adapter.dora:
         args["dora_wd"] = True
     if adapter.type == "lokr":

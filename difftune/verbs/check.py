@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from difftune import families
-from difftune.adapters.kinds import adapter_parameters, is_adapter_parameter, uses_lycoris_layout
+from difftune.adapters.kinds import (adapter_parameters, is_adapter_parameter, kind,
+                                     uses_lycoris_layout)
 from difftune.adapters.lora import lora_parameters
 from difftune.config import RunConfig
 from difftune.data.discover import DataSet
@@ -152,7 +153,7 @@ def _adapter_line(run: Run) -> str:
         return f"adapter: {a.type} (no denoiser adapter)"
     modules = [run.comps.denoiser, *run.trained_encoders.values()]
     count = sum(p.numel() for m in modules for p in adapter_parameters(m))
-    name = {"lora": "LoRA", "locon": "LoCon", "loha": "LoHa", "lokr": "LoKr"}[a.type]
+    name = kind(a.peft_kind).label
     options = ["full-rank" if a.full_matrix else f"rank {a.rank}"]
     options += [f"factor {a.factor}"] if a.type == "lokr" and a.factor != -1 else []
     options += ["decompose_both"] if a.decompose_both else []

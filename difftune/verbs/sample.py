@@ -22,6 +22,7 @@ from difftune.cache.sources import TextSource
 from difftune.config import RunConfig
 from difftune.errors import CheckpointError, ConfigError, NonFiniteError
 from difftune.adapters.lycoris_files import apply_file, needs_lycoris
+from difftune.families.base import Components, Family
 from difftune.families.common.text import EncodeOptions, model_clip_roots
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.precision import lowbit
@@ -93,13 +94,13 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     return runner.run(0, specs, label=label) if specs else []
 
 
-def _apply_lycoris(family: object, comps: object, lora: LoraArg) -> list[object]:
+def _apply_lycoris(family: Family, comps: Components, lora: LoraArg) -> list[object]:
     """A LoHa/LoKr/DoRA/LyCORIS-named file applied through the LyCORIS library (diffusers
     reads none of them), on the denoiser and text encoders, at the argument's weight."""
-    modules = {family.denoiser_prefix: comps.denoiser}  # type: ignore[attr-defined]
-    modules |= {family.text_encoder_prefixes[n]: m  # type: ignore[attr-defined]
-                for n, m in comps.text_encoders.items() if m is not None}  # type: ignore[attr-defined]
-    networks = apply_file(family, modules, model_clip_roots(family, comps),  # type: ignore[arg-type]
+    modules = {family.denoiser_prefix: comps.denoiser}
+    modules |= {family.text_encoder_prefixes[n]: m
+                for n, m in comps.text_encoders.items() if m is not None}
+    networks = apply_file(family, modules, model_clip_roots(family, comps),
                           load_lora_file(lora.path)[0], lora.weight)
     if not networks:
         raise CheckpointError(f"--lora {lora.path}: none of its modules is in this model; check "
