@@ -193,3 +193,20 @@ def test_sample_verb_applies_a_lycoris_file_as_trained(tmp_path: Path, images: P
                                                                          "sample-*_00_*.png")
     assert np.abs(base - trained).max() > 4  # the adapter shows
     assert np.abs(sampled - trained).max() <= 1  # float rounding of another implementation
+
+
+@FULL
+def test_two_processes_train_a_lokr_as_one_does(tmp_path: Path, images: Path) -> None:
+    """LoKr (with a text encoder) under accelerate's two gloo processes of batch 1 matches
+    one process of batch 2, as LoRA does (tests/e2e/test_distributed.py)."""
+    from .test_distributed import assert_close_runs, launch
+
+    sets = ["adapter.type=lokr", "adapter.rank=2", 'adapter.text_encoders=["clip_l"]']
+    two = run_toml(tmp_path / "two", images, steps=3, fmt=None)
+    done = launch(["-m", "difftune", "train", str(two), "--no-progress", "--set",
+                   "train.batch_size=1"] + [a for s in sets for a in ("--set", s)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = run_toml(tmp_path / "one", images, steps=3, fmt=None)
+    assert main(["train", str(one), "--no-progress"] + [a for s in sets
+                                                        for a in ("--set", s)]) == 0
+    assert_close_runs(tmp_path / "two" / "out", tmp_path / "one" / "out")
