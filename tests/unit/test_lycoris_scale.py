@@ -99,3 +99,21 @@ def test_the_file_means_the_trained_update_and_reads_back(name: str) -> None:
     torch.testing.assert_close(fresh.proj(x), net.proj(x), rtol=1e-5, atol=1e-5)
     img = torch.randn(1, 16, 5, 5)
     torch.testing.assert_close(fresh.conv(img), net.conv(img), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS) + ["dora"])
+def test_a_new_adapter_changes_nothing_is_seeded_and_leaves_the_global_rng(name: str) -> None:
+    options = OPTIONS.get(name, AdapterOptions(rank=4, alpha=4.0, dora=True, conv_rank=2))
+    kind = "locon" if name == "dora" else name.split("-")[0]
+    made = []
+    for _ in range(2):
+        net = Net().to(torch.bfloat16)
+        before = torch.get_rng_state()
+        add_lora(net, [r"proj"], 0, 0.0, 0.0, 7, kind, options, [r"conv"])
+        assert torch.equal(before, torch.get_rng_state())
+        made.append({n: p.detach().clone() for n, p in net.named_parameters()
+                     if p.requires_grad})
+    assert made[0] and all(p.dtype == torch.float32 for p in made[0].values())
+    assert all(torch.equal(made[0][k], made[1][k]) for k in made[0])  # seeded
+    for layer in adapted_layers(Family, {"unet": net}, {}).values():
+        assert not bool(layer.get_delta_weight("default").any())  # the update starts at zero
