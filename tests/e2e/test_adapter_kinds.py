@@ -104,9 +104,10 @@ def test_check_states_the_kind_and_its_parameter_count(
 
 
 # The precision set-ups for the LyCORIS kinds: fp16/bf16 mixed on a half-precision base, fp8
-# storage, and a quantized (int8) base; one cell by default, the rest with --full.
+# storage, and quantized (torchao int8, quanto qint8) bases: with --full (the default tier's
+# precision matrix runs these modes for LoRA).
 PRECISION = [
-    ("flux", "lokr", "bf16", "int8"),
+    pytest.param("flux", "lokr", "bf16", "int8", marks=FULL),
     pytest.param("flux", "lokr", "fp16", "half", marks=FULL),
     pytest.param("flux", "lokr", "bf16", "fp8", marks=FULL),
     pytest.param("sdxl", "loha", "bf16", "int8", marks=FULL),

@@ -105,8 +105,9 @@ def same_output(peft_layer: torch.nn.Module, lyco: torch.nn.Module) -> None:
 
 
 FULL = pytest.mark.full_only
-# Every kind on both layouts by default (the FLUX.1 `lycoris_` one, SDXL's `lora_unet_` with
-# Conv2d layers); the other kind/option cells with --full.
+# Each kind by default: LoKr (split and whole) on FLUX.1's `lycoris_` layout, LoCon with DoRA
+# and LoHa (with a CLIP encoder) on SDXL's `lora_unet_` one with Conv2d layers; the other
+# kind/option/family cells with --full.
 CASES = [
     ("flux", ["adapter.type=lokr", "adapter.rank=2"], "lokr_w2_a"),
     ("flux", ["adapter.type=lokr", "adapter.full_matrix=true"], "lokr_w2"),
@@ -114,8 +115,8 @@ CASES = [
     pytest.param("flux", ["adapter.dora=true"], "dora_scale", marks=FULL),
     ("sdxl", ["adapter.type=locon", "adapter.conv_rank=2", "adapter.conv_alpha=3",
               "adapter.dora=true"], "dora_scale"),
-    ("sdxl", ["adapter.type=lokr", "adapter.rank=1", "adapter.decompose_both=true",
-              "adapter.factor=4", "adapter.conv_rank=2"], "lokr_w1_a"),
+    pytest.param("sdxl", ["adapter.type=lokr", "adapter.rank=1", "adapter.decompose_both=true",
+                          "adapter.factor=4", "adapter.conv_rank=2"], "lokr_w1_a", marks=FULL),
     ("sdxl", ["adapter.type=loha", "adapter.conv_rank=2",
               'adapter.text_encoders=["clip_l"]'], "hada_w1_a"),
 ]
