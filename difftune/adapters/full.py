@@ -22,7 +22,7 @@ from fnmatch import fnmatchcase
 
 import torch
 
-from difftune.adapters.lora import lora_parameters
+from difftune.adapters.kinds import adapter_parameters
 from difftune.errors import ConfigError
 
 
@@ -76,4 +76,4 @@ def named_full(module: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Param
 def trained_parameters(module: torch.nn.Module, adapter_type: str) -> list[torch.nn.Parameter]:
     """What the optimizer trains in `module` for this adapter type (its own weights for a
     full fine-tune, the LoRA factors otherwise)."""
-    return full_parameters(module) if adapter_type == "full" else lora_parameters(module)
+    return full_parameters(module) if adapter_type == "full" else adapter_parameters(module)

@@ -8,10 +8,16 @@ are what the file really holds: `ss_network_alpha` is the alpha its tensors are 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
+from difftune.adapters.kinds import kind
 from difftune.families.base import ModelSpec
+
+if TYPE_CHECKING:
+    from difftune.config.sections import AdapterConfig
 
 SAI_MODEL_SPEC = "1.0.0"  # the model-spec version these keys follow
 LORA, TEXTUAL_INVERSION = "lora", "textual-inversion"  # model-spec adapter suffixes
@@ -63,6 +69,23 @@ def lora_keys(spec: ModelSpec, facts: FileFacts, rank: int, alpha: float) -> dic
         "ss_steps": str(facts.steps),
         "ss_max_train_steps": str(facts.max_steps),
     } | model_spec_keys(spec, LORA, facts.title, facts.resolution)
+
+
+def lycoris_keys(adapter: "AdapterConfig") -> dict[str, str]:
+    """What a LyCORIS-layout file says it is: LyCORIS's kohya network module and its
+    `ss_network_args` (algo, factor, conv dim...) as LyCORIS and the model sites read them, and
+    difftune's own kind (what `--init-lora` checks a file against)."""
+    args: dict[str, object] = {"algo": kind(adapter.type).algo}
+    if adapter.dora:
+        args["dora_wd"] = True
+    if adapter.type == "lokr":
+        args |= {"factor": adapter.factor, "decompose_both": adapter.decompose_both,
+                 "full_matrix": adapter.full_matrix}
+    if adapter.conv_rank is not None:
+        args |= {"conv_dim": adapter.conv_rank,
+                 "conv_alpha": adapter.conv_alpha or float(adapter.conv_rank)}
+    return {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(args),
+            "difftune.adapter": adapter.type, "difftune.dora": str(adapter.dora).lower()}
 
 
 def embedding_keys(spec: ModelSpec, placeholder: str, resolution: int) -> dict[str, str]:

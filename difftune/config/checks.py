@@ -84,6 +84,23 @@ def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:
     return problems
 
 
+def adapter_kind_problems(cfg: "RunConfig") -> list[str]:
+    """LyCORIS-kind options the family or the file layout cannot honour."""
+    a, spec = cfg.adapter, registry.spec(cfg.model.family, cfg.model.variant)
+    problems = []
+    if a.conv_rank is not None and not spec.conv_targets:
+        problems.append(f"adapter.conv_rank: model.family = \"{cfg.model.family}\" has no "
+                        "Conv2d layers to adapt (its denoiser is a transformer of Linear "
+                        "layers), so conv options would do nothing; remove adapter.conv_rank "
+                        "and adapter.conv_alpha")
+    lycoris_layout = a.type in ("locon", "loha", "lokr") or a.dora
+    if lycoris_layout and cfg.save.format is not None:
+        problems.append(f"save.format = \"{cfg.save.format}\" chooses a plain LoRA layout; "
+                        f"{'DoRA' if a.dora else a.type} files are written in the LyCORIS "
+                        "layout ComfyUI and LyCORIS read; remove save.format")
+    return problems
+
+
 def embedding_problems(cfg: "RunConfig") -> list[str]:
     """Textual-inversion settings that cannot work (checked at load, not mid-run)."""
     a, names = cfg.adapter, registry.spec(cfg.model.family, cfg.model.variant).encoder_names

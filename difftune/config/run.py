@@ -39,6 +39,7 @@ class RunConfig(_Section):
         problems += checks.text_encoder_problems(self.model, self.adapter, self.save.format, p)
         problems += checks.unload_problems(self)
         problems += checks.embedding_problems(self)
+        problems += checks.adapter_kind_problems(self)
         problems += checks.control_problems(self)
         problems += checks.warmup_problems(self)
         problems += checks.memory_problems(self)

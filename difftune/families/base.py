@@ -166,6 +166,10 @@ class Family(Protocol):
     # The LoRA key layout written when save.format is unset ("diffusers" or "kohya"): the one
     # that ComfyUI and diffusers both read completely for this family.
     default_format: str
+    # LyCORIS-kind files: the denoiser's module-name prefix ("lycoris", "lora_unet"), and the
+    # Conv2d layers adapter.conv_rank adapts (regexes; empty: none).
+    lycoris_prefix: str
+    conv_targets: tuple[str, ...]
     # How many control/reference images an edit pair or an edit sample prompt may give it
     # (0: it is no edit model).
     control_images: int

@@ -126,6 +126,15 @@ family's files would load, with the reason.
     # Released kinds that differ in kind (text encoder, pipeline): ((variant name, its spec),
     # ...), the first the default; each variant's spec names itself in `variant`. Chosen by
     # `model.variant`, or read from a diffusers folder's model_index.json (`pipeline_class`).
+    # LyCORIS-kind files (adapters/lycoris_files.py): the prefix of the denoiser's module names
+    # (`<prefix>_<diffusers module, dots as underscores>`). "lycoris" is what ComfyUI maps for
+    # the diffusers-layout families and what LyCORIS's own wrapper reads; a family whose LoRA
+    # files are kohya's gives its kohya prefix ("lora_unet").
+    lycoris_prefix: str = "lycoris"
+    # Conv2d layers that adapter.conv_rank adapts (full-match regexes on module names, as
+    # LyCORIS's presets choose them); empty: the denoiser has none worth adapting, and conv
+    # options are refused at load.
+    conv_targets: tuple[str, ...] = ()
     variants: tuple[tuple[str, "FamilySpec"], ...] = ()
     variant: str | None = None
 

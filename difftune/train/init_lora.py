@@ -1,5 +1,9 @@
 """`--init-lora PATH`: a new run that starts from an existing LoRA file's weights.
 
+LoCon, LoHa, LoKr and DoRA files (the LyCORIS layout, `adapters.lycoris_files`) are read
+into the run's peft layers with the update they mean; a file of another kind than
+adapter.type is refused.
+
 Any layout difftune writes is read (diffusers/PEFT keys, or kohya/ComfyUI keys through the
 family's converter), through safetensors only. Each module's effect is kept exactly: the file's
 up factor is rescaled when its alpha/rank differs from this run's. Modules of the file that
@@ -19,8 +23,10 @@ from safetensors import SafetensorError, safe_open
 
 from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_non_finite,
                                        non_finite, split_lora_key, with_clip_root)
+from difftune.adapters.kinds import uses_lycoris_layout
+from difftune.adapters.lycoris_files import adapted_layers, file_kind, load_into
 from difftune.errors import ConfigError, CheckpointError, NonFiniteError
-from difftune.families.common.text import model_clip_roots
+from difftune.families.common.text import file_clip_roots, model_clip_roots
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.lora import BUNDLE
@@ -61,6 +67,16 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
     raw = _take_embeddings(path, raw, meta, manager)
     if not raw:
         return
+    a = manager.cfg.adapter
+    _refuse_other_kind(path, raw, meta, a.type, a.dora)
+    if uses_lycoris_layout(a.type, a.dora):
+        layers = adapted_layers(manager.family, manager.modules(), file_clip_roots(manager.family))
+        missing = load_into(path, layers, raw)
+        if missing:
+            log.warning("--init-lora %s lacks %d trained module(s) (e.g. %s); they start from "
+                        "zero", path, len(missing), missing[0])
+        log.info("initialized %d %s modules from %s", len(layers) - len(missing), a.type, path)
+        return
     tensors, alphas = manager.family.lora_from_format(manager.comps, raw)
     roots = model_clip_roots(manager.family, manager.comps)
     tensors, alphas = with_clip_root(tensors, roots), with_clip_root(alphas, roots)
@@ -89,6 +105,26 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
         log.warning("--init-lora %s lacks %d trained module(s) (e.g. %s); they start from zero",
                     path, len(missing), missing[0])
     log.info("initialized %d LoRA tensors from %s", len(tensors), path)
+
+
+def _refuse_other_kind(path: Path, raw: dict[str, torch.Tensor], meta: dict[str, str],
+                       run_type: str, run_dora: bool) -> None:
+    """A file of another adapter kind than adapter.type (a LoKr file for a LoHa run, a DoRA
+    file for a plain LoRA run) is refused, naming both and the fix."""
+    def label(kind: str, dora: bool) -> str:
+        return "dora" if dora else "lora" if kind in ("lora", "locon") else kind
+    found = file_kind(raw)
+    if "difftune.adapter" in meta:
+        found = label(meta["difftune.adapter"], meta.get("difftune.dora") == "true")
+    wanted = label(run_type, run_dora)
+    if found != wanted:
+        fix = ("adapter.type = \"lora\" with adapter.dora = true" if found == "dora" else
+               f"adapter.type = \"{found}\"" + (" (adapter.dora = false)" if run_dora else ""))
+        raise CheckpointError(f"--init-lora {path} holds a {_NAMES[found]} adapter, but this run "
+                              f"trains a {_NAMES[wanted]}; set {fix} to continue from it")
+
+
+_NAMES = {"lora": "LoRA/LoCon", "dora": "DoRA", "loha": "LoHa", "lokr": "LoKr"}
 
 
 def _take_embeddings(path: Path, raw: dict[str, torch.Tensor], meta: dict[str, str],

@@ -20,12 +20,14 @@ from difftune import data, families
 from difftune.precision import lowbit
 from difftune.adapters import full
 from difftune.adapters.embeddings import Embeddings
+from difftune.adapters.kinds import AdapterOptions
 from difftune.adapters.lora import add_lora, suffix_patterns
 from difftune.cache import make_store
 from difftune.cache.store import MemoryStore, Store
 from difftune.cache.controls import ControlSource
 from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
+from difftune.config.sections import AdapterConfig
 from difftune.data.captions import Captions
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family
@@ -100,11 +102,12 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
     a = cfg.adapter
     targets: list[str] = []
-    if a.type == "lora":
+    if a.peft_kind is not None:
         patterns = (suffix_patterns(a.target_modules) if a.target_modules
                     else family.lora_targets(a.targets))
+        convs = list(family.conv_targets) if a.conv_rank is not None else None
         targets = add_lora(comps.denoiser, patterns, a.rank, a.scale_alpha, a.dropout,
-                           cfg.train.seed)
+                           cfg.train.seed, a.peft_kind, adapter_options(a), convs)
     elif a.type == "full":
         targets = full.make_trainable(comps.denoiser, a.train_blocks)
     if cfg.train.gradient_checkpointing:
@@ -135,8 +138,9 @@ def reload_text_encoders(cfg: RunConfig, family: Family, policy: PrecisionPolicy
 
 
 def add_text_encoder_loras(cfg: RunConfig, comps: Components) -> dict[str, list[str]]:
-    """LoRA (fp32, seeded like the denoiser's) on each text encoder the config trains, or
-    with adapter.type = "full" the encoder's own weights (fp32 master weights).
+    """The run's adapter kind (fp32, seeded like the denoiser's) on each text encoder the
+    config trains (Linear layers only: conv options are the denoiser's), or with
+    adapter.type = "full" the encoder's own weights (fp32 master weights).
 
     Returns the targeted module (full: parameter) names per encoder; the names were
     validated at config load.
@@ -147,8 +151,19 @@ def add_text_encoder_loras(cfg: RunConfig, comps: Components) -> dict[str, list[
                 for name in a.text_encoders}
     patterns = suffix_patterns(a.text_encoder_targets)
     return {name: add_lora(comps.text_encoders[name], patterns, a.rank, a.scale_alpha,
-                           a.dropout, cfg.train.seed)
+                           a.dropout, cfg.train.seed, a.peft_kind or "lora", adapter_options(a))
             for name in a.text_encoders}
+
+
+def adapter_options(a: AdapterConfig) -> AdapterOptions:
+    """The adapter section's numbers as the kind registry takes them."""
+    if a.full_matrix and a.alpha is not None:
+        log.warning("adapter.alpha has no effect with adapter.full_matrix: a full-rank LoKr is "
+                    "scaled by 1, as LyCORIS and ComfyUI read it")
+    return AdapterOptions(rank=a.rank, alpha=a.scale_alpha, dropout=a.dropout, dora=a.dora,
+                          factor=a.factor, decompose_both=a.decompose_both,
+                          full_matrix=a.full_matrix, conv_rank=a.conv_rank,
+                          conv_alpha=a.conv_alpha)
 
 
 def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) -> None:

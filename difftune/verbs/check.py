@@ -13,6 +13,8 @@ import torch
 
 from difftune import families
 from difftune.adapters.full import trained_parameters
+from difftune.adapters.kinds import (adapter_parameters, is_adapter_parameter, kind,
+                                     uses_lycoris_layout)
 from difftune.config import RunConfig
 from difftune.data.discover import DataSet
 from difftune.errors import DataError
@@ -89,12 +91,11 @@ def run_check(cfg: RunConfig) -> list[str]:
     data = load_data(cfg, families.get(cfg.model.family, cfg.model.variant))
     report += _describe_data(data)
     run = prepare(cfg, dataset=data, show_progress=False)
-    report.append(f"model: {run.comps.name} loaded on {run.policy.device}; " + (
-        f"full fine-tune of {len(run.targets)} denoiser tensors" if cfg.adapter.type == "full"
-        else f"LoRA rank {cfg.adapter.rank} on {len(run.targets)} layers"))
+    report.append(f"model: {run.comps.name} loaded on {run.policy.device}")
+    report.append(_adapter_line(run))
     report.append(_parameter_line(run))
     report.append(savers.describe(cfg, run.family, run.comps.denoiser))
-    if cfg.adapter.type == "lora":
+    if cfg.adapter.peft_kind is not None:
         report.append(_format_line(run))
     areas = [it.bucket[0] * it.bucket[1] for it in data.items]
     smallest = areas.index(min(areas))
@@ -132,7 +133,8 @@ def _parameter_line(run: Run) -> str:
     """The loaded model's parameter counts (the base weights, LoRA factors apart), so a user
     sees which model and size was really loaded, and what the run trains."""
     def base(module: torch.nn.Module) -> int:
-        return sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
+        return sum(p.numel() for n, p in module.named_parameters()
+                   if not is_adapter_parameter(n))
 
     parts = [f"denoiser {_amount(base(run.comps.denoiser))}"]
     parts += [f"text encoder {name} {_amount(base(m))}"
@@ -143,8 +145,37 @@ def _parameter_line(run: Run) -> str:
     return f"parameters: {', '.join(parts)}; {_amount(trained)} trained"
 
 
+def _adapter_line(run: Run) -> str:
+    """The adapter kind, its options and its trainable parameter count (denoiser and text
+    encoders), so a user sees what a LoKr factor or a DoRA magnitude costs."""
+    a = run.cfg.adapter
+    if a.type == "full":
+        count = sum(p.numel() for m in [run.comps.denoiser, *run.trained_encoders.values()]
+                    for p in trained_parameters(m, "full"))
+        encoders = f" and text encoders {', '.join(run.text_targets)}" if run.text_targets else ""
+        return (f"adapter: full fine-tune of {len(run.targets)} denoiser tensors{encoders}: "
+                f"{_amount(count)} trainable parameters")
+    if a.peft_kind is None:
+        return f"adapter: {a.type} (no denoiser adapter)"
+    modules = [run.comps.denoiser, *run.trained_encoders.values()]
+    count = sum(p.numel() for m in modules for p in adapter_parameters(m))
+    name = kind(a.peft_kind).label
+    options = ["full-rank" if a.full_matrix else f"rank {a.rank}"]
+    options += [f"factor {a.factor}"] if a.type == "lokr" and a.factor != -1 else []
+    options += ["decompose_both"] if a.decompose_both else []
+    options += [f"conv rank {a.conv_rank}"] if a.conv_rank is not None else []
+    encoders = f" and text encoders {', '.join(run.text_targets)}" if run.text_targets else ""
+    return (f"adapter: {name}{' (DoRA)' if a.dora else ''}, {', '.join(options)}, on "
+            f"{len(run.targets)} denoiser layers{encoders}: {_amount(count)} trainable "
+            "parameters")
+
+
 def _format_line(run: Run) -> str:
     """Which key layout the LoRA will be written in, and why."""
+    a = run.cfg.adapter
+    if uses_lycoris_layout(a.type, a.dora):
+        return (f"adapter file format: LyCORIS ({run.family.lycoris_prefix}_<module>, "
+                "lora_teN_<module>), read by ComfyUI and the LyCORIS tools")
     save = run.cfg.save
     why = ("set by save.format" if save.format else
            f"the {run.family.name} default: the layout ComfyUI and diffusers both read "
@@ -156,10 +187,10 @@ def _gradient_flow(run: Run, caption: str) -> list[str]:
     """What got a gradient in the check step (LoRAs, and embeddings `caption` uses); raises
     if one got none."""
     groups: dict[str, list[torch.nn.Parameter]] = {}
-    kind = run.cfg.adapter.type
-    if kind in ("lora", "full"):
-        groups["the denoiser"] = trained_parameters(run.comps.denoiser, kind)
-    groups |= {f"text encoder {n}": trained_parameters(m, kind)
+    a = run.cfg.adapter
+    if a.peft_kind is not None or a.type == "full":
+        groups["the denoiser"] = trained_parameters(run.comps.denoiser, a.type)
+    groups |= {f"text encoder {n}": trained_parameters(m, a.type)
                for n, m in run.trained_encoders.items()}
     if run.embeddings is not None:
         for item in run.embeddings.learned:

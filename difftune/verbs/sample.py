@@ -2,7 +2,8 @@
 
 LoRA files are read by diffusers' own loader on the family's pipeline (diffusers/PEFT or kohya
 /ComfyUI layouts, denoiser and text encoders), each as a named adapter with its weight, so a
-file samples here exactly as it will in diffusers. Prompt embeddings are encoded with the
+file samples here exactly as it will in diffusers. LoHa, LoKr, DoRA and `lycoris_`-named files,
+which diffusers does not read, are applied through the LyCORIS library's own modules. Prompt embeddings are encoded with the
 LoRA'd text encoders into a fresh in-memory cache: a disk cache keyed by the base model must
 never hold outputs of a LoRA'd encoder.
 """
@@ -20,7 +21,9 @@ from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
 from difftune.config import RunConfig
 from difftune.errors import CheckpointError, ConfigError, NonFiniteError
-from difftune.families.common.text import EncodeOptions
+from difftune.adapters.lycoris_files import apply_file, needs_lycoris
+from difftune.families.base import Components, Family
+from difftune.families.common.text import EncodeOptions, model_clip_roots
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.precision import lowbit
 from difftune.precision.policy import PrecisionPolicy, resolve_device
@@ -81,10 +84,29 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     settings = cfg.sample.model_copy(update={"prompts": prompts})
     runner = SampleRunner(family, comps, texts, settings, out or cfg.save.dir / "samples",
                           (res, res), policy)
-    runner.use_pipeline(_pipeline_with(family.pipeline(comps), loras))
+    lycoris = [lora for lora in loras if needs_lycoris(load_lora_file(lora.path)[0])]
+    networks = [net for lora in lycoris for net in _apply_lycoris(family, comps, lora)]
+    runner.use_pipeline(_pipeline_with(family.pipeline(comps),
+                                       [lora for lora in loras if lora not in lycoris]))
+    log.debug("%d LyCORIS network(s) applied", len(networks))
     specs = runner.prompts()
     label = time.strftime("sample-%Y%m%d-%H%M%S")
     return runner.run(0, specs, label=label) if specs else []
+
+
+def _apply_lycoris(family: Family, comps: Components, lora: LoraArg) -> list[object]:
+    """A LoHa/LoKr/DoRA/LyCORIS-named file applied through the LyCORIS library (diffusers
+    reads none of them), on the denoiser and text encoders, at the argument's weight."""
+    modules = {family.denoiser_prefix: comps.denoiser}
+    modules |= {family.text_encoder_prefixes[n]: m
+                for n, m in comps.text_encoders.items() if m is not None}
+    networks = apply_file(family, modules, model_clip_roots(family, comps),
+                          load_lora_file(lora.path)[0], lora.weight)
+    if not networks:
+        raise CheckpointError(f"--lora {lora.path}: none of its modules is in this model; check "
+                              "that it was trained for this family and base model")
+    log.info("applied LyCORIS file %s at weight %g", lora.path, lora.weight)
+    return networks
 
 
 def _pipeline_with(pipe: object, loras: list[LoraArg]) -> object:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # The spec facts the `Family` protocol exposes as attributes of the family class.
 FACTS = ("name", "text_encoders", "bucket_step", "denoiser_prefix", "default_cfg",
          "text_encoder_prefixes", "keep_high", "swap_blocks", "compile_blocks", "default_format",
-         "control_images")
+         "control_images", "lycoris_prefix", "conv_targets")
 
 
 def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

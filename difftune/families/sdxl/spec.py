@@ -25,6 +25,12 @@ SPEC = FamilySpec(
     # diffusers and ComfyUI both read every key of the kohya one.
     default_format="kohya",
     text_encoder_prefixes={"clip_l": "text_encoder", "clip_g": "text_encoder_2"},
+    # LyCORIS kinds: kohya's prefix over diffusers module names, what LyCORIS's kohya network
+    # writes and reads for a diffusers UNet and what ComfyUI maps for SDXL; its conv layers
+    # are those LyCORIS's kohya preset adapts (resnets, down- and upsamplers).
+    lycoris_prefix="lora_unet",
+    conv_targets=(r".*\.resnets\.\d+\.(?:conv1|conv2|conv_shortcut)",
+                  r".*\.(?:downsamplers|upsamplers)\.0\.conv"),
     # Kept out of fp8 storage and quantization (regexes on module names, per part).
     keep_high={
         "denoiser": (r"^time_embedding\.", r"^add_embedding\.", r"^conv_in$", r"^conv_out$"),

@@ -100,12 +100,14 @@ def check_rng(rng: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def check_trainable(trainable: Mapping[str, torch.Tensor], rank: int, path: Path) -> None:
-    """Each LoRA factor is a floating matrix whose rank side is the adapter's rank."""
+    """Each LoRA factor of a Linear layer is a floating matrix whose rank side is the adapter's
+    rank (a Conv2d layer's 4-D factors have adapter.conv_rank; the other kinds' factors are
+    checked against the run's own shapes when loaded)."""
     for name, value in trainable.items():
         if not value.is_floating_point():
             raise _refuse(path, f"{name} is {value.dtype}, not floating point")
         side = 0 if name.endswith("lora_A.weight") else 1 if name.endswith("lora_B.weight") else None
-        if side is not None and (value.ndim != 2 or value.shape[side] != rank):
+        if side is not None and value.ndim != 4 and (value.ndim != 2 or value.shape[side] != rank):
             raise _refuse(path, f"{name} has shape {tuple(value.shape)}, which does not fit "
                           f"rank {rank}")
 

@@ -21,6 +21,12 @@ from difftune.train.dist import current
 log = logging.getLogger("difftune")
 
 
+# Adapter options that change what the trained tensors mean, with their defaults.
+KIND_OPTIONS = ("dora", "factor", "decompose_both", "full_matrix", "conv_rank", "conv_alpha")
+DEFAULTS = {"dora": False, "factor": -1, "decompose_both": False, "full_matrix": False,
+            "conv_rank": None, "conv_alpha": None}
+
+
 def resume_identity(cfg: RunConfig, targets: list[str] | None = None) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint (else the weights mean nothing).
 
@@ -34,6 +40,9 @@ def resume_identity(cfg: RunConfig, targets: list[str] | None = None) -> dict[st
         out["targets"] = sorted(targets)
     if a.type == "full":
         out["train_blocks"] = a.train_blocks
+    options = {k: getattr(a, k) for k in KIND_OPTIONS if getattr(a, k) != DEFAULTS[k]}
+    if options:  # LyCORIS kinds and DoRA (plain LoRA checkpoints keep their identity)
+        out["kind_options"] = options
     return out | {"text_encoders": sorted(a.text_encoders),
                   "embeddings": [e.model_dump(mode="json") for e in a.embeddings]}
 

@@ -20,8 +20,10 @@ from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.formats import fold_scale, merged_adapter_metadata, save_lora, with_clip_root
 from difftune.adapters.full import named_full
 from difftune.adapters.full_files import save_folder
+from difftune.adapters.kinds import is_adapter_parameter, uses_lycoris_layout
 from difftune.adapters.lora import lora_state
-from difftune.adapters.metadata import FileFacts, embedding_keys, lora_keys
+from difftune.adapters.lycoris_files import adapted_layers, to_file
+from difftune.adapters.metadata import FileFacts, embedding_keys, lora_keys, lycoris_keys
 from difftune.config import RunConfig, SaveConfig
 from difftune.files.single import write_layout
 from difftune.files.space import check_free, writing
@@ -56,7 +58,10 @@ class LoraFiles:
         self.base_name, self.targets = comps.name, targets
         self.dataset_summary = dataset_summary
         # Resolved once, so the files, config.resolved.json and checkpoints all say the same.
-        cfg.save.format = lora_format(cfg.save, family)
+        # LyCORIS kinds have one layout, and save.format stays unset (it is refused with them).
+        self.lycoris = uses_lycoris_layout(cfg.adapter.type, cfg.adapter.dora)
+        if not self.lycoris:
+            cfg.save.format = lora_format(cfg.save, family)
 
     def write_config(self) -> Path:
         """The resolved config as JSON (every default filled in)."""
@@ -82,7 +87,7 @@ class LoraFiles:
             "difftune.version": __version__,
             "difftune.family": self.family.name,
             "difftune.base_model": self.base_name,
-            "difftune.format": str(self.cfg.save.format),
+            "difftune.format": "lycoris" if self.lycoris else str(self.cfg.save.format),
             "difftune.rank": str(a.rank),
             "difftune.alpha": str(float(alpha)),
             "difftune.trained_alpha": str(float(a.scale_alpha)),
@@ -110,6 +115,8 @@ class LoraFiles:
             return self.save_full(step, final, path)
         a, fmt = self.cfg.adapter, str(self.cfg.save.format)
         modules = self.modules()
+        if self.lycoris:
+            return self._save_lycoris(step, final, path, modules)
         state = {k: v for prefix, m in modules.items() for k, v in lora_state(m, prefix).items()}
         # CLIP modules as every reader maps them (`text_encoder.text_model.encoder...`).
         state = with_clip_root(state, file_clip_roots(self.family))
@@ -121,10 +128,21 @@ class LoraFiles:
             meta = merged_adapter_metadata(state, a.rank, alpha, list(modules))
         meta |= self.metadata(step, alpha)
         tensors = self.family.lora_to_format(self.comps, state, fmt, a.rank, alpha)
+        return self._write_file(tensors, meta, path or self.lora_path(step, final))
+
+    def _save_lycoris(self, step: int, final: bool, path: Path | None,
+                      modules: dict[str, torch.nn.Module]) -> Path:
+        """Write a LoCon/LoHa/LoKr/DoRA adapter in the LyCORIS layout (`lycoris_files`)."""
+        layers = adapted_layers(self.family, modules, file_clip_roots(self.family))
+        tensors = to_file(layers)
+        meta = self.metadata(step, self.cfg.adapter.scale_alpha) | lycoris_keys(self.cfg.adapter)
+        return self._write_file(tensors, meta, path or self.lora_path(step, final))
+
+    def _write_file(self, tensors: dict[str, torch.Tensor], meta: dict[str, str], path: Path) -> Path:
+        """The file with the bundled embeddings, atomically, in save.dtype."""
         if self.embeddings is not None:  # pivotal tuning: the placeholders travel with the LoRA
             tensors.update({f"{BUNDLE}{name}.{key}": value for name, vectors in
                             self.embeddings.file_tensors().items() for key, value in vectors.items()})
-        path = path or self.lora_path(step, final)
         with writing(path.parent, f"LoRA {path.name}", self.bytes_needed(), FIX):
             path = save_lora(path, tensors, meta, DTYPES[self.cfg.save.dtype])
         log.info("saved LoRA %s", path)
@@ -172,7 +190,7 @@ class LoraFiles:
 
     def modules(self) -> dict[str, torch.nn.Module]:
         """Every module that carries a trained LoRA, by its LoRA key prefix."""
-        trains = self.cfg.adapter.type in ("lora", "full")
+        trains = self.cfg.adapter.peft_kind is not None or self.cfg.adapter.type == "full"
         out = {self.family.denoiser_prefix: self.comps.denoiser} if trains else {}
         for name in self.cfg.adapter.text_encoders:
             out[self.family.text_encoder_prefixes[name]] = self.comps.text_encoders[name]
@@ -186,7 +204,7 @@ class LoraFiles:
             return {k: p for prefix, m in self.modules().items()
                     for k, p in named_full(m, prefix).items()}
         out = {f"{prefix}.{_ADAPTER.sub('', n)}": p for prefix, module in self.modules().items()
-               for n, p in module.named_parameters() if ".lora_" in n}
+               for n, p in module.named_parameters() if is_adapter_parameter(n)}
         return out | (self.embeddings.parameters() if self.embeddings is not None else {})
 
     def bytes_needed(self) -> int:
@@ -208,4 +226,4 @@ class LoraFiles:
 
 FIX = "free space there, or set save.dir to a folder with room"
 BUNDLE = "bundle_emb."  # pivotal tuning: embeddings inside the LoRA file, as kohya names them
-_ADAPTER = re.compile(r"\.default(?=\.weight$)")
+_ADAPTER = re.compile(r"\.default(?=\.weight$|$)")
