@@ -113,5 +113,6 @@ def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def uses_lycoris_layout(kind_name: str, dora: bool) -> bool:
     """Whether the kind's files are written in the LyCORIS layout (`lycoris_files`): every
-    kind but plain LoRA, whose layouts are the family's own (diffusers, kohya)."""
-    return kind_name != "lora" or dora
+    kind but plain LoRA, whose layouts are the family's own (diffusers, kohya); neither
+    embeddings alone nor a full fine-tune writes adapter factors."""
+    return kind_name in KINDS and (kind_name != "lora" or dora)
