@@ -17,7 +17,7 @@ from difftune.adapters.kinds import kind
 from difftune.families.base import ModelSpec
 
 if TYPE_CHECKING:
-    from difftune.config.sections import AdapterConfig
+    from difftune.config.adapter import AdapterConfig
 
 SAI_MODEL_SPEC = "1.0.0"  # the model-spec version these keys follow
 LORA, TEXTUAL_INVERSION = "lora", "textual-inversion"  # model-spec adapter suffixes

@@ -8,7 +8,8 @@ now rather than discovered mid-run. Relative paths are taken relative to the con
 
 The package's modules, each with one job (imports only run downwards in this list):
 `base` (shared field types and tables), `errors` (pydantic errors as user messages, `--set`),
-`data` (datasets, subsets, cache), `sections` (model, precision, adapter, train, sample, save),
+`data` (datasets, subsets, cache), `adapter` (what trains), `sections` (model, precision,
+train, sample, save),
 `checks` (cross-field and family checks), `run` (`RunConfig`), `load` (`load_config`).
 """
 
@@ -19,8 +20,8 @@ from difftune.config.checks import model_file_problems, warn_ignored
 from difftune.config.data import CacheConfig, DatasetConfig, SubsetConfig
 from difftune.config.load import load_config, parse_config
 from difftune.config.run import RunConfig
-from difftune.config.sections import (TEXT_ENCODER_TARGETS, AdapterConfig, EmbeddingConfig,
-                                      ModelConfig, PrecisionConfig, QuantizeConfig, SampleConfig,
+from difftune.config.adapter import TEXT_ENCODER_TARGETS, AdapterConfig, EmbeddingConfig
+from difftune.config.sections import (ModelConfig, PrecisionConfig, QuantizeConfig, SampleConfig,
                                       SaveConfig, TrainConfig)
 
 __all__ = ["QUANT_BACKENDS", "TEXT_ENCODER_TARGETS", "AdapterConfig", "CacheConfig",

@@ -20,8 +20,8 @@ from difftune.files.safe import is_pickle, pickle_refusal
 
 if TYPE_CHECKING:
     from difftune.config.run import RunConfig
-    from difftune.config.sections import (AdapterConfig, ModelConfig, PrecisionConfig,
-                                          TrainConfig)
+    from difftune.config.adapter import AdapterConfig
+    from difftune.config.sections import ModelConfig, PrecisionConfig, TrainConfig
 
 log = logging.getLogger("difftune")
 

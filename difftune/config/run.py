@@ -8,8 +8,9 @@ from difftune.config import checks
 from difftune.config.base import Section as _Section
 from difftune.config.full import full_problems
 from difftune.config.data import CacheConfig, DatasetConfig
-from difftune.config.sections import (AdapterConfig, ModelConfig, PrecisionConfig,
-                                      SampleConfig, SaveConfig, TrainConfig)
+from difftune.config.adapter import AdapterConfig
+from difftune.config.sections import (ModelConfig, PrecisionConfig, SampleConfig, SaveConfig,
+                                      TrainConfig)
 
 
 class RunConfig(_Section):

@@ -27,7 +27,7 @@ from difftune.cache.store import MemoryStore, Store
 from difftune.cache.controls import ControlSource
 from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
-from difftune.config.sections import AdapterConfig
+from difftune.config.adapter import AdapterConfig
 from difftune.data.captions import Captions
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family

@@ -146,7 +146,7 @@ def test_variant_mismatch_and_unknown_names_are_refused(tmp_path: Path) -> None:
 def test_variant_encoders_drive_config_checks(tmp_path: Path) -> None:
     """adapter.text_encoders is checked against the chosen variant's encoder names."""
     from difftune.config.checks import text_encoder_problems
-    from difftune.config.sections import AdapterConfig
+    from difftune.config.adapter import AdapterConfig
 
     dev = ModelConfig(family="flux2", flavor="tiny", variant="dev")
     problems = text_encoder_problems(dev, AdapterConfig(text_encoders=["qwen3"]), None)
