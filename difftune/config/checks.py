@@ -16,6 +16,7 @@ from difftune.errors import ConfigError, ModelFileError
 from difftune.families import registry
 from difftune.files.names import embedding_stem, name_too_long
 from difftune.files.safe import is_pickle, pickle_refusal
+from difftune.train.optimizers import specs as optimizer_specs
 
 if TYPE_CHECKING:
     from difftune.config.run import RunConfig
@@ -276,8 +277,8 @@ def memory_problems(cfg: "RunConfig") -> list[str]:
     if t.fused_backward and cfg.precision.mixed == "fp16":
         problems.append("train.fused_backward cannot run with precision.mixed = \"fp16\": the "
                         "loss scaler must see every gradient before any step; use bf16")
-    if t.optimizer == "adamw8bit" and t.device == "cpu":
-        problems.append(EIGHT_BIT_CPU)
+    if optimizer_specs.OPTIMIZERS[t.optimizer].cuda_only and t.device == "cpu":
+        problems.append(cuda_only(t.optimizer))
     spec = registry.spec(cfg.model.family, cfg.model.variant)
     if t.blocks_to_swap and not spec.swap_blocks:
         problems.append(no_swap(spec.name))
@@ -298,12 +299,17 @@ def no_swap(family: str) -> str:
             "base (precision.quantize) instead")
 
 
-EIGHT_BIT_CPU = ("train.optimizer = \"adamw8bit\" runs on CUDA only (bitsandbytes' 8-bit "
-                 "optimizers have no CPU kernels); use optimizer = \"adamw\" on the CPU")
+def cuda_only(optimizer: str) -> str:
+    """The refusal of a CUDA-only optimizer (bitsandbytes' 8-bit ones) on another device."""
+    plain = optimizer.removesuffix("8bit")
+    return (f"train.optimizer = \"{optimizer}\" runs on CUDA only (bitsandbytes' 8-bit "
+            f"optimizers have no CPU kernels); use optimizer = \"{plain}\" on the CPU")
 
 
 def warn_ignored(cfg: RunConfig) -> None:
     """One warning for each option that is set but has no effect with the rest of the config."""
+    for line in optimizer_specs.ignored(cfg.train):
+        log.warning("%s", line)
     for d, ds in enumerate(cfg.datasets):
         for i, sub in enumerate(ds.subsets):
             for what in sub.ignored_caption_options():

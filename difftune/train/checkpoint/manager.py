@@ -89,11 +89,13 @@ class CheckpointManager(LoraFiles):
         tmp.mkdir(parents=True)
         params = self.trainable()
         saved = state.state_dict()
+        # The training weights (schedule-free: its y, with z in the optimizer state).
         files.write_tensors(tmp / FILES[0], {n: p.detach().float().cpu().contiguous()
                                              for n, p in params.items()})
         files.write_tensors(tmp / FILES[1], saved["optimizer"]["tensors"])
         files.write_tensors(tmp / FILES[2], saved["rng"]["tensors"])
-        self.save_lora(state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
+        with state.eval_weights():  # the LoRA file holds the weights to use
+            self.save_lora(state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
         doc = {"format": CHECKPOINT_FORMAT, "complete": True, "step": saved["step"],
                "sampler": saved["sampler"], "counters": saved["counters"],
                "optimizer": saved["optimizer"]["groups"], "scheduler": saved["scheduler"],
