@@ -292,6 +292,18 @@ def memory_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
+def optimizer_problems(cfg: "RunConfig") -> list[str]:
+    """Optimizer settings the rest of the run contradicts (its own options: TrainConfig)."""
+    t, a = cfg.train, cfg.adapter
+    if not optimizer_specs.OPTIMIZERS[t.optimizer].single_lr:
+        return []
+    other = [f"adapter.{k} = {v}" for k, v in (("text_encoder_lr", a.text_encoder_lr),
+                                                ("embedding_lr", a.embedding_lr))
+             if v is not None and v != t.lr]
+    return [f"{', '.join(other)}: {t.optimizer} runs every parameter group at one lr (train.lr "
+            f"= {t.lr}; it estimates the step size itself); remove them"] if other else []
+
+
 def no_swap(family: str) -> str:
     """The refusal of train.blocks_to_swap for a family whose spec lists no swap blocks."""
     return (f"train.blocks_to_swap: the {family} family cannot swap blocks (its checkpointing "

@@ -155,6 +155,7 @@ class OptimizerSpec:
     defaults: dict[str, object]  # its own defaults for those fields, where train's differ
     state: Callable[[Shape, Args], float]  # state elements per weight of this shape
     cuda_only: bool = False
+    single_lr: bool = False  # every group at one lr (Prodigy refuses others)
     rule: Callable[[Args], Schedule] = lambda args: "full"
 
     def schedule(self, args: Args) -> Schedule:
@@ -171,7 +172,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {s.name: s for s in (
     OptimizerSpec("adamw8bit", "bitsandbytes", EightBitArgs, SHARED, {}, _eight_bit(2),
                   cuda_only=True),
     OptimizerSpec("prodigy", "prodigyopt", ProdigyArgs, SHARED, {"weight_decay": 0.0},
-                  _prodigy),
+                  _prodigy, single_lr=True),
     OptimizerSpec("adafactor", "transformers", AdafactorArgs, ("weight_decay",),
                   {"weight_decay": 0.0}, _adafactor, rule=_relative),
     OptimizerSpec("schedulefree_adamw", "schedulefree", ScheduleFreeArgs, SHARED,
