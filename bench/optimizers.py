@@ -1,0 +1,112 @@
+"""Seconds per step and memory of each optimizer, as ratios to LoRA + AdamW in the same run.
+
+    OMP_NUM_THREADS=1 python bench/optimizers.py [--steps 60] [--warmup 10] [--rounds 2]
+        [--optimizers adamw,prodigy,...] [--device cpu]
+
+Each measurement is one fresh process running difftune's real loop (`train.loop.train`) on the
+tiny-flavor FLUX.1 transformer with a rank-16 LoRA on all linear layers, batch 2, on the
+bundled demo images, changing only `train.optimizer`. It reports seconds per step (from the
+loop's metrics, after warm-up; median over rounds, which alternate the optimizers), the bytes
+of optimizer state the run's last checkpoint holds (per-weight tensors), and the process's peak
+resident memory (on the CPU the tiny model's LoRA state is a small part of it), each also as a
+ratio to AdamW's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+CPU_OPTIMIZERS = ("adamw", "prodigy", "adafactor", "schedulefree_adamw", "came", "lion")
+
+
+def one(name: str, out: Path, steps: int, warmup: int, device: str) -> dict[str, float]:
+    """Train `steps` steps with optimizer `name`; its figures (this process's peak RSS)."""
+    from safetensors.torch import load_file
+
+    from difftune.config import parse_config
+    from difftune.report.metrics import Reporter
+    from difftune.train.checkpoint import CheckpointManager
+    from difftune.train.loop import Hooks, train
+    from difftune.train.setup import fill_caches, prepare
+    from difftune.verbs.demo import demo_dir
+
+    cfg = parse_config({
+        "model": {"flavor": "tiny"},
+        "adapter": {"rank": 16, "targets": "all_linear"},
+        "datasets": [{"path": str(demo_dir()), "resolution": 64, "min_side": 32,
+                      "max_side": 128}],
+        "train": {"steps": steps, "batch_size": 2, "lr": 1e-4, "device": device,
+                  "optimizer": name, "log_every": 1},
+        "sample": {"at_end": False},
+        "save": {"dir": str(out), "overwrite": True},
+    }, out)
+    run = prepare(cfg, show_progress=False)
+    fill_caches(run, [], show_progress=False)
+    reporter = Reporter(cfg.save.dir, steps, bar=False)
+    try:
+        train(run, Hooks(reporter, CheckpointManager(cfg, run.family, run.comps, run.targets,
+                                                     {}), None))
+    finally:
+        reporter.close()
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    times = {r["step"]: r["time"] for r in rows}
+    state = load_file(str(out / "checkpoints" / f"step-{steps:06d}" / "optimizer.safetensors"))
+    return {"step_s": (times[steps] - times[warmup]) / (steps - warmup),
+            "state_bytes": sum(v.numel() * v.element_size() for v in state.values()
+                               if v.dim() > 0),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+    """`one` in a fresh process (peak memory is per process)."""
+    cmd = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--warmup",
+           str(args.warmup), "--device", args.device, "--out", str(tmp / name)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Alternate the optimizers over rounds and print each one's figures and ratios."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--optimizers", default=",".join(CPU_OPTIMIZERS))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        print(json.dumps(one(args.one, Path(args.out), args.steps, args.warmup, args.device)))
+        return 0
+    names = ["adamw"] + [n for n in args.optimizers.split(",") if n != "adamw"]
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for n in names if r % 2 == 0 else names[::-1]:
+                runs[n].append(measure(n, args, Path(tmp) / f"round{r}"))
+                print(f"round {r} {n}: {runs[n][-1]['step_s'] * 1e3:.1f} ms/step", flush=True)
+    med = {n: {k: statistics.median(x[k] for x in v) for k in v[0]} for n, v in runs.items()}
+    base = med["adamw"]
+    print(f"device {args.device}, torch {torch.__version__}, tiny FLUX.1, LoRA rank 16 all "
+          f"linear, batch 2, {args.steps - args.warmup} timed steps x {args.rounds} rounds")
+    print(f"{'optimizer':<20}{'ms/step':>9}{'x AdamW':>9}{'state KiB':>11}{'x AdamW':>9}"
+          f"{'peak RSS MiB':>14}{'x AdamW':>9}")
+    for n, m in med.items():
+        print(f"{n:<20}{m['step_s'] * 1e3:>9.1f}{m['step_s'] / base['step_s']:>9.2f}"
+              f"{m['state_bytes'] / 1024:>11.1f}{m['state_bytes'] / base['state_bytes']:>9.2f}"
+              f"{m['peak_rss_mib']:>14.0f}{m['peak_rss_mib'] / base['peak_rss_mib']:>9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
