@@ -320,7 +320,7 @@ def cuda_only(optimizer: str) -> str:
 
 def warn_ignored(cfg: RunConfig) -> None:
     """One warning for each option that is set but has no effect with the rest of the config."""
-    for line in optimizer_specs.ignored(cfg.train):
+    for line in optimizer_specs.warnings(cfg.train):
         log.warning("%s", line)
     for d, ds in enumerate(cfg.datasets):
         for i, sub in enumerate(ds.subsets):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from difftune.cli import main
 from difftune.train.optimizers.specs import parse_args, state_bytes
 
-from .conftest import assert_same_lora, run_toml, stopped_and_resumed
+from .conftest import assert_same_lora, run_toml, stopped_and_resumed, train_exit_code
 
 FAMILY = "sd3"
 CASES = [
@@ -36,9 +36,10 @@ CASES = [
 
 
 def _run_file(folder: Path, images: Path, prompts: Path, sets: list[str]) -> Path:
-    """A 6-step SD3 run sampling every 2 steps; without train.lr for a relative-step run
-    (which refuses an lr it would not read)."""
-    cfg = run_toml(folder, images, steps=6, family=FAMILY, prompts=prompts)
+    """A 6-step SD3 run (schedule-free: sampling every 2 steps, from its evaluation weights);
+    without train.lr for a relative-step run (which refuses an lr it would not read)."""
+    sample = prompts if 'train.optimizer="schedulefree_adamw"' in sets else None
+    cfg = run_toml(folder, images, steps=6, family=FAMILY, prompts=sample)
     if "train.optimizer_args.relative_step=true" in sets:
         cfg.write_text(cfg.read_text(encoding="utf-8").replace("lr = 1e-2\n", ""),
                        encoding="utf-8")
@@ -47,7 +48,8 @@ def _run_file(folder: Path, images: Path, prompts: Path, sets: list[str]) -> Pat
 
 @pytest.mark.parametrize(("optimizer", "sets"), CASES)
 def test_resumed_run_equals_uninterrupted(tmp_path: Path, images: Path, prompts: Path,
-                                          monkeypatch: pytest.MonkeyPatch, optimizer: str,
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str], optimizer: str,
                                           sets: list[str]) -> None:
     sets = [f'train.optimizer="{optimizer}"', "save.every_n_steps=2", *sets]
     a, b = (_run_file(tmp_path / x, images, prompts, sets) for x in "ab")
@@ -67,6 +69,11 @@ def test_resumed_run_equals_uninterrupted(tmp_path: Path, images: Path, prompts:
     assert real <= estimate if optimizer == "prodigy" else real == estimate
     if optimizer == "schedulefree_adamw":
         _assert_lora_holds_eval_weights(a.parent / "out", trained, state, doc)
+    if optimizer == "prodigy":  # another optimizer cannot continue this one's state
+        capsys.readouterr()
+        other = ['train.optimizer="lion"', "train.steps=8"]
+        assert train_exit_code(a, *other, extra=["--resume", "latest"]) == 2
+        assert "its optimizer state is prodigy's" in capsys.readouterr().err
 
 
 def _assert_lora_holds_eval_weights(out: Path, y: dict[str, torch.Tensor],

@@ -17,7 +17,7 @@ from difftune.config import TrainConfig
 from difftune.train.optimizers.build import make_optimizer
 from difftune.train.optimizers.modes import eval_weights, step_lr
 from difftune.train.optimizers.schedule import lr_factor
-from difftune.train.optimizers.specs import OPTIMIZERS, parse_args, state_bytes
+from difftune.train.optimizers.specs import OPTIMIZERS, parse_args, state_bytes, warnings
 from difftune.train.state import load_optimizer, optimizer_groups, optimizer_tensors
 
 # (optimizer, optimizer_args) for every optimizer that runs on the CPU, and a mode or two.
@@ -176,3 +176,15 @@ def test_every_optimizer_has_a_builder_and_a_library() -> None:
 
     assert set(BUILDERS) == set(OPTIMIZERS)
     assert {s.name for s in OPTIMIZERS.values() if s.cuda_only} == {"adamw8bit", "lion8bit"}
+
+
+def test_fields_an_optimizer_ignores_are_warned() -> None:
+    assert warnings(TrainConfig(optimizer="adamw", betas=(0.8, 0.9))) == []
+    came = warnings(TrainConfig(optimizer="came", betas=(0.8, 0.9), weight_decay=0.1))
+    assert came == ['train.betas is ignored by optimizer = "came" (it does not take it; set '
+                    'its own in train.optimizer_args)']
+    assert warnings(TrainConfig(optimizer="lion", eps=1e-6)) == [
+        'train.eps is ignored by optimizer = "lion" (it does not take it)']
+    assert "far below the lr prodigy's library recommends (1.0)" in \
+        warnings(TrainConfig(optimizer="prodigy", lr=1e-4))[0]
+    assert warnings(TrainConfig(optimizer="prodigy", lr=1.0)) == []

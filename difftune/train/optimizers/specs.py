@@ -156,6 +156,7 @@ class OptimizerSpec:
     state: Callable[[Shape, Args], float]  # state elements per weight of this shape
     cuda_only: bool = False
     single_lr: bool = False  # every group at one lr (Prodigy refuses others)
+    start_lr: float | None = None  # where its library says to start, when it is not AdamW's
     rule: Callable[[Args], Schedule] = lambda args: "full"
 
     def schedule(self, args: Args) -> Schedule:
@@ -172,7 +173,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {s.name: s for s in (
     OptimizerSpec("adamw8bit", "bitsandbytes", EightBitArgs, SHARED, {}, _eight_bit(2),
                   cuda_only=True),
     OptimizerSpec("prodigy", "prodigyopt", ProdigyArgs, SHARED, {"weight_decay": 0.0},
-                  _prodigy, single_lr=True),
+                  _prodigy, single_lr=True, start_lr=1.0),
     OptimizerSpec("adafactor", "transformers", AdafactorArgs, ("weight_decay",),
                   {"weight_decay": 0.0}, _adafactor, rule=_relative),
     OptimizerSpec("schedulefree_adamw", "schedulefree", ScheduleFreeArgs, SHARED,
@@ -233,10 +234,16 @@ def problems(train: "TrainConfig") -> list[str]:
     return out
 
 
-def ignored(train: "TrainConfig") -> list[str]:
-    """Fields set in the config that this optimizer does not read (each worth a warning)."""
+def warnings(train: "TrainConfig") -> list[str]:
+    """Fields set in the config that this optimizer does not read, and an lr far from where
+    the optimizer's own documentation starts (each worth a warning)."""
     spec = OPTIMIZERS[train.optimizer]
-    return [f"train.{f} is ignored by optimizer = \"{spec.name}\" (it does not take it"
+    out = []
+    if spec.start_lr and train.lr < spec.start_lr / 10:  # Prodigy: lr scales its own estimate
+        out.append(f"train.lr = {train.lr} is far below the lr {spec.name}'s library "
+                   f"recommends ({spec.start_lr}): it multiplies the step size {spec.name} "
+                   "estimates; see the README's Optimizers")
+    return out + [f"train.{f} is ignored by optimizer = \"{spec.name}\" (it does not take it"
             + ("; set its own in train.optimizer_args" if f in spec.args.model_fields else "")
             + ")" for f in SHARED if f in train.model_fields_set and f not in spec.takes]
 
