@@ -171,6 +171,9 @@ def load_optimizer(opt: torch.optim.Optimizer, names: dict[int, str],
                       if k not in ("params", STATE)})
         group["params"] = [by_name[n] for n in entry["params"]]
         for name, values in entry.get(STATE, {}).items():
+            if name not in entry["params"] or not isinstance(values, dict):
+                raise CheckpointError(f"the checkpoint's optimizer state names {name!r}, not "
+                                      "a parameter of its group; the checkpoint is damaged")
             opt.state.setdefault(by_name[name], {}).update(values)
     for key, value in tensors.items():
         name, _, item = key.rpartition(SEP)

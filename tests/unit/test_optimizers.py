@@ -188,3 +188,16 @@ def test_fields_an_optimizer_ignores_are_warned() -> None:
     assert "far below the lr prodigy's library recommends (1.0)" in \
         warnings(TrainConfig(optimizer="prodigy", lr=1e-4))[0]
     assert warnings(TrainConfig(optimizer="prodigy", lr=1.0)) == []
+
+
+def test_damaged_plain_state_is_refused() -> None:
+    from difftune.errors import CheckpointError
+
+    params = _params()
+    opt = make_optimizer(params, _cfg("adafactor", {}))
+    names = {id(p): f"w{i}" for i, p in enumerate(params)}
+    _train(opt, params, range(1))
+    groups = optimizer_groups(opt, names)
+    groups[0]["state"]["w9"] = {"step": 1}
+    with pytest.raises(CheckpointError, match="'w9', not a parameter of its group"):
+        load_optimizer(opt, names, groups, optimizer_tensors(opt, names))
