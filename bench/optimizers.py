@@ -9,7 +9,7 @@ bundled demo images, changing only `train.optimizer`. It reports seconds per ste
 loop's metrics, after warm-up; median over rounds, which alternate the optimizers), the bytes
 of optimizer state the run's last checkpoint holds (per-weight tensors), and the process's peak
 resident memory (on the CPU the tiny model's LoRA state is a small part of it), each also as a
-ratio to AdamW's.
+ratio to AdamW's ("paired": the median over rounds of each round's ratio of step times).
 """
 
 from __future__ import annotations
@@ -97,12 +97,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r} {n}: {runs[n][-1]['step_s'] * 1e3:.1f} ms/step", flush=True)
     med = {n: {k: statistics.median(x[k] for x in v) for k in v[0]} for n, v in runs.items()}
     base = med["adamw"]
+    # Each round measures every optimizer, so the median of per-round ratios is the figure
+    # least moved by drifting load on the machine.
+    paired = {n: statistics.median(x["step_s"] / b["step_s"] for x, b in zip(v, runs["adamw"]))
+              for n, v in runs.items()}
     print(f"device {args.device}, torch {torch.__version__}, tiny FLUX.1, LoRA rank 16 all "
           f"linear, batch 2, {args.steps - args.warmup} timed steps x {args.rounds} rounds")
-    print(f"{'optimizer':<20}{'ms/step':>9}{'x AdamW':>9}{'state KiB':>11}{'x AdamW':>9}"
-          f"{'peak RSS MiB':>14}{'x AdamW':>9}")
+    print(f"{'optimizer':<20}{'ms/step':>9}{'x AdamW':>9}{'paired':>8}{'state KiB':>11}"
+          f"{'x AdamW':>9}{'peak RSS MiB':>14}{'x AdamW':>9}")
     for n, m in med.items():
         print(f"{n:<20}{m['step_s'] * 1e3:>9.1f}{m['step_s'] / base['step_s']:>9.2f}"
+              f"{paired[n]:>8.2f}"
               f"{m['state_bytes'] / 1024:>11.1f}{m['state_bytes'] / base['state_bytes']:>9.2f}"
               f"{m['peak_rss_mib']:>14.0f}{m['peak_rss_mib'] / base['peak_rss_mib']:>9.2f}")
     return 0
