@@ -114,9 +114,9 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
 
 
 def build_state(run: Run, names: dict[int, str]) -> TrainState:
-    """A fresh training state: the configured optimizer over the LoRA groups, schedule, scaler, noise
-    generator, data sampler and non-finite guard; `names` are the parameters' canonical
-    names (the checkpoint manager's)."""
+    """A fresh training state: the configured optimizer over the LoRA groups, schedule,
+    scaler, noise generator, data sampler and non-finite guard; `names` are the parameters'
+    canonical names (the checkpoint manager's)."""
     cfg = run.cfg
     groups = param_groups(run)
     opt = make_optimizer(groups, cfg.train)
