@@ -48,8 +48,8 @@ def eval_weights(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -
 
 def step_lr(opt: torch.optim.Optimizer) -> float:
     """The lr of the first group's last step: the library's own record where it schedules
-    inside the step (schedule-free's warm-up, Adafactor's relative step, Prodigy's lr times its estimated
-    step size d), else the group's."""
+    inside the step (schedule-free's warm-up, Adafactor's relative step, Prodigy's lr times
+    its estimated step size d), else the group's."""
     group = opt.param_groups[0]
     if "scheduled_lr" in group:  # schedule-free: lr times its own warm-up
         return float(group["scheduled_lr"])

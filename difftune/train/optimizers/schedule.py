@@ -31,6 +31,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return 1.0
 
 
-def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(opt: torch.optim.Optimizer,
+                   cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR applying `lr_factor`."""
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))

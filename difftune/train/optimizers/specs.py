@@ -121,7 +121,8 @@ def _eight_bit(moments: int) -> Callable[[Shape, Args], float]:
 
 
 def _prodigy(shape: Shape, args: Args) -> float:
-    n, sliced = math.prod(shape), math.ceil(math.prod(shape) / args.slice_p)  # type: ignore[attr-defined]
+    n = math.prod(shape)
+    sliced = math.ceil(n / args.slice_p)  # type: ignore[attr-defined]
     # exp_avg, exp_avg_sq, s and p0 (a weight that is all zeros at its first step, such as a
     # LoRA up matrix, keeps a scalar p0 instead: this is the upper bound).
     return 2 * n + 2 * sliced
