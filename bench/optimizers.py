@@ -3,13 +3,14 @@
     OMP_NUM_THREADS=1 python bench/optimizers.py [--steps 60] [--warmup 10] [--rounds 2]
         [--optimizers adamw,prodigy,...] [--device cpu]
 
-Each measurement is one fresh process running difftune's real loop (`train.loop.train`) on the
-tiny-flavor FLUX.1 transformer with a rank-16 LoRA on all linear layers, batch 2, on the
-bundled demo images, changing only `train.optimizer`. It reports seconds per step (from the
-loop's metrics, after warm-up; median over rounds, which alternate the optimizers), the bytes
-of optimizer state the run's last checkpoint holds (per-weight tensors), and the process's peak
-resident memory (on the CPU the tiny model's LoRA state is a small part of it), each also as a
-ratio to AdamW's ("paired": the median over rounds of each round's ratio of step times).
+Every run is difftune's real loop (`train.loop.train`) on the tiny-flavor FLUX.1 transformer
+with a rank-16 LoRA on all linear layers, batch 2, on the bundled demo images, changing only
+`train.optimizer`. Seconds per step (from the loop's metrics, after warm-up) are measured in
+one process on one loaded model, the optimizers alternating within each round; memory in one
+fresh process per optimizer: the bytes of optimizer state its last checkpoint holds (per-weight
+tensors) and the process's peak resident memory (on the CPU the tiny model's LoRA state is a
+small part of it). Each figure is also given as a ratio to AdamW's ("paired": the median over
+rounds of each round's ratio of step times, the figure least moved by the machine's load).
 """
 
 from __future__ import annotations
@@ -21,25 +22,25 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from difftune.config import RunConfig
+    from difftune.train.setup import Run
 
 CPU_OPTIMIZERS = ("adamw", "prodigy", "adafactor", "schedulefree_adamw", "came", "lion")
 
 
-def one(name: str, out: Path, steps: int, warmup: int, device: str) -> dict[str, float]:
-    """Train `steps` steps with optimizer `name`; its figures (this process's peak RSS)."""
-    from safetensors.torch import load_file
-
+def config(name: str, out: Path, steps: int, device: str) -> "RunConfig":
+    """The tiny-flavor run with optimizer `name` writing to `out`, no sampling."""
     from difftune.config import parse_config
-    from difftune.report.metrics import Reporter
-    from difftune.train.checkpoint import CheckpointManager
-    from difftune.train.loop import Hooks, train
-    from difftune.train.setup import fill_caches, prepare
     from difftune.verbs.demo import demo_dir
 
-    cfg = parse_config({
+    return parse_config({
         "model": {"flavor": "tiny"},
         "adapter": {"rank": 16, "targets": "all_linear"},
         "datasets": [{"path": str(demo_dir()), "resolution": 64, "min_side": 32,
@@ -49,21 +50,60 @@ def one(name: str, out: Path, steps: int, warmup: int, device: str) -> dict[str,
         "sample": {"at_end": False},
         "save": {"dir": str(out), "overwrite": True},
     }, out)
-    run = prepare(cfg, show_progress=False)
-    fill_caches(run, [], show_progress=False)
-    reporter = Reporter(cfg.save.dir, steps, bar=False)
+
+
+def train_once(run: "Run", cfg: "RunConfig", warmup: int) -> float:
+    """Train `run` with `cfg` (its optimizer) through difftune's loop; seconds per step after
+    `warmup` steps, from the loop's metrics."""
+    from difftune.report.metrics import Reporter
+    from difftune.train.checkpoint import CheckpointManager
+    from difftune.train.loop import Hooks, train
+
+    run = replace(run, cfg=cfg)
+    reporter = Reporter(cfg.save.dir, cfg.train.steps, bar=False)
     try:
         train(run, Hooks(reporter, CheckpointManager(cfg, run.family, run.comps, run.targets,
                                                      {}), None))
     finally:
         reporter.close()
-    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(r) for r in (cfg.save.dir / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["time"] for r in rows}
+    return (times[cfg.train.steps] - times[warmup]) / (cfg.train.steps - warmup)
+
+
+def one(name: str, out: Path, steps: int, warmup: int, device: str) -> dict[str, float]:
+    """Train `steps` steps with optimizer `name` in this process: the optimizer state its last
+    checkpoint holds and this process's peak resident memory."""
+    from safetensors.torch import load_file
+
+    from difftune.train.setup import fill_caches, prepare
+
+    cfg = config(name, out, steps, device)
+    run = prepare(cfg, show_progress=False)
+    fill_caches(run, [], show_progress=False)
+    train_once(run, cfg, warmup)
     state = load_file(str(out / "checkpoints" / f"step-{steps:06d}" / "optimizer.safetensors"))
-    return {"step_s": (times[steps] - times[warmup]) / (steps - warmup),
-            "state_bytes": sum(v.numel() * v.element_size() for v in state.values()
+    return {"state_bytes": sum(v.numel() * v.element_size() for v in state.values()
                                if v.dim() > 0),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def timings(names: list[str], args: argparse.Namespace,
+            tmp: Path) -> dict[str, list[float]]:
+    """Seconds per step of each optimizer, measured in this one process on one loaded model,
+    the optimizers alternating within each round (each round: every optimizer back to back,
+    so a round's ratios share the machine's load)."""
+    from difftune.train.setup import fill_caches, prepare
+
+    run = prepare(config("adamw", tmp / "load", args.steps, args.device), show_progress=False)
+    fill_caches(run, [], show_progress=False)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for n in names if r % 2 == 0 else names[::-1]:
+            cfg = config(n, tmp / f"t{r}-{n}", args.steps, args.device)
+            out[n].append(train_once(run, cfg, args.warmup))
+            print(f"round {r} {n}: {out[n][-1] * 1e3:.1f} ms/step", flush=True)
+    return out
 
 
 def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
@@ -89,12 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(one(args.one, Path(args.out), args.steps, args.warmup, args.device)))
         return 0
     names = ["adamw"] + [n for n in args.optimizers.split(",") if n != "adamw"]
-    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for n in names if r % 2 == 0 else names[::-1]:
-                runs[n].append(measure(n, args, Path(tmp) / f"round{r}"))
-                print(f"round {r} {n}: {runs[n][-1]['step_s'] * 1e3:.1f} ms/step", flush=True)
+        times = timings(names, args, Path(tmp))
+        memory = {n: measure(n, args, Path(tmp) / "memory") for n in names}
+    runs = {n: [{"step_s": t, **memory[n]} for t in times[n]] for n in names}
     med = {n: {k: statistics.median(x[k] for x in v) for k in v[0]} for n, v in runs.items()}
     base = med["adamw"]
     # Each round measures every optimizer, so the median of per-round ratios is the figure
