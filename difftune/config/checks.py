@@ -295,13 +295,20 @@ def memory_problems(cfg: "RunConfig") -> list[str]:
 def optimizer_problems(cfg: "RunConfig") -> list[str]:
     """Optimizer settings the rest of the run contradicts (its own options: TrainConfig)."""
     t, a = cfg.train, cfg.adapter
-    if not optimizer_specs.OPTIMIZERS[t.optimizer].single_lr:
-        return []
-    other = [f"adapter.{k} = {v}" for k, v in (("text_encoder_lr", a.text_encoder_lr),
+    spec = optimizer_specs.OPTIMIZERS[t.optimizer]
+    rates = [f"adapter.{k} = {v}" for k, v in (("text_encoder_lr", a.text_encoder_lr),
                                                 ("embedding_lr", a.embedding_lr))
              if v is not None and v != t.lr]
-    return [f"{', '.join(other)}: {t.optimizer} runs every parameter group at one lr (train.lr "
-            f"= {t.lr}; it estimates the step size itself); remove them"] if other else []
+    if not rates:
+        return []
+    if spec.schedule(optimizer_specs.parse_args(t.optimizer, t.optimizer_args)) == "none":
+        return [f"{', '.join(rates)}: {t.optimizer} with relative_step computes its own step "
+                "size and never reads a learning rate; remove them, or set "
+                "train.optimizer_args.relative_step = false"]
+    if spec.single_lr:
+        return [f"{', '.join(rates)}: {t.optimizer} runs every parameter group at one lr "
+                f"(train.lr = {t.lr}; it estimates the step size itself); remove them"]
+    return []
 
 
 def no_swap(family: str) -> str:

@@ -100,8 +100,15 @@ def test_check_reports_the_optimizer_memory_and_refuses_bad_options(
             'prodigy has no option "dcoef"; its options: d_coef'),
            (['train.optimizer="prodigy"', "adapter.text_encoder_lr=1e-4"],
             "prodigy runs every parameter group at one lr"),
+           (['train.optimizer="adafactor"', "train.optimizer_args.relative_step=true",
+             "adapter.embedding_lr=1e-3"], "never reads a learning rate"),
            (['train.optimizer="lion8bit"'], 'use optimizer = "lion" on the CPU')]
+    no_lr = tmp_path / "no_lr" / "run.toml"  # a relative-step run leaves train.lr out
+    no_lr.parent.mkdir()
+    no_lr.write_text(cfg.read_text(encoding="utf-8").replace("lr = 1e-2\n", ""),
+                     encoding="utf-8")
     for sets, message in bad:
-        assert main(["check", str(cfg), *[a for s in sets for a in ("--set", s)]]) == 2
+        path = no_lr if "train.optimizer_args.relative_step=true" in sets else cfg
+        assert main(["check", str(path), *[a for s in sets for a in ("--set", s)]]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
