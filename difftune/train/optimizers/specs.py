@@ -28,9 +28,23 @@ SHARED = ("betas", "eps", "weight_decay")
 
 
 class Args(BaseModel):
-    """Base of every optimizer's options: unknown keys refused, finite numbers only."""
+    """Base of every optimizer's options: unknown keys refused, finite numbers only, and no
+    mixing of switches and numbers (pydantic would read true as 1.0, or 1 and "yes" as true)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switches_are_booleans(cls, data: object) -> object:
+        for key, value in (data.items() if isinstance(data, dict) else ()):
+            field = cls.model_fields.get(key)
+            if field is None:
+                continue
+            switch = field.annotation is bool
+            if switch != isinstance(value, bool):
+                kind = "true or false" if switch else "a number, not true/false"
+                raise ValueError(f"{key}: write {kind}")
+        return data
 
 
 class NoArgs(Args):
