@@ -162,6 +162,8 @@ def test_schedule_rules() -> None:
      "train.optimizer_args: d_coef: write a number, not true/false"),
     ({"optimizer": "prodigy", "optimizer_args": {"use_bias_correction": 1}},
      "use_bias_correction: write true or false"),
+    ({"optimizer": "came", "optimizer_args": {"betas": [0.9, 0.999, 1.5]}},
+     "train.optimizer_args.betas.2: Input should be less than 1"),
     ({"optimizer": "adafactor", "optimizer_args": {"warmup_init": True}},
      "warmup_init needs relative_step = true"),
     ({"optimizer": "adafactor", "lr": 1e-3, "optimizer_args": {"relative_step": True}},

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Annotated, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -25,6 +25,8 @@ Shape = tuple[int, ...]
 # computes its own step size: Adafactor's relative step).
 Schedule = Literal["full", "own_warmup", "none"]
 SHARED = ("betas", "eps", "weight_decay")
+Beta = Annotated[float, Field(ge=0, lt=1)]  # a moving average's decay
+Positive = Annotated[float, Field(gt=0)]
 
 
 class Args(BaseModel):
@@ -86,8 +88,8 @@ class AdafactorArgs(Args):
     decay_rate: float = Field(-0.8, lt=0, description="Second-moment decay exponent.")
     beta1: float | None = Field(None, ge=0, lt=1, description="First moment (unset: none, "
                                 "the memory-lean default).")
-    eps: tuple[float, float] = Field((1e-30, 1e-3), description="Regularizers (gradient, "
-                                     "parameter scale).")
+    eps: tuple[Positive, Positive] = Field((1e-30, 1e-3), description="Regularizers "
+                                           "(gradient, parameter scale).")
 
     @model_validator(mode="after")
     def _warmup_init(self) -> "AdafactorArgs":
@@ -108,8 +110,8 @@ class ScheduleFreeArgs(Args):
 class CameArgs(Args):
     """came_pytorch.CAME (three betas and two eps of its own)."""
 
-    betas: tuple[float, float, float] = (0.9, 0.999, 0.9999)
-    eps: tuple[float, float] = (1e-30, 1e-16)
+    betas: tuple[Beta, Beta, Beta] = (0.9, 0.999, 0.9999)
+    eps: tuple[Positive, Positive] = (1e-30, 1e-16)
     clip_threshold: float = Field(1.0, gt=0)
 
 
