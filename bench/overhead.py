@@ -30,7 +30,7 @@ from difftune.families.common.latents import image_ids, pack
 from difftune.report.metrics import Reporter
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import Hooks, train
-from difftune.train.optim import make_optimizer
+from difftune.train.optimizers.build import make_optimizer
 from difftune.train.setup import fill_caches, prepare
 
 

@@ -17,6 +17,7 @@ from difftune.errors import ConfigError, ModelFileError
 from difftune.families import registry
 from difftune.files.names import embedding_stem, name_too_long
 from difftune.files.safe import is_pickle, pickle_refusal
+from difftune.train.optimizers import specs as optimizer_specs
 
 if TYPE_CHECKING:
     from difftune.config.run import RunConfig
@@ -295,8 +296,8 @@ def memory_problems(cfg: "RunConfig") -> list[str]:
     if t.fused_backward and cfg.precision.mixed == "fp16":
         problems.append("train.fused_backward cannot run with precision.mixed = \"fp16\": the "
                         "loss scaler must see every gradient before any step; use bf16")
-    if t.optimizer == "adamw8bit" and t.device == "cpu":
-        problems.append(EIGHT_BIT_CPU)
+    if optimizer_specs.OPTIMIZERS[t.optimizer].cuda_only and t.device == "cpu":
+        problems.append(cuda_only(t.optimizer))
     spec = registry.spec(cfg.model.family, cfg.model.variant)
     if t.blocks_to_swap and not spec.swap_blocks:
         problems.append(no_swap(spec.name))
@@ -310,6 +311,25 @@ def memory_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
+def optimizer_problems(cfg: "RunConfig") -> list[str]:
+    """Optimizer settings the rest of the run contradicts (its own options: TrainConfig)."""
+    t, a = cfg.train, cfg.adapter
+    spec = optimizer_specs.OPTIMIZERS[t.optimizer]
+    rates = [f"adapter.{k} = {v}" for k, v in (("text_encoder_lr", a.text_encoder_lr),
+                                                ("embedding_lr", a.embedding_lr))
+             if v is not None and v != t.lr]
+    if not rates:
+        return []
+    if spec.schedule(optimizer_specs.parse_args(t.optimizer, t.optimizer_args)) == "none":
+        return [f"{', '.join(rates)}: {t.optimizer} with relative_step computes its own step "
+                "size and never reads a learning rate; remove them, or set "
+                "train.optimizer_args.relative_step = false"]
+    if spec.single_lr:
+        return [f"{', '.join(rates)}: {t.optimizer} runs every parameter group at one lr "
+                f"(train.lr = {t.lr}; it estimates the step size itself); remove them"]
+    return []
+
+
 def no_swap(family: str) -> str:
     """The refusal of train.blocks_to_swap for a family whose spec lists no swap blocks."""
     return (f"train.blocks_to_swap: the {family} family cannot swap blocks (its checkpointing "
@@ -317,13 +337,18 @@ def no_swap(family: str) -> str:
             "base (precision.quantize) instead")
 
 
-EIGHT_BIT_CPU = ("train.optimizer = \"adamw8bit\" runs on CUDA only (bitsandbytes' 8-bit "
-                 "optimizers have no CPU kernels); use optimizer = \"adamw\" on the CPU")
+def cuda_only(optimizer: str) -> str:
+    """The refusal of a CUDA-only optimizer (bitsandbytes' 8-bit ones) on another device."""
+    plain = optimizer.removesuffix("8bit")
+    return (f"train.optimizer = \"{optimizer}\" runs on CUDA only (bitsandbytes' 8-bit "
+            f"optimizers have no CPU kernels); use optimizer = \"{plain}\" on the CPU")
 
 
 def warn_ignored(cfg: RunConfig) -> None:
     """One warning for each option that is set but has no effect with the rest of the config."""
     warn_ignored_full(cfg)
+    for line in optimizer_specs.warnings(cfg.train):
+        log.warning("%s", line)
     for d, ds in enumerate(cfg.datasets):
         for i, sub in enumerate(ds.subsets):
             for what in sub.ignored_caption_options():

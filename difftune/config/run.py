@@ -45,6 +45,7 @@ class RunConfig(_Section):
         problems += checks.warmup_problems(self)
         problems += checks.memory_problems(self)
         problems += full_problems(self)
+        problems += checks.optimizer_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(

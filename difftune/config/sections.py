@@ -10,13 +10,14 @@ Relative paths are taken relative to the config file's folder.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from difftune.config.base import Beta, ClipNorm
 from difftune.config.base import Section as _Section
+from difftune.train.optimizers import specs as optimizers
 
 DType = Literal["fp32", "fp16", "bf16"]
 
@@ -168,12 +169,21 @@ class TrainConfig(_Section):
     batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
-    optimizer: Literal["adamw", "adamw8bit"] = Field(
-        "adamw", description="adamw, or adamw8bit (bitsandbytes, CUDA only: 8-bit moments, "
-        "a quarter of AdamW's optimizer-state memory).")
-    weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
-    eps: float = Field(1e-8, gt=0)
+    optimizer: optimizers.OptimizerName = Field(
+        "adamw", description="adamw (torch), adamw8bit and lion8bit (bitsandbytes, CUDA only: "
+        "8-bit state), prodigy (prodigyopt: finds its own step size, lr = 1.0), adafactor "
+        "(transformers: factored state), schedulefree_adamw (schedulefree: no decay "
+        "schedule), came (came-pytorch), lion (lion-pytorch). See the README's Optimizers.")
+    optimizer_args: dict[str, Any] = Field(
+        default_factory=dict, description="The chosen optimizer's own options (e.g. "
+        "{ d_coef = 0.8 } for prodigy, { relative_step = true } for adafactor); each key is "
+        "checked against the options that optimizer takes.")
+    weight_decay: float = Field(0.01, ge=0, description="Weight decay, for the optimizers "
+                                "that take it (unset: 0.01 for AdamW, each other's default).")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="Adam-style betas, each in "
+                                     "[0, 1) (unset: Lion's own (0.9, 0.99) for lion).")
+    eps: float = Field(1e-8, gt=0, description="Adam-style epsilon, for the optimizers that "
+                       "take it.")
     scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     max_grad_norm: ClipNorm = Field(
@@ -231,6 +241,13 @@ class TrainConfig(_Section):
         if self.fused_backward and self.optimizer != "adamw":
             raise ValueError(f"fused_backward works with optimizer = \"adamw\", not "
                              f"\"{self.optimizer}\"; choose one of the two memory savers")
+        return self
+
+    @model_validator(mode="after")
+    def _optimizer(self) -> "TrainConfig":
+        problems = optimizers.problems(self)  # also checks optimizer_args' keys and types
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @model_validator(mode="after")

@@ -2,7 +2,7 @@
 that refuse combinations which cannot work, before the model loads.
 
 Gradient checkpointing is the denoiser's own (diffusers `enable_gradient_checkpointing`), the
-8-bit optimizer and the fused backward pass live with the optimizer (train/optim.py).
+8-bit optimizer and the fused backward pass live with the optimizers (train/optimizers/).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import logging
 import torch
 
 from difftune.config import RunConfig
-from difftune.config.checks import EIGHT_BIT_CPU, no_swap
+from difftune.config.checks import cuda_only, no_swap
 from difftune.errors import ConfigError, EnvironmentProblem
 from difftune.families.base import Family, blocks_of
 from difftune.memory.blockswap import BlockSwap
+from difftune.train.optimizers.specs import OPTIMIZERS
 
 log = logging.getLogger("difftune")
 
@@ -23,14 +24,15 @@ log = logging.getLogger("difftune")
 def check(cfg: RunConfig, family: Family, device: torch.device, world: int) -> None:
     """Refuse savers this device, family or process count cannot run (fail in seconds)."""
     t = cfg.train
-    if t.optimizer == "adamw8bit":
+    spec = OPTIMIZERS[t.optimizer]
+    if spec.cuda_only:
         if device.type != "cuda":
-            raise ConfigError(EIGHT_BIT_CPU + f" (this run's device is {device})")
+            raise ConfigError(cuda_only(t.optimizer) + f" (this run's device is {device})")
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as err:
-            raise EnvironmentProblem("train.optimizer = \"adamw8bit\" needs bitsandbytes: pip "
-                                     "install bitsandbytes") from err
+            raise EnvironmentProblem(f"train.optimizer = \"{t.optimizer}\" needs "
+                                     f"{spec.library}: pip install {spec.library}") from err
     if t.fused_backward and world > 1:
         raise ConfigError("train.fused_backward frees each gradient inside backward, so there "
                           "is nothing left to average across processes; turn it off for "
@@ -94,8 +96,8 @@ def describe(cfg: RunConfig, family: Family, denoiser: torch.nn.Module) -> str:
     if t.blocks_to_swap:
         total = len(blocks_of(denoiser, family.swap_blocks))
         on.append(f"block swap ({t.blocks_to_swap} of {total} blocks in host memory)")
-    if t.optimizer == "adamw8bit":
-        on.append("8-bit AdamW")
+    if OPTIMIZERS[t.optimizer].cuda_only:
+        on.append(f"8-bit optimizer ({t.optimizer})")
     if t.fused_backward:
         on.append("fused backward")
     if t.compile:

@@ -24,7 +24,9 @@ from difftune.sample.runner import SampleRunner
 from difftune.train.checkpoint import Checkpoint, CheckpointManager
 from difftune.train.ema import Ema, using
 from difftune.train.guard import NonFiniteGuard, TrainingDiverged
-from difftune.train.optim import make_optimizer, make_scheduler
+from difftune.train.optimizers.build import make_optimizer
+from difftune.train.optimizers.modes import step_lr
+from difftune.train.optimizers.schedule import make_scheduler
 from difftune.train.rng import RunRngs, seed_everything
 from difftune.train.setup import Run
 from difftune.train.state import Snapshot, TrainState
@@ -86,7 +88,8 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
     else:
         seed_everything(cfg.train.seed)
         if cfg.sample.at_start and hooks.sampler:
-            hooks.sampler.run(0)
+            with state.eval_weights():
+                hooks.sampler.run(0)
     start = state.step
     run.dist.broadcast_params(state.params)
     if run.dist.rank > 0:  # its own dropout masks (rank 0 keeps the single-process stream)
@@ -102,19 +105,19 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
         if step < cfg.train.steps:
             _between_steps(run, hooks, state, step)
     set_training(run, False)
-    with using(state.ema, "saves"):
+    with state.eval_weights(), using(state.ema, "saves"):
         result.lora = hooks.checkpoints.save_lora(cfg.train.steps, final=True)
     hooks.checkpoints.save(state)
     if cfg.sample.at_end and hooks.sampler:
-        with using(state.ema, "samples"):
+        with state.eval_weights(), using(state.ema, "samples"):
             hooks.sampler.run(cfg.train.steps)
     return result
 
 
 def build_state(run: Run, names: dict[int, str]) -> TrainState:
-    """A fresh training state: AdamW over the LoRA groups, schedule, scaler, noise
-    generator, data sampler and non-finite guard; `names` are the parameters' canonical
-    names (the checkpoint manager's)."""
+    """A fresh training state: the configured optimizer over the LoRA groups, schedule,
+    scaler, noise generator, data sampler and non-finite guard; `names` are the parameters'
+    canonical names (the checkpoint manager's)."""
     cfg = run.cfg
     groups = param_groups(run)
     opt = make_optimizer(groups, cfg.train)
@@ -178,11 +181,12 @@ def _step(run: Run, hooks: Hooks, state: TrainState, batches: Iterator[Batch],
         return loss, epoch, lr
     # Nothing is applied: gradients dropped, schedule advanced to stay on the step count.
     state.opt.zero_grad(set_to_none=True)
-    lr = state.opt.param_groups[0]["lr"]
+    lr = step_lr(state.opt)
     state.sched.step()
     if state.guard.exhausted:
         set_training(run, False)
-        path = hooks.checkpoints.save_lora(step)
+        with state.eval_weights():
+            path = hooks.checkpoints.save_lora(step)
         raise TrainingDiverged(state.guard.message(step, path))
     return loss, epoch, lr
 
@@ -267,7 +271,7 @@ def _optimizer_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.
             torch.nn.utils.clip_grad_norm_(params, max_norm)
         scaler.step(opt)
         scaler.update()
-    lr = opt.param_groups[0]["lr"]  # the rate this step used
+    lr = step_lr(opt)  # the rate this step used
     sched.step()
     opt.zero_grad(set_to_none=True)
     return lr
@@ -281,11 +285,12 @@ def _between_steps(run: Run, hooks: Hooks, state: TrainState, step: int) -> None
     cfg = run.cfg
     saved = None
     if _due(step, cfg.save.every_n_steps):
-        with using(state.ema, "saves"):
+        # LoRA files and samples from the weights to use (schedule-free's x, the EMA);
+        with state.eval_weights(), using(state.ema, "saves"):
             hooks.checkpoints.save_lora(step)
-        saved = hooks.checkpoints.save(state)
+        saved = hooks.checkpoints.save(state)  # the checkpoint holds the training weights
     if hooks.sampler and _due(step, cfg.sample.every_n_steps):
-        with using(state.ema, "samples"):
+        with state.eval_weights(), using(state.ema, "samples"):
             hooks.sampler.run(step)
     asked = hooks.stop()
     stop = run.dist.any(asked)  # every process stops after the same step

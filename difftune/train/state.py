@@ -12,6 +12,7 @@ position, so a checkpoint resumes on a base quantized differently, or not at all
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +23,12 @@ from difftune.data.sampler import BucketBatchSampler
 from difftune.errors import CheckpointError
 from difftune.train.ema import Ema
 from difftune.train.guard import NonFiniteGuard
-from difftune.train.optim import lr_factor
+from difftune.train.optimizers.modes import eval_weights
+from difftune.train.optimizers.schedule import lr_factor
 from difftune.train.rng import GlobalRngs, RunRngs
 
 SEP = "::"
+STATE = "state"  # a group's entry holding its parameters' plain state values
 
 
 @dataclass
@@ -62,6 +65,11 @@ class TrainState:
     step: int = 0
     updating: bool = False
     ema: Ema | None = None
+
+    def eval_weights(self) -> AbstractContextManager[None]:
+        """Inside: the trained parameters hold the optimizer's evaluation weights (schedule-
+        free's average; the same weights for other optimizers), for sampling and LoRA files."""
+        return eval_weights(self.opt, self.params)
 
     @property
     def generator(self) -> torch.Generator:
@@ -128,24 +136,31 @@ def _configured_rates(opt: torch.optim.Optimizer, sched: torch.optim.lr_schedule
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state by canonical name (`names`: id(param) -> name),
-    where it lives (the checkpoint writer moves it to the host shard by shard)."""
+    """The optimizer's per-parameter tensors by canonical name (`names`: id(param) -> name),
+    where they live (the checkpoint writer moves them to the host shard by shard); its plain
+    per-parameter values (step counts, Adafactor's first RMS) are in the groups."""
     out = {}
     for group in opt.param_groups:
         for p in group["params"]:
             for key, value in opt.state.get(p, {}).items():
-                tensor = value if torch.is_tensor(value) else torch.tensor(value)
-                out[f"{names[id(p)]}{SEP}{key}"] = tensor.detach()
+                if torch.is_tensor(value):
+                    out[f"{names[id(p)]}{SEP}{key}"] = value.detach()
     return out
 
 
 def optimizer_groups(opt: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
-    """The optimizer's groups (hyper-parameters as JSON, parameters by canonical name)."""
+    """The optimizer's groups as JSON: hyper-parameters and the values some optimizers keep
+    per group (Prodigy's d, schedule-free's weight_sum; JSON keeps a float's every bit),
+    parameters by canonical name, and under "state" each parameter's plain (non-tensor)
+    state values."""
     groups = []
     for group in opt.param_groups:
         entry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
                  if k != "params"}
         entry["params"] = [names[id(p)] for p in group["params"]]
+        plain = {names[id(p)]: {k: v for k, v in opt.state.get(p, {}).items()
+                                if not torch.is_tensor(v)} for p in group["params"]}
+        entry[STATE] = {n: values for n, values in plain.items() if values}
         groups.append(entry)
     return groups
 
@@ -159,14 +174,20 @@ def load_optimizer(opt: torch.optim.Optimizer, names: dict[int, str],
         missing = sorted(set(saved) ^ set(by_name))[:5]
         raise CheckpointError(f"the checkpoint's optimizer holds other parameters than this run "
                               f"(first differences: {missing}); resume with the same adapter")
+    opt.state.clear()
     for group, entry in zip(opt.param_groups, groups):
         group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in entry.items()
-                      if k != "params"})
+                      if k not in ("params", STATE)})
         group["params"] = [by_name[n] for n in entry["params"]]
-    opt.state.clear()
+        for name, values in entry.get(STATE, {}).items():
+            if name not in entry["params"] or not isinstance(values, dict):
+                raise CheckpointError(f"the checkpoint's optimizer state names {name!r}, not "
+                                      "a parameter of its group; the checkpoint is damaged")
+            opt.state.setdefault(by_name[name], {}).update(values)
     for key, value in tensors.items():
         name, _, item = key.rpartition(SEP)
         param = by_name[name]
-        # Plain numbers were saved as 0-d int64 tensors (bitsandbytes keeps "step" an int).
+        # Checkpoints of format 1 saved plain numbers as 0-d int64 tensors (bitsandbytes and
+        # these libraries keep "step" an int).
         plain = value.dim() == 0 and value.dtype == torch.int64
         opt.state.setdefault(param, {})[item] = int(value) if plain else value.to(param.device)

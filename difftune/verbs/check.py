@@ -20,7 +20,8 @@ from difftune.data.discover import DataSet
 from difftune.errors import DataError
 from difftune.memory import savers
 from difftune.train.checkpoint.lora import lora_format
-from difftune.train.loop import set_training
+from difftune.train.loop import param_groups, set_training
+from difftune.train.optimizers.specs import OPTIMIZERS, parse_args, state_bytes
 from difftune.train.rundir import RunLock, refuse_overwrite
 from difftune.train.setup import Run, load_data, prepare
 from difftune.train.step import batch_loss
@@ -94,6 +95,7 @@ def run_check(cfg: RunConfig) -> list[str]:
     report.append(f"model: {run.comps.name} loaded on {run.policy.device}")
     report.append(_adapter_line(run))
     report.append(_parameter_line(run))
+    report.append(optimizer_line(run))
     report.append(savers.describe(cfg, run.family, run.comps.denoiser))
     if cfg.adapter.peft_kind is not None:
         report.append(_format_line(run))
@@ -168,6 +170,31 @@ def _adapter_line(run: Run) -> str:
     return (f"adapter: {name}{' (DoRA)' if a.dora else ''}, {', '.join(options)}, on "
             f"{len(run.targets)} denoiser layers{encoders}: {_amount(count)} trainable "
             "parameters")
+
+
+def _bytes(n: float) -> str:
+    """A size in binary units (1.50 GiB, 120.0 KiB)."""
+    for size, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def optimizer_line(run: Run) -> str:
+    """The optimizer, how the lr schedule reaches it, and the memory its state will take for
+    the parameters this run trains (estimated from how its library stores state)."""
+    t = run.cfg.train
+    spec, args = OPTIMIZERS[t.optimizer], parse_args(t.optimizer, t.optimizer_args)
+    params = [p for g in param_groups(run) for p in g["params"]]
+    size = params[0].element_size() if params else 4
+    total = state_bytes(t.optimizer, args, [tuple(p.shape) for p in params], size)
+    count = sum(p.numel() for p in params)
+    rule = {"full": "the lr schedule applies",
+            "own_warmup": "no lr schedule (its own warm-up: train.warmup_steps)",
+            "none": "its own relative step size (train.lr not used)"}[spec.schedule(args)]
+    each = f" ({total / count:.1f} bytes per parameter)" if count else ""
+    return (f"optimizer: {t.optimizer} ({spec.library}); state about {_bytes(total)} "
+            f"for {_amount(count)} trained parameters{each}; {rule}")
 
 
 def _format_line(run: Run) -> str:

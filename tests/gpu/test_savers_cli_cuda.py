@@ -41,9 +41,11 @@ def test_block_swap_on_cuda_trains_like_the_run_without(tmp_path: Path, images: 
     assert all(torch.allclose(a[k].float(), b[k].float(), atol=2e-3) for k in a)
 
 
-def test_eight_bit_optimizer_trains_and_resumes_exactly(tmp_path: Path, images: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "lion8bit"])
+def test_eight_bit_optimizer_trains_and_resumes_exactly(tmp_path: Path, images: Path,
+                                                        optimizer: str) -> None:
     pytest.importorskip("bitsandbytes")
-    sets = ['train.optimizer="adamw8bit"', "save.every_n_steps=2"]
+    sets = [f'train.optimizer="{optimizer}"', "save.every_n_steps=2"]
     whole = train(tmp_path / "whole", images, *sets)
     part = tmp_path / "part"
     train(part, images, *sets, "train.steps=2")

@@ -9,7 +9,7 @@ import torch
 
 from difftune.config import TrainConfig
 from difftune.train.objectives import flow as objectives
-from difftune.train.optim import lr_factor
+from difftune.train.optimizers.schedule import lr_factor
 
 
 def draw(method: str, tokens: int = 256, **kw: float) -> torch.Tensor:

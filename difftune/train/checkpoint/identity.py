@@ -66,6 +66,7 @@ def check_compatible(ckpt: Checkpoint, now: dict[str, Any], cfg: RunConfig) -> N
                               "checkpoint holds no EMA (its run had train.ema off); resume "
                               "with train.ema.enabled = false, or start a new run")
     old = ckpt.doc["config"]["train"]
+    _check_optimizer(ckpt, old, cfg)
     for key in ("lr", "steps"):
         if old.get(key) != getattr(cfg.train, key):
             log.warning("resuming with train.%s = %s (the checkpoint's run had %s)", key,
@@ -73,6 +74,22 @@ def check_compatible(ckpt: Checkpoint, now: dict[str, Any], cfg: RunConfig) -> N
     if ckpt.step >= cfg.train.steps:
         raise CheckpointError(f"checkpoint {ckpt.path} is at step {ckpt.step}, and train.steps "
                               f"is {cfg.train.steps}: nothing left to train; raise train.steps")
+
+
+def _check_optimizer(ckpt: Checkpoint, old: dict[str, Any], cfg: RunConfig) -> None:
+    """The checkpoint's optimizer state is one optimizer's: refuse another; its saved
+    hyper-parameters continue (warned when the config's optimizer_args changed)."""
+    was = old.get("optimizer", "adamw")
+    if was != cfg.train.optimizer:
+        raise CheckpointError(
+            f"cannot resume from {ckpt.path}: its optimizer state is {was}'s and this run's "
+            f"train.optimizer is \"{cfg.train.optimizer}\"; resume with train.optimizer = "
+            f"\"{was}\", or start a new run from its weights with --init-lora "
+            f"{lora_file(ckpt.path)}")
+    if old.get("optimizer_args", {}) != cfg.train.optimizer_args:
+        log.warning("resuming with train.optimizer_args = %s; the checkpoint's optimizer "
+                    "(%s) continues with its saved options", cfg.train.optimizer_args,
+                    old.get("optimizer_args", {}))
 
 
 def check_data(ckpt: Checkpoint, data: DataSet, global_batch: int, seed: int) -> None:

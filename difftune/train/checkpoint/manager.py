@@ -99,8 +99,11 @@ class CheckpointManager(LoraFiles):
         if saved["ema"] is not None:
             files.write_big(tmp / files.EMA_FILE, saved["ema"]["tensors"], torch.float32,
                             self.shard_bytes)
-        if self.cfg.adapter.type != "full":  # a full fine-tune's weights are trainable.*
-            self.save_lora(state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
+        # The training weights (schedule-free: its y, with z in the optimizer state); the LoRA
+        # file holds the weights to use (a full fine-tune's weights are trainable.* alone).
+        if self.cfg.adapter.type != "full":
+            with state.eval_weights():
+                self.save_lora(state.step, path=tmp / f"{self.cfg.save.name}.safetensors")
         doc = {"format": CHECKPOINT_FORMAT, "complete": True, "step": saved["step"],
                "sampler": saved["sampler"], "counters": saved["counters"],
                "optimizer": saved["optimizer"]["groups"], "scheduler": saved["scheduler"],

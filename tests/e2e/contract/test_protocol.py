@@ -21,7 +21,7 @@ from difftune.families.base import Conditioning
 from difftune.sample.runner import PromptSpec, SampleRunner
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import param_groups
-from difftune.train.optim import make_optimizer
+from difftune.train.optimizers.build import make_optimizer
 from difftune.train.setup import Run, fill_caches, prepare
 from difftune.train.step import batch_loss
 
