@@ -116,3 +116,24 @@ def test_a_one_process_checkpoint_resumes_on_two(tmp_path: Path, images: Path) -
     assert done.returncode == 0, done.stderr[-3000:]
     assert losses(out) == pytest.approx(losses(tmp_path / "one" / "out")[2:], rel=1e-5)
     assert_same_model(tmp_path / "one" / "out", out)
+
+
+@pytest.mark.full_only
+def test_a_short_batch_leaving_one_process_empty_still_matches(tmp_path: Path,
+                                                               images: Path) -> None:
+    five = tmp_path / "five"
+    five.mkdir()
+    for path in sorted(images.iterdir())[2:]:  # drop one image and its caption: 5 left
+        shutil.copy(path, five / path.name)
+    # Global batch 2: batches of 2, 2 and 1; on the third step rank 1 has no row and joins
+    # rank 0's forward and backward with its row weighted 0 (FSDP needs every process there).
+    (tmp_path / "one").mkdir()
+    assert main(["train", str(config(tmp_path / "one", five)), "--no-progress", *SETS[2:],
+                 "--set", "train.grad_accum=2"]) == 0
+    done = launch(["-m", "difftune", "train", str(config(tmp_path / "two", five)),
+                   "--no-progress", *SETS, "--set", "train.batch_size=1",
+                   "--set", "train.grad_accum=2"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(tmp_path / "two" / "out") == pytest.approx(losses(tmp_path / "one" / "out"),
+                                                             rel=1e-5)
+    assert_same_model(tmp_path / "two" / "out", tmp_path / "one" / "out")
