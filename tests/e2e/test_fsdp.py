@@ -125,8 +125,9 @@ def test_a_short_batch_leaving_one_process_empty_still_matches(tmp_path: Path,
     five.mkdir()
     for path in sorted(images.iterdir())[2:]:  # drop one image and its caption: 5 left
         shutil.copy(path, five / path.name)
-    # Global batch 2: batches of 2, 2 and 1; on the third step rank 1 has no row and joins
-    # rank 0's forward and backward with its row weighted 0 (FSDP needs every process there).
+    # Global batch 2: batches of 2, 2 and 1; on a batch of 1 rank 0 has no row and joins
+    # rank 1's forward and backward with that row weighted 0 (FSDP needs every process there;
+    # seen: 3 such micro-batches in this run).
     (tmp_path / "one").mkdir()
     assert main(["train", str(config(tmp_path / "one", five)), "--no-progress", *SETS[2:],
                  "--set", "train.grad_accum=2"]) == 0
