@@ -28,7 +28,11 @@ import pytest
 from safetensors.torch import load_file
 
 from difftune.cli import main
+from difftune.config import load_config
+from difftune.errors import CheckpointError
+from difftune.train.checkpoint import CheckpointManager, manager
 from difftune.train.checkpoint.files import read
+from difftune.train.dist import Dist
 from tests.e2e.conftest import run_toml
 from tests.e2e.test_distributed import launch, losses
 
@@ -66,7 +70,8 @@ def sharded(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
     return folder / "out"
 
 
-def test_two_sharded_processes_match_one(tmp_path: Path, images: Path, sharded: Path) -> None:
+def test_two_sharded_processes_match_one(tmp_path: Path, images: Path, sharded: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     log = (sharded / "difftune.log").read_text()
     assert "sharded (FSDP) run: 2 processes, global batch 2" in log
     assert "FSDP: the denoiser is sharded over 2 processes" in log
@@ -88,6 +93,13 @@ def test_two_sharded_processes_match_one(tmp_path: Path, images: Path, sharded: 
     fa, fb = (load_file(str(out / "lora.safetensors")) for out in (sharded, tmp_path / "out"))
     assert fa.keys() == fb.keys()
     assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= 1e-3 * LR * NORM
+    # Its checkpoints are not sharded: a sharded run of several processes refuses them at
+    # once, before the model loads, naming the fix.
+    monkeypatch.setattr(manager, "current", lambda: Dist(0, 2))
+    with pytest.raises(CheckpointError, match="resumes only sharded checkpoints"):
+        CheckpointManager.open(load_config(one, [a.removeprefix("--set ") for a in SETS
+                                                 if a != "--set"]),
+                               str(tmp_path / "out" / "checkpoints" / "step-000002"))
 
 
 def test_a_two_process_checkpoint_resumes_in_one(tmp_path: Path, images: Path,

@@ -49,6 +49,11 @@ class CheckpointManager(LoraFiles):
         and checked against what the config alone says of the adapter."""
         ckpt = files.read(files.find(cfg.save.dir, which))
         check_compatible(ckpt, resume_identity(cfg), cfg)
+        if ckpt.sharded is None and cfg.train.distributed == "fsdp" and current().world > 1:
+            raise CheckpointError(f"checkpoint {ckpt.path} was written by a train.distributed = "
+                                  "\"ddp\" run, and a sharded run on several processes resumes "
+                                  "only sharded checkpoints: resume it with train.distributed = "
+                                  "\"ddp\", or on one process (whose checkpoints are sharded)")
         return ckpt
 
     @staticmethod
@@ -157,11 +162,7 @@ class CheckpointManager(LoraFiles):
         saved = ckpt.train_state()
         if ckpt.sharded is not None:  # DCP: each process reads its pieces, on any count
             saved["optimizer"]["tensors"] = sharding.load(ckpt.sharded, params, ckpt.optimizer)
-        elif any(sharding.is_sharded(p) for p in params.values()):
-            raise CheckpointError(f"checkpoint {ckpt.path} was written by a train.distributed "
-                                  "= \"ddp\" run; a sharded run resumes only sharded "
-                                  "checkpoints: resume it with ddp (or in one process)")
-        else:
+        else:  # (`open` refused a ddp checkpoint for a sharded model)
             with torch.no_grad():
                 for name, value in ckpt.trainable.items():
                     params[name].copy_(value)
