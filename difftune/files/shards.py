@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from difftune.adapters.formats import write_safetensors
 
@@ -95,14 +95,57 @@ def exists(path: Path) -> bool:
     return path.is_file() or index_path(path).is_file()
 
 
-def read_sharded(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors `write_sharded` wrote at `path` (one file, or the shards its index names)."""
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """The tensors of one or several safetensors files, each read only when asked for (and
+    not kept): a checkpoint of a full fine-tune is checked and put back tensor by tensor,
+    never held whole in host memory beside the model."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._where: dict[str, Any] = {}
+        for file in files:
+            handle = safe_open(str(file), "pt")  # validates the header against the file size
+            self._where |= dict.fromkeys(handle.keys(), handle)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._where[key].get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Every tensor as a meta tensor (shape and dtype from the headers, no data read):
+        what checks of shapes and dtypes need."""
+        out = {}
+        for key, handle in self._where.items():
+            part = handle.get_slice(key)
+            dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8)
+            out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+        return out
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+def meta(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """Shapes and dtypes of `tensors` without reading lazy ones' data."""
+    return tensors.meta() if isinstance(tensors, LazyTensors) else tensors
+
+
+def read_sharded(path: Path) -> LazyTensors:
+    """The tensors `write_sharded` wrote at `path` (one file, or the shards its index names),
+    read lazily (`LazyTensors`)."""
     if path.is_file() or not index_path(path).is_file():
-        return load_file(str(path))
+        return LazyTensors([path])
     index = json.loads(index_path(path).read_text(encoding="utf-8"))
-    out: dict[str, torch.Tensor] = {}
-    for shard in dict.fromkeys(index["weight_map"].values()):
-        out |= load_file(str(path.with_name(shard)))
+    shards = [path.with_name(shard) for shard in dict.fromkeys(index["weight_map"].values())]
+    out = LazyTensors(shards)
     if set(out) != set(index["weight_map"]):
         raise ValueError(f"{index_path(path).name} names other tensors than its shards hold")
     return out

@@ -13,6 +13,7 @@ save needs the model plus one tensor, never a second copy of the model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -29,10 +30,11 @@ _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
 @dataclass(frozen=True)
 class Piece:
     """One tensor of a single file: diffusers tensors `sources` stacked along dim 0, with
-    its two halves (along dim 0) swapped when `swap`."""
+    its two halves (along dim 0) swapped when `swap`, flattened to one dimension when `flat`."""
 
     sources: tuple[str, ...]
     swap: bool = False
+    flat: bool = False
 
 
 Layout = dict[str, Piece]
@@ -51,12 +53,13 @@ def build(piece: Piece, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
     if piece.swap:
         a, b = t.chunk(2, dim=0)
         t = torch.cat([b, a])
-    return t
+    return t.reshape(-1) if piece.flat else t
 
 
 def _shape(piece: Piece, state: Mapping[str, torch.Tensor]) -> list[int]:
     first = list(state[piece.sources[0]].shape)
-    return [sum(state[s].shape[0] for s in piece.sources), *first[1:]]
+    shape = [sum(state[s].shape[0] for s in piece.sources), *first[1:]] if first else []
+    return [math.prod(shape)] if piece.flat else shape
 
 
 def write_layout(path: Path, layout: Layout, state: Mapping[str, torch.Tensor],

@@ -21,7 +21,6 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-from diffusers.training_utils import EMAModel
 
 from difftune.config.sections import EmaConfig
 
@@ -31,6 +30,8 @@ class Ema:
 
     def __init__(self, params: list[torch.nn.Parameter], names: dict[int, str],
                  cfg: EmaConfig) -> None:
+        from diffusers.training_utils import EMAModel  # imported with the first EMA
+
         self.cfg, self.params = cfg, list(params)
         self.keys = [names[id(p)] for p in self.params]
         self.model = EMAModel(self.params, decay=cfg.decay,

@@ -32,6 +32,7 @@ from difftune.families.z_image.tiny import build_tiny_z_image
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "flux-dev-lora.toml": (FluxPipeline, build_tiny_flux),
+             "flux-dev-full.toml": (FluxPipeline, build_tiny_flux),
              "flux-kontext-lora.toml": (FluxKontextPipeline, lambda: build_tiny_flux("kontext")),
              "flux2-lora.toml": (Flux2KleinPipeline, lambda: build_tiny_flux2("klein")),
              "flux2-edit-lora.toml": (Flux2KleinPipeline, lambda: build_tiny_flux2("klein")),
@@ -116,10 +117,11 @@ def test_check_passes_on_the_tiny_example(capsys: pytest.CaptureFixture[str], tm
 
 
 def _reload_tier(name: str) -> object:
-    """An edit example (it names control_path) reloads the same text encoders as its family's
-    text-to-image example, whose case runs by default: its own case runs with --full."""
-    edit = "control_path" in (EXAMPLES / name).read_text(encoding="utf-8")
-    return pytest.param(name, marks=pytest.mark.full_only if edit else ())
+    """An edit example (it names control_path) or a full fine-tune reloads the same text
+    encoders as its family's LoRA example, whose case runs by default: its own runs with --full."""
+    text = (EXAMPLES / name).read_text(encoding="utf-8")
+    again = "control_path" in text or 'type = "full"' in text
+    return pytest.param(name, marks=pytest.mark.full_only if again else ())
 
 
 @pytest.mark.parametrize("name", [_reload_tier(n) for n in sorted(PIPELINES)])

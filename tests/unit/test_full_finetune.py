@@ -88,3 +88,15 @@ def test_folder_loads_with_from_pretrained_in_the_save_dtype(tmp_path: Path) -> 
     clip = CLIPTextModel.from_pretrained(tmp_path / "text_encoder")
     ref = comps.text_encoders["clip_l"].state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in clip.state_dict().items() if k in ref)
+
+
+def test_block_swap_of_a_trained_block_is_refused(tmp_path: Path) -> None:
+    from difftune.memory.savers import refuse_trained_swap
+
+    text = FULL + 'train_blocks = ["blocks.2"]\n'
+    cfg = load_config(write(tmp_path, text.replace("steps = 10", "steps = 10\nblocks_to_swap = 1")))
+    net = _Net()
+    make_trainable(net, ["blocks.2"])
+    refuse_trained_swap(cfg, [net.blocks[1]])  # a frozen block: fine
+    with pytest.raises(ConfigError, match="would swap trained weights"):
+        refuse_trained_swap(cfg, [net.blocks[1], net.blocks[2]])

@@ -24,12 +24,14 @@ from difftune.families.common.autoencoder import load_ae_file
 from difftune.families.common.components import load_t5_file
 from difftune.families.common.folders import (check_folder, folder_files, from_folder,
                                               model_folder, tokenizers)
-from difftune.families.common.bfl import (DYNAMIC_SHIFT_SCHEDULER, transformer_config,
+from difftune.families.common.bfl import (DYNAMIC_SHIFT_SCHEDULER, bfl_blocks_layout,
+                                          transformer_config,
                                           transformer_from_file)
 from difftune.families.common.single_file import count_blocks, fingerprint
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
+    from difftune.files.single import Layout
 
 WHAT = "Chroma"
 SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -147,3 +149,24 @@ def _base_name(folder: Path | None, transformer_file: Path | None) -> str:
     if folder is not None:
         return folder.resolve().name
     return "chroma"
+
+
+def single_file_layout(model: torch.nn.Module) -> "Layout":
+    """The Chroma transformer in its original (BFL-style) layout, as Chroma1-HD.safetensors
+    holds it (ComfyUI, Forge): BFL's block names (`bfl_blocks_layout`), the guidance
+    approximator's `in_layer`/`out_layer`/`.scale` names, `txt_in`, `img_in`, `final_layer`."""
+    from difftune.files.single import Piece, check_complete
+
+    names = list(model.state_dict())
+    out = bfl_blocks_layout(names)
+    top = {"context_embedder": "txt_in", "x_embedder": "img_in", "proj_out": "final_layer.linear",
+           "distilled_guidance_layer.in_proj": "distilled_guidance_layer.in_proj",
+           "distilled_guidance_layer.out_proj": "distilled_guidance_layer.out_proj"}
+    for i in range(count_blocks(dict.fromkeys(names), "distilled_guidance_layer.layers.")):
+        p = f"distilled_guidance_layer.layers.{i}."
+        top |= {f"{p}linear_1": f"{p}in_layer", f"{p}linear_2": f"{p}out_layer"}
+        out[f"distilled_guidance_layer.norms.{i}.scale"] = Piece(
+            (f"distilled_guidance_layer.norms.{i}.weight",))
+    for kind in ("weight", "bias"):
+        out |= {f"{dst}.{kind}": Piece((f"{src}.{kind}",)) for src, dst in top.items()}
+    return check_complete(out, names, "Chroma original")

@@ -6,7 +6,7 @@ the models built on it (Chroma) read these rather than each other."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -18,6 +18,9 @@ from difftune.families.common.single_file import (
     read_safetensors,
     strip_prefix,
 )
+
+if TYPE_CHECKING:
+    from difftune.files.single import Piece
 
 # FLUX.1-dev's sampling schedule (its scheduler_config.json), which models trained from it keep:
 # the shift grows with the image's token count from base_shift at 256 to max_shift at 4096.
@@ -95,3 +98,46 @@ def transformer_from_file(path: Path, dtype: torch.dtype, what: str,
     with torch.device("meta"):
         model = build(sd, path)
     return assign_state(model, cast_state(sd, dtype), path, what)
+
+
+# --- BFL's own names of the double and single blocks (single files of FLUX.1 and Chroma) ----
+
+_DOUBLE = {"norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
+           "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
+           "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+           "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
+           "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+           "attn.norm_added_q": "txt_attn.norm.query_norm",
+           "attn.norm_added_k": "txt_attn.norm.key_norm"}
+_SINGLE = {"norm.linear": "modulation.lin", "proj_out": "linear2",
+           "attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
+# Fused tensors: BFL name -> the diffusers module names stacked in it.
+_DOUBLE_FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+                 "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+_SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
+
+
+def bfl_blocks_layout(names: list[str]) -> "dict[str, Piece]":
+    """The double and single blocks of a FLUX.1-kind transformer (diffusers state-dict
+    `names`) in BFL's names: fused qkv (the single blocks' q, k, v and MLP input in `linear1`),
+    RMSNorm weights as `.scale`; modules a model lacks (Chroma's per-block modulation) are
+    left out."""
+    from difftune.files.single import Piece
+
+    out: dict[str, Piece] = {}
+    have = set(names)
+    for prefix, bfl, renamed, fused in (
+            ("transformer_blocks.", "double_blocks.", _DOUBLE, _DOUBLE_FUSED),
+            ("single_transformer_blocks.", "single_blocks.", _SINGLE, _SINGLE_FUSED)):
+        for i in range(count_blocks(dict.fromkeys(names), prefix)):
+            p, b = f"{prefix}{i}.", f"{bfl}{i}."
+            for src, dst in renamed.items():
+                for kind in ("weight", "bias"):
+                    if f"{p}{src}.{kind}" in have:
+                        name = "scale" if dst.endswith("_norm") else kind  # RMSNorm weights
+                        out[f"{b}{dst}.{name}"] = Piece((f"{p}{src}.{kind}",))
+            for dst, parts in fused.items():
+                for kind in ("weight", "bias"):
+                    if f"{p}{parts[0]}.{kind}" in have:
+                        out[f"{b}{dst}.{kind}"] = Piece(tuple(f"{p}{x}.{kind}" for x in parts))
+    return out

@@ -22,8 +22,8 @@ from difftune.errors import ModelFileError
 from difftune.families.common.autoencoder import load_ae_file
 from difftune.families.common.components import load_clip_file, load_t5_file
 from difftune.families.common.folders import check_folder, folder_files, from_folder, model_folder
-from difftune.families.common.bfl import (DYNAMIC_SHIFT_SCHEDULER, transformer_config,
-                                          transformer_from_file)
+from difftune.families.common.bfl import (DYNAMIC_SHIFT_SCHEDULER, bfl_blocks_layout,
+                                          transformer_config, transformer_from_file)
 from difftune.families.common.single_file import count_blocks, fingerprint
 
 if TYPE_CHECKING:
@@ -223,14 +223,6 @@ _BFL_TOP = {"time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
             "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
             "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
             "context_embedder": "txt_in", "x_embedder": "img_in", "proj_out": "final_layer.linear"}
-_BFL_DOUBLE = {"norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
-               "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
-               "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
-               "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj"}
-_BFL_NORMS = {"norm_q": "img_attn.norm.query_norm", "norm_k": "img_attn.norm.key_norm",
-              "norm_added_q": "txt_attn.norm.query_norm",
-              "norm_added_k": "txt_attn.norm.key_norm"}
-
 
 def single_file_layout(model: torch.nn.Module) -> "Layout":
     """The FLUX.1 transformer in BFL's layout (as flux1-dev.safetensors, which ComfyUI and
@@ -239,29 +231,9 @@ def single_file_layout(model: torch.nn.Module) -> "Layout":
     from difftune.files.single import Piece, check_complete
 
     names = list(model.state_dict())
-    out: dict[str, Piece] = {}
+    out = bfl_blocks_layout(names)
     for kind in ("weight", "bias"):
         out |= {f"{dst}.{kind}": Piece((f"{src}.{kind}",)) for src, dst in _BFL_TOP.items()
                 if f"{src}.{kind}" in names}
         out[f"final_layer.adaLN_modulation.1.{kind}"] = Piece((f"norm_out.linear.{kind}",), True)
-        for i in range(count_blocks(dict.fromkeys(names), "transformer_blocks.")):
-            p, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
-            out |= {f"{b}{dst}.{kind}": Piece((f"{p}{src}.{kind}",))
-                    for src, dst in _BFL_DOUBLE.items()}
-            out[f"{b}img_attn.qkv.{kind}"] = Piece(tuple(f"{p}attn.to_{x}.{kind}" for x in "qkv"))
-            out[f"{b}txt_attn.qkv.{kind}"] = Piece(tuple(f"{p}attn.add_{x}_proj.{kind}"
-                                                         for x in "qkv"))
-        for i in range(count_blocks(dict.fromkeys(names), "single_transformer_blocks.")):
-            p, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
-            out[f"{b}modulation.lin.{kind}"] = Piece((f"{p}norm.linear.{kind}",))
-            out[f"{b}linear2.{kind}"] = Piece((f"{p}proj_out.{kind}",))
-            out[f"{b}linear1.{kind}"] = Piece(tuple(f"{p}{x}.{kind}" for x in (
-                "attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")))
-    for i in range(count_blocks(dict.fromkeys(names), "transformer_blocks.")):
-        out |= {f"double_blocks.{i}.{dst}.scale": Piece((f"transformer_blocks.{i}.attn.{src}.weight",))
-                for src, dst in _BFL_NORMS.items()}
-    for i in range(count_blocks(dict.fromkeys(names), "single_transformer_blocks.")):
-        p, b = f"single_transformer_blocks.{i}.attn.", f"single_blocks.{i}.norm."
-        out[f"{b}query_norm.scale"] = Piece((f"{p}norm_q.weight",))
-        out[f"{b}key_norm.scale"] = Piece((f"{p}norm_k.weight",))
     return check_complete(out, names, "FLUX.1 BFL")

@@ -23,6 +23,7 @@ from difftune.families.common.transformer_folder import FolderLayout, load_compo
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
+    from difftune.files.single import Layout
 
 WHAT = "FLUX.2"
 # The released scheduler_config.json (klein and dev): FLUX.1's dynamic shift settings; the
@@ -84,3 +85,57 @@ def load_flux2_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str
                                                               variant)}
     cls = getattr(transformers, ENCODER_CLASSES[variant])
     return {"text_encoder": from_folder(cls, _folder(cfg), "text_encoder", dtype, WHAT)}
+
+
+# --- BFL's FLUX.2 single-file layout, written for a full fine-tune ---------------------------
+
+_TOP = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+        "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+        "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+        "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+        "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+        "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+        "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+        "single_stream_modulation.linear": "single_stream_modulation.lin"}
+_DOUBLE = {"attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+           "attn.to_out.0": "img_attn.proj", "ff.linear_in": "img_mlp.0", "ff.linear_out": "img_mlp.2",
+           "attn.norm_added_q": "txt_attn.norm.query_norm",
+           "attn.norm_added_k": "txt_attn.norm.key_norm", "attn.to_add_out": "txt_attn.proj",
+           "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2"}
+_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2",
+           "attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
+_QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+        "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+
+
+def single_file_layout(model: torch.nn.Module) -> "Layout":
+    """The FLUX.2 transformer in BFL's layout (as flux-2-klein-4b.safetensors; ComfyUI,
+    diffusers' from_single_file): fused qkv, norms as `.scale`, `.lin` modulations, and the
+    final modulation in BFL's (shift, scale) order; the inverse of diffusers' converter."""
+    from difftune.families.common.single_file import count_blocks
+    from difftune.files.single import Piece, check_complete
+
+    names, out = list(model.state_dict()), {}
+    have = set(names)
+
+    def put(src: str, dst: str, swap: bool = False) -> None:
+        for kind in ("weight", "bias"):
+            if f"{src}.{kind}" in have:
+                name = "scale" if dst.endswith("_norm") else kind
+                out[f"{dst}.{name}"] = Piece((f"{src}.{kind}",), swap)
+
+    for src, dst in _TOP.items():
+        put(src, dst)
+    put("norm_out.linear", "final_layer.adaLN_modulation.1", swap=True)
+    for i in range(count_blocks(dict.fromkeys(names), "transformer_blocks.")):
+        p, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for src, dst in _DOUBLE.items():
+            put(p + src, b + dst)
+        for dst, parts in _QKV.items():
+            for kind in ("weight", "bias"):
+                if f"{p}{parts[0]}.{kind}" in have:
+                    out[f"{b}{dst}.{kind}"] = Piece(tuple(f"{p}{x}.{kind}" for x in parts))
+    for i in range(count_blocks(dict.fromkeys(names), "single_transformer_blocks.")):
+        for src, dst in _SINGLE.items():
+            put(f"single_transformer_blocks.{i}.{src}", f"single_blocks.{i}.{dst}")
+    return check_complete(out, names, "FLUX.2 BFL")

@@ -24,6 +24,7 @@ from difftune.families.krea2.spec import LAYERS
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
+    from difftune.files.single import Layout
 
 SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 WHAT = "Krea 2"
@@ -97,3 +98,40 @@ def load_krea2_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str
         return {"text_encoder": single.load_text_encoder_file(Path(cfg.text_encoder), dtype)}
     return {"text_encoder": from_folder(Qwen3VLModel, _folder(cfg), "text_encoder", dtype,
                                         WHAT)}
+
+
+# --- Krea 2's original single-file layout, written for a full fine-tune -----------------------
+
+# diffusers name prefix -> the original's (the first that matches is used).
+_PREFIXES = (("final_layer.scale_shift_table", "last.modulation.lin"),
+             ("final_layer.norm.weight", "last.norm.scale"), ("final_layer.linear.", "last.linear."),
+             ("txt_in.norm.weight", "txtmlp.0.scale"), ("txt_in.linear_1.", "txtmlp.1."),
+             ("txt_in.linear_2.", "txtmlp.3."), ("img_in.", "first."),
+             ("time_embed.linear_1.", "tmlp.0."), ("time_embed.linear_2.", "tmlp.2."),
+             ("time_mod_proj.", "tproj.1."), ("text_fusion.", "txtfusion."),
+             ("transformer_blocks.", "blocks."))
+# Inside blocks (transformer and text-fusion ones): diffusers -> original.
+_INSIDE = ((".attn.to_q.", ".attn.wq."), (".attn.to_k.", ".attn.wk."), (".attn.to_v.", ".attn.wv."),
+           (".attn.to_out.0.", ".attn.wo."), (".attn.to_gate.", ".attn.gate."),
+           (".attn.norm_q.weight", ".attn.qknorm.qnorm.scale"),
+           (".attn.norm_k.weight", ".attn.qknorm.knorm.scale"), (".ff.", ".mlp."),
+           (".norm1.weight", ".prenorm.scale"), (".norm2.weight", ".postnorm.scale"),
+           (".scale_shift_table", ".mod.lin"))
+
+
+def single_file_layout(model: torch.nn.Module) -> "Layout":
+    """The Krea 2 transformer in its original layout (what ComfyUI keeps and diffusers'
+    single-file converter reads): the inverse of that converter's renames, each block's six
+    modulation vectors flattened into one tensor as the original stores them."""
+    from difftune.files.single import Piece, check_complete
+
+    names, out = list(model.state_dict()), {}
+    for name in names:
+        src, dst = next(((d, o) for d, o in _PREFIXES if name.startswith(d)), ("", ""))
+        new = dst + name[len(src):]
+        if src != "final_layer.scale_shift_table":
+            for diffusers_name, original in _INSIDE:
+                new = new.replace(diffusers_name, original)
+        flat = name.startswith("transformer_blocks.") and name.endswith(".scale_shift_table")
+        out[new] = Piece((name,), flat=flat)
+    return check_complete(out, names, "Krea 2 original")

@@ -35,6 +35,7 @@ from difftune.families.common.transformer_folder import FolderLayout, load_compo
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
+    from difftune.files.single import Layout
 
 SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 WHAT = "Z-Image"
@@ -163,3 +164,29 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype) -> Any:
     except KeyError as err:
         raise missing_error(path, "a Qwen3 text encoder", err) from None
     return pretrained_from_state(Qwen3Model, config, cast_state(sd, dtype), dtype, path, "Qwen3")
+
+
+_Z_RENAMES = (("all_final_layer.2-1.", "final_layer."), ("all_x_embedder.2-1.", "x_embedder."),
+              (".attention.to_out.0.", ".attention.out."), (".attention.norm_k.", ".attention.k_norm."),
+              (".attention.norm_q.", ".attention.q_norm."))
+
+
+def single_file_layout(model: torch.nn.Module) -> "Layout":
+    """The Z-Image transformer in its original layout (as ComfyUI keeps z_image_turbo_bf16:
+    fused `attention.qkv`, `attention.out`, `q_norm`/`k_norm`, `final_layer`, `x_embedder`),
+    the inverse of diffusers' single-file converter."""
+    from difftune.files.single import Piece, check_complete
+
+    names, out = list(model.state_dict()), {}
+    for name in names:
+        if ".attention.to_k." in name or ".attention.to_v." in name:
+            continue  # stacked into the `to_q` entry's qkv
+        if ".attention.to_q." in name:
+            out[name.replace(".to_q.", ".qkv.")] = Piece(tuple(
+                name.replace(".to_q.", f".to_{x}.") for x in "qkv"))
+            continue
+        new = name
+        for old, original in _Z_RENAMES:
+            new = new.replace(old, original)
+        out[new] = Piece((name,))
+    return check_complete(out, names, "Z-Image original")

@@ -9,7 +9,7 @@ instead of failing with a KeyError or a shape error half-way through putting wei
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
@@ -99,7 +99,7 @@ def check_rng(rng: dict[str, torch.Tensor], path: Path) -> None:
                           f"uint8 {tuple(size)}")
 
 
-def check_trainable(trainable: dict[str, torch.Tensor], rank: int, path: Path) -> None:
+def check_trainable(trainable: Mapping[str, torch.Tensor], rank: int, path: Path) -> None:
     """Each LoRA factor is a floating matrix whose rank side is the adapter's rank."""
     for name, value in trainable.items():
         if not value.is_floating_point():
@@ -110,7 +110,7 @@ def check_trainable(trainable: dict[str, torch.Tensor], rank: int, path: Path) -
                           f"rank {rank}")
 
 
-def check_optimizer(tensors: dict[str, torch.Tensor], trainable: dict[str, torch.Tensor],
+def check_optimizer(tensors: Mapping[str, torch.Tensor], trainable: Mapping[str, torch.Tensor],
                     path: Path) -> None:
     """Every optimizer entry belongs to a trained weight; per-weight moments have its shape."""
     for key, value in tensors.items():
@@ -124,7 +124,7 @@ def check_optimizer(tensors: dict[str, torch.Tensor], trainable: dict[str, torch
             raise _refuse(path, f"{key} holds {value.numel()} values, not one step count")
 
 
-def check_ema(ema: dict[str, torch.Tensor], trainable: dict[str, torch.Tensor],
+def check_ema(ema: Mapping[str, torch.Tensor], trainable: Mapping[str, torch.Tensor],
               path: Path) -> None:
     """Every EMA tensor averages a trained weight of the checkpoint, with its shape."""
     for name, value in ema.items():
@@ -133,7 +133,8 @@ def check_ema(ema: dict[str, torch.Tensor], trainable: dict[str, torch.Tensor],
                           f"shape {tuple(value.shape)}")
 
 
-def check_against_run(trainable: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
+def check_against_run(trainable: Mapping[str, torch.Tensor],
+                      params: dict[str, torch.nn.Parameter],
                       path: Path) -> None:
     """The checkpoint's weights are the run's trained weights, name for name and shape for
     shape; checked before the first one is copied in."""

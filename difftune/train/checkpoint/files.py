@@ -31,7 +31,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from safetensors import SafetensorError
@@ -41,7 +41,7 @@ from difftune import __version__
 from difftune.adapters.formats import write_safetensors
 from difftune.errors import CheckpointError
 from difftune.files.safe import is_pickle, pickle_refusal
-from difftune.files.shards import SHARD_BYTES, exists, read_sharded, write_sharded
+from difftune.files.shards import SHARD_BYTES, exists, meta, read_sharded, write_sharded
 from difftune.train import sharding
 from difftune.train.checkpoint.check import (check_doc, check_ema, check_optimizer, check_rng,
                                              check_trainable)
@@ -57,10 +57,11 @@ class Checkpoint:
 
     path: Path
     doc: dict[str, Any]
-    trainable: dict[str, torch.Tensor]
-    optimizer: dict[str, torch.Tensor]
+    # Weights, optimizer state and EMA are read lazily, one tensor at a time (LazyTensors).
+    trainable: Mapping[str, torch.Tensor]
+    optimizer: Mapping[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
-    ema: dict[str, torch.Tensor] | None = None
+    ema: Mapping[str, torch.Tensor] | None = None
     # The `sharded/` folder of an FSDP run's checkpoint: `trainable` and `optimizer` then hold
     # meta tensors (shapes and dtypes only), and the manager reads the values with DCP.
     sharded: Path | None = None
@@ -69,6 +70,11 @@ class Checkpoint:
     def step(self) -> int:
         """The optimizer step the checkpoint was taken after."""
         return int(self.doc["step"])
+
+    def release(self) -> None:
+        """Let go of the lazily read files once their tensors are put back (an open file
+        of a checkpoint that `save.keep_last` prunes would keep its disk space)."""
+        self.trainable, self.optimizer, self.ema = {}, {}, None
 
     def train_state(self) -> dict[str, Any]:
         """The saved state in the shape `TrainState.load_state_dict` takes."""
@@ -128,9 +134,11 @@ def read(path: Path) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
                               "it is damaged or not a difftune checkpoint") from None
     check_rng(rng, path / FILES[2])
-    check_trainable(trainable, int(doc["identity"]["rank"]), path / FILES[0])
-    check_optimizer(optimizer, trainable, path / FILES[1])
-    check_ema(ema or {}, trainable, path / EMA_FILE)
+    # Shapes and dtypes from the headers: nothing of the weights is read yet.
+    weights = meta(trainable)
+    check_trainable(weights, int(doc["identity"]["rank"]), path / FILES[0])
+    check_optimizer(meta(optimizer), weights, path / FILES[1])
+    check_ema(meta(ema or {}), weights, path / EMA_FILE)
     return Checkpoint(path, doc, trainable, optimizer, rng, ema, sharded)
 
 

@@ -52,6 +52,10 @@ def check_compatible(ckpt: Checkpoint, now: dict[str, Any], cfg: RunConfig) -> N
                               + "; ".join(diffs) + "). Resume with the checkpoint's settings, "
                               "or start a new run (--init-lora keeps its weights)")
     _check_global_batch(ckpt, cfg)
+    if cfg.train.ema.enabled and ckpt.ema is None:
+        raise CheckpointError(f"cannot resume from {ckpt.path} with train.ema.enabled: the "
+                              "checkpoint holds no EMA (its run had train.ema off); resume "
+                              "with train.ema.enabled = false, or start a new run")
     old = ckpt.doc["config"]["train"]
     for key in ("lr", "steps"):
         if old.get(key) != getattr(cfg.train, key):

@@ -199,9 +199,14 @@ class LoraFiles:
 
     def bytes_needed(self) -> int:
         """About what one save takes: a checkpoint (fp32 weights, two optimizer moments, the
-        LoRA) and the LoRA file beside it."""
+        LoRA) and the LoRA file beside it (a full fine-tune: its models, folder and file)."""
         n = sum(p.numel() for p in self.trainable().values())
-        return n * (4 + 8 + 2 * DTYPES[self.cfg.save.dtype].itemsize) + (64 << 10)
+        size = DTYPES[self.cfg.save.dtype].itemsize
+        ema = 4 * n if self.cfg.train.ema.enabled else 0
+        if self.cfg.adapter.type == "full":  # the whole models: a folder and a single file
+            total = sum(p.numel() for m in self.modules().values() for p in m.parameters())
+            return n * (4 + 8) + ema + total * 2 * size + (64 << 10)
+        return n * (4 + 8 + 2 * size) + ema + (64 << 10)
 
     def check_space(self) -> None:
         """Refuse to start when save.dir has no room for one save."""

@@ -21,6 +21,7 @@ import torch
 from difftune.config import RunConfig
 from difftune.data.discover import DataSet
 from difftune.errors import CheckpointError
+from difftune.files.shards import meta
 from difftune.files.space import writing
 from difftune.train.checkpoint import files
 from difftune.train.checkpoint.check import check_against_run
@@ -158,7 +159,7 @@ class CheckpointManager(LoraFiles):
         """Put the checkpoint's weights into the model and the rest into `state` (optimizer,
         schedule, scaler, RNGs, sampler position, counters, step)."""
         params = self.trainable()
-        check_against_run(ckpt.trainable, params, ckpt.path / FILES[0])
+        check_against_run(meta(ckpt.trainable), params, ckpt.path / FILES[0])
         saved = ckpt.train_state()
         if ckpt.sharded is not None:  # DCP: each process reads its pieces, on any count
             saved["optimizer"]["tensors"] = sharding.load(ckpt.sharded, params, ckpt.optimizer)
@@ -167,6 +168,7 @@ class CheckpointManager(LoraFiles):
                 for name, value in ckpt.trainable.items():
                     params[name].copy_(value)
         state.load_state_dict(saved)
+        ckpt.release()
 
     def prune(self) -> None:
         """Keep the `save.keep_last` newest complete checkpoints."""
