@@ -33,14 +33,14 @@ from difftune.errors import CheckpointError
 from difftune.train.checkpoint import CheckpointManager, manager
 from difftune.train.checkpoint.files import read
 from difftune.train.dist import Dist
-from tests.e2e.conftest import run_toml
-from tests.e2e.test_distributed import launch, losses
+from tests.e2e.conftest import metrics_rows, run_toml
+from tests.e2e.test_distributed import ROOT, launch, losses
 
 LR, NORM = 1.0, 0.01
 FULL = 'type = "full"\ntrain_blocks = ["transformer_blocks.*", "proj_out"]\n'
 SETS = ["--set", 'train.distributed="fsdp"', "--set", f"train.lr={LR}", "--set", "train.eps=1",
         "--set", f"train.max_grad_norm={NORM}", "--set", "train.weight_decay=0",
-        "--set", "save.every_n_steps=2"]
+        "--set", "save.every_n_steps=2", "--set", "train.gradient_checkpointing=true"]
 WEIGHTS = Path("lora") / "transformer" / "diffusion_pytorch_model.safetensors"
 
 
@@ -150,3 +150,15 @@ def test_a_short_batch_leaving_one_process_empty_still_matches(tmp_path: Path,
     assert losses(tmp_path / "two" / "out") == pytest.approx(losses(tmp_path / "one" / "out"),
                                                              rel=1e-5)
     assert_same_model(tmp_path / "two" / "out", tmp_path / "one" / "out")
+
+
+@pytest.mark.full_only
+def test_a_nan_loss_on_one_process_skips_the_step_on_all(tmp_path: Path, images: Path) -> None:
+    done = launch([str(ROOT / "tests" / "e2e" / "nan_rank.py"), "train",
+                   str(config(tmp_path, images)), "--no-progress", *SETS,
+                   "--set", "train.batch_size=1"], timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]  # finished, not hung in a collective
+    rows = metrics_rows(tmp_path / "out")
+    assert [r["skipped_nonfinite"] for r in rows] == [0, 1, 1, 1]
+    weights = load_file(str(tmp_path / "out" / WEIGHTS))
+    assert all(bool(v.isfinite().all()) for v in weights.values())  # the NaN reached no weight
