@@ -20,6 +20,14 @@ norms, output projection). With a low-precision compute dtype the blocks' weight
 gathered in it (`MixedPrecisionPolicy(param_dtype)`, which also lets trained fp32 and frozen
 bf16 weights share a block) and gradients are reduced in fp32.
 
+Every process must join every forward and backward (each gathers and reduces with the
+others), so the loop (loop.py) gives a process without rows in a short last batch another
+process's row weighted 0, and backpropagates a non-finite loss rather than leaving the backward
+out (the non-finite guard then drops the step's gradients on every process). Over accumulated
+micro-batches the gradients are reduce-scattered after each backward and summed sharded (no
+process ever holds a whole gradient), and gradient clipping takes the norm of the whole
+sharded gradient (`clip_grad_norm_` sums the shards' squares over the processes).
+
 Checkpoints: the trained weights and the optimizer state are written with
 `torch.distributed.checkpoint` (DCP) through its safetensors storage (`HuggingFaceStorageWriter`,
 one `shard-0000R-...safetensors` per rank holding that rank's pieces, with their offsets in the

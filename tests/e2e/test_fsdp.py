@@ -14,8 +14,11 @@ per-step losses equal to a relative 1e-5 and every written weight within 1e-3 x 
 max_grad_norm. Seen here: 4e-9 for a correct run; 6e-4 (and losses off by 1e-2) when each
 process clipped with the norm of its own shard, and about as much with no clipping at all.
 
-Tiers: the two-process run is one module fixture that both default tests read; the 1 -> 2
-resume launches a second one and is `full_only`.
+The sharded runs use gradient checkpointing (FSDP2 and diffusers' checkpointing together).
+
+Tiers: the two-process run is one module fixture that both default tests read; every other
+test launches its own two processes and is `full_only`: the 1 -> 2 resume, a short batch that
+leaves one process without rows, and a NaN loss on one process only.
 """
 
 from __future__ import annotations
