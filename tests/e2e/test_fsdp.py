@@ -18,7 +18,8 @@ The sharded runs use gradient checkpointing (FSDP2 and diffusers' checkpointing 
 
 Tiers: the two-process run is one module fixture that both default tests read; every other
 test launches its own two processes and is `full_only`: the 1 -> 2 resume, a short batch that
-leaves one process without rows, and a NaN loss on one process only.
+leaves one process without rows, a NaN loss on one process only, and bf16 compute with bf16
+frozen weights.
 """
 
 from __future__ import annotations
@@ -165,3 +166,23 @@ def test_a_nan_loss_on_one_process_skips_the_step_on_all(tmp_path: Path, images:
     assert [r["skipped_nonfinite"] for r in rows] == [0, 1, 1, 1]
     weights = load_file(str(tmp_path / "out" / WEIGHTS))
     assert all(bool(v.isfinite().all()) for v in weights.values())  # the NaN reached no weight
+
+
+@pytest.mark.full_only
+def test_bf16_compute_and_bf16_frozen_weights_match_one_process(tmp_path: Path,
+                                                                images: Path) -> None:
+    # FSDP gathers the weights in bf16 for every op (MixedPrecisionPolicy, which also lets
+    # fp32 trained and bf16 frozen weights share a block); one process under autocast casts
+    # only the inputs of matmuls: hence 10x the fp32 tolerance (seen: 4e-6 in the weights,
+    # 2e-5 relative in the losses).
+    bf16 = ["--set", 'precision.mixed="bf16"', "--set", 'precision.denoiser="bf16"']
+    (tmp_path / "one").mkdir()
+    assert main(["train", str(config(tmp_path / "one", images)), "--no-progress", *SETS[2:],
+                 *bf16]) == 0
+    done = launch(["-m", "difftune", "train", str(config(tmp_path / "two", images)),
+                   "--no-progress", *SETS, *bf16, "--set", "train.batch_size=1"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = tmp_path / "two" / "out", tmp_path / "one" / "out"
+    assert losses(a) == pytest.approx(losses(b), rel=1e-4)
+    wa, wb = load_file(str(a / WEIGHTS)), load_file(str(b / WEIGHTS))
+    assert max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa) <= 1e-2 * LR * NORM
