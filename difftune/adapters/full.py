@@ -41,7 +41,7 @@ def select(module: torch.nn.Module, patterns: list[str] | None) -> list[str]:
     unmatched = [p for p in patterns if not any(fnmatchcase(o, p) for n in names
                                                 for o in _owners(n))]
     if unmatched:
-        blocks = sorted({".".join(n.split(".")[:2]) for n in names})
+        blocks = sorted({".".join(n.split(".")[:-1][:2]) or n for n in names})  # modules
         shown = ", ".join(blocks[:12]) + (", ..." if len(blocks) > 12 else "")
         raise ConfigError(f"adapter.train_blocks: {unmatched} match no module of the "
                           f"{type(module).__name__} (its blocks: {shown}); use glob patterns "
