@@ -244,10 +244,11 @@ def _share_loss(run: Run, batch: Batch, generator: torch.Generator,
                           list(batch.seeds), done)
     n, rows = len(batch.indices), run.dist.rows(len(batch.indices))
     mine = range(n)[rows]
-    if not mine and run.sharded:  # must join the others' forward and backward: a row of
+    if not mine and run.sharded:  # FSDP needs every process in every forward and backward:
+        # the batch's first row (another process's), weighted 0, drawing what the others draw.
         loss = batch_loss(run, list(batch.indices[:1]), list(batch.flips[:1]), generator,
                           list(batch.seeds[:1]), done, rows=(slice(0, 1), n))
-        return None if loss is None else loss * 0.0  # theirs, weighted 0 (same draws)
+        return None if loss is None else loss * 0.0
     if not mine:  # draw what the others draw, to keep the noise generator in step
         shape = run.latents.get(batch.indices[0], batch.flips[0], batch.seeds[0]).shape
         run.objective.draw(torch.zeros(n, *shape), generator)

@@ -141,7 +141,7 @@ class LoraFiles:
         file = path or self.lora_path(step, final)
         folder = file.with_name(file.name.removesuffix(".safetensors"))
         dtype = DTYPES[self.cfg.save.dtype]
-        # FSDP: the whole weights gathered into rank 0's host memory, tensor by tensor.
+        # FSDP: every process joins the gather of the whole weights into rank 0's host memory.
         states = {prefix: full_state(module) for prefix, module in self.modules().items()}
         if not self.writes:
             return folder
