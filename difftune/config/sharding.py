@@ -37,9 +37,9 @@ def sharding_problems(cfg: RunConfig) -> list[str]:
     if t.optimizer == "adamw8bit":
         problems.append(f"train.optimizer = \"adamw8bit\" with {FSDP}: bitsandbytes cannot step "
                         "sharded (DTensor) weights; use optimizer = \"adamw\"")
-    if t.ema.enabled:
-        problems.append(f"train.ema with {FSDP} is not supported yet (the average would need "
-                        "sharding like the weights); set train.ema.enabled = false")
+    if t.ema.enabled and t.ema.cpu:
+        problems.append(f"train.ema.cpu with {FSDP}: the average is sharded like the weights "
+                        "(each process keeps 1/N of it on its device); set train.ema.cpu = false")
     if cfg.precision.mixed == "fp16":
         problems.append(f"precision.mixed = \"fp16\" with {FSDP}: the fp16 loss scaler does not "
                         "unscale sharded gradients; use bf16")

@@ -28,7 +28,8 @@ micro-batches the gradients are reduce-scattered after each backward and summed 
 process ever holds a whole gradient), and gradient clipping takes the norm of the whole
 sharded gradient (`clip_grad_norm_` sums the shards' squares over the processes).
 
-Checkpoints: the trained weights and the optimizer state are written with
+Checkpoints: the trained weights, the optimizer state and the EMA (`train.ema`, whose
+diffusers EMAModel clones the sharded weights, so it is sharded alike) are written with
 `torch.distributed.checkpoint` (DCP) through its safetensors storage (`HuggingFaceStorageWriter`,
 one `shard-0000R-...safetensors` per rank holding that rank's pieces, with their offsets in the
 file's metadata), so a checkpoint is still only safetensors and JSON (no pickle), and DCP
@@ -46,7 +47,8 @@ import torch
 log = logging.getLogger("difftune")
 
 FOLDER = "sharded"  # the DCP folder inside a checkpoint folder
-WEIGHTS, OPTIMIZER = "trainable/", "optimizer/"  # key prefixes inside it
+WEIGHTS, OPTIMIZER, EMA = "trainable/", "optimizer/", "ema/"  # key prefixes inside it
+Tensors = dict[str, torch.Tensor]
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -96,48 +98,55 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save(folder: Path, weights: Mapping[str, torch.Tensor],
-         optimizer: Mapping[str, torch.Tensor]) -> None:
-    """Write the trained weights and optimizer state (by canonical name) into `folder`, every
-    process its own pieces (collective; one process: everything)."""
+         optimizer: Mapping[str, torch.Tensor], ema: Mapping[str, torch.Tensor]) -> None:
+    """Write the trained weights, optimizer state and EMA (by canonical name) into `folder`,
+    every process its own pieces (collective; one process: everything)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     tensors = {WEIGHTS + k: v.detach() for k, v in weights.items()}
     tensors |= {OPTIMIZER + k: v for k, v in optimizer.items()}
+    tensors |= {EMA + k: v for k, v in ema.items()}
     dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True))
 
 
-def shapes(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """What `save` wrote, as meta tensors (shape and dtype, no data): (weights, optimizer).
-    Reads the safetensors headers only."""
+def shapes(folder: Path) -> tuple[Tensors, Tensors, Tensors]:
+    """What `save` wrote, as meta tensors (shape and dtype, no data): (weights, optimizer,
+    EMA). Reads the safetensors headers only."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     meta = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
-    out: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+    out: tuple[Tensors, Tensors, Tensors] = ({}, {}, {})
     for key, item in meta.items():
-        part, prefix = (out[0], WEIGHTS) if key.startswith(WEIGHTS) else (out[1], OPTIMIZER)
-        part[key.removeprefix(prefix)] = torch.empty(item.size, dtype=item.properties.dtype,
-                                                     device="meta")
+        i = next(i for i, p in enumerate((WEIGHTS, OPTIMIZER, EMA)) if key.startswith(p))
+        name = key.split("/", 1)[1]
+        out[i][name] = torch.empty(item.size, dtype=item.properties.dtype, device="meta")
     return out
 
 
 def load(folder: Path, params: Mapping[str, torch.nn.Parameter],
-         optimizer: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+         optimizer: Mapping[str, torch.Tensor], ema: Mapping[str, torch.Tensor]
+         ) -> tuple[Tensors, Tensors]:
     """Read the weights into `params` (in place, each process its own shard: DCP re-shards)
-    and return the optimizer state by key, shaped like `optimizer` (`shapes`' meta tensors):
-    a per-weight tensor is laid out like its weight (sharded alike), any other is whole.
-    Collective in a multi-process run; one process reads without a process group."""
+    and return the optimizer state and the EMA by key, shaped like `optimizer` and `ema`
+    (`shapes`' meta tensors): a tensor of its weight's shape is laid out like the weight
+    (sharded alike), any other is whole. Collective in a multi-process run; one process reads
+    without a process group."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     from difftune.train.state import SEP
 
-    tensors: dict[str, torch.Tensor] = {WEIGHTS + k: p.detach() for k, p in params.items()}
-    for key, like in optimizer.items():
-        weight = params[key.rpartition(SEP)[0]]
-        tensors[OPTIMIZER + key] = (torch.zeros_like(weight.detach(), dtype=like.dtype)
-                                    if like.shape == weight.shape and like.dim() > 0
-                                    else torch.zeros(like.shape, dtype=like.dtype))
+    def like(name: str, saved: torch.Tensor) -> torch.Tensor:
+        weight = params[name].detach()
+        return (torch.zeros_like(weight, dtype=saved.dtype)
+                if saved.shape == weight.shape and saved.dim() > 0
+                else torch.zeros(saved.shape, dtype=saved.dtype))
+
+    tensors: Tensors = {WEIGHTS + k: p.detach() for k, p in params.items()}
+    tensors |= {OPTIMIZER + k: like(k.rpartition(SEP)[0], v) for k, v in optimizer.items()}
+    tensors |= {EMA + k: like(k, v) for k, v in ema.items()}
     with torch.no_grad():
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder)))
-    return {k.removeprefix(OPTIMIZER): v for k, v in tensors.items() if k.startswith(OPTIMIZER)}
+    return ({k.removeprefix(OPTIMIZER): v for k, v in tensors.items() if k.startswith(OPTIMIZER)},
+            {k.removeprefix(EMA): v for k, v in tensors.items() if k.startswith(EMA)})

@@ -14,7 +14,8 @@ per-step losses equal to a relative 1e-5 and every written weight within 1e-3 x 
 max_grad_norm. Seen here: 4e-9 for a correct run; 6e-4 (and losses off by 1e-2) when each
 process clipped with the norm of its own shard, and about as much with no clipping at all.
 
-The sharded runs use gradient checkpointing (FSDP2 and diffusers' checkpointing together).
+The runs use gradient checkpointing (FSDP2 and diffusers' checkpointing together) and an EMA
+(sharded like the weights), from which the compared files are written.
 
 Tiers: the two-process run is one module fixture that both default tests read; every other
 test launches its own two processes and is `full_only`: the 1 -> 2 resume, a short batch that
@@ -44,7 +45,8 @@ LR, NORM = 1.0, 0.01
 FULL = 'type = "full"\ntrain_blocks = ["transformer_blocks.*", "proj_out"]\n'
 SETS = ["--set", 'train.distributed="fsdp"', "--set", f"train.lr={LR}", "--set", "train.eps=1",
         "--set", f"train.max_grad_norm={NORM}", "--set", "train.weight_decay=0",
-        "--set", "save.every_n_steps=2", "--set", "train.gradient_checkpointing=true"]
+        "--set", "save.every_n_steps=2", "--set", "train.gradient_checkpointing=true",
+        "--set", "train.ema.enabled=true", "--set", "train.ema.decay=0.5"]
 WEIGHTS = Path("lora") / "transformer" / "diffusion_pytorch_model.safetensors"
 
 
@@ -85,6 +87,7 @@ def test_two_sharded_processes_match_one(tmp_path: Path, images: Path, sharded: 
     assert not (ckpt / "trainable.safetensors").exists()
     saved = read(ckpt)  # headers only: every trained weight with its whole shape
     assert saved.sharded is not None and "transformer.proj_out.weight" in saved.trainable
+    assert saved.ema is not None and saved.ema.keys() == saved.trainable.keys()
     assert all(k.startswith(("transformer.transformer_blocks.", "transformer.proj_out"))
                for k in saved.trainable)
     one = config(tmp_path, images)  # one process, batch 2, no sharding

@@ -24,7 +24,7 @@ FULL = FSDP + '\n[adapter]\ntype = "full"\n'
     (FSDP, [], 'adapter.type = "lora" trains a few MB'),
     (FULL, ["train.blocks_to_swap=1"], "train.blocks_to_swap with train.distributed"),
     (FULL, ["train.fused_backward=true"], "train.fused_backward with train.distributed"),
-    (FULL, ["train.ema.enabled=true"], "train.ema with train.distributed"),
+    (FULL, ["train.ema.enabled=true", "train.ema.cpu=true"], "train.ema.cpu with train."),
     (FULL, ['adapter.text_encoders=["t5"]'], "trained text encoders or embeddings"),
     (FULL, ['precision.mixed="fp16"'], 'precision.mixed = "fp16" with train.distributed'),
 ])
@@ -59,13 +59,16 @@ def test_sharded_files_read_back_on_one_process(tmp_path: Path) -> None:
     params = {f"m.{n}": p for n, p in model.named_parameters()}
     state = {f"m.{n}::{k}": v for n, p in model.named_parameters()
              for k, v in opt.state[p].items()}
-    sharding.save(tmp_path / "s", params, state)
+    ema = {"m.weight": params["m.weight"].detach() * 0.5}
+    sharding.save(tmp_path / "s", params, state, ema)
     assert all(p.suffix == ".safetensors" for p in (tmp_path / "s").iterdir())  # no pickle
-    weights, moments = sharding.shapes(tmp_path / "s")
+    weights, moments, averaged = sharding.shapes(tmp_path / "s")
     assert {k: tuple(v.shape) for k, v in weights.items()} == {"m.weight": (3, 4), "m.bias": (3,)}
     assert moments["m.weight::step"].shape == () and moments.keys() == state.keys()
+    assert averaged.keys() == ema.keys()
     fresh = torch.nn.Linear(4, 3)
     into = {f"m.{n}": p for n, p in fresh.named_parameters()}
-    loaded = sharding.load(tmp_path / "s", into, moments)
+    loaded, loaded_ema = sharding.load(tmp_path / "s", into, moments, averaged)
     assert all(torch.equal(into[k], params[k]) for k in params)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+    assert torch.equal(loaded_ema["m.weight"], ema["m.weight"])

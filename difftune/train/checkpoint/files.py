@@ -8,9 +8,10 @@ Folder layout (`checkpoints/step-000123/`):
   both written shard by shard when large (`trainable-00001-of-00004.safetensors`... and
   `trainable.safetensors.index.json`, see files/shards.py), so a save of a full fine-tune
   never holds a second copy of the model or of the optimizer state in host memory;
-- with `train.distributed = "fsdp"` the two are one folder `sharded/` instead, written by
-  every process through torch's distributed checkpoint (train/sharding.py): safetensors files,
-  one per process, each holding that process's pieces; read back on any number of processes;
+- with `train.distributed = "fsdp"` the two (and the EMA) are one folder `sharded/` instead,
+  written by every process through torch's distributed checkpoint (train/sharding.py):
+  safetensors files, one per process, each holding that process's pieces; read back on any
+  number of processes;
 - `ema.safetensors` (with `train.ema`): the moving average of the trained weights by
   canonical name, sharded like them;
 - `rng.safetensors`: torch CPU, each CUDA device, and the run's noise generator;
@@ -126,10 +127,13 @@ def read(path: Path) -> Checkpoint:
                                   f"difftune reads format {CHECKPOINT_FORMAT}")
         check_doc(doc, path / "state.json")
         sharded = path / sharding.FOLDER if (path / sharding.FOLDER).is_dir() else None
-        trainable, optimizer = (sharding.shapes(sharded) if sharded is not None else
-                                tuple(read_sharded(path / name) for name in FILES[:2]))
+        if sharded is not None:
+            trainable, optimizer, averaged = sharding.shapes(sharded)
+            ema = averaged or None
+        else:
+            trainable, optimizer = (read_sharded(path / name) for name in FILES[:2])
+            ema = read_sharded(path / EMA_FILE) if exists(path / EMA_FILE) else None
         rng = load_file(str(path / FILES[2]))
-        ema = read_sharded(path / EMA_FILE) if exists(path / EMA_FILE) else None
     except (OSError, ValueError, SafetensorError) as err:
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
                               "it is damaged or not a difftune checkpoint") from None

@@ -114,7 +114,9 @@ class CheckpointManager(LoraFiles):
                 tmp.mkdir(parents=True)
             dist.barrier()
             saved = state.state_dict()
-            sharding.save(tmp / sharding.FOLDER, self.trainable(), saved["optimizer"]["tensors"])
+            ema = saved["ema"]["tensors"] if saved["ema"] is not None else {}
+            sharding.save(tmp / sharding.FOLDER, self.trainable(), saved["optimizer"]["tensors"],
+                          ema)
             if self.writes:
                 with writing(root, f"checkpoint {final.name}", self.bytes_needed(), FIX):
                     self._write(tmp, final, state, saved)
@@ -130,7 +132,8 @@ class CheckpointManager(LoraFiles):
     def _write(self, tmp: Path, final: Path, state: TrainState,
                saved: dict[str, Any] | None = None) -> None:
         """The checkpoint's files into `tmp`, then `tmp` renamed to `final` (`saved`: the
-        state's `state_dict()` whose weights and optimizer tensors are already in `tmp`)."""
+        state's `state_dict()` whose weights, optimizer tensors and EMA are already in `tmp`)."""
+        own = saved is None
         if saved is None:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -140,7 +143,7 @@ class CheckpointManager(LoraFiles):
             files.write_big(tmp / FILES[1], saved["optimizer"]["tensors"], None,
                             self.shard_bytes)
         files.write_tensors(tmp / FILES[2], saved["rng"]["tensors"])
-        if saved["ema"] is not None:
+        if saved["ema"] is not None and own:
             files.write_big(tmp / files.EMA_FILE, saved["ema"]["tensors"], torch.float32,
                             self.shard_bytes)
         if self.cfg.adapter.type != "full":  # a full fine-tune's weights are trainable.*
@@ -162,7 +165,10 @@ class CheckpointManager(LoraFiles):
         check_against_run(meta(ckpt.trainable), params, ckpt.path / FILES[0])
         saved = ckpt.train_state()
         if ckpt.sharded is not None:  # DCP: each process reads its pieces, on any count
-            saved["optimizer"]["tensors"] = sharding.load(ckpt.sharded, params, ckpt.optimizer)
+            saved["optimizer"]["tensors"], ema = sharding.load(ckpt.sharded, params,
+                                                               ckpt.optimizer, ckpt.ema or {})
+            if saved["ema"] is not None:
+                saved["ema"]["tensors"] = ema
         else:  # (`open` refused a ddp checkpoint for a sharded model)
             with torch.no_grad():
                 for name, value in ckpt.trainable.items():
