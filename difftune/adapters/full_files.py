@@ -10,7 +10,9 @@ cast and copied to the host one shard at a time (files/shards.py), never the mod
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -25,12 +27,14 @@ def weights_name(module: torch.nn.Module) -> str:
             else "model.safetensors")
 
 
-def unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state dict without the second name of a tied tensor (safetensors refuses
-    shared storage; `from_pretrained` re-ties the weights)."""
+def unique_state(module: torch.nn.Module, state: Mapping[str, torch.Tensor] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """The module's state dict (or `state`, e.g. gathered from FSDP shards) without the second
+    name of a tied tensor (safetensors refuses shared storage; `from_pretrained` re-ties the
+    weights)."""
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     out = {}
-    for name, t in module.state_dict().items():
+    for name, t in (module.state_dict() if state is None else state).items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         if key not in seen:
             seen.add(key)
@@ -39,15 +43,31 @@ def unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_folder(module: torch.nn.Module, folder: Path, dtype: torch.dtype,
-                max_bytes: int = SHARD_BYTES) -> Path:
-    """`module` as a diffusers/transformers model folder (config and weights in `dtype`)."""
+                max_bytes: int = SHARD_BYTES, state: Mapping[str, torch.Tensor] | None = None
+                ) -> Path:
+    """`module` as a diffusers/transformers model folder (config and weights in `dtype`);
+    `state`: its weights when not its own `state_dict()` (gathered from FSDP shards)."""
     folder.mkdir(parents=True, exist_ok=True)
     config = getattr(module, "config", None)
     if hasattr(module, "save_config"):  # diffusers ModelMixin
         module.save_config(folder)
+        _own_class_name(module, folder / "config.json")
     elif config is not None and hasattr(config, "save_pretrained"):  # transformers
         config.torch_dtype = dtype
         config.save_pretrained(folder)
-    write_sharded(folder / weights_name(module), unique_state(module), dtype, max_bytes,
+    write_sharded(folder / weights_name(module), unique_state(module, state), dtype, max_bytes,
                   metadata={"format": "pt"})
     return folder
+
+
+def _own_class_name(module: torch.nn.Module, config: Path) -> None:
+    """FSDP2 turns a sharded model's class into a subclass named `FSDP<name>`, which diffusers
+    writes as `_class_name`: the file names the model's own class instead."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return
+    own = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    doc = json.loads(config.read_text(encoding="utf-8"))
+    doc["_class_name"] = own.__name__
+    config.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 from difftune.config import checks
 from difftune.config.base import Section as _Section
 from difftune.config.full import full_problems
+from difftune.config.sharding import sharding_problems
 from difftune.config.data import CacheConfig, DatasetConfig
 from difftune.config.adapter import AdapterConfig
 from difftune.config.sections import (ModelConfig, PrecisionConfig, SampleConfig, SaveConfig,
@@ -46,6 +47,7 @@ class RunConfig(_Section):
         problems += checks.memory_problems(self)
         problems += full_problems(self)
         problems += checks.optimizer_problems(self)
+        problems += sharding_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(

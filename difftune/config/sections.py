@@ -198,6 +198,10 @@ class TrainConfig(_Section):
         "as soon as its gradient is complete, and the gradient is freed at once (no gradient "
         "accumulation; max_grad_norm then clips each tensor on its own).")
     compile: bool = Field(False, description="torch.compile each block of the denoiser.")
+    distributed: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="With several processes: ddp (each holds the whole model, gradients "
+        "averaged) or fsdp (full fine-tunes: FSDP2 shards the weights, gradients and optimizer "
+        "state over the processes; checkpoints are sharded and resume on any process count).")
     ema: EmaConfig = Field(default_factory=EmaConfig)
     seed: int = 42
     timesteps: Literal["uniform", "sigmoid", "shift", "flux_shift"] = Field(

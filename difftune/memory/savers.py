@@ -37,6 +37,11 @@ def check(cfg: RunConfig, family: Family, device: torch.device, world: int) -> N
         raise ConfigError("train.fused_backward frees each gradient inside backward, so there "
                           "is nothing left to average across processes; turn it off for "
                           f"multi-process runs (this one has {world})")
+    if t.distributed == "fsdp" and world > 1 and cfg.sample.prompts is not None:
+        raise ConfigError("sample.prompts with train.distributed = \"fsdp\" on several "
+                          "processes: sampling during a sharded run is not supported yet; "
+                          "remove sample.prompts and sample from the saved model (difftune "
+                          "sample), or train with train.distributed = \"ddp\"")
     if t.blocks_to_swap and not family.swap_blocks:  # refused at config load already
         raise ConfigError(no_swap(family.name))
     if t.blocks_to_swap and device.type == "cpu":
@@ -44,9 +49,11 @@ def check(cfg: RunConfig, family: Family, device: torch.device, world: int) -> N
                     "memory); it runs, for testing")
 
 
-def denoiser_home(cfg: RunConfig) -> torch.device | None:
-    """Where to load the denoiser when block swap will place it: the host (None: `device`)."""
-    return torch.device("cpu") if cfg.train.blocks_to_swap else None
+def denoiser_home(cfg: RunConfig, world: int = 1) -> torch.device | None:
+    """Where to load the denoiser when block swap or FSDP will place it: the host (None:
+    `device`). FSDP moves each process's shard to the device as it shards the model."""
+    sharded = cfg.train.distributed == "fsdp" and world > 1
+    return torch.device("cpu") if cfg.train.blocks_to_swap or sharded else None
 
 
 def apply(cfg: RunConfig, family: Family, denoiser: torch.nn.Module,

@@ -82,11 +82,13 @@ class Dist:
         A parameter without a gradient on some process (its share of a short batch was empty,
         or none of its captions used a placeholder) counts as zeros there; one without a
         gradient on every process keeps none, so the optimizer skips it as it would in one
-        process. Returns the averaged loss (non-finite if any process's was).
+        process. Returns the averaged loss (non-finite if any process's was). FSDP-sharded
+        parameters are left out: their gradients were averaged by FSDP's reduce-scatter.
         """
         if self.world == 1:
             return loss
-        device = params[0].device if params else torch.device("cpu")
+        params = [p for p in params if not _sharded(p)]
+        device = params[0].device if params else self._device()
         flat = [p.grad.reshape(-1).float() if p.grad is not None
                 else torch.zeros(p.numel(), device=p.device) for p in params]
         flags = [1.0 if p.grad is not None else 0.0 for p in params]
@@ -116,11 +118,14 @@ class Dist:
 
     def broadcast_params(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Make every process hold rank 0's values of `params` (they start equal from the seed;
-        this makes it a fact, also after a resume)."""
+        this makes it a fact, also after a resume). FSDP-sharded parameters are left out:
+        each process holds its own piece of them."""
         if self.world == 1:
             return
         with torch.no_grad():
             for p in params:
+                if _sharded(p):
+                    continue
                 torch.distributed.broadcast(p.data, src=0)
 
     def broadcast(self, obj: Any) -> Any:
@@ -144,6 +149,13 @@ class Dist:
         if torch.distributed.get_backend() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """Whether `t` is an FSDP-sharded parameter (a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 _current = Dist()

@@ -231,8 +231,9 @@ def _accumulate(run: Run, batches: Iterator[Batch], generator: torch.Generator,
             continue
         # Skipping the no-op division and scaling keeps the common case free of extra kernels.
         scaled = loss / accum if accum > 1 else loss
-        # A non-finite loss is never backpropagated.
-        if scaled.requires_grad and bool(torch.isfinite(scaled)):
+        # A non-finite loss is never backpropagated, except in a sharded run, where every
+        # process must join every backward (the guard then drops the step's gradients).
+        if scaled.requires_grad and (run.sharded or bool(torch.isfinite(scaled))):
             (scaler.scale(scaled) if scaler.is_enabled() else scaled).backward()
         total = total + scaled.detach()
     return float(total), batch.epoch
@@ -247,6 +248,11 @@ def _share_loss(run: Run, batch: Batch, generator: torch.Generator,
                           list(batch.seeds), done)
     n, rows = len(batch.indices), run.dist.rows(len(batch.indices))
     mine = range(n)[rows]
+    if not mine and run.sharded:  # FSDP needs every process in every forward and backward:
+        # the batch's first row (another process's), weighted 0, drawing what the others draw.
+        loss = batch_loss(run, list(batch.indices[:1]), list(batch.flips[:1]), generator,
+                          list(batch.seeds[:1]), done, rows=(slice(0, 1), n))
+        return None if loss is None else loss * 0.0
     if not mine:  # draw what the others draw, to keep the noise generator in step
         shape = run.latents.get(batch.indices[0], batch.flips[0], batch.seeds[0]).shape
         run.objective.draw(torch.zeros(n, *shape), generator)

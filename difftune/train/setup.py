@@ -30,10 +30,11 @@ from difftune.config import RunConfig
 from difftune.config.adapter import AdapterConfig
 from difftune.data.captions import Captions
 from difftune.data.discover import DataSet
-from difftune.families.base import Components, Family
+from difftune.families.base import Components, Family, blocks_of
 from difftune.families.common.text import EncodeOptions
 from difftune.memory import savers
 from difftune.precision.policy import PrecisionPolicy, resolve_device
+from difftune.train import sharding
 from difftune.train.dist import Dist, current
 from difftune.train.objectives import Objective
 
@@ -71,6 +72,12 @@ class Run:
         return {n: self.comps.text_encoders[n] for n in self.text_targets}
 
     @property
+    def sharded(self) -> bool:
+        """Whether the denoiser is FSDP-sharded: every process must then run every forward
+        and backward (each one gathers and reduces with the others)."""
+        return self.cfg.train.distributed == "fsdp" and self.dist.world > 1
+
+    @property
     def out(self) -> Path:
         """The output folder."""
         return self.cfg.save.dir
@@ -96,7 +103,7 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     device = resolve_device(cfg.train.device)
     savers.check(cfg, family, device, current().world)
     policy = replace(PrecisionPolicy.from_config(cfg.precision, device),
-                     denoiser_device=savers.denoiser_home(cfg))
+                     denoiser_device=savers.denoiser_home(cfg, current().world))
     log.info("loading %s model (%s)", family.name, cfg.model.flavor or cfg.model.path or "files")
     comps = family.load(cfg.model, policy)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
@@ -113,6 +120,9 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     if cfg.train.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
     savers.apply(cfg, family, comps.denoiser, policy.device)
+    if cfg.train.distributed == "fsdp" and current().world > 1:
+        sharding.shard(comps.denoiser, blocks_of(comps.denoiser, family.compile_blocks),
+                       policy.device, policy.mixed)
     text_targets = add_text_encoder_loras(cfg, comps)
     embeddings = Embeddings(a.embeddings, family, comps) if a.embeddings else None
     c = cfg.cache

@@ -109,8 +109,9 @@ def _open_run(cfg: RunConfig, resume: str | None, dist: Dist,
             clear_for_overwrite(cfg)
         attach_run_log(cfg.save.dir / "difftune.log")  # appends: a refused resume loses nothing
     if dist.world > 1:
-        log.info("data-parallel run: %d processes, global batch %d (train.batch_size %d per "
-                 "process)", dist.world, dist.world * cfg.train.batch_size, cfg.train.batch_size)
+        kind = "sharded (FSDP)" if cfg.train.distributed == "fsdp" else "data-parallel"
+        log.info("%s run: %d processes, global batch %d (train.batch_size %d per process)",
+                 kind, dist.world, dist.world * cfg.train.batch_size, cfg.train.batch_size)
     return checkpoint
 
 

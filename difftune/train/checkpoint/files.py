@@ -8,6 +8,10 @@ Folder layout (`checkpoints/step-000123/`):
   both written shard by shard when large (`trainable-00001-of-00004.safetensors`... and
   `trainable.safetensors.index.json`, see files/shards.py), so a save of a full fine-tune
   never holds a second copy of the model or of the optimizer state in host memory;
+- with `train.distributed = "fsdp"` the two (and the EMA) are one folder `sharded/` instead,
+  written by every process through torch's distributed checkpoint (train/sharding.py):
+  safetensors files, one per process, each holding that process's pieces; read back on any
+  number of processes;
 - `ema.safetensors` (with `train.ema`): the moving average of the trained weights by
   canonical name, sharded like them;
 - `rng.safetensors`: torch CPU, each CUDA device, and the run's noise generator;
@@ -39,6 +43,7 @@ from difftune.adapters.formats import write_safetensors
 from difftune.errors import CheckpointError
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.files.shards import SHARD_BYTES, exists, meta, read_sharded, write_sharded
+from difftune.train import sharding
 from difftune.train.checkpoint.check import (check_doc, check_ema, check_optimizer, check_rng,
                                              check_trainable)
 
@@ -58,6 +63,9 @@ class Checkpoint:
     optimizer: Mapping[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
     ema: Mapping[str, torch.Tensor] | None = None
+    # The `sharded/` folder of an FSDP run's checkpoint: `trainable` and `optimizer` then hold
+    # meta tensors (shapes and dtypes only), and the manager reads the values with DCP.
+    sharded: Path | None = None
 
     @property
     def step(self) -> int:
@@ -118,9 +126,14 @@ def read(path: Path) -> Checkpoint:
             raise CheckpointError(f"checkpoint {path} has format {doc.get('format')!r}; this "
                                   f"difftune reads format {CHECKPOINT_FORMAT}")
         check_doc(doc, path / "state.json")
-        trainable, optimizer = (read_sharded(path / name) for name in FILES[:2])
+        sharded = path / sharding.FOLDER if (path / sharding.FOLDER).is_dir() else None
+        if sharded is not None:
+            trainable, optimizer, averaged = sharding.shapes(sharded)
+            ema = averaged or None
+        else:
+            trainable, optimizer = (read_sharded(path / name) for name in FILES[:2])
+            ema = read_sharded(path / EMA_FILE) if exists(path / EMA_FILE) else None
         rng = load_file(str(path / FILES[2]))
-        ema = read_sharded(path / EMA_FILE) if exists(path / EMA_FILE) else None
     except (OSError, ValueError, SafetensorError) as err:
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
                               "it is damaged or not a difftune checkpoint") from None
@@ -130,7 +143,7 @@ def read(path: Path) -> Checkpoint:
     check_trainable(weights, int(doc["identity"]["rank"]), path / FILES[0])
     check_optimizer(meta(optimizer), weights, path / FILES[1])
     check_ema(meta(ema or {}), weights, path / EMA_FILE)
-    return Checkpoint(path, doc, trainable, optimizer, rng, ema)
+    return Checkpoint(path, doc, trainable, optimizer, rng, ema, sharded)
 
 
 def lora_file(folder: Path) -> Path:

@@ -31,6 +31,7 @@ from difftune.families.base import Components, Family
 from difftune.families.common.text import file_clip_roots
 from difftune.files.names import embedding_stem
 from difftune.precision.policy import DTYPES
+from difftune.train.sharding import full_state
 
 log = logging.getLogger("difftune")
 
@@ -106,6 +107,8 @@ class LoraFiles:
         """Export the trained LoRA (denoiser and text encoders) in the configured format (with
         the embeddings bundled, and also as embedding files); returns the file (the first
         embedding file when only embeddings train)."""
+        if self.cfg.adapter.type == "full" and self.cfg.train.distributed == "fsdp":
+            return self.save_full(step, final, path)  # every process: the gather is collective
         if not self.writes:
             return path or self.lora_path(step, final)
         files = self.save_embeddings(step, final, path)
@@ -156,15 +159,20 @@ class LoraFiles:
         file = path or self.lora_path(step, final)
         folder = file.with_name(file.name.removesuffix(".safetensors"))
         dtype = DTYPES[self.cfg.save.dtype]
+        # FSDP: every process joins the gather of the whole weights into rank 0's host memory.
+        states = {prefix: full_state(module) for prefix, module in self.modules().items()}
+        if not self.writes:
+            return folder
         with writing(folder.parent, f"model {folder.name}", self.bytes_needed(), FIX):
             for prefix, module in self.modules().items():
-                save_folder(module, folder / prefix, dtype)
+                save_folder(module, folder / prefix, dtype, state=states[prefix])
             layout = self.family.single_file_layout(self.comps)
             if layout is not None:
                 meta = {"format": "pt", "difftune.version": __version__,
                         "difftune.family": self.family.name, "difftune.base_model": self.base_name,
                         "difftune.steps": str(step)}
-                write_layout(file, layout, self.comps.denoiser.state_dict(), dtype, meta)
+                denoiser = states[self.family.denoiser_prefix]
+                write_layout(file, layout, denoiser, dtype, meta)
         log.info("saved the fine-tuned model %s%s", folder,
                  f" and {file.name}" if layout is not None else "")
         return folder

@@ -20,6 +20,7 @@ import torch
 
 from difftune.config import RunConfig
 from difftune.data.discover import DataSet
+from difftune.errors import CheckpointError
 from difftune.files.shards import meta
 from difftune.files.space import writing
 from difftune.train.checkpoint import files
@@ -27,6 +28,8 @@ from difftune.train.checkpoint.check import check_against_run
 from difftune.train.checkpoint.files import CHECKPOINT_FORMAT, FILES, Checkpoint
 from difftune.train.checkpoint.identity import check_compatible, check_data, resume_identity
 from difftune.train.checkpoint.lora import FIX, LoraFiles
+from difftune.train import sharding
+from difftune.train.dist import current
 from difftune.train.state import TrainState
 
 log = logging.getLogger("difftune")
@@ -47,6 +50,11 @@ class CheckpointManager(LoraFiles):
         and checked against what the config alone says of the adapter."""
         ckpt = files.read(files.find(cfg.save.dir, which))
         check_compatible(ckpt, resume_identity(cfg), cfg)
+        if ckpt.sharded is None and cfg.train.distributed == "fsdp" and current().world > 1:
+            raise CheckpointError(f"checkpoint {ckpt.path} was written by a train.distributed = "
+                                  "\"ddp\" run, and a sharded run on several processes resumes "
+                                  "only sharded checkpoints: resume it with train.distributed = "
+                                  "\"ddp\", or on one process (whose checkpoints are sharded)")
         return ckpt
 
     @staticmethod
@@ -74,6 +82,8 @@ class CheckpointManager(LoraFiles):
         earlier checkpoints stay as they were."""
         root = self.out / "checkpoints"
         final = root / f"step-{state.step:06d}"
+        if self.sharded:  # every process writes its pieces into rank 0's temporary folder
+            return self._save_sharded(root, final, state)
         if not self.writes:
             return final
         tmp = root / f".tmp-step-{state.step:06d}-{os.getpid()}"
@@ -86,17 +96,54 @@ class CheckpointManager(LoraFiles):
         log.info("saved checkpoint %s", final)
         return final
 
-    def _write(self, tmp: Path, final: Path, state: TrainState) -> None:
-        """The checkpoint's files into `tmp`, then `tmp` renamed to `final`."""
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        params = self.trainable()
-        saved = state.state_dict()
-        # Shard by shard: each shard is cast and copied to the host only while it is written.
-        files.write_big(tmp / FILES[0], params, torch.float32, self.shard_bytes)
-        files.write_big(tmp / FILES[1], saved["optimizer"]["tensors"], None, self.shard_bytes)
+    @property
+    def sharded(self) -> bool:
+        """Whether checkpoints hold the weights and optimizer state as a DCP folder written by
+        every process (train.distributed = "fsdp", also in one process: any count resumes)."""
+        return self.cfg.train.distributed == "fsdp"
+
+    def _save_sharded(self, root: Path, final: Path, state: TrainState) -> Path:
+        """`save` of an FSDP run: rank 0 makes the temporary folder, every process writes its
+        pieces of the weights and optimizer state into it, rank 0 adds the rest and renames
+        it into place; every process returns once the folder is complete."""
+        dist = current()
+        tmp = root / f".tmp-step-{state.step:06d}-{dist.broadcast(os.getpid())}"
+        try:
+            if self.writes:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            dist.barrier()
+            saved = state.state_dict()
+            ema = saved["ema"]["tensors"] if saved["ema"] is not None else {}
+            sharding.save(tmp / sharding.FOLDER, self.trainable(), saved["optimizer"]["tensors"],
+                          ema)
+            if self.writes:
+                with writing(root, f"checkpoint {final.name}", self.bytes_needed(), FIX):
+                    self._write(tmp, final, state, saved)
+        finally:
+            if self.writes:
+                shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        if self.writes:
+            self.prune()
+            log.info("saved checkpoint %s", final)
+        return final
+
+    def _write(self, tmp: Path, final: Path, state: TrainState,
+               saved: dict[str, Any] | None = None) -> None:
+        """The checkpoint's files into `tmp`, then `tmp` renamed to `final` (`saved`: the
+        state's `state_dict()` whose weights, optimizer tensors and EMA are already in `tmp`)."""
+        own = saved is None
+        if saved is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            saved = state.state_dict()
+            # Shard by shard: each shard is cast and copied to the host only while written.
+            files.write_big(tmp / FILES[0], self.trainable(), torch.float32, self.shard_bytes)
+            files.write_big(tmp / FILES[1], saved["optimizer"]["tensors"], None,
+                            self.shard_bytes)
         files.write_tensors(tmp / FILES[2], saved["rng"]["tensors"])
-        if saved["ema"] is not None:
+        if saved["ema"] is not None and own:
             files.write_big(tmp / files.EMA_FILE, saved["ema"]["tensors"], torch.float32,
                             self.shard_bytes)
         # The training weights (schedule-free: its y, with z in the optimizer state); the LoRA
@@ -119,10 +166,17 @@ class CheckpointManager(LoraFiles):
         schedule, scaler, RNGs, sampler position, counters, step)."""
         params = self.trainable()
         check_against_run(meta(ckpt.trainable), params, ckpt.path / FILES[0])
-        with torch.no_grad():
-            for name, value in ckpt.trainable.items():
-                params[name].copy_(value)
-        state.load_state_dict(ckpt.train_state())
+        saved = ckpt.train_state()
+        if ckpt.sharded is not None:  # DCP: each process reads its pieces, on any count
+            saved["optimizer"]["tensors"], ema = sharding.load(ckpt.sharded, params,
+                                                               ckpt.optimizer, ckpt.ema or {})
+            if saved["ema"] is not None:
+                saved["ema"]["tensors"] = ema
+        else:  # (`open` refused a ddp checkpoint for a sharded model)
+            with torch.no_grad():
+                for name, value in ckpt.trainable.items():
+                    params[name].copy_(value)
+        state.load_state_dict(saved)
         ckpt.release()
 
     def prune(self) -> None:
