@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from difftune.train.optimizers.specs import OPTIMIZERS
+
 if TYPE_CHECKING:
     from difftune.config.run import RunConfig
 
@@ -34,9 +36,10 @@ def sharding_problems(cfg: RunConfig) -> list[str]:
     if t.fused_backward:
         problems.append(f"train.fused_backward with {FSDP}: the optimizer step needs the sharded "
                         "gradients FSDP reduces after backward; set fused_backward = false")
-    if t.optimizer == "adamw8bit":
-        problems.append(f"train.optimizer = \"adamw8bit\" with {FSDP}: bitsandbytes cannot step "
-                        "sharded (DTensor) weights; use optimizer = \"adamw\"")
+    if not OPTIMIZERS[t.optimizer].shards:
+        fits = ", ".join(f'"{n}"' for n, s in OPTIMIZERS.items() if s.shards)
+        problems.append(f"train.optimizer = \"{t.optimizer}\" with {FSDP}: it cannot step "
+                        f"sharded (DTensor) weights; use one that can: {fits}")
     if t.ema.enabled and t.ema.cpu:
         problems.append(f"train.ema.cpu with {FSDP}: the average is sharded like the weights "
                         "(each process keeps 1/N of it on its device); set train.ema.cpu = false")

@@ -27,6 +27,9 @@ FULL = FSDP + '\n[adapter]\ntype = "full"\n'
     (FULL, ["train.ema.enabled=true", "train.ema.cpu=true"], "train.ema.cpu with train."),
     (FULL, ['adapter.text_encoders=["t5"]'], "trained text encoders or embeddings"),
     (FULL, ['precision.mixed="fp16"'], 'precision.mixed = "fp16" with train.distributed'),
+    # Run sharded on two processes, both failed in their factored moments (DTensor mixing).
+    (FULL, ['train.optimizer="adafactor"'], 'train.optimizer = "adafactor" with train.distrib'),
+    (FULL, ['train.optimizer="came"'], 'train.optimizer = "came" with train.distributed'),
 ])
 def test_fsdp_refusals_at_load(tmp_path: Path, text: str, sets: list[str], field: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -175,6 +175,10 @@ class OptimizerSpec:
     single_lr: bool = False  # every group at one lr (Prodigy refuses others)
     start_lr: float | None = None  # where its library says to start, when it is not AdamW's
     rule: Callable[[Args], Schedule] = lambda args: "full"
+    # Whether it steps FSDP's sharded (DTensor) weights: elementwise updates do; factored
+    # second moments (Adafactor, CAME) mix plain and sharded tensors, and bitsandbytes' kernels
+    # take plain tensors only (Adafactor and CAME were run sharded and failed).
+    shards: bool = True
 
     def schedule(self, args: Args) -> Schedule:
         """How the run's lr schedule applies with these options."""
@@ -188,19 +192,20 @@ def _relative(args: Args) -> Schedule:
 OPTIMIZERS: dict[str, OptimizerSpec] = {s.name: s for s in (
     OptimizerSpec("adamw", "torch", NoArgs, SHARED, {}, _adamw),
     OptimizerSpec("adamw8bit", "bitsandbytes", EightBitArgs, SHARED, {}, _eight_bit(2),
-                  cuda_only=True),
+                  cuda_only=True, shards=False),
     OptimizerSpec("prodigy", "prodigyopt", ProdigyArgs, SHARED, {"weight_decay": 0.0},
                   _prodigy, single_lr=True, start_lr=1.0),
     OptimizerSpec("adafactor", "transformers", AdafactorArgs, ("weight_decay",),
-                  {"weight_decay": 0.0}, _adafactor, rule=_relative),
+                  {"weight_decay": 0.0}, _adafactor, rule=_relative, shards=False),
     OptimizerSpec("schedulefree_adamw", "schedulefree", ScheduleFreeArgs, SHARED,
                   {"weight_decay": 0.0}, _adamw, rule=lambda args: "own_warmup"),
     OptimizerSpec("came", "came-pytorch", CameArgs, ("weight_decay",), {"weight_decay": 0.0},
-                  _came),
+                  _came, shards=False),
     OptimizerSpec("lion", "lion-pytorch", LionArgs, ("betas", "weight_decay"),
                   {"betas": (0.9, 0.99), "weight_decay": 0.0}, lambda s, a: math.prod(s)),
     OptimizerSpec("lion8bit", "bitsandbytes", EightBitArgs, ("betas", "weight_decay"),
-                  {"betas": (0.9, 0.99), "weight_decay": 0.0}, _eight_bit(1), cuda_only=True),
+                  {"betas": (0.9, 0.99), "weight_decay": 0.0}, _eight_bit(1), cuda_only=True,
+                  shards=False),
 )}
 OptimizerName = Literal["adamw", "adamw8bit", "prodigy", "adafactor", "schedulefree_adamw",
                         "came", "lion", "lion8bit"]
