@@ -20,7 +20,6 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optimizers import train_once  # bench/optimizers.py: the loop run with metrics
+from optimizers import measure, train_once  # bench/optimizers.py: the shared harness
 
 if TYPE_CHECKING:
     from difftune.config import RunConfig
@@ -102,14 +101,6 @@ def one(name: str, out: Path, steps: int, warmup: int, device: str) -> dict[str,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
-    """`one` in a fresh process (peak memory is per process)."""
-    cmd = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--device", args.device, "--out", str(tmp / name)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> int:
     """Alternate the adapters over rounds and print each one's figures and ratios."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -132,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[n].append(seconds_per_step(n, Path(tmp) / f"t{r}-{n}", args.steps,
                                                  args.warmup, args.device))
                 print(f"round {r} {n}: {times[n][-1] * 1e3:.1f} ms/step", flush=True)
-        memory = {n: measure(n, args, Path(tmp) / "memory") for n in names}
+        memory = {n: measure(n, args, Path(tmp) / "memory", __file__) for n in names}
     step = {n: statistics.median(v) for n, v in times.items()}
     paired = {n: statistics.median(a / b for a, b in zip(v, times["lora"]))
               for n, v in times.items()}

@@ -106,9 +106,11 @@ def timings(names: list[str], args: argparse.Namespace,
     return out
 
 
-def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
-    """`one` in a fresh process (peak memory is per process)."""
-    cmd = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--warmup",
+def measure(name: str, args: argparse.Namespace, tmp: Path,
+            script: str = __file__) -> dict[str, float]:
+    """`script`'s `one` (this file's by default) in a fresh process (peak memory is per
+    process)."""
+    cmd = [sys.executable, script, "--one", name, "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--device", args.device, "--out", str(tmp / name)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
