@@ -16,7 +16,6 @@ figure least moved by the machine's load.
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import statistics
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optimizers import measure, train_once  # bench/optimizers.py: the shared harness
+from optimizers import measure, parse, train_once  # bench/optimizers.py: the shared harness
 
 if TYPE_CHECKING:
     from difftune.config import RunConfig
@@ -103,15 +102,7 @@ def one(name: str, out: Path, steps: int, warmup: int, device: str) -> dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     """Alternate the adapters over rounds and print each one's figures and ratios."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--adapters", default=",".join(ADAPTERS))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--one", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = parse(argv, __doc__, (40, 8, 3), "adapters", ",".join(ADAPTERS))
     if args.one:
         print(json.dumps(one(args.one, Path(args.out), args.steps, args.warmup, args.device)))
         return 0

@@ -116,17 +116,24 @@ def measure(name: str, args: argparse.Namespace, tmp: Path,
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Alternate the optimizers over rounds and print each one's figures and ratios."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--optimizers", default=",".join(CPU_OPTIMIZERS))
+def parse(argv: list[str] | None, doc: str, rounds: tuple[int, int, int], listed: str,
+          names: str) -> argparse.Namespace:
+    """The arguments every round-alternating bench takes: `rounds` = default steps, warm-up
+    steps and rounds; `--<listed>` the comma-separated things compared (default `names`);
+    `--one`/`--out` the hidden fresh-process measurement (`measure`)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for flag, default in zip(("--steps", "--warmup", "--rounds"), rounds):
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument(f"--{listed}", default=names)
     p.add_argument("--device", default="cpu")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Alternate the optimizers over rounds and print each one's figures and ratios."""
+    args = parse(argv, __doc__, (60, 10, 2), "optimizers", ",".join(CPU_OPTIMIZERS))
     if args.one:
         print(json.dumps(one(args.one, Path(args.out), args.steps, args.warmup, args.device)))
         return 0

@@ -81,14 +81,21 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path, imag
     assert_close_runs(two, tmp_path / "out")
 
 
+
+def five_images(tmp_path: Path, images: Path) -> Path:
+    """The bundled images less one (and its caption): five, so a global batch of 2 ends with a
+    batch of 1 that leaves one of two processes without a row."""
+    five = tmp_path / "five"
+    five.mkdir()
+    for path in sorted(images.iterdir())[2:]:
+        shutil.copy(path, five / path.name)
+    assert len(list(five.glob("*.png"))) == 5
+    return five
+
 @pytest.mark.full_only
 def test_a_short_batch_leaving_one_process_empty_still_matches(tmp_path: Path,
                                                                images: Path) -> None:
-    five = tmp_path / "five"
-    five.mkdir()
-    for path in sorted(images.iterdir())[2:]:  # drop one image and its caption: 5 left
-        shutil.copy(path, five / path.name)
-    assert len(list(five.glob("*.png"))) == 5  # global batch 2: batches of 2, 2 and 1
+    five = five_images(tmp_path, images)  # global batch 2: batches of 2, 2 and 1
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     one = run_toml(tmp_path / "one", five, steps=4)

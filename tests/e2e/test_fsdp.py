@@ -39,7 +39,7 @@ from difftune.train.checkpoint import CheckpointManager, manager
 from difftune.train.checkpoint.files import read
 from difftune.train.dist import Dist
 from tests.e2e.conftest import metrics_rows, run_toml
-from tests.e2e.test_distributed import ROOT, launch, losses
+from tests.e2e.test_distributed import ROOT, five_images, launch, losses
 
 LR, NORM = 1.0, 0.01
 FULL = 'type = "full"\ntrain_blocks = ["transformer_blocks.*", "proj_out"]\n'
@@ -140,10 +140,7 @@ def test_a_one_process_checkpoint_resumes_on_two(tmp_path: Path, images: Path) -
 @pytest.mark.full_only
 def test_a_short_batch_leaving_one_process_empty_still_matches(tmp_path: Path,
                                                                images: Path) -> None:
-    five = tmp_path / "five"
-    five.mkdir()
-    for path in sorted(images.iterdir())[2:]:  # drop one image and its caption: 5 left
-        shutil.copy(path, five / path.name)
+    five = five_images(tmp_path, images)
     # Global batch 2: batches of 2, 2 and 1; on a batch of 1 rank 0 has no row and joins
     # rank 1's forward and backward with that row weighted 0 (FSDP needs every process there;
     # seen: 3 such micro-batches in this run).
