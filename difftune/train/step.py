@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from difftune.families.base import Conditioning
-from difftune.train import objectives
+from difftune.train import losses
 from difftune.train.objectives import Draw
 from difftune.train.setup import Run
 
@@ -55,7 +55,8 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
                                             for n in range(len(kept[0]))))
     with run.policy.autocast():
         pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
-    return objectives.loss(pred, draw.target, draw.weights)
+    return losses.batch_mean(losses.per_sample(losses.elementwise(pred, draw.target)),
+                             draw.weights)
 
 
 def _draw(run: Run, latents: torch.Tensor, generator: torch.Generator,

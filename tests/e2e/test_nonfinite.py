@@ -16,7 +16,7 @@ from .conftest import metrics_rows, run_toml
 
 def _poison(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int] | None) -> None:
     """Make the loss NaN on the given micro-batches (all of them when None)."""
-    real = train_step.objectives.loss
+    real = train_step.losses.batch_mean
     calls = [0]
 
     def loss(*args: object, **kwargs: object) -> torch.Tensor:
@@ -26,7 +26,7 @@ def _poison(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int] | None) -> None
             return value * float("nan")
         return value
 
-    monkeypatch.setattr(train_step.objectives, "loss", loss)
+    monkeypatch.setattr(train_step.losses, "batch_mean", loss)
 
 
 def test_a_nan_step_is_skipped_and_counted(tmp_path: Path, images: Path,

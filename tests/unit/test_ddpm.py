@@ -8,7 +8,7 @@ from diffusers import DDPMScheduler
 
 from difftune.errors import ConfigError
 from difftune.train.objectives import ddpm
-from difftune.train.objectives.base import weighted_mse
+from difftune.train.losses import batch_mean, elementwise, per_sample
 
 
 def sdxl_scheduler(zero_snr: bool) -> DDPMScheduler:
@@ -146,6 +146,10 @@ def test_sample_timesteps() -> None:
     assert torch.equal(t, ddpm.sample_timesteps(20000, torch.Generator().manual_seed(0)))
     small = ddpm.sample_timesteps(500, torch.Generator().manual_seed(0), num=10)
     assert small.max() <= 9 and len(small.unique()) == 10
+
+
+def weighted_mse(pred: torch.Tensor, tgt: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return batch_mean(per_sample(elementwise(pred, tgt)), weights)
 
 
 def test_weighted_mse() -> None:

@@ -1,5 +1,5 @@
 """What every training objective shares: the `Draw` of one batch, the `Objective` protocol, and
-the loss (mean squared error in fp32, optionally weighted per sample)."""
+what a draw is made of (the loss itself is `train/losses.py`)."""
 
 from __future__ import annotations
 
@@ -31,18 +31,3 @@ class Objective(Protocol):
     def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
         """Noise a batch of clean latents (randomness from `generator` only)."""
         ...
-
-
-def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean squared error in fp32, times per-sample weights, averaged over the batch."""
-    err = (pred.float() - target.float()).pow(2)
-    per_sample = err.flatten(1).mean(dim=1) if err.dim() > 1 else err
-    return (per_sample * weights.to(per_sample.device, torch.float32)).mean()
-
-
-def loss(pred: torch.Tensor, target: torch.Tensor,
-         weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean squared error in fp32 whatever the autocast dtype; per-sample weighted if given."""
-    if weights is None:
-        return torch.nn.functional.mse_loss(pred.float(), target.float())
-    return weighted_mse(pred, target, weights)
