@@ -40,13 +40,21 @@ def file_hash(path: Path) -> str:
 def latent_fields(
     family: str, fingerprint: str, dtype: str, image: Path,
     bucket: tuple[int, int], box: tuple[int, int, int, int], flip: bool,
+    mask: Path | None = None, alpha_mask: bool = False,
 ) -> dict[str, Any]:
-    """The inputs that decide a latent entry (also stored as the entry's metadata)."""
-    return {
+    """The inputs that decide a latent entry (also stored as the entry's metadata). A masked
+    item's entry holds its mask too: the mask file's content (or the alpha-mask flag, the
+    image's content being there already) is part of its key; unmasked keys stay as they were."""
+    fields = {
         "kind": "latent", "family": family, "model": fingerprint, "dtype": dtype,
         "image_sha256": file_hash(image), "bucket": list(bucket), "box": list(box),
         "flip": flip,
     }
+    if mask is not None:
+        fields["mask_sha256"] = file_hash(mask)
+    if alpha_mask:
+        fields["alpha_mask"] = True
+    return fields
 
 
 def text_fields(

@@ -24,6 +24,7 @@ from difftune.cache.store import Store
 from difftune.cache.text_images import TextImage
 from difftune.data.discover import Item
 from difftune.data.images import crop_box, load_pixels
+from difftune.data.masks import load_mask, to_latent_grid
 from difftune.families.base import Components, Family, TextEmbeds, pad_cat
 from difftune.families.common import text
 from difftune.families.common.text import EncodeOptions
@@ -65,7 +66,8 @@ class LatentSource:
         item = self.items[index]
         return latent_fields(family=self.family.name, fingerprint=self.comps.fingerprint,
                              dtype=self.dtype, image=item.path, bucket=item.bucket,
-                             box=self.box(index), flip=flip)
+                             box=self.box(index), flip=flip, mask=item.mask,
+                             alpha_mask=item.alpha_mask)
 
     def _key(self, index: int, flip: bool) -> tuple[str, dict[str, object]]:
         if (index, flip) not in self._keys:
@@ -80,8 +82,15 @@ class LatentSource:
             return crop_box(item.size, item.bucket, "random", random.Random(sample_seed))
         return self.box(index)
 
-    def get(self, index: int, flip: bool, sample_seed: int | None = None) -> torch.Tensor:
-        """Latent (C, h, w) of item `index`, horizontally flipped or not.
+    @property
+    def masked(self) -> bool:
+        """Whether any item of the run has a loss mask (then every sample carries one)."""
+        return any(it.masked for it in self.items)
+
+    def sample(self, index: int, flip: bool, sample_seed: int | None = None
+               ) -> dict[str, torch.Tensor]:
+        """The entry of item `index`, horizontally flipped or not: "latent" (C, h, w) and, for
+        a masked item, "mask" (h, w) on the latent grid.
 
         With `fresh_crops`, a random-crop item gets a crop drawn from `sample_seed` (the
         sampler's per-occurrence seed) and is encoded live, never cached.
@@ -89,19 +98,27 @@ class LatentSource:
         item = self.items[index]
         box = self.crop_for(index, sample_seed)
         if box != self.box(index):
-            return self._encode(item, box, flip).float()
+            return self._encode(item, box, flip)
         hit = self.store.get(self._key(index, flip)[0])
-        if hit is not None:
-            return hit["latent"].float()
-        return self._make(index, flip).float()
+        return hit if hit is not None else self._make(index, flip)
+
+    def get(self, index: int, flip: bool, sample_seed: int | None = None) -> torch.Tensor:
+        """Latent (C, h, w) of item `index` (see `sample`), in fp32."""
+        return self.sample(index, flip, sample_seed)["latent"].float()
 
     def readable(self, index: int, flip: bool, sample_seed: int | None = None
                  ) -> torch.Tensor | None:
-        """`get`, or None when the image can no longer be read (deleted, replaced by a damaged
-        file mid-run, with latents not cached): that sample is skipped with one warning per
-        file, and training goes on with the rest."""
+        """`get`, or None when the image can no longer be read (see `readable_sample`)."""
+        found = self.readable_sample(index, flip, sample_seed)
+        return None if found is None else found["latent"].float()
+
+    def readable_sample(self, index: int, flip: bool, sample_seed: int | None = None
+                        ) -> dict[str, torch.Tensor] | None:
+        """`sample`, or None when the image can no longer be read (deleted, replaced by a
+        damaged file mid-run, with latents not cached): that sample is skipped with one warning
+        per file, and training goes on with the rest."""
         try:
-            return self.get(index, flip, sample_seed)
+            return self.sample(index, flip, sample_seed)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
             path = self.items[index].path
             if path not in self.unreadable:
@@ -111,17 +128,23 @@ class LatentSource:
                             type(err).__name__, err)
             return None
 
-    def _make(self, index: int, flip: bool) -> torch.Tensor:
+    def _make(self, index: int, flip: bool) -> dict[str, torch.Tensor]:
         """Encode one (item, flip) variant with its cached crop and store it."""
         key, fields = self._key(index, flip)
-        latent = self._encode(self.items[index], self.box(index), flip)
-        self.store.put(key, {"latent": latent}, {k: str(v) for k, v in fields.items()})
-        return latent
+        entry = self._encode(self.items[index], self.box(index), flip)
+        self.store.put(key, entry, {k: str(v) for k, v in fields.items()})
+        return entry
 
-    def _encode(self, item: Item, box: tuple[int, int, int, int], flip: bool) -> torch.Tensor:
-        """The latent on the CPU in the VAE's dtype (bf16 stays bf16 in the cache)."""
+    def _encode(self, item: Item, box: tuple[int, int, int, int], flip: bool
+                ) -> dict[str, torch.Tensor]:
+        """The latent on the CPU in the VAE's dtype (bf16 stays bf16 in the cache), and a
+        masked item's mask reduced to the latent's grid (fp32)."""
         pixels = load_pixels(item.path, item.bucket, box, flip)
-        return self.family.encode_images(self.comps, pixels[None])[0].cpu()
+        latent = self.family.encode_images(self.comps, pixels[None])[0].cpu()
+        if not item.masked:
+            return {"latent": latent}
+        mask = load_mask(item.path, item.mask, item.size, item.bucket, box, flip)
+        return {"latent": latent, "mask": to_latent_grid(mask, latent.shape[-2:])}
 
     def wanted(self) -> list[tuple[int, bool]]:
         """Every (item, flip) variant the run can ask for (both flips where flip is on)."""

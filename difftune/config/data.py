@@ -27,6 +27,18 @@ class SubsetConfig(_Section):
                     "target image by its path without extension; the caption is the edit "
                     "instruction. A list gives several references per pair, in order.",
     )
+    mask_path: Path | None = Field(
+        None,
+        description="Masked loss: folder of grayscale masks, each matched to an image by its "
+                    "path without extension (white = trained, black = ignored, gray between).",
+    )
+    alpha_mask: bool = Field(
+        False, description="Masked loss: the image's own alpha channel is its mask (the pixels "
+                           "are still composited on white).")
+    unmasked_weight: float = Field(
+        0.1, ge=0, le=1,
+        description="Loss weight of the fully unmasked (black) area of a masked image; 0 "
+                    "ignores it, 1 turns the mask off.")
     recursive: bool = Field(True, description="Search sub-folders too.")
     flip: bool = Field(False, description="Random horizontal flip (per sample).")
     crop: Literal["center", "random"] = Field(
@@ -59,6 +71,18 @@ class SubsetConfig(_Section):
     def _control_list(cls, value: Any) -> Any:
         """One folder may be written as a string; several as a list."""
         return [value] if isinstance(value, (str, Path)) else value
+
+    @model_validator(mode="after")
+    def _one_mask_source(self) -> "SubsetConfig":
+        """A subset's masks come from one place: a mask folder or the alpha channel."""
+        if self.mask_path is not None and self.alpha_mask:
+            raise ValueError("give either mask_path (a folder of masks) or alpha_mask = true "
+                             "(the images' alpha channel), not both")
+        return self
+
+    def masked(self) -> bool:
+        """Whether this subset's images are trained with a masked loss."""
+        return self.mask_path is not None or self.alpha_mask
 
     @field_validator("caption_ext")
     @classmethod

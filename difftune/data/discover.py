@@ -12,7 +12,7 @@ import logging
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +20,7 @@ from difftune.config import DatasetConfig, SubsetConfig
 from difftune.data.captions import WILDCARD, CaptionAugment
 from difftune.data.buckets import Bucket, assign_bucket, make_buckets, square_bucket
 from difftune.data.images import probe_image, upscale_problem
+from difftune.data.masks import check_mask_folder, find_masks
 from difftune.data.pairs import check_control_folders, partners
 from difftune.errors import DataError
 
@@ -40,6 +41,8 @@ class Item:
     the caption augmentations (`augment`) come from its subset; `controls` are its edit
     pair's control/reference images (empty for text-to-image subsets) and `control_sizes` the
     (width, height) each is encoded at, by the family's rule (`Family.control_size`).
+    A masked item (`masked`) has its mask file in `mask`, or takes its alpha channel
+    (`alpha_mask`); `unmasked_weight` is the loss weight of its black area (data/masks.py).
     """
 
     path: Path
@@ -54,6 +57,14 @@ class Item:
     augment: CaptionAugment = CaptionAugment()
     controls: tuple[Path, ...] = ()
     control_sizes: tuple[tuple[int, int], ...] = ()
+    mask: Path | None = None
+    alpha_mask: bool = False
+    unmasked_weight: float = 1.0
+
+    @property
+    def masked(self) -> bool:
+        """Whether this item's loss is weighted by a mask."""
+        return self.mask is not None or self.alpha_mask
 
 
 @dataclass
@@ -78,8 +89,10 @@ class DataSet:
         )
         pairs = {"pairs": sum(1 for it in self.items if it.controls)} if any(
             it.controls for it in self.items) else {}
+        masked = sum(1 for it in self.items if it.masked)
         return {
             **pairs,
+            **({"masked": masked} if masked else {}),
             "images": len(self.items),
             "samples_per_epoch": sum(it.repeats for it in self.items),
             "skipped": len(self.skipped),
@@ -171,6 +184,7 @@ def _subset_items(
     if not sub.path.is_dir():
         raise DataError(f"{where}: {sub.path} is not a folder; point it at a folder of images")
     check_control_folders(sub, f"datasets[{d}].subsets[{s}]")
+    check_mask_folder(sub, f"datasets[{d}].subsets[{s}]")
     paths = list_images(sub.path, sub.recursive)
     augment = CaptionAugment.from_subset(sub)
     items = []
@@ -207,6 +221,8 @@ def _subset_items(
                 control_sizes=_control_sizes(controls, bucket, resolution, control_size),
             )
         )
+    if sub.masked():
+        items = _with_masks(items, sub, f"datasets[{d}].subsets[{s}]")
     if not sub.wildcards and any(WILDCARD.search(it.caption) for it in items):
         log.warning("%s: captions hold {a|b} choices but wildcards is off, so they are trained "
                     "as written; set datasets[%d].subsets[%d].wildcards = true to resolve them",
@@ -218,6 +234,13 @@ def _subset_items(
     if not items:
         log.warning("%s: no usable image in %s", where, sub.path)
     return items
+
+
+def _with_masks(items: list[Item], sub: SubsetConfig, where: str) -> list[Item]:
+    """The subset's items with their masks (a `DataError` names every image without one)."""
+    masks = find_masks([it.path for it in items], sub, where)
+    return [replace(it, mask=m, alpha_mask=sub.alpha_mask, unmasked_weight=sub.unmasked_weight)
+            for it, m in zip(items, masks, strict=True)]
 
 
 def dataset_buckets(ds: DatasetConfig, bucket_step: int) -> list[Bucket]:

@@ -35,16 +35,18 @@ def check_control_folders(sub: SubsetConfig, where: str) -> None:
                 f"beside the target folder or set {where}.recursive = false")
 
 
-def _partner(image: Path, root: Path, folder: Path) -> Path | str:
-    """`image`'s partner in `folder` (same relative path, any image extension), or why none."""
+def _partner(image: Path, root: Path, folder: Path, what: str = "control image"
+             ) -> Path | str:
+    """`image`'s partner in `folder` (same relative path, any image extension), or why none;
+    `what` names the partner in the reason ("control image", "mask")."""
     rel = image.relative_to(root).with_suffix("")
     pattern = glob.escape(str(folder / rel)) + ".*"
     found = sorted(p for p in map(Path, glob.glob(pattern))
                    if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if not found:
-        return f"no control image {rel.as_posix()}.* in {folder}"
+        return f"no {what} {rel.as_posix()}.* in {folder}"
     if len(found) > 1:
-        return f"several control images match it in {folder}: {[p.name for p in found]}; keep one"
+        return f"several {what}s match it in {folder}: {[p.name for p in found]}; keep one"
     return found[0]
 
 

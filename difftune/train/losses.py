@@ -16,9 +16,21 @@ def elementwise(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (pred.float() - target.float()).pow(2)
 
 
-def per_sample(err: torch.Tensor) -> torch.Tensor:
-    """One loss per sample: the mean of its elements' errors."""
-    return err.flatten(1).mean(dim=1) if err.dim() > 1 else err
+def per_sample(err: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One loss per sample: the mean of its elements' errors or, with `mask` ((B, h, w) weights
+    over the last two axes of `err`, the latent grid), their weighted mean
+    sum(mask * err) / sum(mask) over each sample's elements (normalized by the masked area)."""
+    if mask is None:
+        return err.flatten(1).mean(dim=1) if err.dim() > 1 else err
+    w = _on_grid(mask, err)
+    total = w.expand_as(err).flatten(1).sum(dim=1)
+    return (err * w).flatten(1).sum(dim=1) / total.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _on_grid(mask: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+    """(B, h, w) weights shaped to broadcast over `err`'s (B, ..., h, w) axes, in fp32."""
+    b, h, w = mask.shape
+    return mask.to(err.device, torch.float32).view(b, *[1] * (err.dim() - 3), h, w)
 
 
 def batch_mean(per: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from difftune.data import masks as loss_masks
 from difftune.families.base import Conditioning
 from difftune.train import losses
 from difftune.train.objectives import Draw
@@ -31,7 +32,9 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     """
     device = run.policy.device
     per_sample = seeds if seeds is not None else [None] * len(indices)
-    found = [run.latents.readable(i, f, s) for i, f, s in zip(indices, flips, per_sample)]
+    entries = [run.latents.readable_sample(i, f, s)
+               for i, f, s in zip(indices, flips, per_sample)]
+    found = [e["latent"].float() if e is not None else None for e in entries]
     # An edit pair whose control image can no longer be read is skipped like its target.
     controls = [run.controls.readable(i) for i in indices]
     found = [x if c is not None else None for x, c in zip(found, controls)]
@@ -55,8 +58,19 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
                                             for n in range(len(kept[0]))))
     with run.policy.autocast():
         pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
-    return losses.batch_mean(losses.per_sample(losses.elementwise(pred, draw.target)),
+    mask = _masks(run, [entries[k] for k in keep], indices)
+    return losses.batch_mean(losses.per_sample(losses.elementwise(pred, draw.target), mask),
                              draw.weights)
+
+
+def _masks(run: Run, entries: list[dict[str, torch.Tensor]], indices: list[int]
+           ) -> torch.Tensor | None:
+    """The batch's (B, h, w) loss weights, or None in a run without masks (its loss then is
+    computed exactly as without the feature)."""
+    if not run.latents.masked:
+        return None
+    floors = [run.data.items[i].unmasked_weight for i in indices]
+    return loss_masks.batch_weights(entries, floors)
 
 
 def _draw(run: Run, latents: torch.Tensor, generator: torch.Generator,
