@@ -12,6 +12,7 @@ position is weighted by the share of its pixels that are masked in.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from difftune.data.buckets import Bucket, cover_size
 from difftune.data.images import _to_8_bits, probe_image, strict_decoding
 from difftune.data.pairs import _partner
 from difftune.errors import DataError
+
+if TYPE_CHECKING:
+    from difftune.data.discover import Item
 
 _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 
@@ -136,3 +140,20 @@ def batch_weights(entries: list[dict[str, torch.Tensor]], floors: list[float]
             mask, floor = torch.ones(entry["latent"].shape[-2:]), 1.0
         out.append(weights(mask.float(), floor))
     return torch.stack(out)
+
+
+def describe(items: list[Item]) -> list[str]:
+    """`difftune check`'s lines about masks: per masked subset, its images, their mean masked
+    area (the share of pixels trained at full weight) and the weight of the rest."""
+    subsets: dict[tuple[int, int], list[Item]] = {}
+    for it in items:
+        if it.masked:
+            subsets.setdefault((it.dataset, it.subset), []).append(it)
+    lines = []
+    for (d, s), group in sorted(subsets.items()):
+        area = sum(mean_area(it.path, it.mask, it.size) for it in group) / len(group)
+        source = "alpha channel" if group[0].alpha_mask else "mask files"
+        lines.append(f"masked loss: datasets[{d}].subsets[{s}]: {len(group)} images masked by "
+                     f"{source}, mean masked area {area:.0%}, unmasked_weight "
+                     f"{group[0].unmasked_weight:g}")
+    return lines

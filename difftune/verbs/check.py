@@ -16,6 +16,7 @@ from difftune.adapters.full import trained_parameters
 from difftune.adapters.kinds import (adapter_parameters, is_adapter_parameter, kind,
                                      uses_lycoris_layout)
 from difftune.config import RunConfig
+from difftune.data import masks
 from difftune.data.discover import DataSet
 from difftune.errors import DataError
 from difftune.memory import savers
@@ -78,6 +79,7 @@ def _describe_data(data: DataSet) -> list[str]:
         sizes = Counter(size for it in data.items for size in it.control_sizes)
         lines += [f"  control size {w}x{h}: {n}" for (w, h), n in sorted(sizes.items())]
     lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
+    lines += masks.describe(data.items)
     lines += [f"  skipped {p}: {why}" for p, why in data.skipped]
     return lines
 
