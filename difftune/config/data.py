@@ -102,6 +102,8 @@ class SubsetConfig(_Section):
             out.append("token_warmup_min (needs token_warmup_steps)")
         if self.caption_separator != "," and not (uses_tags or self.token_warmup_steps):
             out.append("caption_separator (needs shuffle, tag dropout or token warm-up)")
+        if "unmasked_weight" in self.model_fields_set and not self.masked():
+            out.append("unmasked_weight (needs mask_path or alpha_mask)")
         return out
 
 

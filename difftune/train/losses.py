@@ -30,6 +30,9 @@ def per_sample(err: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Ten
 def _on_grid(mask: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
     """(B, h, w) weights shaped to broadcast over `err`'s (B, ..., h, w) axes, in fp32."""
     b, h, w = mask.shape
+    if tuple(err.shape[-2:]) != (h, w):  # a family's prediction must come back on the grid
+        raise ValueError(f"loss mask {tuple(mask.shape)} does not match the prediction's "
+                         f"latent grid {tuple(err.shape)}")
     return mask.to(err.device, torch.float32).view(b, *[1] * (err.dim() - 3), h, w)
 
 

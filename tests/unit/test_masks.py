@@ -107,6 +107,8 @@ def test_masked_loss_is_the_weighted_mean() -> None:
     frames = err[:, :, None]  # (B, C, 1, h, w) layouts broadcast on the last two axes
     assert torch.allclose(losses.per_sample(frames, mask), per)
     assert losses.per_sample(err, torch.zeros(2, 4, 4)).eq(0).all()  # nothing masked in: 0
+    with pytest.raises(ValueError, match="latent grid"):  # e.g. packed tokens: refused
+        losses.per_sample(err.flatten(2), mask)
 
 
 def _folder(root: Path, masks: dict[str, Image.Image | bytes]) -> SubsetConfig:
@@ -146,3 +148,10 @@ def test_mask_config_is_checked(tmp_path: Path) -> None:
     Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
     with pytest.raises(DataError, match="lies inside the image folder"):
         build([DatasetConfig(resolution=64, min_side=32, subsets=[sub])], 16)
+
+
+def test_unmasked_weight_without_masks_is_reported_as_ignored(tmp_path: Path) -> None:
+    assert "unmasked_weight (needs mask_path or alpha_mask)" in SubsetConfig(
+        path=tmp_path, unmasked_weight=0.5).ignored_caption_options()
+    assert not SubsetConfig(path=tmp_path, alpha_mask=True,
+                            unmasked_weight=0.5).ignored_caption_options()
