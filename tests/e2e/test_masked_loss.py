@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from difftune import families
 from difftune.cli import main
 from difftune.config import load_config
 from difftune.train.setup import fill_caches, prepare
@@ -45,12 +46,22 @@ def masked_toml(folder: Path, images: Path, masks: Path, floor: float = 0.0, **k
     return path
 
 
-def test_background_gets_no_gradient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+# By default one family per latent layout the mask must meet: FLUX.1's 2x2-packed tokens,
+# Qwen-Image's packed frames, SDXL's plain latents; the rest with --full.
+DEFAULT = ("flux", "qwen_image", "sdxl")
+
+
+@pytest.mark.parametrize("family", [f if f in DEFAULT else pytest.param(
+    f, marks=pytest.mark.full_only) for f in families.names()])
+def test_background_gets_no_gradient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     family: str) -> None:
     """With unmasked_weight 0 the loss does not depend on the prediction outside the mask (its
     gradient there is exactly 0, so changing the target's background changes nothing), and
-    does inside: a run that ignored masks would fail both checks."""
+    does inside: a run that ignored masks would fail both checks. Every family's prediction
+    comes back on the latent grid the mask is reduced to."""
     images, masks = masked_folder(tmp_path / "data")
-    run = prepare(load_config(masked_toml(tmp_path, images, masks)), show_progress=False)
+    cfg = masked_toml(tmp_path, images, masks, family=family)
+    run = prepare(load_config(cfg), show_progress=False)
     fill_caches(run, [], show_progress=False)
     seen: list[torch.Tensor] = []
     predict = run.family.predict
