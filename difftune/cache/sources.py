@@ -55,6 +55,8 @@ class LatentSource:
         # more than the cache saves on small models.
         self._keys: dict[tuple[int, bool], tuple[str, dict[str, object]]] = {}
         self.unreadable: set[Path] = set()  # images that failed mid-run (warned once each)
+        # Whether any item has a loss mask (then every sample of the run carries weights).
+        self.masked = any(it.masked for it in items)
 
     def box(self, index: int) -> tuple[int, int, int, int]:
         """The item's cached crop box; a "random" crop is drawn once per item from the run seed."""
@@ -81,11 +83,6 @@ class LatentSource:
         if self.fresh_crops and item.crop == "random" and sample_seed is not None:
             return crop_box(item.size, item.bucket, "random", random.Random(sample_seed))
         return self.box(index)
-
-    @property
-    def masked(self) -> bool:
-        """Whether any item of the run has a loss mask (then every sample carries one)."""
-        return any(it.masked for it in self.items)
 
     def sample(self, index: int, flip: bool, sample_seed: int | None = None
                ) -> dict[str, torch.Tensor]:
