@@ -54,6 +54,8 @@ class Item:
     augment: CaptionAugment = CaptionAugment()
     controls: tuple[Path, ...] = ()
     control_sizes: tuple[tuple[int, int], ...] = ()
+    regularization: bool = False
+    loss_weight: float = 1.0
 
 
 @dataclass
@@ -205,6 +207,8 @@ def _subset_items(
                 augment=augment,
                 controls=controls,
                 control_sizes=_control_sizes(controls, bucket, resolution, control_size),
+                regularization=sub.regularization,
+                loss_weight=sub.loss_weight,
             )
         )
     if not sub.wildcards and any(WILDCARD.search(it.caption) for it in items):
@@ -253,6 +257,10 @@ def build(datasets: list[DatasetConfig], bucket_step: int,
                 f"{'/'.join(sorted(e[1:] for e in IMAGE_EXTENSIONS))} images there or fix the path"
             )
         out.items += found
+    if out.items and all(it.regularization for it in out.items):
+        raise DataError("every subset is a regularization subset (regularization = true): "
+                        "add a subset of training images, which the regularization images "
+                        "are balanced against")
     return out
 
 

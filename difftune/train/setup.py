@@ -34,7 +34,7 @@ from difftune.families.base import Components, Family, blocks_of
 from difftune.families.common.text import EncodeOptions
 from difftune.memory import savers
 from difftune.precision.policy import PrecisionPolicy, resolve_device
-from difftune.train import sharding
+from difftune.train import preservation, sharding
 from difftune.train.dist import Dist, current
 from difftune.train.objectives import Objective
 
@@ -59,6 +59,8 @@ class Run:
     embeddings: Embeddings | None = None
     dist: Dist = field(default_factory=Dist)
     controls: ControlSource = field(init=False)
+    # Per-step figures besides the loss (e.g. loss_preservation), one value per micro-batch.
+    extras: dict[str, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Edit pairs' control latents share the latent store (their keys are their own)."""
@@ -192,6 +194,8 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
         known = [run.captions.known_texts(i) for i in range(len(run.data.items))]
         live = any(k is None for k in known)
         texts, images = run.controls.text_requests(known)
+        free, free_images = preservation.free_texts(texts, images, run.cfg.preservation)
+        texts, images = texts + free, images + free_images
         images += [()] * len(extra_texts)
         share_cache(run.texts.store, run.texts.fill(texts + extra_texts, wrap, dist.share,
                                                     images), dist)

@@ -1,0 +1,121 @@
+"""Regularization subsets: the per-epoch balance rule, its determinism and resume state; the
+subset options as the config reads them; trigger removal for output preservation."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from difftune.config import DatasetConfig
+from difftune.config.preservation import PreservationConfig
+from difftune.data.balance import epoch_samples
+from difftune.data.discover import Item
+from difftune.data.sampler import BucketBatchSampler
+from difftune.train.preservation import adapters_off, trigger_free
+
+
+def _items(train: int, reg: int, reg_repeats: int = 1) -> list[Item]:
+    """`train` training items (repeats 2) then `reg` regularization items, two buckets."""
+    def item(i: int, is_reg: bool) -> Item:
+        return Item(Path(f"{i}.png"), f"c{i}", (64, 64), [(64, 64), (96, 48)][i % 2], 0,
+                    int(is_reg), repeats=reg_repeats if is_reg else 2, flip=True, crop="center",
+                    regularization=is_reg, loss_weight=0.5 if is_reg else 1.0)
+    return [item(i, False) for i in range(train)] + [item(train + j, True) for j in range(reg)]
+
+
+@pytest.mark.parametrize("train,reg,reg_repeats", [(3, 2, 1), (3, 20, 1), (4, 3, 2)])
+def test_each_epoch_holds_as_many_regularization_samples_as_training(
+        train: int, reg: int, reg_repeats: int) -> None:
+    items = _items(train, reg, reg_repeats)
+    for epoch in range(4):
+        samples = epoch_samples(items, 5, epoch)
+        kinds = Counter(items[i].regularization for i, _ in samples)
+        assert kinds[False] == kinds[True] == 2 * train
+        assert len(set(samples)) == len(samples)  # a slot names one occurrence in an epoch
+
+
+def test_a_large_pool_rotates_so_every_image_is_used_evenly() -> None:
+    items = _items(3, 12)  # 6 training samples per epoch, 12 regularization images
+    used = Counter(i for e in range(4) for i, _ in epoch_samples(items, 1, e)
+                   if items[i].regularization)
+    assert sorted(used.values()) == [2] * 12  # 24 draws over 12 images: each twice
+    first, second = ({i for i, _ in epoch_samples(items, 1, e) if items[i].regularization}
+                     for e in (0, 1))
+    assert first.isdisjoint(second)  # the cut continues where the last epoch stopped
+
+
+def test_regularization_repeats_set_the_mix() -> None:
+    items = _items(4, 2) + [Item(Path("x.png"), "x", (64, 64), (64, 64), 0, 2, repeats=3,
+                                 flip=False, crop="center", regularization=True)]
+    used = Counter(i for e in range(5) for i, _ in epoch_samples(items, 0, e)
+                   if items[i].regularization)
+    assert used[len(items) - 1] == 3 * used[4] == 3 * used[5]
+
+
+def test_balanced_sampler_is_deterministic_and_resumes_exactly() -> None:
+    items = _items(3, 7)
+    full = BucketBatchSampler(items, batch_size=3, seed=4)
+    every = [(b.indices, b.flips, b.seeds) for b in itertools.islice(full.batches(), 20)]
+    again = BucketBatchSampler(items, batch_size=3, seed=4)
+    assert every == [(b.indices, b.flips, b.seeds) for b in itertools.islice(again.batches(), 20)]
+    first = BucketBatchSampler(items, batch_size=3, seed=4)
+    seen = list(itertools.islice(first.batches(), 9))
+    resumed = BucketBatchSampler(items, batch_size=3, seed=4)
+    resumed.load_state_dict(first.state_after(seen[-1]))
+    rest = [(b.indices, b.flips, b.seeds) for b in itertools.islice(resumed.batches(), 11)]
+    assert rest == every[9:]
+    # Whether an item regularizes is part of the data order's identity.
+    plain = [Item(**{**it.__dict__, "regularization": False}) for it in items]
+    assert BucketBatchSampler(plain, 3, 4).identity() != full.identity()
+
+
+def test_a_run_of_regularization_items_alone_is_refused() -> None:
+    with pytest.raises(ValueError, match="training item"):
+        BucketBatchSampler(_items(0, 3), 2, 0)
+
+
+def test_prior_loss_weight_is_loss_weight(tmp_path: Path) -> None:
+    ds = DatasetConfig(path=tmp_path, regularization=True, prior_loss_weight=0.25)
+    assert ds.subsets[0].loss_weight == 0.25 and ds.subsets[0].regularization
+    assert DatasetConfig(subsets=[{"path": tmp_path, "loss_weight": 2}]).subsets[0].loss_weight == 2
+    with pytest.raises(ValidationError, match="loss_weight"):
+        DatasetConfig(path=tmp_path, loss_weight=-1)
+
+
+@pytest.mark.parametrize("caption,expected", [
+    ("a photo of sks dog", "a photo of dog"),
+    ("sks, dog, on grass", "dog, on grass"),
+    ("a sks dog, sks style", "a dog, style"),
+    ("a sksy dog", None),  # whole words only
+    ("a dog", None),
+])
+def test_trigger_removal(caption: str, expected: str | None) -> None:
+    assert trigger_free(caption, PreservationConfig(trigger="sks")) == expected
+
+
+def test_trigger_replacement() -> None:
+    cfg = PreservationConfig(trigger="sks dog", replacement="dog")
+    assert trigger_free("photo of sks dog.", cfg) == "photo of dog."
+    assert trigger_free("anything", PreservationConfig()) is None  # off
+
+
+def test_adapters_off_switches_only_the_flag() -> None:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    model = inject_adapter_in_model(LoraConfig(r=2, target_modules=["0"], init_lora_weights=False),
+                                    torch.nn.Sequential(torch.nn.Linear(3, 3)))
+    base = torch.nn.functional.linear(torch.ones(1, 3), model[0].base_layer.weight,
+                                      model[0].base_layer.bias)
+    grads = {n: p.requires_grad for n, p in model.named_parameters()}
+    with torch.no_grad():
+        tuned = model(torch.ones(1, 3))
+        with adapters_off([model]):
+            assert torch.equal(model(torch.ones(1, 3)), base)
+        assert torch.equal(model(torch.ones(1, 3)), tuned) and not torch.equal(tuned, base)
+    assert grads == {n: p.requires_grad for n, p in model.named_parameters()}
