@@ -119,3 +119,14 @@ def test_adapters_off_switches_only_the_flag() -> None:
             assert torch.equal(model(torch.ones(1, 3)), base)
         assert torch.equal(model(torch.ones(1, 3)), tuned) and not torch.equal(tuned, base)
     assert grads == {n: p.requires_grad for n, p in model.named_parameters()}
+
+
+def test_subset_weights_multiply_the_objectives() -> None:
+    from types import SimpleNamespace
+
+    from difftune.train.step import subset_weights
+
+    run = SimpleNamespace(data=SimpleNamespace(items=_items(2, 2)))  # reg items weigh 0.5
+    assert subset_weights(run, [0, 1], None) is None  # all ones: nothing to apply
+    assert subset_weights(run, [0, 2], None).tolist() == [1.0, 0.5]
+    assert subset_weights(run, [3, 1], torch.tensor([2.0, 3.0])).tolist() == [1.0, 3.0]
