@@ -53,7 +53,7 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     n = len(indices)
     noisy, t = ((torch.cat([draw.noisy, draw.noisy[at]]), torch.cat([draw.t, draw.t[at]]))
                 if at else (draw.noisy, draw.t))
-    pred = _predict(run, indices + rows_of(indices), per_sample + rows_of(per_sample),
+    pred = predict(run, indices + rows_of(indices), per_sample + rows_of(per_sample),
                     captions + [c for _, c in twins], kept + rows_of(kept), noisy, t)
     loss = losses.batch_mean(losses.per_sample(losses.elementwise(pred[:n], draw.target)),
                              subset_weights(run, indices, draw.weights))
@@ -64,7 +64,7 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     return loss
 
 
-def _predict(run: Run, indices: list[int], seeds: list[int | None], captions: list[str],
+def predict(run: Run, indices: list[int], seeds: list[int | None], captions: list[str],
              controls: list, noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """The denoiser's prediction for these rows: their captions' embeddings, sizes, crops
     and control latents (`controls[j]`: row j's, as `ControlSource.readable` gave them)."""
@@ -87,7 +87,7 @@ def _preservation_loss(run: Run, pred: torch.Tensor, indices: list[int],
     noisy latents and timesteps; the unweighted error is recorded for metrics.jsonl."""
     with torch.no_grad(), preservation.adapters_off([run.comps.denoiser,
                                                      *run.trained_encoders.values()]):
-        base = _predict(run, indices, seeds, captions, controls, noisy, t)
+        base = predict(run, indices, seeds, captions, controls, noisy, t)
     term = losses.batch_mean(losses.per_sample(losses.elementwise(pred, base)))
     preservation.accumulate(run.extras, term)
     return term * run.cfg.preservation.weight
