@@ -13,6 +13,8 @@ and its ratio to the plain run's:
     trains on);
   - "unseen, no trigger": prompts the run never saw;
   - "captions + trigger": the training captions (the concept: it must still move).
+And "fit": the training objective's error on the demo images with their trigger captions, for
+the base model and both LoRAs (the concept is learned when it drops below the base model's).
 """
 
 from __future__ import annotations
@@ -106,6 +108,28 @@ def distance(run: "Run", prompts: list[str], draws: int = 4) -> float:
     return total / count
 
 
+@torch.no_grad()
+def fit(run: "Run", captions: list[str], base: bool = False, draws: int = 4) -> float:
+    """The training objective's error (MSE to the target) on the demo images with their
+    trigger captions, on fixed draws: how well the concept is learned (`base`: adapters off)."""
+    from contextlib import nullcontext
+
+    from difftune.train.preservation import adapters_off
+    from difftune.train.step import predict
+
+    n = len(run.data.items)
+    latents = torch.stack([run.latents.get(i, False) for i in range(n)])
+    generator = torch.Generator().manual_seed(4321)
+    total = 0.0
+    for _ in range(draws):
+        draw = run.objective.draw(latents, generator)
+        with adapters_off([run.comps.denoiser]) if base else nullcontext():
+            pred = predict(run, list(range(n)), [None] * n, captions, [()] * n, draw.noisy,
+                           draw.t)
+        total += float((pred.float() - draw.target.float()).pow(2).mean())
+    return total / draws
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train both runs and print the table."""
     parser = argparse.ArgumentParser(description=__doc__,
@@ -121,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         sets = {"captions, no trigger": captions, "unseen, no trigger": UNSEEN,
                 "captions + trigger": [f"{TRIGGER} {c}" for c in captions]}
         every = [p for v in sets.values() for p in v]
-        figures = {}
+        figures: dict = {}
         for name, weight in (("plain", None), ("preservation", args.weight)):
             run = trained(config(images, Path(tmp) / name, args.steps, weight, args.device),
                           every)
             figures[name] = {k: distance(run, v) for k, v in sets.items()}
+            figures[name]["fit"] = fit(run, [it.caption for it in run.data.items])
+            figures["base fit"] = fit(run, [it.caption for it in run.data.items], base=True)
             print(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures[name].items()),
                   flush=True)
     print(f"tiny FLUX.1, LoRA rank 16, AdamW lr 1e-3, batch 2, {args.steps} steps, "
@@ -135,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     for k in sets:
         a, b = figures["plain"][k], figures["preservation"][k]
         print(f"{k:<24}{a:>12.3g}{b:>14.3g}{b / a:>8.2f}")
+    a, b = figures["plain"]["fit"], figures["preservation"]["fit"]
+    print("training loss on the trigger captions (fixed draws); base model "
+          f"{figures['base fit']:.4g}")
+    print(f"{'fit':<24}{a:>12.4g}{b:>14.4g}{b / a:>8.2f}")
     return 0
 
 

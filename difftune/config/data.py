@@ -62,6 +62,25 @@ class SubsetConfig(_Section):
         1.0, ge=0, validation_alias=AliasChoices("loss_weight", "prior_loss_weight"),
         description="This subset's samples' weight in the loss (`prior_loss_weight` is the "
                     "same field, the name DreamBooth users know).")
+    class_prompt: str = Field("", description="Prior preservation: the prompt the base model "
+                                              "generates this subset's class images from.")
+    class_images: int = Field(0, ge=0, description="Prior preservation: how many images the "
+                                                   "folder should hold; the missing ones are "
+                                                   "generated once before training (0: off).")
+    class_steps: int = Field(20, ge=1, description="Sampling steps of each class image.")
+    class_guidance: float = Field(3.5, ge=0, description="Guidance of each class image (as "
+                                                         "sample prompts' --g).")
+
+    @model_validator(mode="after")
+    def _class_images(self) -> "SubsetConfig":
+        """Class images are regularization images made from a prompt: both are needed."""
+        if self.class_images and not self.regularization:
+            raise ValueError("class_images needs regularization = true (class images are "
+                             "regularization images)")
+        if self.class_images and not self.class_prompt.strip():
+            raise ValueError("class_images needs class_prompt (the prompt the base model "
+                             "generates them from, e.g. \"a photo of a dog\")")
+        return self
 
     @field_validator("control_path", mode="before")
     @classmethod

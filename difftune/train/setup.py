@@ -28,6 +28,7 @@ from difftune.cache.controls import ControlSource
 from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
 from difftune.config.adapter import AdapterConfig
+from difftune.data import class_images
 from difftune.data.captions import Captions
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family, blocks_of
@@ -94,12 +95,16 @@ def progress(show: bool) -> Any:
 
 def load_data(cfg: RunConfig, family: Family) -> DataSet:
     """Discover the datasets (cheap: no model needed); warns about every skipped file. Edit
-    pairs' control images are sized by the family's rule (`Family.control_size`)."""
+    pairs' control images are sized by the family's rule (`Family.control_size`). Folders of
+    class images still to generate are made (empty) first."""
+    class_images.make_folders(cfg)
     return data.build(cfg.datasets, family.bucket_step, family.control_size)
 
 
-def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool = True) -> Run:
-    """Load the model, add the LoRA and set up the caches (not yet filled)."""
+def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool = True,
+            class_images_too: bool = True) -> Run:
+    """Load the model, make missing class images (unless `class_images_too` is False: `check`
+    only counts them), add the LoRA and set up the caches (not yet filled)."""
     family = families.get(cfg.model.family, cfg.model.variant)
     dataset = dataset or load_data(cfg, family)
     device = resolve_device(cfg.train.device)
@@ -109,6 +114,11 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     log.info("loading %s model (%s)", family.name, cfg.model.flavor or cfg.model.path or "files")
     comps = family.load(cfg.model, policy)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
+    if class_images_too and any(n.missing for n in class_images.needs(cfg)):
+        if current().main:  # one process writes them, the others wait and read them
+            class_images.generate(cfg, family, comps, policy, show_progress)
+        current().barrier()
+        dataset = load_data(cfg, family)  # the new class images join the data
     a = cfg.adapter
     targets: list[str] = []
     if a.peft_kind is not None:

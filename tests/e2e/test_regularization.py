@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -13,22 +14,26 @@ from tests.e2e.conftest import metrics_rows, run_toml, stopped_and_resumed
 TRIGGER = "zqx"
 
 
+CLASS = 'class_prompt = "a shape"\nclass_images = 3\nclass_steps = 2\n'
+
+
 @pytest.fixture(scope="module")
 def folders(images: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Three images captioned with the trigger (training), three without (regularization)."""
+    """Three images captioned with the trigger (training); one of the user's own, named like
+    a generated one, in the regularization folder (class images complete it)."""
     root = tmp_path_factory.mktemp("reg")
     train, reg = root / "train", root / "reg"
     train.mkdir(), reg.mkdir()
-    for n, png in enumerate(sorted(images.glob("*.png"))):
+    for n, png in enumerate(sorted(images.glob("*.png"))[:4]):
         caption = png.with_suffix(".txt").read_text().strip()
-        folder = train if n < 3 else reg
-        shutil.copy(png, folder / png.name)
-        (folder / png.with_suffix(".txt").name).write_text(
-            f"{TRIGGER} {caption}" if folder is train else caption)
+        folder, name = (train, png.stem) if n < 3 else (reg, "class_000000")
+        shutil.copy(png, folder / f"{name}.png")
+        (folder / f"{name}.txt").write_text(f"{TRIGGER} {caption}" if n < 3 else caption)
     return train, reg
 
 
-def reg_toml(folder: Path, train: Path, reg: Path, extra: str = "", steps: int = 4) -> Path:
+def reg_toml(folder: Path, train: Path, reg: Path, extra: str = "", steps: int = 4,
+             subset: str = CLASS) -> Path:
     """A tiny-flavor run over a training subset and a regularization subset."""
     path = run_toml(folder, train, steps=steps)
     text = path.read_text().replace(f'path = "{train.as_posix()}"\n', "", 1)
@@ -41,7 +46,7 @@ path = "{reg.as_posix()}"
 regularization = true
 prior_loss_weight = 0.5
 repeats = 2
-{extra}""")
+{subset}{extra}""")
     return path
 
 
@@ -49,8 +54,17 @@ def test_regularization_and_preservation_train_and_resume_exactly(
         tmp_path: Path, folders: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     extra = f'\n[preservation]\ntrigger = "{TRIGGER}"\nweight = 2.0\n'
     a, b = (reg_toml(tmp_path / n, *folders, extra=extra) for n in "ab")
+    reg = folders[1]
+    user = (reg / "class_000000.png").read_bytes()
     full, resumed = stopped_and_resumed(a, b, monkeypatch, 2)
     assert full == resumed
+    # The first run generated the two missing class images, around the user's own file; the
+    # later runs reused them (the manifest names two files, none was rewritten).
+    manifest = json.loads((reg / "difftune_class_images.json").read_text())
+    assert sorted(manifest["files"]) == ["class_000001.png", "class_000002.png"]
+    assert (reg / "class_000000.png").read_bytes() == user
+    assert (reg / "class_000001.txt").read_text().strip() == "a shape"
+    assert len(list(reg.glob("*.png"))) == 3
     rows = [metrics_rows(cfg.parent / "out") for cfg in (a, b)]
     kept = [[r.get("loss_preservation") for r in run] for run in rows]
     assert kept[0] == kept[1]
@@ -67,6 +81,9 @@ def test_refusals_name_the_field(tmp_path: Path, folders: tuple[Path, Path],
     assert "preservation.trigger" in capsys.readouterr().err
     assert main(["train", str(cfg), "--no-progress", "--set", "preservation.weight=0"]) == 2
     assert "preservation.weight" in capsys.readouterr().err
+    no_prompt = reg_toml(tmp_path / "np", *folders, subset="class_images = 3\n")
+    assert main(["train", str(no_prompt), "--no-progress"]) == 2
+    assert "class_prompt" in capsys.readouterr().err
     only = run_toml(tmp_path / "only", folders[1])
     only.write_text(only.read_text().replace("resolution = 64", "resolution = 64\n"
                                              "regularization = true", 1))

@@ -4,6 +4,7 @@ subset options as the config reads them; trigger removal for output preservation
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from difftune.config import DatasetConfig
+from difftune.config import DatasetConfig, RunConfig
 from difftune.config.preservation import PreservationConfig
 from difftune.data.balance import epoch_samples
 from difftune.data.discover import Item
@@ -130,3 +131,38 @@ def test_subset_weights_multiply_the_objectives() -> None:
     assert subset_weights(run, [0, 1], None) is None  # all ones: nothing to apply
     assert subset_weights(run, [0, 2], None).tolist() == [1.0, 0.5]
     assert subset_weights(run, [3, 1], torch.tensor([2.0, 3.0])).tolist() == [1.0, 3.0]
+
+
+def _class_config(folder: Path, prompt: str = "a dog") -> "RunConfig":
+    from difftune.config import parse_config
+
+    raw = {"model": {"flavor": "tiny"}, "datasets": [{"subsets": [
+        {"path": str(folder.parent / "train")},
+        {"path": str(folder), "regularization": True, "class_prompt": prompt,
+         "class_images": 4}]}], "save": {"dir": str(folder.parent / "out")}}
+    return parse_config(raw, folder.parent)
+
+
+def test_class_images_counted_and_settings_mismatch_refused(tmp_path: Path) -> None:
+    from difftune.data import class_images
+    from difftune.errors import ConfigError
+
+    folder = tmp_path / "class"
+    class_images.make_folders(_class_config(folder))  # made, so discovery finds it
+    (folder / "mine.png").write_bytes(b"")
+    need, = class_images.needs(_class_config(folder))
+    assert (need.existing, need.missing) == (1, 3)
+    assert "3 would be generated" in class_images.describe(_class_config(folder))[0]
+    manifest = {"settings": {**vars(need.settings)}, "files": {}}
+    (folder / class_images.MANIFEST).write_text(json.dumps(manifest))
+    class_images.make_folders(_class_config(folder))  # the same settings: accepted
+    with pytest.raises(ConfigError, match="prompt: 'a dog' now 'a cat'"):
+        class_images.make_folders(_class_config(folder, "a cat"))
+    assert (folder / "mine.png").exists()
+
+
+def test_class_images_need_a_prompt_and_regularization(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="class_prompt"):
+        DatasetConfig(path=tmp_path, regularization=True, class_images=2)
+    with pytest.raises(ValidationError, match="regularization = true"):
+        DatasetConfig(path=tmp_path, class_prompt="a dog", class_images=2)
