@@ -203,9 +203,7 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
     if cache.text != "none":
         known = [run.captions.known_texts(i) for i in range(len(run.data.items))]
         live = any(k is None for k in known)
-        texts, images = run.controls.text_requests(known)
-        free, free_images = preservation.free_texts(texts, images, run.cfg.preservation)
-        texts, images = texts + free, images + free_images
+        texts, images = text_requests(run, known)
         images += [()] * len(extra_texts)
         share_cache(run.texts.store, run.texts.fill(texts + extra_texts, wrap, dist.share,
                                                     images), dist)
@@ -225,6 +223,14 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
                 if name not in run.text_targets and name not in learning and encoder is not None:
                     encoder.to("cpu")
         torch.cuda.empty_cache()
+
+
+def text_requests(run: Run, known: list[list[str] | None]) -> tuple[list[str], list]:
+    """The texts to cache (each with the images its encoder reads): the items' known texts
+    and, with output preservation, their trigger-free twins."""
+    texts, images = run.controls.text_requests(known)
+    free, free_images = preservation.free_texts(texts, images, run.cfg.preservation)
+    return texts + free, images + free_images
 
 
 def share_cache(store: Store, computed: list[str], dist: Dist) -> None:
