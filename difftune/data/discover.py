@@ -70,7 +70,8 @@ class DataSet:
         """Counts for reports: images, skipped, captions missing, per bucket, per subset.
 
         Buckets are keyed "WxH", subsets by their config name "datasets[i].subsets[j]";
-        `samples_per_epoch` counts repeats; `upscaled` counts images smaller than their bucket;
+        `samples_per_epoch` counts repeats (regularization samples as many as training
+        ones, `balance.py`); `upscaled` counts images smaller than their bucket;
         `pairs` (only for runs with edit pairs) counts the complete pairs.
         """
         buckets = Counter(f"{it.bucket[0]}x{it.bucket[1]}" for it in self.items)
@@ -83,13 +84,20 @@ class DataSet:
         return {
             **pairs,
             "images": len(self.items),
-            "samples_per_epoch": sum(it.repeats for it in self.items),
+            "samples_per_epoch": samples_per_epoch(self.items),
             "skipped": len(self.skipped),
             "captions_missing": len(self.missing_captions),
             "upscaled": upscaled,
             "buckets": dict(sorted(buckets.items())),
             "subsets": dict(sorted(subsets.items())),
         }
+
+
+def samples_per_epoch(items: list[Item]) -> int:
+    """Samples in an epoch: each training item `repeats` times, and when regularization
+    items exist, as many regularization samples again (the balance rule of `balance.py`)."""
+    train = sum(it.repeats for it in items if not it.regularization)
+    return 2 * train if any(it.regularization for it in items) else train
 
 
 def list_images(folder: Path, recursive: bool) -> list[Path]:

@@ -166,3 +166,11 @@ def test_class_images_need_a_prompt_and_regularization(tmp_path: Path) -> None:
         DatasetConfig(path=tmp_path, regularization=True, class_images=2)
     with pytest.raises(ValidationError, match="regularization = true"):
         DatasetConfig(path=tmp_path, class_prompt="a dog", class_images=2)
+
+
+def test_summary_counts_the_balanced_epoch() -> None:
+    from difftune.data.discover import DataSet
+
+    items = _items(3, 20)  # 6 training samples; 6 of the 20 regularization images per epoch
+    assert DataSet(items).summary()["samples_per_epoch"] == 12 == len(epoch_samples(items, 0, 0))
+    assert DataSet(_items(3, 0)).summary()["samples_per_epoch"] == 6
