@@ -256,7 +256,8 @@ def build(datasets: list[DatasetConfig], bucket_step: int,
         found = []
         for s, sub in enumerate(ds.subsets):
             found += _subset_items(sub, d, s, buckets, out, ds.resolution, control_size)
-        if not found:
+        if not found and not all(sub.class_images for sub in ds.subsets):
+            # (a dataset of class images alone is empty until they are generated)
             folders = ", ".join(str(sub.path) for sub in ds.subsets)
             skipped = [f"{p.name}: {why}" for p, why in out.skipped if _under(p, ds)]
             detail = f" (skipped: {'; '.join(skipped[:5])})" if skipped else ""

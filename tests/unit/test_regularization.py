@@ -174,3 +174,14 @@ def test_summary_counts_the_balanced_epoch() -> None:
     items = _items(3, 20)  # 6 training samples; 6 of the 20 regularization images per epoch
     assert DataSet(items).summary()["samples_per_epoch"] == 12 == len(epoch_samples(items, 0, 0))
     assert DataSet(_items(3, 0)).summary()["samples_per_epoch"] == 6
+
+
+def test_a_dataset_of_class_images_still_to_generate_is_not_an_error(tmp_path: Path) -> None:
+    from difftune.data.discover import build
+    from difftune.verbs.demo import demo_dir
+
+    (tmp_path / "class").mkdir()
+    train = DatasetConfig(path=demo_dir(), resolution=64, min_side=32, max_side=128)
+    classes = DatasetConfig(path=tmp_path / "class", resolution=64, min_side=32, max_side=128,
+                            regularization=True, class_prompt="a shape", class_images=2)
+    assert len(build([train, classes], 16).items) == len(build([train], 16).items)
