@@ -185,3 +185,16 @@ def test_a_dataset_of_class_images_still_to_generate_is_not_an_error(tmp_path: P
     classes = DatasetConfig(path=tmp_path / "class", resolution=64, min_side=32, max_side=128,
                             regularization=True, class_prompt="a shape", class_images=2)
     assert len(build([train, classes], 16).items) == len(build([train], 16).items)
+
+
+def test_loss_parts_reach_tensorboard() -> None:
+    from types import SimpleNamespace
+
+    from difftune.report.metrics import Reporter
+
+    written: list[str] = []
+    me = SimpleNamespace(writer=SimpleNamespace(add_scalar=lambda k, v, s: written.append(k)))
+    Reporter._write_tb(me, {"step": 1, "loss": 1.0, "loss_smoothed": 1.0, "lr": 0.1,
+                            "it_per_s": 2.0, "epoch": 0, "loss_preservation": 0.5})
+    assert written == ["train/loss", "train/loss_smoothed", "train/lr", "train/it_per_s",
+                       "train/loss_preservation"]
