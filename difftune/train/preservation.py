@@ -10,13 +10,14 @@ forward, without gradient, per step; no second copy of the model.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from difftune.config.preservation import PreservationConfig
+from difftune.data.discover import Item
 
 
 def trigger_free(caption: str, cfg: PreservationConfig) -> str | None:
@@ -42,6 +43,13 @@ def rows(captions: list[str], cfg: PreservationConfig) -> list[tuple[int, str]]:
         if free is not None:
             out.append((r, free))
     return out
+
+
+def unused(items: Sequence[Item], cfg: PreservationConfig) -> bool:
+    """Whether output preservation is on but no caption (with its prefix and suffix) holds
+    the trigger: it would then never act (a misspelt trigger, most likely)."""
+    return cfg.enabled and not any(trigger_free(it.augment.fixed(it.caption), cfg) is not None
+                                   for it in items)
 
 
 def free_texts(texts: list[str], images: list, cfg: PreservationConfig

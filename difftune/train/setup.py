@@ -146,6 +146,9 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
                        embeddings=embeddings)
     objective = family.objective(comps, cfg.train)
     captions = Captions(dataset.items, cfg.train.seed, c.caption_variants)
+    if preservation.unused(dataset.items, cfg.preservation):
+        log.warning("preservation.trigger %r is in no caption: output preservation will not "
+                    "act; check its spelling", cfg.preservation.trigger)
     return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective,
                captions, text_targets, embeddings, current())
 

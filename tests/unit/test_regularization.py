@@ -198,3 +198,16 @@ def test_loss_parts_reach_tensorboard() -> None:
                             "it_per_s": 2.0, "epoch": 0, "loss_preservation": 0.5})
     assert written == ["train/loss", "train/loss_smoothed", "train/lr", "train/it_per_s",
                        "train/loss_preservation"]
+
+
+def test_a_trigger_in_no_caption_is_noticed() -> None:
+    from dataclasses import replace
+
+    from difftune.data.captions import CaptionAugment
+    from difftune.train.preservation import unused
+
+    items = _items(2, 1)
+    cfg = PreservationConfig(trigger="sks")
+    assert unused(items, cfg) and not unused(items, PreservationConfig())
+    prefixed = [replace(items[0], augment=replace(CaptionAugment(), prefix="sks"))]
+    assert not unused(prefixed, cfg)  # the trigger given as caption_prefix counts
