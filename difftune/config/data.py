@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from difftune.config.base import Section as _Section
 
@@ -66,6 +66,34 @@ class SubsetConfig(_Section):
         0, ge=0, description="Steps over which the tag count grows to the full caption (0: off; "
                               "smaller than train.steps).")
 
+    regularization: bool = Field(
+        False, description="A regularization subset (DreamBooth's class images): each epoch "
+                           "holds as many of its samples as of the training subsets' (cycled "
+                           "or cut), its own repeats setting its images' mix.")
+    loss_weight: float = Field(
+        1.0, ge=0, validation_alias=AliasChoices("loss_weight", "prior_loss_weight"),
+        description="This subset's samples' weight in the loss (`prior_loss_weight` is the "
+                    "same field, the name DreamBooth users know).")
+    class_prompt: str = Field("", description="Prior preservation: the prompt the base model "
+                                              "generates this subset's class images from.")
+    class_images: int = Field(0, ge=0, description="Prior preservation: how many images the "
+                                                   "folder should hold; the missing ones are "
+                                                   "generated once before training (0: off).")
+    class_steps: int = Field(20, ge=1, description="Sampling steps of each class image.")
+    class_guidance: float = Field(3.5, ge=0, description="Guidance of each class image (as "
+                                                         "sample prompts' --g).")
+
+    @model_validator(mode="after")
+    def _class_images(self) -> "SubsetConfig":
+        """Class images are regularization images made from a prompt: both are needed."""
+        if self.class_images and not self.regularization:
+            raise ValueError("class_images needs regularization = true (class images are "
+                             "regularization images)")
+        if self.class_images and not self.class_prompt.strip():
+            raise ValueError("class_images needs class_prompt (the prompt the base model "
+                             "generates them from, e.g. \"a photo of a dog\")")
+        return self
+
     @field_validator("control_path", mode="before")
     @classmethod
     def _control_list(cls, value: Any) -> Any:
@@ -107,6 +135,10 @@ class SubsetConfig(_Section):
         return out
 
 
+# A subset's keys as a user may write them: its fields and their other names.
+_SUBSET_KEYS = {*SubsetConfig.model_fields, "prior_loss_weight"}
+
+
 class DatasetConfig(_Section):
     """A dataset: bucketing parameters and one or more subsets.
 
@@ -129,7 +161,7 @@ class DatasetConfig(_Section):
             data = dict(data)
             # Only subset fields move into the subset, so an unknown key is reported where the
             # user wrote it (datasets[0].key), not inside a subset they never wrote.
-            subset = {k: data.pop(k) for k in list(data) if k in SubsetConfig.model_fields}
+            subset = {k: data.pop(k) for k in list(data) if k in _SUBSET_KEYS}
             if data.get("subsets"):
                 raise ValueError("give either `path` (one folder) or `subsets`, not both")
             data["subsets"] = [subset]

@@ -8,6 +8,7 @@ from difftune.config import checks
 from difftune.config.base import Section as _Section
 from difftune.config.full import full_problems
 from difftune.config.sharding import sharding_problems
+from difftune.config.preservation import PreservationConfig, preservation_problems
 from difftune.config.data import CacheConfig, DatasetConfig
 from difftune.config.adapter import AdapterConfig
 from difftune.config.sections import (ModelConfig, PrecisionConfig, SampleConfig, SaveConfig,
@@ -25,6 +26,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     save: SaveConfig
+    preservation: PreservationConfig = Field(default_factory=PreservationConfig)
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
@@ -48,6 +50,7 @@ class RunConfig(_Section):
         problems += full_problems(self)
         problems += checks.optimizer_problems(self)
         problems += sharding_problems(self)
+        problems += preservation_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(

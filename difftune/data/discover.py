@@ -60,6 +60,8 @@ class Item:
     mask: Path | None = None
     alpha_mask: bool = False
     unmasked_weight: float = 1.0
+    regularization: bool = False
+    loss_weight: float = 1.0
 
     @property
     def masked(self) -> bool:
@@ -79,7 +81,8 @@ class DataSet:
         """Counts for reports: images, skipped, captions missing, per bucket, per subset.
 
         Buckets are keyed "WxH", subsets by their config name "datasets[i].subsets[j]";
-        `samples_per_epoch` counts repeats; `upscaled` counts images smaller than their bucket;
+        `samples_per_epoch` counts repeats (regularization samples as many as training
+        ones, `balance.py`); `upscaled` counts images smaller than their bucket;
         `pairs` (only for runs with edit pairs) counts the complete pairs.
         """
         buckets = Counter(f"{it.bucket[0]}x{it.bucket[1]}" for it in self.items)
@@ -94,13 +97,20 @@ class DataSet:
             **pairs,
             **({"masked": masked} if masked else {}),
             "images": len(self.items),
-            "samples_per_epoch": sum(it.repeats for it in self.items),
+            "samples_per_epoch": samples_per_epoch(self.items),
             "skipped": len(self.skipped),
             "captions_missing": len(self.missing_captions),
             "upscaled": upscaled,
             "buckets": dict(sorted(buckets.items())),
             "subsets": dict(sorted(subsets.items())),
         }
+
+
+def samples_per_epoch(items: list[Item]) -> int:
+    """Samples in an epoch: each training item `repeats` times, and when regularization
+    items exist, as many regularization samples again (the balance rule of `balance.py`)."""
+    train = sum(it.repeats for it in items if not it.regularization)
+    return 2 * train if any(it.regularization for it in items) else train
 
 
 def list_images(folder: Path, recursive: bool) -> list[Path]:
@@ -219,6 +229,8 @@ def _subset_items(
                 augment=augment,
                 controls=controls,
                 control_sizes=_control_sizes(controls, bucket, resolution, control_size),
+                regularization=sub.regularization,
+                loss_weight=sub.loss_weight,
             )
         )
     if sub.masked():
@@ -267,7 +279,8 @@ def build(datasets: list[DatasetConfig], bucket_step: int,
         found = []
         for s, sub in enumerate(ds.subsets):
             found += _subset_items(sub, d, s, buckets, out, ds.resolution, control_size)
-        if not found:
+        if not found and not all(sub.class_images for sub in ds.subsets):
+            # (a dataset of class images alone is empty until they are generated)
             folders = ", ".join(str(sub.path) for sub in ds.subsets)
             skipped = [f"{p.name}: {why}" for p, why in out.skipped if _under(p, ds)]
             detail = f" (skipped: {'; '.join(skipped[:5])})" if skipped else ""
@@ -276,6 +289,10 @@ def build(datasets: list[DatasetConfig], bucket_step: int,
                 f"{'/'.join(sorted(e[1:] for e in IMAGE_EXTENSIONS))} images there or fix the path"
             )
         out.items += found
+    if out.items and all(it.regularization for it in out.items):
+        raise DataError("every subset is a regularization subset (regularization = true): "
+                        "add a subset of training images, which the regularization images "
+                        "are balanced against")
     return out
 
 

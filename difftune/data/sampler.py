@@ -1,7 +1,8 @@
 """Batches that never mix buckets (nor control-image sizes), in an order fixed by (seed,
 epoch), resumable exactly.
 
-Each epoch every item appears `repeats` times. The expanded list is shuffled with a generator
+Each epoch every item appears `repeats` times, and regularization items as often as the
+training ones together (`balance.py`). The expanded list is shuffled with a generator
 seeded from (seed, epoch), grouped by bucket (keeping the shuffled order inside a bucket), cut
 into batches of `batch_size` (a bucket's last, partial batch is kept, so no image is dropped),
 and the batch order is shuffled with the same generator. Epoch plans are pure functions of
@@ -20,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from difftune.data.balance import epoch_samples
 from difftune.data.discover import DataSet, Item
 from difftune.errors import CheckpointError
 
@@ -75,6 +77,9 @@ class BucketBatchSampler:
             raise ValueError("BucketBatchSampler needs at least one item")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if all(it.regularization for it in items):
+            raise ValueError("BucketBatchSampler needs a training item besides the "
+                             "regularization ones")
         self.items: list[Item] = list(items)
         self.batch_size = batch_size
         self.seed = seed
@@ -85,10 +90,11 @@ class BucketBatchSampler:
 
     @property
     def len_epoch(self) -> int:
-        """Batches per epoch (the same every epoch: it depends only on bucket sizes)."""
+        """Batches in the current epoch (the same every epoch unless regularization samples,
+        which rotate, fall in other buckets from one epoch to the next)."""
         per_bucket: dict[Group, int] = {}
-        for it in self.items:
-            per_bucket[group_of(it)] = per_bucket.get(group_of(it), 0) + it.repeats
+        for i, _ in epoch_samples(self.items, self.seed, self.epoch):
+            per_bucket[group_of(self.items[i])] = per_bucket.get(group_of(self.items[i]), 0) + 1
         return sum(-(-n // self.batch_size) for n in per_bucket.values())
 
     def epoch_plan(self, epoch: int) -> list[list[tuple[int, int]]]:
@@ -96,7 +102,7 @@ class BucketBatchSampler:
         if self._plan_epoch == epoch:
             return self._plan
         rng = random.Random(_hash64("order", self.seed, epoch))
-        samples = [(i, k) for i, it in enumerate(self.items) for k in range(it.repeats)]
+        samples = epoch_samples(self.items, self.seed, epoch)
         rng.shuffle(samples)
         by_bucket: dict[Group, list[tuple[int, int]]] = {}
         for sample in samples:
@@ -161,6 +167,8 @@ class BucketBatchSampler:
                                          for it in self.items]
         if any(it.control_sizes for it in self.items):  # runs without controls: as before
             layout = [(*row, it.control_sizes) for row, it in zip(layout, self.items)]
+        if any(it.regularization for it in self.items):  # likewise without regularization
+            layout = [(*row, it.regularization) for row, it in zip(layout, self.items)]
         return {
             "seed": self.seed,
             "batch_size": self.batch_size,

@@ -93,7 +93,9 @@ class Reporter:
         self._metrics.write(json.dumps(row) + "\n")
 
     def _write_tb(self, row: dict[str, float]) -> None:
-        for key in ("loss", "loss_smoothed", "lr", "it_per_s"):
+        # The loss's named parts (e.g. loss_preservation) on the steps that have them.
+        parts = [k for k in row if k.startswith("loss_") and k != "loss_smoothed"]
+        for key in ("loss", "loss_smoothed", "lr", "it_per_s", *parts):
             self.writer.add_scalar(f"train/{key}", row[key], row["step"])
 
     def _update_bar(self, row: dict[str, float]) -> None:

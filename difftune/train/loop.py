@@ -25,6 +25,7 @@ from difftune.train.checkpoint import Checkpoint, CheckpointManager
 from difftune.train.ema import Ema, using
 from difftune.train.guard import NonFiniteGuard, TrainingDiverged
 from difftune.train.optimizers.build import make_optimizer
+from difftune.train.preservation import step_metrics
 from difftune.train.optimizers.modes import step_lr
 from difftune.train.optimizers.schedule import make_scheduler
 from difftune.train.rng import RunRngs, seed_everything
@@ -101,7 +102,8 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
         loss, epoch, lr = _guarded_step(run, hooks, state, batches, step)
         state.step = step
         result.losses.append(loss)
-        hooks.reporter.step(step, loss, lr, {"epoch": epoch, **state.guard.counts()})
+        hooks.reporter.step(step, loss, lr, {"epoch": epoch, **state.guard.counts(),
+                                             **step_metrics(run.extras)})
         if step < cfg.train.steps:
             _between_steps(run, hooks, state, step)
     set_training(run, False)

@@ -28,13 +28,14 @@ from difftune.cache.controls import ControlSource
 from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
 from difftune.config.adapter import AdapterConfig
+from difftune.data import class_images
 from difftune.data.captions import Captions
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family, blocks_of
 from difftune.families.common.text import EncodeOptions
 from difftune.memory import savers
 from difftune.precision.policy import PrecisionPolicy, resolve_device
-from difftune.train import sharding
+from difftune.train import preservation, sharding
 from difftune.train.dist import Dist, current
 from difftune.train.objectives import Objective
 
@@ -59,6 +60,8 @@ class Run:
     embeddings: Embeddings | None = None
     dist: Dist = field(default_factory=Dist)
     controls: ControlSource = field(init=False)
+    # Per-step figures besides the loss (e.g. loss_preservation), one value per micro-batch.
+    extras: dict[str, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Edit pairs' control latents share the latent store (their keys are their own)."""
@@ -92,12 +95,16 @@ def progress(show: bool) -> Any:
 
 def load_data(cfg: RunConfig, family: Family) -> DataSet:
     """Discover the datasets (cheap: no model needed); warns about every skipped file. Edit
-    pairs' control images are sized by the family's rule (`Family.control_size`)."""
+    pairs' control images are sized by the family's rule (`Family.control_size`). Folders of
+    class images still to generate are made (empty) first."""
+    class_images.make_folders(cfg)
     return data.build(cfg.datasets, family.bucket_step, family.control_size)
 
 
-def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool = True) -> Run:
-    """Load the model, add the LoRA and set up the caches (not yet filled)."""
+def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool = True,
+            class_images_too: bool = True) -> Run:
+    """Load the model, make missing class images (unless `class_images_too` is False: `check`
+    only counts them), add the LoRA and set up the caches (not yet filled)."""
     family = families.get(cfg.model.family, cfg.model.variant)
     dataset = dataset or load_data(cfg, family)
     device = resolve_device(cfg.train.device)
@@ -107,6 +114,11 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     log.info("loading %s model (%s)", family.name, cfg.model.flavor or cfg.model.path or "files")
     comps = family.load(cfg.model, policy)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
+    if class_images_too and any(n.missing for n in class_images.needs(cfg)):
+        if current().main:  # one process writes them, the others wait and read them
+            class_images.generate(cfg, family, comps, policy, show_progress)
+        current().barrier()
+        dataset = load_data(cfg, family)  # the new class images join the data
     a = cfg.adapter
     targets: list[str] = []
     if a.peft_kind is not None:
@@ -134,6 +146,9 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
                        embeddings=embeddings)
     objective = family.objective(comps, cfg.train)
     captions = Captions(dataset.items, cfg.train.seed, c.caption_variants)
+    if preservation.unused(dataset.items, cfg.preservation):
+        log.warning("preservation.trigger %r is in no caption: output preservation will not "
+                    "act; check its spelling", cfg.preservation.trigger)
     return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective,
                captions, text_targets, embeddings, current())
 
@@ -191,7 +206,7 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
     if cache.text != "none":
         known = [run.captions.known_texts(i) for i in range(len(run.data.items))]
         live = any(k is None for k in known)
-        texts, images = run.controls.text_requests(known)
+        texts, images = text_requests(run, known)
         images += [()] * len(extra_texts)
         share_cache(run.texts.store, run.texts.fill(texts + extra_texts, wrap, dist.share,
                                                     images), dist)
@@ -211,6 +226,14 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
                 if name not in run.text_targets and name not in learning and encoder is not None:
                     encoder.to("cpu")
         torch.cuda.empty_cache()
+
+
+def text_requests(run: Run, known: list[list[str] | None]) -> tuple[list[str], list]:
+    """The texts to cache (each with the images its encoder reads): the items' known texts
+    and, with output preservation, their trigger-free twins."""
+    texts, images = run.controls.text_requests(known)
+    free, free_images = preservation.free_texts(texts, images, run.cfg.preservation)
+    return texts + free, images + free_images
 
 
 def share_cache(store: Store, computed: list[str], dist: Dist) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from difftune.data import masks as loss_masks
 from difftune.families.base import Conditioning
-from difftune.train import losses
+from difftune.train import losses, preservation
 from difftune.train.objectives import Draw
 from difftune.train.setup import Run
 
@@ -30,7 +30,6 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     `rows` = (these rows, global size) when the batch is one process's share of a global
     batch: noise and timesteps are drawn for the global batch and these rows kept.
     """
-    device = run.policy.device
     per_sample = seeds if seeds is not None else [None] * len(indices)
     entries = [run.latents.readable_sample(i, f, s)
                for i, f, s in zip(indices, flips, per_sample)]
@@ -44,23 +43,29 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     like = found[keep[0]]
     latents = torch.stack([x if x is not None else torch.zeros_like(like) for x in found])
     # Drawn for every row, read or not, so the noise of later steps stays the same.
-    draw = _draw(run, latents.to(device), generator, rows)
+    draw = _draw(run, latents.to(run.policy.device), generator, rows)
     if len(keep) < len(found):
         draw = draw.rows(torch.tensor(keep))
         indices, per_sample = [indices[k] for k in keep], [per_sample[k] for k in keep]
     captions = [run.captions.text(i, s, step) for i, s in zip(indices, per_sample)]
-    images = [run.controls.text_images(i) for i in indices]  # () unless the encoder reads them
-    embeds = run.texts.get(captions, images).to(device)
-    cond = conditioning(run, indices, per_sample)
     kept = [controls[k] for k in keep]
-    if kept[0]:  # one (B, C, h, w) tensor per control image: the sampler never mixes sizes
-        cond = replace(cond, controls=tuple(torch.stack([c[n] for c in kept]).to(device)
-                                            for n in range(len(kept[0]))))
-    with run.policy.autocast():
-        pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
+    # Output preservation: the trigger-free twins ride in the same forward, on the same draw.
+    twins = preservation.rows(captions, run.cfg.preservation)
+    at = [r for r, _ in twins]
+    rows_of = (lambda xs: [xs[r] for r in at])  # noqa: E731
+    n = len(indices)
+    noisy, t = ((torch.cat([draw.noisy, draw.noisy[at]]), torch.cat([draw.t, draw.t[at]]))
+                if at else (draw.noisy, draw.t))
+    pred = predict(run, indices + rows_of(indices), per_sample + rows_of(per_sample),
+                    captions + [c for _, c in twins], kept + rows_of(kept), noisy, t)
     mask = _masks(run, [entries[k] for k in keep], indices)
-    return losses.batch_mean(losses.per_sample(losses.elementwise(pred, draw.target), mask),
-                             draw.weights)
+    loss = losses.batch_mean(losses.per_sample(losses.elementwise(pred[:n], draw.target), mask),
+                             subset_weights(run, indices, draw.weights))
+    if twins:
+        loss = loss + _preservation_loss(run, pred[n:], rows_of(indices), rows_of(per_sample),
+                                         [c for _, c in twins], rows_of(kept),
+                                         draw.noisy[at], draw.t[at])
+    return loss
 
 
 def _masks(run: Run, entries: list[dict[str, torch.Tensor]], indices: list[int]
@@ -71,6 +76,46 @@ def _masks(run: Run, entries: list[dict[str, torch.Tensor]], indices: list[int]
         return None
     floors = [run.data.items[i].unmasked_weight for i in indices]
     return loss_masks.batch_weights(entries, floors)
+
+
+def predict(run: Run, indices: list[int], seeds: list[int | None], captions: list[str],
+             controls: list, noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The denoiser's prediction for these rows: their captions' embeddings, sizes, crops
+    and control latents (`controls[j]`: row j's, as `ControlSource.readable` gave them)."""
+    device = run.policy.device
+    images = [run.controls.text_images(i) for i in indices]  # () unless the encoder reads them
+    embeds = run.texts.get(captions, images).to(device)
+    cond = conditioning(run, indices, seeds)
+    if controls[0]:  # one (B, C, h, w) tensor per control image: the sampler never mixes sizes
+        cond = replace(cond, controls=tuple(torch.stack([c[k] for c in controls]).to(device)
+                                            for k in range(len(controls[0]))))
+    with run.policy.autocast():
+        return run.family.predict(run.comps, noisy, embeds, t, cond)
+
+
+def _preservation_loss(run: Run, pred: torch.Tensor, indices: list[int],
+                       seeds: list[int | None], captions: list[str], controls: list,
+                       noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`preservation.weight` times the error of the adapter's predictions `pred` on the
+    trigger-free captions against the base model's (adapters off, no gradient), on the same
+    noisy latents and timesteps; the unweighted error is recorded for metrics.jsonl."""
+    with torch.no_grad(), preservation.adapters_off([run.comps.denoiser,
+                                                     *run.trained_encoders.values()]):
+        base = predict(run, indices, seeds, captions, controls, noisy, t)
+    term = losses.batch_mean(losses.per_sample(losses.elementwise(pred, base)))
+    preservation.accumulate(run.extras, term)
+    return term * run.cfg.preservation.weight
+
+
+def subset_weights(run: Run, indices: list[int],
+                   weights: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-sample loss weights: each sample's subset `loss_weight` times the objective's own
+    (None when both are all ones / absent, so the common case adds no kernel)."""
+    mine = [run.data.items[i].loss_weight for i in indices]
+    if all(w == 1.0 for w in mine):
+        return weights
+    out = torch.tensor(mine, dtype=torch.float32)
+    return out if weights is None else out.to(weights.device) * weights.float()
 
 
 def _draw(run: Run, latents: torch.Tensor, generator: torch.Generator,

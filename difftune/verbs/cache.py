@@ -8,7 +8,7 @@ import logging
 from difftune.cache.disk import DiskStore
 from difftune.config import RunConfig
 from difftune.errors import ConfigError
-from difftune.train.setup import Run, fill_caches, prepare
+from difftune.train.setup import Run, fill_caches, prepare, text_requests
 from difftune.verbs.check import describe_captions
 from difftune.verbs.common import join, sample_prompts, sampler_for
 
@@ -42,7 +42,7 @@ def _prune(run: Run, extra_texts: list[str]) -> list[str]:
     """Delete the disk entries this config no longer references; report the space freed."""
     lines = []
     known = [run.captions.known_texts(i) for i in range(len(run.data.items))]
-    texts, images = run.controls.text_requests(known)
+    texts, images = text_requests(run, known)
     wanted = {"latents": lambda: run.latents.keys() | run.controls.keys(),
               "text": lambda: run.texts.keys(texts + extra_texts,
                                              images + [()] * len(extra_texts))}

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from difftune import families
+from difftune.data import class_images
 from difftune.adapters.full import trained_parameters
 from difftune.adapters.kinds import (adapter_parameters, is_adapter_parameter, kind,
                                      uses_lycoris_layout)
@@ -93,7 +94,8 @@ def run_check(cfg: RunConfig) -> list[str]:
     report.append(f"output folder: {cfg.save.dir} (nothing would be overwritten)")
     data = load_data(cfg, families.get(cfg.model.family, cfg.model.variant))
     report += _describe_data(data)
-    run = prepare(cfg, dataset=data, show_progress=False)
+    report += class_images.describe(cfg)
+    run = prepare(cfg, dataset=data, show_progress=False, class_images_too=False)
     report.append(f"model: {run.comps.name} loaded on {run.policy.device}")
     report.append(_adapter_line(run))
     report.append(_parameter_line(run))

@@ -1,0 +1,91 @@
+"""Regularization subsets and output preservation through the real CLI on tiny FLUX.1."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from difftune.cli import main
+from tests.e2e.conftest import metrics_rows, run_toml, stopped_and_resumed
+
+TRIGGER = "zqx"
+
+
+CLASS = 'class_prompt = "a shape"\nclass_images = 3\nclass_steps = 2\n'
+
+
+@pytest.fixture(scope="module")
+def folders(images: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Three images captioned with the trigger (training); one of the user's own, named like
+    a generated one, in the regularization folder (class images complete it)."""
+    root = tmp_path_factory.mktemp("reg")
+    train, reg = root / "train", root / "reg"
+    train.mkdir(), reg.mkdir()
+    for n, png in enumerate(sorted(images.glob("*.png"))[:4]):
+        caption = png.with_suffix(".txt").read_text().strip()
+        folder, name = (train, png.stem) if n < 3 else (reg, "class_000000")
+        shutil.copy(png, folder / f"{name}.png")
+        (folder / f"{name}.txt").write_text(f"{TRIGGER} {caption}" if n < 3 else caption)
+    return train, reg
+
+
+def reg_toml(folder: Path, train: Path, reg: Path, extra: str = "", steps: int = 4,
+             subset: str = CLASS) -> Path:
+    """A tiny-flavor run over a training subset and a regularization subset."""
+    path = run_toml(folder, train, steps=steps)
+    text = path.read_text().replace(f'path = "{train.as_posix()}"\n', "", 1)
+    path.write_text(text + f"""
+[[datasets.subsets]]
+path = "{train.as_posix()}"
+
+[[datasets.subsets]]
+path = "{reg.as_posix()}"
+regularization = true
+prior_loss_weight = 0.5
+repeats = 2
+{subset}{extra}""")
+    return path
+
+
+def test_regularization_and_preservation_train_and_resume_exactly(
+        tmp_path: Path, folders: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    extra = f'\n[preservation]\ntrigger = "{TRIGGER}"\nweight = 2.0\n'
+    a, b = (reg_toml(tmp_path / n, *folders, extra=extra) for n in "ab")
+    reg = folders[1]
+    user = (reg / "class_000000.png").read_bytes()
+    full, resumed = stopped_and_resumed(a, b, monkeypatch, 2)
+    assert full == resumed
+    # The first run generated the two missing class images, around the user's own file; the
+    # later runs reused them (the manifest names two files, none was rewritten).
+    manifest = json.loads((reg / "difftune_class_images.json").read_text())
+    assert sorted(manifest["files"]) == ["class_000001.png", "class_000002.png"]
+    assert (reg / "class_000000.png").read_bytes() == user
+    assert (reg / "class_000001.txt").read_text().strip() == "a shape"
+    assert len(list(reg.glob("*.png"))) == 3
+    rows = [metrics_rows(cfg.parent / "out") for cfg in (a, b)]
+    kept = [[r.get("loss_preservation") for r in run] for run in rows]
+    assert kept[0] == kept[1]
+    assert any(v is not None and v > 0 for v in kept[0])  # steps with a trigger caption
+    # Balanced: 3 training + 3 regularization samples (of the 6 its repeats = 2 give) per
+    # epoch make 3 batches of 2; unbalanced, the 9 samples would make 5.
+    assert [r["epoch"] for r in rows[0]] == [0, 0, 0, 1]
+
+
+def test_refusals_name_the_field(tmp_path: Path, folders: tuple[Path, Path],
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = reg_toml(tmp_path, *folders, extra=f'\n[preservation]\ntrigger = "{TRIGGER}"\n')
+    assert main(["train", str(cfg), "--no-progress", "--set", 'adapter.type="full"']) == 2
+    assert "preservation.trigger" in capsys.readouterr().err
+    assert main(["train", str(cfg), "--no-progress", "--set", "preservation.weight=0"]) == 2
+    assert "preservation.weight" in capsys.readouterr().err
+    no_prompt = reg_toml(tmp_path / "np", *folders, subset="class_images = 3\n")
+    assert main(["train", str(no_prompt), "--no-progress"]) == 2
+    assert "class_prompt" in capsys.readouterr().err
+    only = run_toml(tmp_path / "only", folders[1])
+    only.write_text(only.read_text().replace("resolution = 64", "resolution = 64\n"
+                                             "regularization = true", 1))
+    assert main(["train", str(only), "--no-progress"]) == 2
+    assert "regularization" in capsys.readouterr().err
