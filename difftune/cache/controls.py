@@ -53,7 +53,10 @@ class ControlSource:
         return self._keys[index, n]
 
     def _resolution(self, item: Item) -> int:
-        """The resolution of `item`'s dataset (0 when the caller gave none)."""
+        """The resolution `item` is bucketed at; for items made without one, its dataset's
+        (0 when the caller gave none)."""
+        if item.resolution:
+            return item.resolution
         return self.resolutions[item.dataset] if item.dataset < len(self.resolutions) else 0
 
     def get(self, index: int) -> list[torch.Tensor]:

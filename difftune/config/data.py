@@ -145,7 +145,9 @@ class DatasetConfig(_Section):
     For a single folder, give its fields (`path`, `repeats`, ...) directly; they become one subset.
     """
 
-    resolution: int = Field(1024, ge=64, description="Target side: buckets hold ~resolution² px.")
+    resolution: int | list[int] = Field(
+        1024, description="Target side: buckets hold ~resolution² px. A list of distinct sides "
+                          "(e.g. [512, 768, 1024]) trains every image at each of them.")
     min_side: int = Field(256, ge=16, description="Smallest bucket side.")
     max_side: int = Field(2048, ge=16, description="Largest bucket side.")
     bucket_step: int | None = Field(
@@ -173,12 +175,34 @@ class DatasetConfig(_Section):
             raise ValueError("no images: set `path` or add [[datasets.subsets]] with a path")
         if self.min_side > self.max_side:
             raise ValueError(f"min_side ({self.min_side}) is larger than max_side ({self.max_side})")
-        if not self.min_side <= self.resolution <= self.max_side:
-            raise ValueError(
-                f"resolution ({self.resolution}) must lie between min_side ({self.min_side}) "
-                f"and max_side ({self.max_side})"
-            )
+        for res in self.resolutions:
+            if not self.min_side <= res <= self.max_side:
+                raise ValueError(
+                    f"resolution ({res}) must lie between min_side ({self.min_side}) "
+                    f"and max_side ({self.max_side})"
+                )
         return self
+
+    @field_validator("resolution")
+    @classmethod
+    def _resolution_values(cls, value: int | list[int]) -> int | list[int]:
+        """At least 64 each; a list is non-empty and has no side twice (a repeated side would
+        only double those copies: use `repeats` for that)."""
+        sides = [value] if isinstance(value, int) else value
+        if not sides:
+            raise ValueError("an empty list trains nothing; give one side (1024) or several "
+                             "([512, 768, 1024])")
+        if len(set(sides)) != len(sides):
+            raise ValueError(f"{value} lists a side twice; give each resolution once")
+        small = [r for r in sides if r < 64]
+        if small:
+            raise ValueError(f"{small[0]} is below 64, the smallest training resolution")
+        return value
+
+    @property
+    def resolutions(self) -> tuple[int, ...]:
+        """Every side this dataset trains at, in the order written (one for a single int)."""
+        return (self.resolution,) if isinstance(self.resolution, int) else tuple(self.resolution)
 
 
 class CacheConfig(_Section):

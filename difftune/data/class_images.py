@@ -76,7 +76,7 @@ def needs(cfg: "RunConfig") -> list[Need]:
         for s, sub in enumerate(ds.subsets):
             if sub.class_images:
                 settings = Settings(model_fingerprint(cfg), sub.class_prompt.strip(),
-                                    ds.resolution, sub.class_steps, sub.class_guidance)
+                                    max(ds.resolutions), sub.class_steps, sub.class_guidance)
                 out.append(Need(f"datasets[{d}].subsets[{s}]", Path(sub.path), settings,
                                 sub.class_images, _count_images(Path(sub.path))))
     return out

@@ -1,8 +1,8 @@
 """Finding the training images and captions, checking them, and assigning buckets.
 
 `build(datasets, bucket_step)` turns the `[[datasets]]` config into a `DataSet`: one `Item` per
-usable image, in a deterministic order (dataset, subset, then path), plus what was skipped and
-why. Unusable images are skipped with a warning rather than crashing an hour later; a folder that
+usable image and dataset resolution, in a deterministic order (dataset, subset, path, then
+resolution as written), plus what was skipped and why. Unusable images are skipped with a warning rather than crashing an hour later; a folder that
 does not exist, or a dataset left with no usable image, is a `DataError` now.
 """
 
@@ -43,6 +43,8 @@ class Item:
     (width, height) each is encoded at, by the family's rule (`Family.control_size`).
     A masked item (`masked`) has its mask file in `mask`, or takes its alpha channel
     (`alpha_mask`); `unmasked_weight` is the loss weight of its black area (data/masks.py).
+    `resolution` is the dataset side it is bucketed at (an image of a multi-resolution dataset
+    is one item per resolution; 0 for items made outside `build`).
     """
 
     path: Path
@@ -57,6 +59,7 @@ class Item:
     augment: CaptionAugment = CaptionAugment()
     controls: tuple[Path, ...] = ()
     control_sizes: tuple[tuple[int, int], ...] = ()
+    resolution: int = 0
     mask: Path | None = None
     alpha_mask: bool = False
     unmasked_weight: float = 1.0
@@ -83,7 +86,10 @@ class DataSet:
         Buckets are keyed "WxH", subsets by their config name "datasets[i].subsets[j]";
         `samples_per_epoch` counts repeats (regularization samples as many as training
         ones, `balance.py`); `upscaled` counts images smaller than their bucket;
-        `pairs` (only for runs with edit pairs) counts the complete pairs.
+        `pairs` (only for runs with edit pairs) counts the complete pairs. With several
+        resolutions, `images` counts each image once while `samples_per_epoch`, `upscaled` and
+        `buckets` count its items (one per resolution), and `resolutions` gives each side's items
+        (as "images"), upscaled items and buckets.
         """
         buckets = Counter(f"{it.bucket[0]}x{it.bucket[1]}" for it in self.items)
         subsets = Counter(f"datasets[{it.dataset}].subsets[{it.subset}]" for it in self.items)
@@ -96,14 +102,31 @@ class DataSet:
         return {
             **pairs,
             **({"masked": masked} if masked else {}),
-            "images": len(self.items),
+            "images": len({(it.dataset, it.subset, it.path) for it in self.items}),
             "samples_per_epoch": samples_per_epoch(self.items),
             "skipped": len(self.skipped),
             "captions_missing": len(self.missing_captions),
             "upscaled": upscaled,
             "buckets": dict(sorted(buckets.items())),
             "subsets": dict(sorted(subsets.items())),
+            **self._per_resolution(),
         }
+
+    def _per_resolution(self) -> dict[str, Any]:
+        """{"resolutions": {side: {"images": n, "buckets": {...}}}} when items were bucketed at
+        more than one side ({} otherwise, so single-resolution reports stay as they were)."""
+        sides = sorted({it.resolution for it in self.items})
+        if len(sides) < 2:
+            return {}
+        out: dict[str, Any] = {}
+        for side in sides:
+            items = [it for it in self.items if it.resolution == side]
+            buckets = Counter(f"{it.bucket[0]}x{it.bucket[1]}" for it in items)
+            upscaled = sum(1 for it in items
+                           if it.size[0] < it.bucket[0] or it.size[1] < it.bucket[1])
+            out[str(side)] = {"images": len(items), "upscaled": upscaled,
+                              "buckets": dict(sorted(buckets.items()))}
+        return {"resolutions": out}
 
 
 def samples_per_epoch(items: list[Item]) -> int:
@@ -183,11 +206,13 @@ def _control_sizes(controls: tuple[Path, ...], bucket: Bucket, resolution: int,
 
 
 def _subset_items(
-    sub: SubsetConfig, d: int, s: int, buckets: list[Bucket], out: DataSet,
-    resolution: int = 0, control_size: ControlSize | None = None,
+    sub: SubsetConfig, d: int, s: int, buckets: dict[int, list[Bucket]], out: DataSet,
+    control_size: ControlSize | None = None,
 ) -> list[Item]:
-    """Items of one subset; skipped files and missing captions are recorded in `out`.
-    `control_size` sizes each edit pair's control images at the dataset's `resolution`."""
+    """Items of one subset: per image, one per resolution (`buckets` maps each of the dataset's
+    resolutions to its candidate buckets, in config order); skipped files and missing captions
+    are recorded in `out`. `control_size` sizes each edit pair's control images at the item's
+    resolution."""
     where = f"datasets[{d}].subsets[{s}].path"
     if not sub.path.exists():
         raise DataError(f"{where}: folder {sub.path} does not exist; fix the path in the config")
@@ -199,40 +224,27 @@ def _subset_items(
     augment = CaptionAugment.from_subset(sub)
     items = []
     for path, probed in zip(paths, _probe_all(paths), strict=True):
-        placed = _place(probed, buckets)
         controls = partners(path, sub) if sub.control_path else ()
-        why = placed if isinstance(placed, str) else (
-            f"edit pair skipped: {controls}" if isinstance(controls, str) else None)
-        if why is not None:
-            log.warning("skipping image %s: %s", path, why)
-            out.skipped.append((path, why))
-            continue
-        size, bucket = placed
-        caption = read_caption(path, sub.caption_ext)
-        if caption is None:
-            log.warning(
-                "no caption file for %s; using the default caption %r", path, sub.default_caption
-            )
-            out.missing_captions.append(path)
-            caption = sub.default_caption
-        items.append(
-            Item(
-                path=path,
-                caption=caption,
-                size=size,
-                bucket=bucket,
-                dataset=d,
-                subset=s,
-                repeats=sub.repeats,
-                flip=sub.flip,
-                crop=sub.crop,
-                augment=augment,
-                controls=controls,
-                control_sizes=_control_sizes(controls, bucket, resolution, control_size),
-                regularization=sub.regularization,
+        caption: str | None = None
+        for res, candidates in buckets.items():
+            placed = _place(probed, candidates)
+            if isinstance(probed, str) or isinstance(controls, str):  # the same at every side
+                _skip(out, path, probed if isinstance(probed, str) else
+                      f"edit pair skipped: {controls}")
+                break
+            if isinstance(placed, str):  # too far from this side's buckets: skip it there
+                _skip(out, path, placed if len(buckets) == 1 else f"at resolution {res}: {placed}")
+                continue
+            if caption is None:
+                caption = _caption(path, sub, out)
+            size, bucket = placed
+            items.append(Item(
+                path=path, caption=caption, size=size, bucket=bucket, dataset=d, subset=s,
+                repeats=sub.repeats, flip=sub.flip, crop=sub.crop, augment=augment,
+                controls=controls, resolution=res, regularization=sub.regularization,
                 loss_weight=sub.loss_weight,
-            )
-        )
+                control_sizes=_control_sizes(controls, bucket, res, control_size),
+            ))
     if sub.masked():
         items = _with_masks(items, sub, f"datasets[{d}].subsets[{s}]")
     if not sub.wildcards and any(WILDCARD.search(it.caption) for it in items):
@@ -255,12 +267,33 @@ def _with_masks(items: list[Item], sub: SubsetConfig, where: str) -> list[Item]:
             for it, m in zip(items, masks, strict=True)]
 
 
-def dataset_buckets(ds: DatasetConfig, bucket_step: int) -> list[Bucket]:
-    """The candidate buckets of one dataset (one square bucket when bucketing is off)."""
+def _skip(out: DataSet, path: Path, why: str) -> None:
+    """Record (and warn about) an image, or one resolution of it, left out."""
+    log.warning("skipping image %s: %s", path, why)
+    out.skipped.append((path, why))
+
+
+def _caption(path: Path, sub: SubsetConfig, out: DataSet) -> str:
+    """The image's caption, or the subset's default (recorded as missing in `out`)."""
+    caption = read_caption(path, sub.caption_ext)
+    if caption is None:
+        log.warning(
+            "no caption file for %s; using the default caption %r", path, sub.default_caption
+        )
+        out.missing_captions.append(path)
+        caption = sub.default_caption
+    return caption
+
+
+def dataset_buckets(ds: DatasetConfig, bucket_step: int, resolution: int | None = None
+                    ) -> list[Bucket]:
+    """The candidate buckets of one dataset at `resolution` (default: its first), one square
+    bucket when bucketing is off."""
     step = ds.bucket_step or bucket_step
+    res = ds.resolutions[0] if resolution is None else resolution
     if not ds.buckets:
-        return [square_bucket(ds.resolution, step)]
-    return make_buckets(ds.resolution, ds.min_side, ds.max_side, step)
+        return [square_bucket(res, step)]
+    return make_buckets(res, ds.min_side, ds.max_side, step)
 
 
 def build(datasets: list[DatasetConfig], bucket_step: int,
@@ -275,10 +308,10 @@ def build(datasets: list[DatasetConfig], bucket_step: int,
     """
     out = DataSet(items=[])
     for d, ds in enumerate(datasets):
-        buckets = dataset_buckets(ds, bucket_step)
+        buckets = {res: dataset_buckets(ds, bucket_step, res) for res in ds.resolutions}
         found = []
         for s, sub in enumerate(ds.subsets):
-            found += _subset_items(sub, d, s, buckets, out, ds.resolution, control_size)
+            found += _subset_items(sub, d, s, buckets, out, control_size)
         if not found and not all(sub.class_images for sub in ds.subsets):
             # (a dataset of class images alone is empty until they are generated)
             folders = ", ".join(str(sub.path) for sub in ds.subsets)

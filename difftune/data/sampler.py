@@ -161,7 +161,7 @@ class BucketBatchSampler:
         """What must match for a saved position to mean the same batches.
 
         The fingerprint covers each item's file name, bucket and repeats (not the full path, so
-        a dataset folder that moved still resumes).
+        a dataset folder that moved still resumes), and its resolution when there are several.
         """
         layout: list[tuple[Any, ...]] = [(it.path.name, it.bucket, it.repeats)
                                          for it in self.items]
@@ -169,6 +169,8 @@ class BucketBatchSampler:
             layout = [(*row, it.control_sizes) for row, it in zip(layout, self.items)]
         if any(it.regularization for it in self.items):  # likewise without regularization
             layout = [(*row, it.regularization) for row, it in zip(layout, self.items)]
+        if len({it.resolution for it in self.items}) > 1:  # single resolution: as before
+            layout = [(*row, it.resolution) for row, it in zip(layout, self.items)]
         return {
             "seed": self.seed,
             "batch_size": self.batch_size,

@@ -67,7 +67,7 @@ class Run:
         """Edit pairs' control latents share the latent store (their keys are their own)."""
         self.controls = ControlSource(self.family, self.comps, self.data.items,
                                       self.latents.store,
-                                      tuple(d.resolution for d in self.cfg.datasets))
+                                      tuple(d.resolutions[0] for d in self.cfg.datasets))
 
     @property
     def trained_encoders(self) -> dict[str, torch.nn.Module]:

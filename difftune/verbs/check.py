@@ -79,9 +79,21 @@ def _describe_data(data: DataSet) -> list[str]:
                      "image(s) each)")
         sizes = Counter(size for it in data.items for size in it.control_sizes)
         lines += [f"  control size {w}x{h}: {n}" for (w, h), n in sorted(sizes.items())]
-    lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
+    if "resolutions" in s:
+        lines += _resolution_lines(s["resolutions"])
+    else:
+        lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
     lines += masks.describe(data.items)
     lines += [f"  skipped {p}: {why}" for p, why in data.skipped]
+    return lines
+
+
+def _resolution_lines(sides: dict[str, dict]) -> list[str]:
+    """Per resolution of a multi-resolution run: its items, upscaled ones and buckets."""
+    lines = []
+    for side, s in sorted(sides.items(), key=lambda kv: int(kv[0])):
+        lines.append(f"  resolution {side}: {s['images']} images, {s['upscaled']} upscaled")
+        lines += [f"    bucket {b}: {n}" for b, n in s["buckets"].items()]
     return lines
 
 

@@ -24,8 +24,8 @@ def join(cfg: RunConfig) -> Dist:
 
 
 def sampler_for(run: Run, reporter: Reporter | None, out: Path) -> SampleRunner:
-    """A sample runner whose default size is the first dataset's resolution."""
-    res = run.cfg.datasets[0].resolution
+    """A sample runner whose default size is the first dataset's (largest) resolution."""
+    res = max(run.cfg.datasets[0].resolutions)
     return SampleRunner(run.family, run.comps, run.texts, run.cfg.sample, out, (res, res),
                         run.policy, reporter)
 

@@ -80,7 +80,7 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
     options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
     texts = TextSource(family, comps, MemoryStore(), options)
-    res = cfg.datasets[0].resolution
+    res = max(cfg.datasets[0].resolutions)
     settings = cfg.sample.model_copy(update={"prompts": prompts})
     runner = SampleRunner(family, comps, texts, settings, out or cfg.save.dir / "samples",
                           (res, res), policy)

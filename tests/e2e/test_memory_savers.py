@@ -72,8 +72,9 @@ def test_fused_backward_run_resumes_exactly(tmp_path: Path, images: Path) -> Non
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_compiled_blocks_train_like_eager_ones(tmp_path: Path, images: Path) -> None:
-    eager = train(tmp_path / "eager", images)
+def test_compiled_blocks_train_like_eager_ones(tmp_path: Path, images: Path,
+                                              finished: Path) -> None:
+    eager = finished.parent / "out"  # the shared 4-step eager run (its checkpoints change nothing)
     compiled = train(tmp_path / "compiled", images, "train.compile=true")
     (le, we), (lc, wc) = result(eager), result(compiled)
     assert lc == pytest.approx(le, rel=1e-4)

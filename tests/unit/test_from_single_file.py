@@ -24,12 +24,25 @@ CONFIG = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
               pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
 
 
+# Drawing 0.5 B normal values took most of this test's time; the values only have to tell every
+# tensor, row and chunk apart (a swapped q/k/v, shift/scale or block would differ), which random
+# windows of a pool whose length is prime (so no chunk of a tensor repeats another) do as well.
+_POOL = 1_000_003
+
+
+def _random_values(shape: torch.Size, pool: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A tensor of `shape` filled from `pool` (cyclically) from a random start."""
+    n, start = shape.numel(), int(torch.randint(len(pool), (1,), generator=gen))
+    cycles = (start + n) // len(pool) + 1
+    return pool.repeat(cycles)[start:start + n].view(shape).clone()
+
+
 def test_bfl_file_loads_like_diffusers_from_single_file(tmp_path: Path) -> None:
     with torch.device("meta"):
         shapes = FluxTransformer2DModel(**CONFIG).state_dict()
     gen = torch.Generator().manual_seed(0)
-    state = {k: torch.randn(v.shape, generator=gen, dtype=torch.float32).to(torch.bfloat16)
-             for k, v in shapes.items()}
+    pool = torch.randn(_POOL, generator=gen).to(torch.bfloat16)
+    state = {k: _random_values(v.shape, pool, gen) for k, v in shapes.items()}
     path = tmp_path / "flux1-fullwidth.safetensors"
     save_file({f"model.diffusion_model.{k}": v for k, v in to_bfl(state).items()}, str(path))
     del state

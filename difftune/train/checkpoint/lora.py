@@ -100,8 +100,8 @@ class LoraFiles:
 
     @property
     def resolution(self) -> int:
-        """The training resolution written into the files (the largest dataset's)."""
-        return max(d.resolution for d in self.cfg.datasets)
+        """The training resolution written into the files (the largest of any dataset)."""
+        return max(r for d in self.cfg.datasets for r in d.resolutions)
 
     def save_lora(self, step: int, final: bool = False, path: Path | None = None) -> Path:
         """Export the trained LoRA (denoiser and text encoders) in the configured format (with
