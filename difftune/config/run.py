@@ -12,6 +12,7 @@ from difftune.config.data import CacheConfig, DatasetConfig
 from difftune.config.adapter import AdapterConfig
 from difftune.config.sections import (ModelConfig, PrecisionConfig, SampleConfig, SaveConfig,
                                       TrainConfig)
+from difftune.config.validation import ValidationConfig, validation_problems
 
 
 class RunConfig(_Section):
@@ -25,6 +26,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     save: SaveConfig
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
@@ -48,6 +50,7 @@ class RunConfig(_Section):
         problems += full_problems(self)
         problems += checks.optimizer_problems(self)
         problems += sharding_problems(self)
+        problems += validation_problems(self.validation, self.train.steps)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(

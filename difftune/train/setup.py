@@ -28,6 +28,7 @@ from difftune.cache.controls import ControlSource
 from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
 from difftune.config.adapter import AdapterConfig
+from difftune.data import holdout
 from difftune.data.captions import Captions
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family, blocks_of
@@ -92,8 +93,10 @@ def progress(show: bool) -> Any:
 
 def load_data(cfg: RunConfig, family: Family) -> DataSet:
     """Discover the datasets (cheap: no model needed); warns about every skipped file. Edit
-    pairs' control images are sized by the family's rule (`Family.control_size`)."""
-    return data.build(cfg.datasets, family.bucket_step, family.control_size)
+    pairs' control images are sized by the family's rule (`Family.control_size`); the
+    validation set is split off into `held` (data/holdout.py)."""
+    found = data.build(cfg.datasets, family.bucket_step, family.control_size)
+    return holdout.split(cfg, found, family.bucket_step, family.control_size)
 
 
 def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool = True) -> Run:

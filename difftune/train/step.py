@@ -55,8 +55,9 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
                                             for n in range(len(kept[0]))))
     with run.policy.autocast():
         pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
-    return losses.batch_mean(losses.per_sample(losses.elementwise(pred, draw.target)),
-                             draw.weights)
+    err = losses.elementwise(pred, draw.target, *losses.options(run.cfg.train, run.objective,
+                                                                draw.t))
+    return losses.batch_mean(losses.per_sample(err), draw.weights)
 
 
 def _draw(run: Run, latents: torch.Tensor, generator: torch.Generator,
