@@ -137,3 +137,26 @@ class Validator:
     def best_path(self, out: Path) -> Path:
         """`<save.name>-best.safetensors` in the output folder."""
         return out / f"{self.run.cfg.save.name}-best.safetensors"
+
+
+def describe(run: Run) -> list[str]:
+    """`check`'s lines: the validation set's size and the rule that turned it on (or why
+    it is off), and the time one evaluation takes (measured: one evaluation is run)."""
+    from difftune.data import holdout
+
+    v, held = run.cfg.validation, run.data.held
+    images = len(run.data.items) + (0 if v.path is not None else len(held))
+    why = holdout.rule(run.cfg, images)
+    if not holdout.enabled(run.cfg, images):
+        return [f"validation: off ({why})"]
+    if not held:
+        return [f"validation: on ({why}) but no image could be held out (each dataset needs "
+                "2 ordinary images); set validation.path to a folder of its own"]
+    source = f"{v.path}" if v.path is not None else f"{v.fraction:g} of each dataset held out"
+    validator = Validator(run, held)
+    for module in (run.comps.denoiser, *run.trained_encoders.values()):
+        module.train(False)
+    ev = validator.evaluate()
+    return [f"validation: on ({why}): {len(held)} images ({source}), every "
+            f"{v.every_n_steps} steps at {v.timesteps} timesteps; one evaluation takes "
+            f"{ev.seconds:.2f} s (loss now {ev.loss:.4f})"]
