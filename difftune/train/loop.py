@@ -130,11 +130,20 @@ def _validate(run: Run, hooks: Hooks, state: TrainState, step: int,
     if v is None or not v.due(step):
         return False
     set_training(run, False)
-    with state.eval_weights(), using(state.ema, "saves"):
-        ev = v.evaluate()
-        if v.judge(state.validation, step, ev.loss) and run.cfg.validation.keep_best:
-            hooks.checkpoints.save_lora(step, path=v.best_path(run.out))
-    set_training(run, True)
+    try:
+        with state.eval_weights(), using(state.ema, "saves"):
+            ev = v.evaluate()
+            if v.judge(state.validation, step, ev.loss) and run.cfg.validation.keep_best:
+                hooks.checkpoints.save_lora(step, path=v.best_path(run.out))
+    except Exception as err:  # a measurement never stops the run it measures
+        if run.dist.world > 1:
+            raise
+        log.warning("validation failed and is now off (training goes on): %s: %s",
+                    type(err).__name__, err)
+        hooks.validator = None
+        return False
+    finally:
+        set_training(run, True)
     extra.update(ev.row())
     hooks.reporter.timestep_chart(step, ev.by_t)
     if not v.should_stop(state.validation):

@@ -83,3 +83,17 @@ def test_check_reports_validation_and_bad_configs_exit_2(
     bad = run_toml(tmp_path / "bad", images, extra=_val(held, enabled="false", keep_best="true"))
     assert main(["check", str(bad)]) == 2
     assert "validation.keep_best" in capsys.readouterr().err
+
+
+def test_a_failing_evaluation_never_stops_training(
+        tmp_path: Path, images: Path, held: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from difftune.train.validation import Validator
+
+    def broken(self: Validator) -> None:
+        raise OSError("held-out image gone")
+
+    monkeypatch.setattr(Validator, "evaluate", broken)
+    cfg = run_toml(tmp_path, images, steps=2, extra=_val(held, every_n_steps=1))
+    assert train_exit_code(cfg) == 0
+    assert (tmp_path / "out" / "lora.safetensors").is_file()
+    assert "validation failed and is now off" in (tmp_path / "out" / "difftune.log").read_text()
