@@ -119,3 +119,24 @@ def test_config_conflicts_name_the_field(fields: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         _cfg([Path("/data/a")], **fields)
     assert _cfg([Path("/data/a")], early_stop_patience=0).validation.early_stop_patience is None
+
+
+def test_loss_plot_draws_the_validation_loss(tmp_path: Path) -> None:
+    import json
+
+    from PIL import Image
+
+    from difftune.report.plots import loss_curve
+
+    rows = [{"step": s, "loss": 1.0 / s, "loss_smoothed": 1.0 / s} for s in range(1, 11)]
+    for r in rows[4::5]:
+        r["val_loss"] = 0.5
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    red = (203, 24, 29)
+    with Image.open(loss_curve(metrics, tmp_path / "a.png")) as img:
+        assert red in {c for _, c in img.convert("RGB").getcolors(1 << 16)}
+    metrics.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "val_loss"})
+                               + "\n" for r in rows))
+    with Image.open(loss_curve(metrics, tmp_path / "b.png")) as img:
+        assert red not in {c for _, c in img.convert("RGB").getcolors(1 << 16)}
