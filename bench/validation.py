@@ -1,14 +1,15 @@
 """Validation loss against training loss: a sane and a far too high learning rate.
 
     OMP_NUM_THREADS=1 python bench/validation.py [--steps 300] [--every 25]
-        [--lrs 1e-3,3e-2] [--rank 16] [--device cpu]
+        [--lrs 1e-3,1e-2] [--rank 16] [--device cpu]
 
 Each run is difftune's real `train` verb on the tiny-flavor FLUX.1 transformer, batch 2, on
 the six bundled demo images with two of them held out (`validation.enabled = true`,
 `fraction = 0.34`: the same two in every run), evaluated every `--every` steps at 4 fixed
 timesteps with fixed noise. Printed per learning rate: the smoothed training loss (the
 loop's 0.9 moving average) at the first and last step, the validation loss at the first
-evaluation, its minimum (and step) and at the last evaluation. Overfitting shows as a
+evaluation, its minimum (and step) and at the last evaluation; then each run's validation
+loss at every evaluation. Overfitting shows as a
 validation loss that rises from its minimum while the training loss falls.
 """
 
@@ -46,7 +47,7 @@ def figures(out: Path) -> dict[str, float]:
     best = min(val, key=lambda sv: sv[1])
     return {"train_first": rows[0]["loss_smoothed"], "train_last": rows[-1]["loss_smoothed"],
             "val_first": val[0][1], "val_min": best[1], "val_min_step": best[0],
-            "val_last": val[-1][1]}
+            "val_last": val[-1][1], "curve": " ".join(f"{v:.2f}" for _, v in val)}
 
 
 def main() -> None:
@@ -54,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=25)
-    parser.add_argument("--lrs", default="1e-3,3e-2")
+    parser.add_argument("--lrs", default="1e-3,1e-2")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
@@ -63,6 +64,7 @@ def main() -> None:
     print("| lr | train loss (smoothed) first -> last | val loss first | val min (step) "
           "| val last |")
     print("|---|---|---|---|---|")
+    curves = []
     for lr in (float(x) for x in args.lrs.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             run_train(config(lr, Path(tmp) / "out", args), show_progress=False)
@@ -70,6 +72,8 @@ def main() -> None:
         print(f"| {lr:g} | {f['train_first']:.4f} -> {f['train_last']:.4f} | "
               f"{f['val_first']:.4f} | {f['val_min']:.4f} ({f['val_min_step']}) | "
               f"{f['val_last']:.4f} |", flush=True)
+        curves.append(f"lr {lr:g}: validation loss at each evaluation: {f['curve']}")
+    print("\n".join(curves))
 
 
 if __name__ == "__main__":
