@@ -19,9 +19,13 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from difftune.config import RunConfig
 
 
-def config(lr: float, out: Path, args: argparse.Namespace) -> "object":
+def config(lr: float, out: Path, args: argparse.Namespace) -> "RunConfig":
     """The tiny-flavor run at learning rate `lr` writing to `out`."""
     from difftune.config import parse_config
     from difftune.verbs.demo import demo_dir
