@@ -10,12 +10,15 @@ own such as regularization images).
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import replace
 from typing import Callable
 
 from difftune.config import RunConfig, SubsetConfig
 from difftune.config.validation import AUTO_MIN_IMAGES
 from difftune.data.discover import ControlSize, DataSet, Item, build
+
+log = logging.getLogger("difftune.data")
 
 
 def holdable(item: Item) -> bool:
@@ -77,5 +80,8 @@ def split(cfg: RunConfig, data: DataSet, bucket_step: int,
         own = first.model_copy(update={"subsets": [SubsetConfig(path=v.path)]})
         return replace(data, held=discover([own], bucket_step, control_size).items)
     out = held_out(data.items, cfg)
+    if not out:
+        log.warning("validation is on but no image can be held out (a dataset needs 2 "
+                    "ordinary images); set validation.path to a folder of its own")
     return replace(data, items=[it for i, it in enumerate(data.items) if i not in out],
                    held=[it for i, it in enumerate(data.items) if i in out])
