@@ -55,12 +55,15 @@ def test_validation_never_changes_training_and_resumes_exactly(
     assert charts == ["loss_by_t-000002.png", "loss_by_t-000004.png", "loss_by_t-000005.png"]
 
 
-def test_early_stop_saves_and_ends_cleanly(tmp_path: Path, images: Path, held: Path) -> None:
-    # No evaluation after the first improves by 100: patience 2 stops after step 3 of 6.
-    cfg = run_toml(tmp_path, images, steps=6,
-                   extra=_val(held, every_n_steps=1, early_stop_patience=2, min_delta=100))
+def test_early_stop_saves_and_ends_cleanly(tmp_path: Path, images: Path) -> None:
+    # Two of the six images held out of training; no evaluation after the first improves
+    # by 100: patience 2 stops after step 3 of 6.
+    cfg = run_toml(tmp_path, images, steps=6, extra="\n[validation]\nenabled = true\n"
+                   "fraction = 0.34\nevery_n_steps = 1\nearly_stop_patience = 2\n"
+                   "min_delta = 100\n")
     assert train_exit_code(cfg) == 0
     out = tmp_path / "out"
+    assert "validation: 2 held-out images" in (out / "difftune.log").read_text()
     assert [r["step"] for r in metrics_rows(out)] == [1, 2, 3]
     assert (out / "lora.safetensors").is_file()
     assert (out / "checkpoints" / "step-000003").is_dir()
