@@ -4,10 +4,13 @@ and `check` reports it."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from difftune.cli import main
 
@@ -51,6 +54,12 @@ def test_validation_never_changes_training_and_resumes_exactly(
     assert rows_a == rows_b
     assert_same_lora(tmp_path / "a" / "out", tmp_path / "b" / "out")
     assert (tmp_path / "a" / "out" / "lora-best.safetensors").is_file()
+    best = [json.loads((tmp_path / n / "out" / "checkpoints" / "step-000005" / "state.json")
+                       .read_text())["validation"] for n in "ab"]
+    assert best[0] == best[1] and best[0]["best"] == min(v for v, _ in val.values())
+    assert best[0]["bad"] == sum(1 for s in sorted(val) if s > best[0]["best_step"])
+    ba, bb = (load_file(str(tmp_path / n / "out" / "lora-best.safetensors")) for n in "ab")
+    assert ba.keys() == bb.keys() and all(torch.equal(ba[k], bb[k]) for k in ba)
     charts = sorted(p.name for p in (tmp_path / "a" / "out" / "validation").iterdir())
     assert charts == ["loss_by_t-000002.png", "loss_by_t-000004.png", "loss_by_t-000005.png"]
 
