@@ -149,7 +149,7 @@ def _validate(run: Run, hooks: Hooks, state: TrainState, step: int,
     if not v.should_stop(state.validation):
         return False
     log.info("early stop after step %d: no validation improvement in %d evaluations (best "
-             "%.6g at step %s)", step, state.validation["bad"], state.validation["best"],
+             "%s at step %s)", step, state.validation["bad"], state.validation.get("best"),
              state.validation.get("best_step"))
     return True
 
