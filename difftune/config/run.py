@@ -13,6 +13,7 @@ from difftune.config.data import CacheConfig, DatasetConfig
 from difftune.config.adapter import AdapterConfig
 from difftune.config.sections import (ModelConfig, PrecisionConfig, SampleConfig, SaveConfig,
                                       TrainConfig)
+from difftune.config.validation import ValidationConfig, validation_problems
 
 
 class RunConfig(_Section):
@@ -27,6 +28,7 @@ class RunConfig(_Section):
     sample: SampleConfig = Field(default_factory=SampleConfig)
     save: SaveConfig
     preservation: PreservationConfig = Field(default_factory=PreservationConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
@@ -51,6 +53,7 @@ class RunConfig(_Section):
         problems += checks.optimizer_problems(self)
         problems += sharding_problems(self)
         problems += preservation_problems(self)
+        problems += validation_problems(self.validation, self.train.steps)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(

@@ -221,6 +221,15 @@ class TrainConfig(_Section):
     min_snr_gamma: float | None = Field(
         None, gt=0, description="DDPM families: Min-SNR-gamma loss weighting (e.g. 5)."
     )
+    loss: Literal["l2", "huber", "smooth_l1"] = Field(
+        "l2", description="Element-wise error: l2 (squared), huber (squared below "
+        "huber_delta, linear above), smooth_l1 (huber / delta). See the README's Loss options.")
+    huber_delta: float = Field(0.1, gt=0, description="huber / smooth_l1: where the error "
+                               "turns from squared to linear (at the pure-noise end when "
+                               "scheduled).")
+    huber_schedule: Literal["constant", "exponential", "snr"] = Field(
+        "constant", description="huber / smooth_l1: delta over timesteps (as sd-scripts): "
+        "constant; exponential (1 at clean, huber_delta at pure noise); snr.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
     max_nonfinite_steps: int = Field(

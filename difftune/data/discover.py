@@ -74,11 +74,13 @@ class Item:
 
 @dataclass
 class DataSet:
-    """All items of a run, and the files that were left out (for `difftune check`)."""
+    """All items of a run, and the files that were left out (for `difftune check`);
+    `held` is the validation set (never trained on)."""
 
     items: list[Item]
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     missing_captions: list[Path] = field(default_factory=list)
+    held: list[Item] = field(default_factory=list)  # the validation set (data/holdout.py)
 
     def summary(self) -> dict[str, Any]:
         """Counts for reports: images, skipped, captions missing, per bucket, per subset.

@@ -82,7 +82,8 @@ class Reporter:
         rate = (step - self.start_step) / elapsed if elapsed > 0 else 0.0
         row = {"step": step, "loss": loss, "loss_smoothed": self.smoothed, "lr": lr,
                "it_per_s": rate, "time": elapsed, **(extra or {})}
-        if step % self.every == 0 or step == self.total:  # train.log_every
+        # train.log_every; a step with a validation loss is always written.
+        if step % self.every == 0 or step == self.total or "val_loss" in row:
             if self._metrics is not None:
                 self._guard("metrics.jsonl", self._write_jsonl, row)
             if self.writer is not None:
@@ -97,6 +98,18 @@ class Reporter:
         parts = [k for k in row if k.startswith("loss_") and k != "loss_smoothed"]
         for key in ("loss", "loss_smoothed", "lr", "it_per_s", *parts):
             self.writer.add_scalar(f"train/{key}", row[key], row["step"])
+        if "val_loss" in row:
+            self.writer.add_scalar("val/loss", row["val_loss"], row["step"])
+            for t, value in row.get("val_loss_by_t", {}).items():
+                self.writer.add_scalar(f"val/loss_t{t}", value, row["step"])
+
+    def timestep_chart(self, step: int, by_t: dict[str, float]) -> None:
+        """validation/loss_by_t-<step>.png: this evaluation's loss at each fixed timestep."""
+        from difftune.report.plots import loss_by_timestep
+
+        folder = self.metrics_path.parent / "validation"
+        self._guard("validation chart", lambda: (folder.mkdir(exist_ok=True), loss_by_timestep(
+            by_t, folder / f"loss_by_t-{step:06d}.png", f"validation loss by timestep, step {step}")))
 
     def _update_bar(self, row: dict[str, float]) -> None:
         smoothed = row["loss_smoothed"]
@@ -146,6 +159,9 @@ class SilentReporter(Reporter):
         """Nothing."""
 
     def image(self, tag: str, array: Any, step: int) -> None:
+        """Nothing."""
+
+    def timestep_chart(self, step: int, by_t: dict[str, float]) -> None:
         """Nothing."""
 
     def close(self) -> None:

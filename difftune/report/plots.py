@@ -30,23 +30,57 @@ def _polyline(draw: ImageDraw.ImageDraw, pts: list[tuple[int, float]], box: tupl
 
 
 def loss_curve(metrics: Path, out: Path, size: tuple[int, int] = (640, 360)) -> Path:
-    """Draw raw (light) and smoothed (dark) loss against step; returns the PNG path."""
+    """Draw raw (light) and smoothed (dark) loss against step, and the validation loss (red,
+    with a dot per evaluation) where the run measured it; returns the PNG path."""
     raw = read_metric(metrics, "loss")
     smooth = read_metric(metrics, "loss_smoothed")
+    val = read_metric(metrics, "val_loss")
     img = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(img)
     box = (60, 30, size[0] - 20, size[1] - 40)
     if raw:
-        values = [v for _, v in raw]
+        values = [v for _, v in raw + val]
         span = (raw[0][0], raw[-1][0], min(values), max(values))
         draw.rectangle(box, outline="black")
         _polyline(draw, raw, box, span, "#9ecae1", 1)
         _polyline(draw, smooth, box, span, "#08519c", 2)
+        _polyline(draw, val, box, span, "#cb181d", 2)
+        for x, y in val:
+            _dot(draw, x, y, box, span)
         draw.text((box[0], box[3] + 8), f"step {span[0]}", fill="black")
         draw.text((box[2] - 70, box[3] + 8), f"step {span[1]}", fill="black")
         draw.text((4, box[1]), f"{span[3]:.3f}", fill="black")
         draw.text((4, box[3] - 10), f"{span[2]:.3f}", fill="black")
-    draw.text((box[0], 8), "training loss (light: per step, dark: smoothed)", fill="black")
+    title = "training loss (light: per step, dark: smoothed)"
+    draw.text((box[0], 8), title + (", validation (red)" if val else ""), fill="black")
+    img.save(out)
+    return out
+
+
+def _dot(draw: ImageDraw.ImageDraw, x: float, y: float, box: tuple[int, int, int, int],
+         span: tuple[int, int, float, float]) -> None:
+    left, top, right, bottom = box
+    px = left + (x - span[0]) / max(1, span[1] - span[0]) * (right - left)
+    py = bottom - (y - span[2]) / max(1e-12, span[3] - span[2]) * (bottom - top)
+    draw.ellipse((px - 3, py - 3, px + 3, py + 3), fill="#cb181d")
+
+
+def loss_by_timestep(by_t: dict[str, float], out: Path, title: str,
+                     size: tuple[int, int] = (480, 300)) -> Path:
+    """A bar per fixed timestep (clean on the left, noisy on the right) with its loss
+    written above; returns the PNG path."""
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    box = (20, 40, size[0] - 20, size[1] - 30)
+    draw.text((box[0], 8), title, fill="black")
+    top = max(list(by_t.values()) + [1e-12])
+    width = (box[2] - box[0]) / max(1, len(by_t))
+    for k, (t, value) in enumerate(by_t.items()):
+        x0 = box[0] + k * width + 4
+        y0 = box[3] - (value / top) * (box[3] - box[1] - 14)
+        draw.rectangle((x0, y0, x0 + width - 8, box[3]), fill="#cb181d")
+        draw.text((x0, y0 - 12), f"{value:.4g}", fill="black")
+        draw.text((x0, box[3] + 6), f"t={t}", fill="black")
     img.save(out)
     return out
 

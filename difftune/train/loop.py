@@ -32,18 +32,21 @@ from difftune.train.rng import RunRngs, seed_everything
 from difftune.train.setup import Run
 from difftune.train.state import Snapshot, TrainState
 from difftune.train.step import batch_loss
+from difftune.train.validation import Validator
 
 log = logging.getLogger("difftune")
 
 
 @dataclass
 class Hooks:
-    """What happens between steps; `stop` says a stop was asked for (SIGINT/SIGTERM)."""
+    """What happens between steps; `stop` says a stop was asked for (SIGINT/SIGTERM);
+    `validator` measures the validation loss (None: the run has no validation set)."""
 
     reporter: Reporter
     checkpoints: CheckpointManager
     sampler: SampleRunner | None
     stop: Callable[[], bool] = lambda: False
+    validator: Validator | None = None
 
 
 class StepFailed(Exception):
@@ -102,18 +105,54 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
         loss, epoch, lr = _guarded_step(run, hooks, state, batches, step)
         state.step = step
         result.losses.append(loss)
-        hooks.reporter.step(step, loss, lr, {"epoch": epoch, **state.guard.counts(),
-                                             **step_metrics(run.extras)})
+        extra = {"epoch": epoch, **state.guard.counts(), **step_metrics(run.extras)}
+        stopping = _validate(run, hooks, state, step, extra)
+        hooks.reporter.step(step, loss, lr, extra)
+        if stopping:
+            break
         if step < cfg.train.steps:
             _between_steps(run, hooks, state, step)
     set_training(run, False)
     with state.eval_weights(), using(state.ema, "saves"):
-        result.lora = hooks.checkpoints.save_lora(cfg.train.steps, final=True)
+        result.lora = hooks.checkpoints.save_lora(state.step, final=True)
     hooks.checkpoints.save(state)
     if cfg.sample.at_end and hooks.sampler:
         with state.eval_weights(), using(state.ema, "samples"):
-            hooks.sampler.run(cfg.train.steps)
+            hooks.sampler.run(state.step)
     return result
+
+
+def _validate(run: Run, hooks: Hooks, state: TrainState, step: int,
+              extra: dict[str, Any]) -> bool:
+    """When due: the validation loss of the weights the run saves (in eval mode) into
+    `extra` (this step's metrics row), `<name>-best` written when it improved (keep_best);
+    returns whether early stopping ends the run after this step."""
+    v = hooks.validator
+    if v is None or not v.due(step):
+        return False
+    set_training(run, False)
+    try:
+        with state.eval_weights(), using(state.ema, "saves"):
+            ev = v.evaluate()
+            if v.judge(state.validation, step, ev.loss) and run.cfg.validation.keep_best:
+                hooks.checkpoints.save_lora(step, path=v.best_path(run.out))
+    except Exception as err:  # a measurement never stops the run it measures
+        if run.dist.world > 1:
+            raise
+        log.warning("validation failed and is now off (training goes on): %s: %s",
+                    type(err).__name__, err)
+        hooks.validator = None
+        return False
+    finally:
+        set_training(run, True)
+    extra.update(ev.row())
+    hooks.reporter.timestep_chart(step, ev.by_t)
+    if not v.should_stop(state.validation):
+        return False
+    log.info("early stop after step %d: no validation improvement in %d evaluations (best "
+             "%s at step %s)", step, state.validation["bad"], state.validation.get("best"),
+             state.validation.get("best_step"))
+    return True
 
 
 def build_state(run: Run, names: dict[int, str]) -> TrainState:

@@ -8,12 +8,61 @@ All in fp32 whatever the autocast dtype, so the loss is the same number under ev
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
-def elementwise(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The squared error of each element, in fp32."""
-    return (pred.float() - target.float()).pow(2)
+def elementwise(pred: torch.Tensor, target: torch.Tensor, loss: str = "l2",
+                delta: torch.Tensor | float | None = None) -> torch.Tensor:
+    """The error of each element, in fp32, by `train.loss` (`delta`: a number, or one per
+    sample from `huber_deltas`):
+
+    - l2: x² (x = pred - target);
+    - huber: x² where |x| <= delta, 2 delta |x| - delta² beyond: twice torch's huber_loss,
+      so it equals l2 for small errors and grows like sd-scripts' (pseudo-)Huber 2 delta |x|;
+    - smooth_l1: huber / delta (twice torch's smooth_l1_loss with beta = delta): x² / delta,
+      then 2 |x| - delta.
+    """
+    x = pred.float() - target.float()
+    if loss == "l2":
+        return x.pow(2)
+    d = torch.as_tensor(0.1 if delta is None else delta, dtype=torch.float32, device=x.device)
+    d = d.view(-1, *([1] * (x.dim() - 1))) if d.dim() == 1 else d
+    ax = x.abs()
+    err = torch.where(ax <= d, x.pow(2), 2 * d * ax - d.pow(2))
+    if loss == "smooth_l1":
+        return err / d
+    if loss != "huber":
+        raise ValueError(f"train.loss must be l2, huber or smooth_l1, got {loss!r}")
+    return err
+
+
+def options(train: Any, objective: Any, t: torch.Tensor) -> tuple[str, torch.Tensor | None]:
+    """(`train.loss`, its per-sample delta at timesteps `t`), `elementwise`'s last arguments;
+    `objective` tells where t lies (`noise_level`)."""
+    if train.loss == "l2":
+        return "l2", None
+    position, ratio = objective.noise_level(t)
+    return train.loss, huber_deltas(train.huber_delta, train.huber_schedule, position, ratio)
+
+
+def huber_deltas(delta: float, schedule: str, position: torch.Tensor,
+                 ratio: torch.Tensor) -> torch.Tensor:
+    """Per-sample delta for `train.huber_schedule` (sd-scripts' schedules): `position` is the
+    timestep from clean 0 to pure noise 1, `ratio` the noise-to-signal ratio sigma.
+
+    constant: delta; exponential: delta ** position (1 at the clean end, delta at pure noise);
+    snr: (1 - delta) / (1 + sigma)² + delta (1 where there is no noise, -> delta as noise grows).
+    """
+    position = position.float()
+    if schedule == "constant":
+        return torch.full_like(position, delta)
+    if schedule == "exponential":
+        return torch.exp(position * torch.log(torch.tensor(delta)))
+    if schedule == "snr":
+        return (1 - delta) / (1 + ratio.float()).pow(2) + delta
+    raise ValueError(f"train.huber_schedule must be constant, exponential or snr, got {schedule!r}")
 
 
 def per_sample(err: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

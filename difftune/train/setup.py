@@ -28,7 +28,7 @@ from difftune.cache.controls import ControlSource
 from difftune.cache.sources import LatentSource, TextSource
 from difftune.config import RunConfig
 from difftune.config.adapter import AdapterConfig
-from difftune.data import class_images
+from difftune.data import class_images, holdout
 from difftune.data.captions import Captions
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family, blocks_of
@@ -95,10 +95,12 @@ def progress(show: bool) -> Any:
 
 def load_data(cfg: RunConfig, family: Family) -> DataSet:
     """Discover the datasets (cheap: no model needed); warns about every skipped file. Edit
-    pairs' control images are sized by the family's rule (`Family.control_size`). Folders of
-    class images still to generate are made (empty) first."""
+    pairs' control images are sized by the family's rule (`Family.control_size`); the
+    validation set is split off into `held` (data/holdout.py). Folders of class images
+    still to generate are made (empty) first."""
     class_images.make_folders(cfg)
-    return data.build(cfg.datasets, family.bucket_step, family.control_size)
+    found = data.build(cfg.datasets, family.bucket_step, family.control_size)
+    return holdout.split(cfg, found, family.bucket_step, family.control_size)
 
 
 def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool = True,

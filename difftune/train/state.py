@@ -13,7 +13,7 @@ position, so a checkpoint resumes on a base quantized differently, or not at all
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,8 @@ class TrainState:
     step: int = 0
     updating: bool = False
     ema: Ema | None = None
+    # The validation loss's record (train/validation.py): best, best_step, bad evaluations.
+    validation: dict[str, Any] = field(default_factory=dict)
 
     def eval_weights(self) -> AbstractContextManager[None]:
         """Inside: the trained parameters hold the optimizer's evaluation weights (schedule-
@@ -84,7 +86,8 @@ class TrainState:
                               "tensors": optimizer_tensors(self.opt, self.names)},
                 "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
                 "rng": self.rngs.state_dict(),
-                "ema": self.ema.state_dict() if self.ema is not None else None}
+                "ema": self.ema.state_dict() if self.ema is not None else None,
+                "validation": dict(self.validation)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()`; this config's peak rates and schedule govern from the
@@ -103,6 +106,7 @@ class TrainState:
         self.sampler.load_state_dict(state["sampler"])
         self.guard.load_state_dict(state["counters"])
         self.step = int(state["step"])
+        self.validation = dict(state.get("validation") or {})
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
 

@@ -59,7 +59,9 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     pred = predict(run, indices + rows_of(indices), per_sample + rows_of(per_sample),
                     captions + [c for _, c in twins], kept + rows_of(kept), noisy, t)
     mask = _masks(run, [entries[k] for k in keep], indices)
-    loss = losses.batch_mean(losses.per_sample(losses.elementwise(pred[:n], draw.target), mask),
+    err = losses.elementwise(pred[:n], draw.target,
+                             *losses.options(run.cfg.train, run.objective, draw.t))
+    loss = losses.batch_mean(losses.per_sample(err, mask),
                              subset_weights(run, indices, draw.weights))
     if twins:
         loss = loss + _preservation_loss(run, pred[n:], rows_of(indices), rows_of(per_sample),

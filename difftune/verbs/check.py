@@ -26,6 +26,7 @@ from difftune.train.loop import param_groups, set_training
 from difftune.train.optimizers.specs import OPTIMIZERS, parse_args, state_bytes
 from difftune.train.rundir import RunLock, refuse_overwrite
 from difftune.train.setup import Run, load_data, prepare
+from difftune.train import validation
 from difftune.train.step import batch_loss
 from difftune.verbs.common import sampler_for
 
@@ -133,6 +134,7 @@ def run_check(cfg: RunConfig) -> list[str]:
     report.append(f"training step: loss {value:.4f}, gradients flow into "
                   + (", ".join(flow) if flow else "nothing this step trains (its caption "
                      "uses no placeholder)"))
+    report += validation.describe(run)
     report += _placeholder_report(run)
     report += describe_captions(run)
     report += _check_sample(run)

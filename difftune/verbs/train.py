@@ -20,6 +20,7 @@ from difftune.train.checkpoint import Checkpoint, CheckpointManager
 from difftune.train.dist import Dist
 from difftune.train.init_lora import load_init_lora
 from difftune.train.loop import Hooks, Result, train
+from difftune.train.validation import Validator
 from difftune.train.rundir import (
     RunLock,
     clean_leftovers,
@@ -73,7 +74,13 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
     ckpt.write_config()
     sampler = (sampler_for(run, None, cfg.save.dir / "samples")
                if cfg.sample.prompts and dist.main else None)
-    fill_caches(run, dist.broadcast(sample_prompts(sampler) if sampler else []), show_progress)
+    validator = Validator.of(run)
+    extra = (sample_prompts(sampler) if sampler else []) + (validator.captions if validator else [])
+    if validator is not None:
+        validator.fill()
+        log.info("validation: %d held-out images, every %d steps at %d timesteps",
+                 len(validator.items), cfg.validation.every_n_steps, cfg.validation.timesteps)
+    fill_caches(run, dist.broadcast(extra), show_progress)
     start = checkpoint.step if checkpoint else 0
     reporter = (Reporter(cfg.save.dir, cfg.train.steps, start_step=start, bar=show_progress,
                          append=checkpoint is not None, every=cfg.train.log_every)
@@ -84,7 +91,7 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
         with stop_signals() as stop:
             if sampler:
                 sampler.stop = stop
-            result = train(run, Hooks(reporter, ckpt, sampler, stop), checkpoint)
+            result = train(run, Hooks(reporter, ckpt, sampler, stop, validator), checkpoint)
     finally:
         reporter.close()
         report_bad_entries(run)

@@ -86,7 +86,8 @@ class Checkpoint:
                 "scheduler": doc["scheduler"], "scaler": doc["scaler"],
                 "rng": {"tensors": self.rng, "plain": doc["rng"]},
                 "ema": None if self.ema is None else {"tensors": self.ema,
-                                                      "plain": doc.get("ema") or {}}}
+                                                      "plain": doc.get("ema") or {}},
+                "validation": doc.get("validation") or {}}
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

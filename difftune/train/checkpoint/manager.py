@@ -156,6 +156,7 @@ class CheckpointManager(LoraFiles):
                "optimizer": saved["optimizer"]["groups"], "scheduler": saved["scheduler"],
                "scaler": saved["scaler"], "rng": saved["rng"]["plain"],
                "ema": saved["ema"]["plain"] if saved["ema"] is not None else None,
+               "validation": saved["validation"],
                "identity": self.identity(), "config": self.cfg.model_dump(mode="json"),
                "versions": files.versions()}
         files.write_text(tmp / FILES[3], json.dumps(doc, indent=1))  # last: marks it complete

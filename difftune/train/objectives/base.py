@@ -31,3 +31,16 @@ class Objective(Protocol):
     def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
         """Noise a batch of clean latents (randomness from `generator` only)."""
         ...
+
+    def draw_at(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> Draw:
+        """The draw at given times `t` with given `noise` (validation: no randomness)."""
+        ...
+
+    def fixed_timesteps(self, n: int) -> torch.Tensor:
+        """`n` times spread evenly over the objective's range (validation)."""
+        ...
+
+    def noise_level(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample: (position from clean 0 to pure noise 1, noise-to-signal ratio), what
+        the loss's scheduled Huber delta reads."""
+        ...

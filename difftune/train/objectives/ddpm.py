@@ -235,3 +235,23 @@ class DDPMObjective:
             weights = min_snr_weights(self.schedule, t, self.min_snr_gamma, self.prediction)
         return Draw(t, noisy(self.schedule, latents, noise, t),
                     target(self.schedule, latents, noise, t, self.prediction), weights)
+
+    def draw_at(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> Draw:
+        """The draw at given timesteps `t` with given `noise` (no offset drawn: validation)."""
+        noise, t = noise.to(latents.device), t.to(latents.device)
+        weights = None
+        if self.min_snr_gamma is not None:
+            weights = min_snr_weights(self.schedule, t, self.min_snr_gamma, self.prediction)
+        return Draw(t, noisy(self.schedule, latents, noise, t),
+                    target(self.schedule, latents, noise, t, self.prediction), weights)
+
+    def fixed_timesteps(self, n: int) -> torch.Tensor:
+        """`n` integer timesteps spread evenly over [0, num), at the centres of n intervals."""
+        num = self.schedule.num_train_timesteps
+        return ((torch.arange(n, dtype=torch.float64) + 0.5) * num / n).long().clamp(0, num - 1)
+
+    def noise_level(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t / num from clean 0 to pure noise 1, noise-to-signal ratio sqrt((1 - abar) / abar))."""
+        abar = _abar(self.schedule, t)
+        ratio = ((1.0 - abar) / abar.clamp_min(1e-12)).sqrt().float()
+        return t.float() / self.schedule.num_train_timesteps, ratio

@@ -108,3 +108,17 @@ class FlowMatching:
                              self.dynamic).to(latents.device)
         noisy, target = noisy_and_target(latents, noise, t)
         return Draw(t, noisy, target)
+
+    def draw_at(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> Draw:
+        """The draw at given times `t` with given `noise` (validation: nothing is drawn)."""
+        noisy, target = noisy_and_target(latents, noise.to(latents.device), t.to(latents.device))
+        return Draw(t.to(latents.device), noisy, target)
+
+    def fixed_timesteps(self, n: int) -> torch.Tensor:
+        """`n` times spread evenly over (0, 1), at the centres of n equal intervals."""
+        return (torch.arange(n, dtype=torch.float32) + 0.5) / n
+
+    def noise_level(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position of t from clean 0 to pure noise 1, noise-to-signal ratio t / (1 - t))."""
+        t = t.float()
+        return t, t / (1 - t).clamp_min(1e-5)
