@@ -29,9 +29,7 @@ from difftune.cache.disk import DiskStore
 from difftune.cache.keys import entry_key
 from difftune.config import RunConfig, parse_config
 from difftune.data.images import load_pixels
-from difftune.report.metrics import Reporter
-from difftune.train.checkpoint import CheckpointManager
-from difftune.train.loop import Hooks, train
+from difftune.train.loop import train_plain
 from difftune.train.setup import fill_caches, prepare
 
 
@@ -134,13 +132,8 @@ def data_share(cfg: RunConfig) -> tuple[float, float]:
     spent = [0.0]
     run.latents.get = _timed(run.latents.get, spent)  # type: ignore[method-assign]
     run.texts.get = _timed(run.texts.get, spent)  # type: ignore[method-assign]
-    reporter = Reporter(cfg.save.dir, cfg.train.steps, bar=False)
     start = time.perf_counter()
-    try:
-        train(run, Hooks(reporter, CheckpointManager(cfg, run.family, run.comps, run.targets, {}),
-                         None))
-    finally:
-        reporter.close()
+    train_plain(run)
     total = time.perf_counter() - start
     return total / cfg.train.steps, spent[0] / cfg.train.steps
 

@@ -93,21 +93,14 @@ def one(images: Path, masks: Path | None, floor: float, out: Path, args: argpars
         ) -> list[float]:
     """Train one run: [change inside, change outside, error removed inside, error removed
     outside] (the last two as fractions of the base model's error)."""
-    from difftune.report.metrics import Reporter
-    from difftune.train.checkpoint import CheckpointManager
-    from difftune.train.loop import Hooks, train
+    from difftune.train.loop import train_plain
     from difftune.train.setup import fill_caches, prepare
 
     cfg = config(images, masks, floor, out, args)
     run = prepare(cfg, show_progress=False)
     fill_caches(run, [], show_progress=False)
     before, target = predictions(run)
-    reporter = Reporter(cfg.save.dir, cfg.train.steps, bar=False)
-    try:
-        train(run, Hooks(reporter, CheckpointManager(cfg, run.family, run.comps, run.targets,
-                                                     {}), None))
-    finally:
-        reporter.close()
+    train_plain(run)
     after, _ = predictions(run)
     inside = torch.zeros(after.shape[-2:], dtype=torch.bool)
     inside[2:6, 2:6] = True  # pixels 16..48 of 64, the VAE's factor 8

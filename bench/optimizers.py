@@ -55,17 +55,10 @@ def config(name: str, out: Path, steps: int, device: str) -> "RunConfig":
 def train_once(run: "Run", cfg: "RunConfig", warmup: int) -> float:
     """Train `run` with `cfg` (its optimizer) through difftune's loop; seconds per step after
     `warmup` steps, from the loop's metrics."""
-    from difftune.report.metrics import Reporter
-    from difftune.train.checkpoint import CheckpointManager
-    from difftune.train.loop import Hooks, train
+    from difftune.train.loop import train_plain
 
     run = replace(run, cfg=cfg)
-    reporter = Reporter(cfg.save.dir, cfg.train.steps, bar=False)
-    try:
-        train(run, Hooks(reporter, CheckpointManager(cfg, run.family, run.comps, run.targets,
-                                                     {}), None))
-    finally:
-        reporter.close()
+    train_plain(run)
     rows = [json.loads(r) for r in (cfg.save.dir / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["time"] for r in rows}
     return (times[cfg.train.steps] - times[warmup]) / (cfg.train.steps - warmup)

@@ -69,19 +69,12 @@ def config(images: Path, out: Path, steps: int, weight: float | None,
 
 def trained(cfg: "RunConfig", prompts: list[str]) -> "Run":
     """Prepare, cache (the measured prompts too) and train `cfg`; the run, in eval mode."""
-    from difftune.report.metrics import Reporter
-    from difftune.train.checkpoint import CheckpointManager
-    from difftune.train.loop import Hooks, train
+    from difftune.train.loop import train_plain
     from difftune.train.setup import fill_caches, prepare
 
     run = prepare(cfg, show_progress=False)
     fill_caches(run, prompts, show_progress=False)
-    reporter = Reporter(cfg.save.dir, cfg.train.steps, bar=False)
-    try:
-        train(run, Hooks(reporter, CheckpointManager(cfg, run.family, run.comps, run.targets,
-                                                     {}), None))
-    finally:
-        reporter.close()
+    train_plain(run)
     return run
 
 

@@ -122,6 +122,18 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
     return result
 
 
+def train_plain(run: Run) -> Result:
+    """Train a prepared run with metrics and checkpoints but no sampler, validator or stop
+    signal: what benches and tests that measure the training itself need."""
+    cfg = run.cfg
+    reporter = Reporter(cfg.save.dir, cfg.train.steps, bar=False)
+    try:
+        return train(run, Hooks(reporter, CheckpointManager(cfg, run.family, run.comps,
+                                                            run.targets, {}), None))
+    finally:
+        reporter.close()
+
+
 def _validate(run: Run, hooks: Hooks, state: TrainState, step: int,
               extra: dict[str, Any]) -> bool:
     """When due: the validation loss of the weights the run saves (in eval mode) into
