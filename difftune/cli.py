@@ -58,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", type=Path, help="output folder (default: <save.dir>/samples)")
     sample.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config field")
+    ui = verbs.add_parser("ui", help="serve the web app: prepare, launch, watch and compare runs",
+                          description="serve the web app: prepare, launch, watch and compare runs")
+    ui.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default 127.0.0.1; any other needs the printed token)")
+    ui.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    ui.add_argument("--root", dest="roots", action="append", type=Path, default=[],
+                    metavar="DIR", help="a folder the app may read and write under (repeatable; "
+                    "default: the current folder); runs and the job queue live in the first")
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -190,8 +198,19 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ui(args: argparse.Namespace) -> int:
+    from difftune.errors import ConfigError
+    from difftune.ui.server import serve
+
+    try:
+        return serve(args.host, args.port, args.roots or [Path.cwd()])
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
+    "ui": _ui,
 }
 
 

@@ -1,0 +1,1 @@
+"""Run forms: fields from the config models, what applies, presets, TOML in and out."""

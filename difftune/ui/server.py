@@ -1,0 +1,62 @@
+"""`difftune ui`: build the app (pages, API, guard, job queue) and serve it with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from difftune.ui.context import UiContext
+from difftune.ui.security import Guard, Roots, is_loopback, new_token
+
+log = logging.getLogger("difftune")
+
+# Page and API modules, each with `register(ctx)` (pages) or `router(ctx)` (API).
+PAGE_MODULES = ("jobs", "run", "prepare", "datasets", "compare")
+API_MODULES = ("jobs", "runs", "config", "datasets")
+
+
+def build(ctx: UiContext) -> None:
+    """Register every page and API route on NiceGUI's app, and the queue's start and stop."""
+    import importlib
+
+    from nicegui import app
+
+    for name in API_MODULES:
+        module = importlib.import_module(f"difftune.ui.api.{name}")
+        app.include_router(module.router(ctx), prefix="/api")
+    for name in PAGE_MODULES:
+        importlib.import_module(f"difftune.ui.pages.{name}").register(ctx)
+    app.add_middleware(Guard, token=ctx.token)
+    app.on_startup(ctx.queue.start)
+    app.on_shutdown(ctx.queue.close)
+
+
+def make_context(roots: list[Path], token: str | None) -> UiContext:
+    """The context for `roots`: the job queue's database under the first root."""
+    from difftune.ui.jobs.queue import JobQueue
+
+    checked = Roots.of(roots)
+    state = checked.main / ".difftune-ui"
+    state.mkdir(parents=True, exist_ok=True)
+    return UiContext(roots=checked, queue=JobQueue(state / "jobs.sqlite", checked), token=token)
+
+
+def serve(host: str, port: int, roots: list[Path]) -> int:
+    """Serve the app until Ctrl-C. Off loopback a token is made and printed, and required."""
+    from nicegui import ui
+
+    token = None if is_loopback(host) else new_token()
+    ctx = make_context(roots, token)
+    build(ctx)
+    shown = f"[{host}]" if ":" in host else host
+    address = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+    print(f"difftune ui: {address}  (roots: {', '.join(map(str, ctx.roots.folders))})",
+          flush=True)
+    if token:
+        print("every request needs this token (or 'Authorization: Bearer <token>')", flush=True)
+    ui.run(host=host, port=port, reload=False, show=False, title="difftune",
+           fastapi_docs={"title": "difftune ui API"}, show_welcome_message=False,
+           uvicorn_logging_level="warning", favicon="🎛️", dark=None)
+    sys.stdout.flush()
+    return 0
