@@ -1,0 +1,58 @@
+"""ECharts options for the loss charts (NiceGUI's `ui.echart` draws them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _points(rows: list[dict[str, Any]], key: str) -> list[list[float]]:
+    """[step, value] pairs of the rows that carry `key` (val_loss is on some rows only)."""
+    return [[row["step"], row[key]] for row in rows
+            if isinstance(row.get(key), (int, float))]
+
+
+def loss_chart_options(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Training loss (raw and smoothed), validation loss where measured, and the learning rate
+    on its own axis, against the step."""
+    series = [
+        {"name": "loss", "type": "line", "showSymbol": False, "data": _points(rows, "loss"),
+         "lineStyle": {"width": 1, "opacity": 0.35}},
+        {"name": "loss (smoothed)", "type": "line", "showSymbol": False,
+         "data": _points(rows, "loss_smoothed"), "lineStyle": {"width": 2}},
+        {"name": "validation loss", "type": "line", "symbolSize": 6,
+         "data": _points(rows, "val_loss")},
+        {"name": "learning rate", "type": "line", "showSymbol": False, "yAxisIndex": 1,
+         "data": _points(rows, "lr"), "lineStyle": {"type": "dashed", "width": 1}},
+    ]
+    return {
+        "animation": False,
+        "tooltip": {"trigger": "axis"},
+        "legend": {"top": 0},
+        "grid": {"left": 60, "right": 70, "top": 40, "bottom": 40},
+        "xAxis": {"type": "value", "name": "step", "min": "dataMin"},
+        "yAxis": [{"type": "value", "name": "loss", "scale": True},
+                  {"type": "value", "name": "lr", "splitLine": {"show": False},
+                   "axisLabel": {"formatter": "{value}"}}],
+        "series": series,
+    }
+
+
+def compare_chart_options(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Several runs' smoothed training loss (and validation loss where measured) on one chart."""
+    series: list[dict[str, Any]] = []
+    for name, rows in runs.items():
+        series.append({"name": name, "type": "line", "showSymbol": False,
+                       "data": _points(rows, "loss_smoothed")})
+        val = _points(rows, "val_loss")
+        if val:
+            series.append({"name": f"{name} (validation)", "type": "line", "symbolSize": 6,
+                           "lineStyle": {"type": "dashed"}, "data": val})
+    return {
+        "animation": False,
+        "tooltip": {"trigger": "axis"},
+        "legend": {"top": 0, "type": "scroll"},
+        "grid": {"left": 60, "right": 30, "top": 40, "bottom": 40},
+        "xAxis": {"type": "value", "name": "step", "min": "dataMin"},
+        "yAxis": {"type": "value", "name": "loss", "scale": True},
+        "series": series,
+    }
