@@ -27,9 +27,31 @@ def build(ctx: UiContext) -> None:
         app.include_router(module.router(ctx), prefix="/api")
     for name in PAGE_MODULES:
         importlib.import_module(f"difftune.ui.pages.{name}").register(ctx)
+    _offline_docs()
     app.add_middleware(Guard, token=ctx.token)
     app.on_startup(ctx.queue.start)
     app.on_shutdown(ctx.queue.close)
+
+
+def _offline_docs() -> None:
+    """The OpenAPI page at /docs with Swagger UI's files served from the swagger-ui-bundle
+    package (FastAPI's own /docs loads them from a CDN, which an offline machine cannot reach).
+    FastAPI's CDN page is moved aside to /docs-cdn."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.responses import HTMLResponse
+    from fastapi.staticfiles import StaticFiles
+    from nicegui import app
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount("/docs-assets", StaticFiles(directory=swagger_ui_path), name="docs-assets")
+    app.docs_url, app.redoc_url = "/docs-cdn", "/redoc-cdn"
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="difftune ui API",
+                                   swagger_js_url="/docs-assets/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs-assets/swagger-ui.css",
+                                   swagger_favicon_url="/docs-assets/favicon-32x32.png")
 
 
 def make_context(roots: list[Path], token: str | None) -> UiContext:

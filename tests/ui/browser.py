@@ -1,0 +1,91 @@
+"""Helpers of the browser tests: serve `difftune ui` as a real process, drive Debian's Chromium.
+
+Chromium comes from the system (`.ci/run` installs Debian's package); Playwright drives it
+through its `executable_path`, never downloading a browser of its own. Without Chromium the
+tests skip, unless DIFFTUNE_REQUIRE_BROWSER is set (CI sets it), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def chromium() -> str:
+    """The system's Chromium, or skip (fail under DIFFTUNE_REQUIRE_BROWSER)."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    message = "no Chromium: install Debian's `chromium` package (.ci/run does)"
+    if os.environ.get("DIFFTUNE_REQUIRE_BROWSER"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class UiProcess:
+    """`difftune ui` serving `root` on a free port, as a user starts it."""
+
+    def __init__(self, root: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.root, self.host = root, host
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = root / f"ui-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "UiProcess":
+        """Start the server and wait until it answers (30 s at most)."""
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "difftune", "ui", "--root", str(self.root),
+                 "--port", str(self.port), "--host", self.host],
+                stdout=out, stderr=subprocess.STDOUT, cwd=self.root)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"difftune ui exited: {self.log.read_text()}")
+            try:
+                urllib.request.urlopen(f"{self.url}/api/jobs", timeout=2)
+                return self
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError(f"difftune ui did not answer in 30 s: {self.log.read_text()}")
+
+    def stop(self) -> None:
+        """Stop the server as Ctrl-C does (its jobs run on: they are their own sessions)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def shoot(page: object, name: str) -> None:
+    """Save a screenshot of `page` as docs/ui/<name>.png when DIFFTUNE_SCREENSHOTS names a
+    folder (`DIFFTUNE_SCREENSHOTS=docs/ui pytest tests/ui/test_browser.py` makes docs/ui.md's)."""
+    folder = os.environ.get("DIFFTUNE_SCREENSHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)  # type: ignore[attr-defined]
