@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--root", dest="roots", action="append", type=Path, default=[],
                     metavar="DIR", help="a folder the app may read and write under (repeatable; "
                     "default: the current folder); runs and the job queue live in the first")
+    text = "ask a training run to sample or save after its current step"
+    request = verbs.add_parser("request", help=text, description=text)
+    request.add_argument("kind", choices=["sample", "save"], help="what to do now")
+    request.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's save.dir")
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -198,6 +202,14 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _request(args: argparse.Namespace) -> int:
+    from difftune.verbs.request import run_request
+
+    for line in run_request(args.run_dir, args.kind):
+        print(line)
+    return 0
+
+
 def _ui(args: argparse.Namespace) -> int:
     from difftune.errors import ConfigError
     from difftune.ui.server import serve
@@ -210,7 +222,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
-    "ui": _ui,
+    "ui": _ui, "request": _request,
 }
 
 

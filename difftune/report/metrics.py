@@ -84,6 +84,7 @@ class Reporter:
                "it_per_s": rate, "time": elapsed, **(extra or {})}
         # train.log_every; a step with a validation loss is always written.
         if step % self.every == 0 or step == self.total or "val_loss" in row:
+            row.update(gpu_memory())
             if self._metrics is not None:
                 self._guard("metrics.jsonl", self._write_jsonl, row)
             if self.writer is not None:
@@ -96,7 +97,8 @@ class Reporter:
     def _write_tb(self, row: dict[str, float]) -> None:
         # The loss's named parts (e.g. loss_preservation) on the steps that have them.
         parts = [k for k in row if k.startswith("loss_") and k != "loss_smoothed"]
-        for key in ("loss", "loss_smoothed", "lr", "it_per_s", *parts):
+        gpu = ("gpu_mem_gib",) if "gpu_mem_gib" in row else ()
+        for key in ("loss", "loss_smoothed", "lr", "it_per_s", *gpu, *parts):
             self.writer.add_scalar(f"train/{key}", row[key], row["step"])
         if "val_loss" in row:
             self.writer.add_scalar("val/loss", row["val_loss"], row["step"])
@@ -129,6 +131,19 @@ class Reporter:
             self._guard("metrics.jsonl", self._metrics.close)
         if self.writer is not None:
             self._guard("tensorboard", self.writer.close)
+
+
+def gpu_memory() -> dict[str, float]:
+    """`{"gpu_mem_gib": ...}`: the most GPU memory this process's tensors held since the last
+    call (torch's peak allocated, reset here), in GiB; {} in a process that never used CUDA
+    (a CPU run), where it costs one check."""
+    import torch  # loaded already by any run that trains; kept off this module's import
+
+    if not torch.cuda.is_initialized():
+        return {}
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return {"gpu_mem_gib": round(peak, 3)}
 
 
 def _keep_rows_until(path: Path, step: int) -> None:

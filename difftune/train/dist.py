@@ -110,11 +110,17 @@ class Dist:
 
     def any(self, flag: bool) -> bool:
         """Whether `flag` is true on any process (all processes must call this together)."""
+        return self.any_of([flag])[0]
+
+    def any_of(self, flags: Sequence[bool]) -> list[bool]:
+        """For each of `flags`, whether it is true on any process, in one all-reduce (all
+        processes call this together with as many flags). A flag only rank 0 can know (a
+        request file it read) reaches every process this way: the others pass False."""
         if self.world == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self._device())
+            return list(flags)
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self._device())
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return bool(t.item() > 0)
+        return [v > 0 for v in t.tolist()]
 
     def broadcast_params(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Make every process hold rank 0's values of `params` (they start equal from the seed;

@@ -25,6 +25,7 @@ from difftune.train.checkpoint import Checkpoint, CheckpointManager
 from difftune.train.ema import Ema, using
 from difftune.train.guard import NonFiniteGuard, TrainingDiverged
 from difftune.train.optimizers.build import make_optimizer
+from difftune.train import requests
 from difftune.train.preservation import step_metrics
 from difftune.train.optimizers.modes import step_lr
 from difftune.train.optimizers.schedule import make_scheduler
@@ -113,12 +114,13 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
         if step < cfg.train.steps:
             _between_steps(run, hooks, state, step)
     set_training(run, False)
+    # Requests made during the last step: the final save answers "save", "sample" samples.
+    asked = requests.take_requests(run.out) if run.dist.main else set()
     with state.eval_weights(), using(state.ema, "saves"):
         result.lora = hooks.checkpoints.save_lora(state.step, final=True)
     hooks.checkpoints.save(state)
-    if cfg.sample.at_end and hooks.sampler:
-        with state.eval_weights(), using(state.ema, "samples"):
-            hooks.sampler.run(state.step)
+    if cfg.sample.at_end or requests.SAMPLE in asked:
+        _sample(hooks, state, state.step)
     return result
 
 
@@ -337,25 +339,58 @@ def _optimizer_step(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.
 
 
 def _between_steps(run: Run, hooks: Hooks, state: TrainState, step: int) -> None:
-    """Save and sample when due; on a stop request, checkpoint and raise `Interrupted`.
+    """Save and sample when due or asked for (request files, requests.py); on a stop request,
+    checkpoint and raise `Interrupted`.
 
     The stop request is read after sampling, which itself ends early when asked to: a
-    SIGTERM during a sample event stops after the current image."""
+    SIGTERM during a sample event stops after the current image. Request files are read in
+    the same look (rank 0 reads them; one collective tells every process, which all save)."""
     cfg = run.cfg
-    saved = None
-    if _due(step, cfg.save.every_n_steps):
-        # LoRA files and samples from the weights to use (schedule-free's x, the EMA);
-        with state.eval_weights(), using(state.ema, "saves"):
-            hooks.checkpoints.save_lora(step)
-        saved = hooks.checkpoints.save(state)  # the checkpoint holds the training weights
-    if hooks.sampler and _due(step, cfg.sample.every_n_steps):
-        with state.eval_weights(), using(state.ema, "samples"):
-            hooks.sampler.run(step)
+    saved = _save(hooks, state, step) if _due(step, cfg.save.every_n_steps) else None
+    sampled = hooks.sampler is not None and _due(step, cfg.sample.every_n_steps)
+    if sampled:
+        _sample(hooks, state, step)
     asked = hooks.stop()
-    stop = run.dist.any(asked)  # every process stops after the same step
+    wanted = requests.pending(run.out) if run.dist.main else set()
+    stop, want_sample, want_save = run.dist.any_of(
+        [asked, requests.SAMPLE in wanted, requests.SAVE in wanted])
     if stop and not asked:
         log.warning("another process of this run was asked to stop: stopping after step %d",
                     step)
+    if want_save:
+        log.info("save requested (%s): saving at step %d", requests.folder(run.out), step)
+        if saved is None:  # a stop saves the checkpoint below; the LoRA file is written here
+            saved = _save(hooks, state, step, checkpoint=not stop)
+    if want_sample and not stop:  # when stopping, the request waits for the resumed run
+        log.info("sample requested (%s): sampling at step %d", requests.folder(run.out), step)
+        if hooks.sampler is None and run.dist.main:
+            log.warning("sample requested, but this run has no sample.prompts: nothing to "
+                        "sample")
+        elif not sampled:
+            _sample(hooks, state, step)
+    done = [k for k, on in ((requests.SAVE, want_save), (requests.SAMPLE, want_sample and not stop))
+            if on]
+    if done and run.dist.main:
+        requests.clear(run.out, done)
+    # A stop asked during a requested sample event (every process knows there was one).
+    stop = stop or (want_sample and run.dist.any(hooks.stop()))
     if stop:
         saved = saved or hooks.checkpoints.save(state)
         raise Interrupted(step, saved)
+
+
+def _save(hooks: Hooks, state: TrainState, step: int, checkpoint: bool = True) -> Path | None:
+    """The LoRA file of this step and (`checkpoint`) a resume checkpoint; the latter's folder.
+    LoRA files are written from the weights to use (schedule-free's x, the EMA); the
+    checkpoint holds the training weights."""
+    with state.eval_weights(), using(state.ema, "saves"):
+        hooks.checkpoints.save_lora(step)
+    return hooks.checkpoints.save(state) if checkpoint else None
+
+
+def _sample(hooks: Hooks, state: TrainState, step: int) -> None:
+    """A sample event at `step` from the weights to use (nothing on a process that does not
+    sample: every process but rank 0, or a run without prompts)."""
+    if hooks.sampler is not None:
+        with state.eval_weights(), using(state.ema, "samples"):
+            hooks.sampler.run(step)

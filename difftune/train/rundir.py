@@ -146,6 +146,15 @@ class RunLock:
         self.release()
 
 
+def training_pid(out: Path) -> str | None:
+    """The pid of the run holding `out`'s lock (a run training there now), read without
+    taking the lock; None when none does, or when it cannot be told (not Linux)."""
+    try:
+        return _holder(os.stat(out).st_ino)
+    except OSError:
+        return None
+
+
 def _holder(inode: int) -> str | None:
     """The pid holding a flock on the file with this inode, from /proc/locks (Linux; None
     elsewhere or when not found)."""
