@@ -11,9 +11,10 @@ from typing import Iterator
 
 import pytest
 
-from difftune.ui.jobs.derive import derive
+from difftune.ui.jobs.derive import derive, finish
 from difftune.ui.jobs.launch import write_json
 from difftune.ui.jobs.queue import JobQueue, JobStateError, run_dir_of
+from difftune.ui.jobs.store import Job
 from difftune.ui.security import PathOutsideRoots, Roots
 
 from .jobs_helpers import (CLI_ERROR, FAIL, QUICK, SLEEP, TRAINLIKE, kill_jobs, make_queue,
@@ -98,6 +99,21 @@ def test_a_killed_job_is_died_not_running(jobs_queue: JobQueue, jobs_root: Path)
     died = wait_for(jobs_queue, job.id, ("died", "failed", "succeeded", "stopped"))
     assert died.state == "died"
     assert "without an exit record" in died.error and died.error.endswith("ready")
+
+
+def test_exit_0_after_a_stop_is_stopped_only_when_the_cli_says_so(tmp_path: Path) -> None:
+    job = Job(id=1, verb="train", config=tmp_path / "run.toml", args=[], run_dir=tmp_path,
+              state="stopping", log=tmp_path / "1.log")
+    job.log.write_text("step 3\n")  # finished before the stop reached it
+    asked = {"exit_code": 0, "ended": 5.0, "signal": "SIGTERM", "killed_by": None}
+    assert finish(job, asked).state == "succeeded"
+    job.log.write_text("step 3\nstopped after step 3; checkpoint saved to c\nresume with: x\n")
+    assert finish(job, asked).state == "stopped"
+    killed = {"exit_code": 143, "ended": 5.0, "signal": "SIGTERM", "killed_by": "SIGTERM"}
+    assert finish(job, killed).state == "stopped"  # a verb without a stop handler
+    crashed = {"exit_code": 1, "ended": 5.0, "signal": None, "killed_by": None}
+    job.log.write_text("Traceback...\ninternal error: ValueError: x (traceback in log)\n")
+    assert finish(job, crashed).error == "internal error: ValueError: x (traceback in log)"
 
 
 def test_a_reused_pid_is_not_taken_for_the_job(jobs_queue: JobQueue, jobs_root: Path) -> None:

@@ -22,6 +22,8 @@ from difftune.ui.jobs.store import LIVE, Job
 # What the CLI prints on failure: `error: ...` (a user-fixable problem, possibly followed by
 # indented detail lines) or `internal error...`, with `[rank N] ` before it under a launch.
 ERROR_LINE = re.compile(r"^(\[rank \d+\] )?(error|internal error)\b.*:")
+# What `difftune train` prints when a stop signal ended it after a step, checkpoint saved.
+STOPPED_LINE = re.compile(r"^(\[rank \d+\] )?stopped after step \d+")
 ERROR_LINES_MAX = 40
 TAIL_BYTES = 256 * 1024  # how much of a log's end is read to find its last error
 
@@ -45,13 +47,15 @@ def derive(job: Job) -> Job:
 
 
 def finish(job: Job, record: dict[str, Any]) -> Job:
-    """`job` ended as its exit record says: succeeded, stopped (a stop signal was passed on and
-    the CLI exited 0 or by that signal) or failed (with the CLI's error lines)."""
+    """`job` ended as its exit record says: stopped (a stop signal was passed on, and the CLI
+    either said "stopped after step N" and exited 0, as training does, or was ended by that
+    signal), succeeded (exit 0: it may have finished before the stop reached it) or failed
+    (with the CLI's error lines)."""
     code = int(record.get("exit_code", 1))
     ended = record.get("ended") or time.time()
     asked = record.get("signal")
-    by_stop = asked is not None and (code == 0 or record.get("killed_by") == asked)
-    if by_stop:
+    said = code == 0 and any(STOPPED_LINE.match(line) for line in tail_lines(job.log, 50))
+    if asked is not None and (said or record.get("killed_by") == asked):
         return replace(job, state="stopped", exit_code=code, ended=ended, error=None)
     if code == 0:
         return replace(job, state="succeeded", exit_code=0, ended=ended, error=None)
