@@ -20,8 +20,9 @@ from difftune.ui.jobs.launch import is_alive
 from difftune.ui.jobs.store import LIVE, Job
 
 # What the CLI prints on failure: `error: ...` (a user-fixable problem, possibly followed by
-# indented detail lines) or `internal error...`, with `[rank N] ` before it under a launch.
-ERROR_LINE = re.compile(r"^(\[rank \d+\] )?(error|internal error)\b.*:")
+# indented detail lines) or `internal error...`, with `[rank N] ` before it under a launch;
+# a bad command line: argparse's `difftune <verb>: error: ...`.
+ERROR_LINE = re.compile(r"^(\[rank \d+\] |difftune( \w+)?: )?(error|internal error)\b.*:")
 # What `difftune train` prints when a stop signal ended it after a step, checkpoint saved.
 STOPPED_LINE = re.compile(r"^(\[rank \d+\] )?stopped after step \d+")
 ERROR_LINES_MAX = 40
