@@ -1,0 +1,138 @@
+"""/api/jobs: submit, list, watch and act on jobs (the same queue calls the pages make).
+
+Errors, each with the queue's message: a path outside the roots -> 403; an unknown job ->
+404; an action the job's state refuses (resume without a checkpoint, stop of a finished job)
+-> 409; bad input (a missing run file, an unknown device) -> 400.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Literal, TypeVar
+
+from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel, Field
+
+from difftune.ui.jobs.queue import JobStateError
+from difftune.ui.jobs.store import Job
+from difftune.ui.security import PathOutsideRoots
+
+if TYPE_CHECKING:
+    from difftune.ui.context import UiContext
+
+
+T = TypeVar("T")
+
+
+class JobIn(BaseModel):
+    """A job to queue: `difftune <verb> <config> <args...>` on a device."""
+
+    verb: Literal["train", "check", "cache", "sample"] = Field(description="the CLI verb")
+    config: str = Field(description="the run file (.toml), absolute or relative to the first "
+                        "root; it must lie under the roots")
+    args: list[str] = Field(default=[], description='extra CLI arguments, e.g. ["--set", '
+                            '"train.lr=2e-4"]; paths they name must lie under the roots')
+    device: str = Field(default="default", description="default, cpu or cuda:N; one job at a "
+                        "time runs per device")
+
+
+class JobOut(BaseModel):
+    """A job as its process and run folder say it is."""
+
+    id: int
+    verb: str
+    config: str
+    args: list[str]
+    run_dir: str = Field(description="the run folder (the run file's save.dir)")
+    device: str
+    state: Literal["queued", "running", "stopping", "succeeded", "failed", "stopped",
+                   "cancelled", "died"]
+    pid: int | None = Field(description="the wrapper process's id while it runs")
+    exit_code: int | None
+    error: str | None = Field(description="the CLI's own error message when the job failed")
+    created: float | None
+    started: float | None
+    ended: float | None
+    log: str = Field(description="the job's log file")
+    parent: int | None = Field(description="the job this one resumes, duplicates or requeues")
+    checkpoints: list[str] = Field(description="complete checkpoints in the run folder")
+    loras: list[str] = Field(description="LoRA files in the run folder")
+
+    @classmethod
+    def of(cls, job: Job) -> "JobOut":
+        """The response for `job`."""
+        return cls(**job.to_dict())
+
+
+class LogOut(BaseModel):
+    """The end of a job's log."""
+
+    id: int
+    lines: list[str]
+
+
+def router(ctx: "UiContext") -> APIRouter:
+    """The /jobs routes over `ctx.queue`."""
+    api = APIRouter(prefix="/jobs", tags=["jobs"])
+    queue = ctx.queue
+
+    @api.post("", response_model=JobOut, status_code=201, summary="Queue a job")
+    def submit(body: JobIn) -> JobOut:
+        """Queue a CLI job; it starts when its device has nothing running."""
+        return JobOut.of(_answer(lambda: queue.submit(body.verb, body.config, body.args,
+                                                      body.device)))
+
+    @api.get("", response_model=list[JobOut], summary="List jobs")
+    def list_jobs() -> list[JobOut]:
+        """Every job, newest first, derived now from its process and run folder."""
+        return [JobOut.of(job) for job in queue.list()]
+
+    @api.get("/{job_id}", response_model=JobOut, summary="One job")
+    def get(job_id: int) -> JobOut:
+        """The job's state, exit code, error, checkpoints and LoRA files."""
+        return JobOut.of(_answer(lambda: queue.get(job_id)))
+
+    @api.post("/{job_id}/stop", response_model=JobOut, summary="Stop a job")
+    def stop(job_id: int) -> JobOut:
+        """Cancel a queued job, or send SIGTERM to a running one (a training saves a
+        checkpoint, then exits: its state becomes stopped)."""
+        return JobOut.of(_answer(lambda: queue.stop(job_id)))
+
+    @api.post("/{job_id}/resume", response_model=JobOut, status_code=201,
+              summary="Resume a train job")
+    def resume(job_id: int) -> JobOut:
+        """Queue a train job continuing this one from its run's latest checkpoint."""
+        return JobOut.of(_answer(lambda: queue.resume(job_id)))
+
+    @api.post("/{job_id}/duplicate", response_model=JobOut, status_code=201,
+              summary="Duplicate a job")
+    def duplicate(job_id: int) -> JobOut:
+        """Queue a copy of the job (same verb, run file, arguments, device)."""
+        return JobOut.of(_answer(lambda: queue.duplicate(job_id)))
+
+    @api.post("/{job_id}/requeue", response_model=JobOut, status_code=201,
+              summary="Requeue a finished job")
+    def requeue(job_id: int) -> JobOut:
+        """Queue a finished job again, as a new job."""
+        return JobOut.of(_answer(lambda: queue.requeue(job_id)))
+
+    @api.get("/{job_id}/log", response_model=LogOut, summary="The end of a job's log")
+    def log(job_id: int, tail: int = Query(200, ge=1, le=100_000,
+                                           description="how many lines")) -> LogOut:
+        """The last `tail` lines of the job's log (the CLI's output)."""
+        return LogOut(id=job_id, lines=_answer(lambda: queue.tail(job_id, tail)))
+
+    return api
+
+
+def _answer(call: Callable[[], T]) -> T:
+    """`call()`, its refusals turned into HTTP errors with the queue's message."""
+    try:
+        return call()
+    except PathOutsideRoots as err:
+        raise HTTPException(403, str(err)) from None
+    except KeyError as err:
+        raise HTTPException(404, err.args[0] if err.args else "no such job") from None
+    except JobStateError as err:
+        raise HTTPException(409, str(err)) from None
+    except ValueError as err:
+        raise HTTPException(400, str(err)) from None

@@ -1,0 +1,162 @@
+"""How a job runs: a small wrapper process around the difftune CLI.
+
+`python -m difftune.ui.jobs.launch --record FILE --log FILE -- <argv...>` starts `argv` (the
+CLI) with its output appended to the log, passes SIGTERM/SIGINT on to it, waits, and writes
+the exit record (exit code, time, the signal it passed on) atomically. The app starts the
+wrapper in a new session, so neither closing the app nor Ctrl-C in its terminal stops a
+job; and because the record is written by a process that outlives the app, a restarted app
+finds how each job ended in the run folder. The app writes `<id>.pid.json` (the wrapper's
+pid and its start time) as soon as the wrapper starts, so a pid reused later by another
+process is never taken for the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# The verbs whose CLI has --no-progress (bars in a log file are noise).
+NO_PROGRESS_VERBS = ("train", "check", "cache")
+# What the wrapper passes on to the CLI.
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def cli_argv(verb: str, config: Path, args: list[str], python: str = sys.executable) -> list[str]:
+    """The difftune CLI command a job of `verb` on `config` runs."""
+    tail = ["--no-progress"] if verb in NO_PROGRESS_VERBS else []
+    return [python, "-m", "difftune", verb, str(config), *args, *tail]
+
+
+def device_env(device: str) -> dict[str, str]:
+    """The environment changes that put a job on `device` ("default": as the app was started;
+    "cpu": no GPU visible; "cuda:N": only GPU N visible, as cuda:0)."""
+    if device == "default":
+        return {}
+    if device == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    index = device.removeprefix("cuda:")
+    if device.startswith("cuda:") and index.isdigit():
+        return {"CUDA_VISIBLE_DEVICES": index}
+    raise ValueError(f"device {device!r} is not one this app knows; use default, cpu or cuda:N "
+                     "(N the GPU's index, as nvidia-smi lists it)")
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` as JSON atomically (temporary file, then rename): readers see all or nothing."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), or None
+    when no such process runs (a zombie counts as gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def is_alive(pid: int, start: int | None) -> bool:
+    """Whether process `pid` runs and is the one that started at `start` (when known)."""
+    if not Path("/proc/self/stat").exists():  # no procfs: fall back to a signal-0 probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    now = process_start(pid)
+    return now is not None and (start is None or now == start)
+
+
+def start_wrapper(python: str, argv: list[str], log: Path, record: Path, pidfile: Path,
+                  cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start the wrapper running `argv` in `cwd` (with `env` added), in a new session; write
+    its pid file. Stale files of a job with the same id (a deleted database) are removed."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    record.unlink(missing_ok=True)
+    pidfile.unlink(missing_ok=True)
+    log.write_bytes(b"")
+    command = [python, "-m", "difftune.ui.jobs.launch", "--record", str(record),
+               "--log", str(log), "--", *argv]
+    # The wrapper starts with the stop signals blocked (a signal mask is inherited), so a stop
+    # sent before it has set its handlers waits for them instead of killing it unrecorded.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        with open(log, "ab") as out:  # append: the wrapper and the CLI write to it too
+            proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    write_json(pidfile, {"pid": proc.pid, "start": process_start(proc.pid)})
+    return proc
+
+
+def run(argv: list[str], log: Path, record: Path) -> int:
+    """Run `argv` with its output appended to `log`, passing SIGTERM/SIGINT on to it; write
+    the exit record; return the child's exit code."""
+    child: list[subprocess.Popen[bytes]] = []
+    early: list[int] = []  # signals that came before the child existed
+    passed: list[str] = []
+
+    def forward(signum: int, frame: object) -> None:
+        passed.append(signal.Signals(signum).name)
+        if child:
+            child[0].send_signal(signum)
+        else:
+            early.append(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, forward)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the app's terminal closing is not a stop
+    # Blocked by start_wrapper until now: one sent meanwhile arrives here, and the CLI must
+    # not inherit the mask.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    with open(log, "ab", buffering=0) as out:
+        out.write(f"$ {shlex.join(argv)}\n".encode())
+        try:
+            child.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                          stderr=subprocess.STDOUT))
+        except OSError as err:
+            out.write(f"error: cannot start {argv[0]}: {err.strerror}\n".encode())
+            code = 127
+        else:
+            for signum in early:
+                child[0].send_signal(signum)
+            code = child[0].wait()
+    killed = signal.Signals(-code).name if code < 0 else None
+    write_json(record, {"exit_code": 128 - code if code < 0 else code, "ended": time.time(),
+                        "signal": passed[0] if passed else None, "killed_by": killed})
+    return code
+
+
+def main(args: list[str] | None = None) -> int:
+    """Entry point of `python -m difftune.ui.jobs.launch`."""
+    parser = argparse.ArgumentParser(prog="python -m difftune.ui.jobs.launch",
+                                     description="run one difftune job and record how it ended")
+    parser.add_argument("--record", type=Path, required=True, help="exit record (JSON) to write")
+    parser.add_argument("--log", type=Path, required=True, help="log file to append to")
+    parser.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command")
+    ns = parser.parse_args(args)
+    argv = ns.argv[1:] if ns.argv[:1] == ["--"] else ns.argv
+    if not argv:
+        parser.error("give the command after --")
+    code = run(argv, ns.log, ns.record)
+    return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

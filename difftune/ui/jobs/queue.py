@@ -1,0 +1,293 @@
+"""The job queue: submit, stop, resume, duplicate and requeue CLI jobs; one at a time per device.
+
+Jobs are rows in SQLite (store.py) and processes (launch.py); `tick` derives every unfinished
+job from its process and files (derive.py) and starts the oldest queued job of each device
+with nothing running. A daemon thread ticks twice a second. Closing the queue never stops a
+job, and a new queue on the same database (the app restarted) re-attaches to the jobs whose
+wrappers live and finishes the others from their exit records.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterable
+
+from difftune.config.errors import parse_override
+from difftune.errors import ConfigError
+from difftune.ui.jobs.derive import derive, tail_lines, wrapper_alive
+from difftune.ui.jobs.launch import cli_argv, device_env, start_wrapper
+from difftune.ui.jobs.store import LIVE, VERBS, Job, JobStore
+from difftune.ui.security import Roots
+
+# Options of the CLI verbs that name a file or folder: each goes through the roots.
+PATH_OPTIONS = ("--resume", "--init-lora", "--lora", "--prompts", "--out")
+TICK_SECONDS = 0.5
+
+log = logging.getLogger("difftune")
+
+
+class JobStateError(ValueError):
+    """An action the job's state does not allow (stop a finished job, resume without a
+    checkpoint, requeue a running one)."""
+
+
+class JobQueue:
+    """Jobs persisted in `db`; run files and run folders must lie under `roots`.
+
+    `python` runs the wrapper and the CLI. `command` (for tests and tools) replaces the CLI
+    command a job runs: it receives the job and returns the argv to start."""
+
+    def __init__(self, db: Path, roots: Roots, python: str = sys.executable, *,
+                 command: Callable[[Job], list[str]] | None = None) -> None:
+        self.roots = roots
+        self.python = python
+        self.store = JobStore(db)
+        self._command = command or (lambda job: cli_argv(job.verb, job.config, job.args, python))
+        self._lock = threading.RLock()
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        with self._lock:  # after a restart: never leave a job "running" without its process
+            for job in self.store.all():
+                self._refresh(job)
+
+    def submit(self, verb: str, config: str | Path, args: Iterable[str] = (),
+               device: str = "default", *, parent: int | None = None) -> Job:
+        """Queue `difftune <verb> <config> <args...>` on `device`. The run file must lie under
+        the roots (PathOutsideRoots otherwise); the run folder is its `[save] dir`."""
+        if verb not in VERBS:
+            raise ValueError(f"verb {verb!r} is not a job this app runs; use one of "
+                             f"{', '.join(VERBS)}")
+        device_env(device)  # raises on an unknown device
+        path = self.roots.resolve(config)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist; pass the path of a .toml run "
+                             "file")
+        checked = checked_args(list(args), self.roots)
+        run_dir = self.roots.resolve(run_dir_of(path, checked))
+        with self._lock:
+            return self.store.add(verb, path, checked, run_dir, device, parent)
+
+    def list(self) -> list[Job]:
+        """Every job, newest first, each derived from its process and run folder."""
+        with self._lock:
+            return [self._refresh(job) for job in reversed(self.store.all())]
+
+    def get(self, job_id: int) -> Job:
+        """The job `job_id`, derived now; KeyError if there is none."""
+        with self._lock:
+            return self._refresh(self.store.get(job_id))
+
+    def stop(self, job_id: int) -> Job:
+        """Cancel a queued job, or ask a running one to stop (SIGTERM: a training saves a
+        checkpoint and exits). JobStateError for a job that has ended."""
+        with self._lock:
+            job = self.get(job_id)
+            if job.state == "queued":
+                return self._save(replace(job, state="cancelled", ended=time.time()))
+            if job.state == "stopping":
+                return job
+            if job.state != "running":
+                raise JobStateError(f"job {job_id} has already ended ({job.state}); there is "
+                                 "nothing to stop")
+            if job.pid is not None and wrapper_alive(job):
+                try:
+                    os.kill(job.pid, signal.SIGTERM)  # the wrapper passes it on to the CLI
+                except ProcessLookupError:
+                    return self.get(job_id)
+            return self._save(replace(job, state="stopping"))
+
+    def resume(self, job_id: int) -> Job:
+        """A new queued train job continuing this one's run (`--resume latest`). JobStateError
+        unless it is a finished train job whose run folder has a complete checkpoint."""
+        with self._lock:
+            job = self.get(job_id)
+            if job.verb != "train":
+                raise JobStateError(f"job {job_id} is a {job.verb} job; only a train job can be "
+                                 "resumed")
+            if not job.finished:
+                raise JobStateError(f"job {job_id} is {job.state}; stop it, or wait for it to end, "
+                                 "before resuming")
+            if not job.checkpoints:
+                raise JobStateError(f"job {job_id} cannot be resumed: its run folder {job.run_dir} "
+                                 "has no complete checkpoint (checkpoints/step-*/ with "
+                                 "state.json); requeue it to start the run over")
+            args = [*without_options(job.args, ("--resume", "--init-lora")), "--resume", "latest"]
+            return self.submit("train", job.config, args, job.device, parent=job.id)
+
+    def duplicate(self, job_id: int) -> Job:
+        """A new queued job with the same verb, run file, arguments and device."""
+        with self._lock:
+            job = self.store.get(job_id)
+            return self.submit(job.verb, job.config, job.args, job.device, parent=job.id)
+
+    def requeue(self, job_id: int) -> Job:
+        """A finished job queued again, as a new job. JobStateError while it is unfinished."""
+        with self._lock:
+            job = self.get(job_id)
+            if not job.finished:
+                raise JobStateError(f"job {job_id} is {job.state}; only a finished job can be "
+                                 "requeued (duplicate queues a copy of any job)")
+            return self.submit(job.verb, job.config, job.args, job.device, parent=job.id)
+
+    def log_path(self, job_id: int) -> Path:
+        """The job's log file (the CLI's output)."""
+        return self.store.get(job_id).log
+
+    def tail(self, job_id: int, lines: int = 200) -> list[str]:
+        """The last `lines` lines of the job's log ([] before it has started)."""
+        return tail_lines(self.log_path(job_id), lines)
+
+    def tick(self) -> None:
+        """Derive every unfinished job; start the oldest queued job of each device that has
+        nothing running (one job at a time per device, in submission order)."""
+        with self._lock:
+            for pid, proc in list(self._children.items()):
+                if proc.poll() is not None:  # reap: a finished wrapper is not left a zombie
+                    del self._children[pid]
+            jobs = [self._refresh(job) if job.state in LIVE else job for job in self.store.all()]
+            busy = {job.device for job in jobs if job.state in LIVE}
+            for job in jobs:
+                if job.state == "queued" and job.device not in busy:
+                    busy.add(job.device)
+                    self._launch(job)
+
+    def start(self) -> None:
+        """Tick in a daemon thread every half second, until `close`."""
+        if self._thread is not None:
+            return
+        self._halt.clear()
+        self._thread = threading.Thread(target=self._loop, name="difftune-jobs", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop ticking and close the database; running jobs go on (a new queue re-attaches)."""
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        with self._lock:
+            self.store.close()
+
+    def _loop(self) -> None:
+        """The ticking thread: a failed tick is retried on the next one, never fatal."""
+        while not self._halt.wait(TICK_SECONDS):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - keep the queue alive; the next tick retries
+                log.exception("job queue tick failed")
+
+    def _launch(self, job: Job) -> None:
+        """Start `job`'s wrapper; a job that cannot start fails with the reason."""
+        try:
+            proc = start_wrapper(self.python, self._command(job), job.log, job.record,
+                                 job.pidfile, job.run_dir, device_env(job.device))
+        except (OSError, ValueError) as err:
+            self._save(replace(job, state="failed", ended=time.time(),
+                               error=f"the job could not start: {err}"))
+            return
+        self._children[proc.pid] = proc
+        self._save(replace(job, state="running", pid=proc.pid, started=time.time()))
+
+    def _refresh(self, job: Job) -> Job:
+        """`job` derived from its process and files; stored when its state changed."""
+        new = derive(job)
+        if (new.state, new.exit_code, new.error, new.ended) != \
+                (job.state, job.exit_code, job.error, job.ended):
+            self.store.save(new)
+        return new
+
+    def _save(self, job: Job) -> Job:
+        """Store `job` and return it."""
+        self.store.save(job)
+        return job
+
+
+def run_dir_of(config: Path, args: list[str]) -> Path:
+    """The job's run folder: the run file's `[save] dir` (after its `--set` overrides) taken
+    relative to the run file's folder, as the CLI does; that folder when it cannot be read."""
+    try:
+        data = tomllib.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return config.parent
+    for override in option_values(args, "--set"):
+        try:
+            parse_override(data, override)
+        except ConfigError:
+            pass  # the CLI reports it; the folder stays the file's
+    save = data.get("save")
+    folder = save.get("dir") if isinstance(save, dict) else None
+    if not isinstance(folder, str) or not folder.strip():
+        return config.parent
+    path = Path(folder).expanduser()
+    return (path if path.is_absolute() else config.parent / path).resolve()
+
+
+def option_values(args: list[str], option: str) -> list[str]:
+    """The values given to `option` in `args` (`--opt VALUE` or `--opt=VALUE`)."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg == option and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif arg.startswith(option + "="):
+            out.append(arg[len(option) + 1:])
+    return out
+
+
+def checked_args(args: list[str], roots: Roots) -> list[str]:
+    """`args` with every path an option names resolved through the roots (PathOutsideRoots
+    for one outside them): absolute, so the job's working folder does not change them."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        name, eq, value = arg.partition("=")
+        if name not in PATH_OPTIONS:
+            continue
+        if not eq:
+            if i + 1 >= len(out) or out[i + 1].startswith("--"):
+                continue
+            value = out[i + 1]
+        resolved = _checked_path(name, value, roots)
+        if eq:
+            out[i] = f"{name}={resolved}"
+        else:
+            out[i + 1] = resolved
+    return out
+
+
+def _checked_path(option: str, value: str, roots: Roots) -> str:
+    """One option's path resolved through the roots (`--resume latest` and a `--lora`
+    file's `:WEIGHT` kept as they are)."""
+    if option == "--resume" and value == "latest":
+        return value
+    path, weight = value, ""
+    if option == "--lora" and ":" in value:
+        head, _, tail = value.rpartition(":")
+        try:
+            float(tail)
+            path, weight = head, ":" + tail
+        except ValueError:
+            pass
+    return f"{roots.resolve(path)}{weight}"
+
+
+def without_options(args: list[str], options: tuple[str, ...]) -> list[str]:
+    """`args` without the given options and their values."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(o + "=" for o in options)):
+            out.append(arg)
+    return out

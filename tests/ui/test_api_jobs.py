@@ -1,0 +1,123 @@
+"""/api/jobs: the queue over HTTP (FastAPI's TestClient on an app with only this router)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from difftune.ui.api.jobs import router
+from difftune.ui.context import UiContext
+
+from .jobs_helpers import FAIL, QUICK, TRAINLIKE, kill_jobs, make_queue, make_root, wait_log
+
+
+@pytest.fixture()
+def jobs_api(tmp_path: Path) -> Iterator[tuple[TestClient, UiContext]]:
+    root = make_root(tmp_path)
+    queue = make_queue(root)
+    ctx = UiContext(roots=queue.roots, queue=queue)
+    app = FastAPI()
+    app.include_router(router(ctx), prefix="/api")
+    try:
+        yield TestClient(app), ctx
+    finally:
+        queue.close()
+        kill_jobs(root)
+
+
+def _until(client: TestClient, ctx: UiContext, job_id: int, *states: str) -> dict:
+    """Tick the queue until the API shows job `job_id` in one of `states`."""
+    for _ in range(300):
+        ctx.queue.tick()
+        body = client.get(f"/api/jobs/{job_id}").json()
+        if body["state"] in states:
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} stayed {body['state']}")
+
+
+def test_submit_list_get_and_log(jobs_api: tuple[TestClient, UiContext]) -> None:
+    client, ctx = jobs_api
+    made = client.post("/api/jobs", json={"verb": "check", "config": "a.toml", "args": [QUICK]})
+    assert made.status_code == 201
+    job = made.json()
+    assert (job["state"], job["verb"], job["device"]) == ("queued", "check", "default")
+    assert job["run_dir"] == str(ctx.roots.main / "runs" / "a")
+    failing = client.post("/api/jobs", json={"verb": "train", "config": "b.toml", "args": [FAIL],
+                                             "device": "cpu"}).json()
+    assert [j["id"] for j in client.get("/api/jobs").json()] == [failing["id"], job["id"]]
+    done = _until(client, ctx, job["id"], "succeeded")
+    assert done["exit_code"] == 0 and done["ended"] >= done["started"]
+    log = client.get(f"/api/jobs/{job['id']}/log", params={"tail": 1}).json()
+    assert log == {"id": job["id"], "lines": ["done"]}
+    failed = _until(client, ctx, failing["id"], "failed")
+    assert failed["error"].startswith("error: run.toml: 1 problem(s)")
+
+
+def test_stop_then_resume_refused_without_checkpoint(
+        jobs_api: tuple[TestClient, UiContext]) -> None:
+    client, ctx = jobs_api
+    job = client.post("/api/jobs", json={"verb": "train", "config": "a.toml",
+                                         "args": [TRAINLIKE]}).json()
+    ctx.queue.tick()
+    wait_log(ctx.queue, job["id"], "ready")
+    assert client.post(f"/api/jobs/{job['id']}/stop").json()["state"] == "stopping"
+    assert _until(client, ctx, job["id"], "stopped")["checkpoints"] == []
+    refused = client.post(f"/api/jobs/{job['id']}/resume")
+    assert refused.status_code == 409 and "no complete checkpoint" in refused.json()["detail"]
+    assert client.post(f"/api/jobs/{job['id']}/stop").status_code == 409
+    again = client.post(f"/api/jobs/{job['id']}/requeue")
+    assert again.status_code == 201 and again.json()["parent"] == job["id"]
+    copy = client.post(f"/api/jobs/{again.json()['id']}/duplicate").json()
+    assert (copy["state"], copy["args"]) == ("queued", [TRAINLIKE])
+    assert client.post(f"/api/jobs/{copy['id']}/stop").json()["state"] == "cancelled"
+
+
+@pytest.mark.parametrize("route", ["/api/jobs/999", "/api/jobs/999/log"])
+def test_unknown_job_is_404(jobs_api: tuple[TestClient, UiContext], route: str) -> None:
+    client, _ = jobs_api
+    answer = client.get(route)
+    assert answer.status_code == 404 and "no job 999" in answer.json()["detail"]
+    for action in ("stop", "resume", "duplicate", "requeue"):
+        assert client.post(f"/api/jobs/999/{action}").status_code == 404
+
+
+@pytest.mark.parametrize("body", [
+    {"verb": "train", "config": "../outside/run.toml"},
+    {"verb": "train", "config": "/etc/passwd"},
+    {"verb": "train", "config": "runs/../../outside/run.toml"},
+    {"verb": "train", "config": "a.toml", "args": ["--init-lora", "../../etc/x.safetensors"]},
+    {"verb": "sample", "config": "a.toml", "args": ["--out", "/tmp"]},
+])
+def test_paths_outside_the_roots_are_403(jobs_api: tuple[TestClient, UiContext],
+                                         body: dict) -> None:
+    client, ctx = jobs_api
+    (ctx.roots.main.parent / "outside" / "run.toml").write_text('[save]\ndir = "x"\n')
+    answer = client.post("/api/jobs", json=body)
+    assert answer.status_code == 403
+    assert "outside the folders this app serves" in answer.json()["detail"]
+    assert client.get("/api/jobs").json() == []
+
+
+def test_bad_input_is_refused_with_the_message(jobs_api: tuple[TestClient, UiContext]) -> None:
+    client, _ = jobs_api
+    assert client.post("/api/jobs", json={"verb": "demo", "config": "a.toml"}).status_code == 422
+    missing = client.post("/api/jobs", json={"verb": "train", "config": "nope.toml"})
+    assert missing.status_code == 400 and "does not exist" in missing.json()["detail"]
+    device = client.post("/api/jobs", json={"verb": "train", "config": "a.toml", "device": "x"})
+    assert device.status_code == 400 and "use default, cpu or cuda:N" in device.json()["detail"]
+
+
+def test_routes_are_documented(jobs_api: tuple[TestClient, UiContext]) -> None:
+    client, _ = jobs_api
+    paths = client.get("/openapi.json").json()["paths"]
+    assert paths["/api/jobs"]["post"]["summary"] == "Queue a job"
+    for route in ("/api/jobs/{job_id}", "/api/jobs/{job_id}/stop", "/api/jobs/{job_id}/resume",
+                  "/api/jobs/{job_id}/duplicate", "/api/jobs/{job_id}/requeue",
+                  "/api/jobs/{job_id}/log"):
+        assert route in paths and all(op.get("description") for op in paths[route].values())
