@@ -104,9 +104,10 @@ def test_a_killed_job_is_died_not_running(jobs_queue: JobQueue, jobs_root: Path)
 def test_exit_0_after_a_stop_is_stopped_only_when_the_cli_says_so(tmp_path: Path) -> None:
     job = Job(id=1, verb="train", config=tmp_path / "run.toml", args=[], run_dir=tmp_path,
               state="stopping", log=tmp_path / "1.log")
-    job.log.write_text("step 3\n")  # finished before the stop reached it
+    (tmp_path / "lora.safetensors").write_bytes(b"x")
+    job.log.write_text(f"step 3\nLoRA written to {tmp_path / 'lora.safetensors'}\n")
     asked = {"exit_code": 0, "ended": 5.0, "signal": "SIGTERM", "killed_by": None}
-    assert finish(job, asked).state == "succeeded"
+    assert finish(job, asked).state == "succeeded"  # finished before the stop reached it
     job.log.write_text("step 3\nstopped after step 3; checkpoint saved to c\nresume with: x\n")
     assert finish(job, asked).state == "stopped"
     killed = {"exit_code": 143, "ended": 5.0, "signal": "SIGTERM", "killed_by": "SIGTERM"}
@@ -160,7 +161,7 @@ def test_resume_needs_a_checkpoint(jobs_queue: JobQueue, jobs_root: Path) -> Non
     job = jobs_queue.submit("train", jobs_root / "a.toml", [QUICK, "--set", "train.lr=1"])
     with pytest.raises(JobStateError, match="queued"):
         jobs_queue.resume(job.id)
-    wait_for(jobs_queue, job.id, ("succeeded",))
+    wait_for(jobs_queue, job.id, ("succeeded", "failed"))  # no LoRA file: failed, yet finished
     with pytest.raises(JobStateError, match="no complete checkpoint"):
         jobs_queue.resume(job.id)
     step = job.run_dir / "checkpoints" / "step-000004"
@@ -228,3 +229,17 @@ def test_the_real_cli_check_passes_and_a_bad_option_fails_with_its_message(
     assert good.run_dir == root / "runs" / "tiny-lora"
     assert (bad.state, bad.exit_code) == ("failed", 2)
     assert bad.error == "difftune: error: unrecognized arguments: --bogus"
+
+
+def test_a_train_job_that_wrote_no_file_is_not_a_success(tmp_path: Path) -> None:
+    job = Job(id=1, verb="train", config=tmp_path / "run.toml", args=[], run_dir=tmp_path,
+              state="running", log=tmp_path / "1.log")
+    clean = {"exit_code": 0, "ended": 5.0, "signal": None, "killed_by": None}
+    job.log.write_text("step 3\n")
+    failed = finish(job, clean)
+    assert failed.state == "failed" and "no LoRA or model file" in failed.error
+    job.log.write_text(f"LoRA written to {tmp_path / 'gone.safetensors'}\n")
+    failed = finish(job, clean)
+    assert failed.state == "failed" and "there is no such file" in failed.error
+    (tmp_path / "gone.safetensors").write_bytes(b"x")
+    assert finish(job, clean).state == "succeeded"

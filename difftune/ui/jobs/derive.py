@@ -25,6 +25,8 @@ from difftune.ui.jobs.store import LIVE, Job
 ERROR_LINE = re.compile(r"^(\[rank \d+\] |difftune( \w+)?: )?(error|internal error)\b.*:")
 # What `difftune train` prints when a stop signal ended it after a step, checkpoint saved.
 STOPPED_LINE = re.compile(r"^(\[rank \d+\] )?stopped after step \d+")
+# What `difftune train` prints last on success (cli.py `_train`).
+WRITTEN_LINE = re.compile(r"^(?:LoRA|fine-tuned model) written to (.+)$")
 ERROR_LINES_MAX = 40
 TAIL_BYTES = 256 * 1024  # how much of a log's end is read to find its last error
 
@@ -59,6 +61,9 @@ def finish(job: Job, record: dict[str, Any]) -> Job:
     if asked is not None and (said or record.get("killed_by") == asked):
         return replace(job, state="stopped", exit_code=code, ended=ended, error=None)
     if code == 0:
+        missing = missing_output(job)
+        if missing:
+            return replace(job, state="failed", exit_code=0, ended=ended, error=missing)
         return replace(job, state="succeeded", exit_code=0, ended=ended, error=None)
     error = error_text(job.log)
     if error is None:
@@ -125,6 +130,23 @@ def tail_lines(path: Path, count: int) -> list[str]:
     if out and out[-1] == "":
         out = out[:-1]
     return out[-count:] if count > 0 else []
+
+
+def missing_output(job: Job) -> str | None:
+    """For a train job that exited 0: None when the file it says it wrote ("LoRA written to
+    PATH" / "fine-tuned model written to PATH") exists, else why the job is not a success (a
+    run reported complete with no file written is a failure, whatever the exit code)."""
+    if job.verb != "train":
+        return None
+    for line in reversed(tail_lines(job.log, 50)):
+        found = WRITTEN_LINE.match(line)
+        if found:
+            path = Path(found.group(1).strip())
+            if path.exists():
+                return None
+            return f"the run said it wrote {path}, but there is no such file or folder"
+    return ("the run exited without error but printed no 'written to' line: no LoRA or model "
+            "file was reported; see its log for the last step it reached")
 
 
 def checkpoints(run_dir: Path) -> list[str]:
