@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,10 +83,10 @@ class UiProcess:
         self.proc = None
 
 
-def shoot(page: object, name: str) -> None:
+def shoot(page: Any, name: str) -> None:
     """Save a screenshot of `page` as docs/ui/<name>.png when DIFFTUNE_SCREENSHOTS names a
     folder (`DIFFTUNE_SCREENSHOTS=docs/ui pytest tests/ui/test_browser.py` makes docs/ui.md's)."""
     folder = os.environ.get("DIFFTUNE_SCREENSHOTS")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)  # type: ignore[attr-defined]
+        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)

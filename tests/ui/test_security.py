@@ -70,7 +70,8 @@ def test_with_a_token_every_request_needs_it() -> None:
     refused = client.get("/api/ping")
     assert refused.status_code == 401 and "token" in refused.text
     assert client.get("/api/ping", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert client.get("/api/ping", headers={"Authorization": "Bearer s3cret"}).json() == {"ok": "yes"}
+    allowed = client.get("/api/ping", headers={"Authorization": "Bearer s3cret"})
+    assert allowed.json() == {"ok": "yes"}
 
 
 def test_the_query_token_sets_a_cookie_that_later_requests_carry() -> None:

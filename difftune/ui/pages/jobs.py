@@ -43,7 +43,8 @@ def _submit_form(ctx: "UiContext") -> None:
     with ui.row().classes("w-full items-end gap-2"):
         config = ui.input("Run file (.toml, under the roots)").classes("grow") \
             .props('data-testid="submit-config"')
-        verb = ui.select(list(VERBS), value="train", label="Verb").props('data-testid="submit-verb"')
+        verb = ui.select(list(VERBS), value="train", label="Verb") \
+            .props('data-testid="submit-verb"')
         message = ui.label().classes("text-red-700").props('data-testid="submit-error"')
 
         async def submit() -> None:
