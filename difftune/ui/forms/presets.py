@@ -26,8 +26,9 @@ images bundled with the package.
 
 from __future__ import annotations
 
+import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,8 +229,19 @@ def tiny_preset(folder: Path | None = None) -> Preset | None:
 
 
 def build(folder: Path | None = None) -> tuple[list[Preset], list[Refusal]]:
-    """Every preset (the tiny one first) and every example size without one."""
+    """Every preset (the tiny one first) and every example size without one (made again
+    only when an example file changed)."""
     folder = folder or examples_dir()
+    stamp = tuple((p.name, p.stat().st_mtime_ns) for p in sorted(folder.glob("*.toml"))) \
+        if folder.is_dir() else ()
+    made, refused = _build(folder, stamp)
+    return [replace(p, savers=list(p.savers)) for p in made], list(refused)
+
+
+@functools.lru_cache(maxsize=4)
+def _build(folder: Path, stamp: tuple[tuple[str, int], ...]) -> tuple[list[Preset],
+                                                                     list[Refusal]]:
+    """`build` for one state of the folder (`stamp`: its files and their times)."""
     presets: list[Preset] = []
     refused: list[Refusal] = []
     tiny = tiny_preset(folder)
