@@ -43,6 +43,11 @@ def _shown(value: Any) -> str:
     return tomlkit.item(value).as_string()
 
 
+def _attr(text: str) -> str:
+    """Text safe inside a double-quoted prop."""
+    return text.replace('"', "'")
+
+
 class FieldInput:
     """One form input bound to a field path: the widget, its row, and value conversions."""
 
@@ -64,16 +69,16 @@ class FieldInput:
         if s.kind in ("int", "float"):
             bounds = {k: v for k, v in (("min", s.bounds.get("ge")), ("max", s.bounds.get("le")))
                       if v is not None}
-            return ui.number(label, placeholder=hint, on_change=handler,
-                             step=1 if s.kind == "int" else None, **bounds).props("clearable")
+            return ui.number(label, on_change=handler, step=1 if s.kind == "int" else None,
+                             **bounds).props(f'clearable hint="{hint}"')
         if s.kind == "choice" and s.choices is not None:
             options = {c: _shown(c).strip('"') for c in s.choices}
             return ui.select(options, label=label, value=None, on_change=handler,
-                             clearable=True).props(f'hint="{hint}"')
+                             clearable=True).props(f'hint="{_attr(hint)}"')
         if s.kind == "list" and s.choices:
             return ui.select({c: str(c) for c in s.choices}, label=label, multiple=True,
-                             value=[], on_change=handler).props(f'hint="{hint}"')
-        return ui.input(label, placeholder=hint, on_change=handler).props("clearable")
+                             value=[], on_change=handler).props(f'hint="{_attr(hint)}"')
+        return ui.input(label, on_change=handler).props(f'clearable hint="{_attr(hint)}"')
 
     def read(self, value: Any) -> Any:
         """The widget's value as the TOML value to write (None: unset the field)."""
@@ -131,7 +136,7 @@ class Prepare:
         with ui.row().classes("w-full no-wrap items-start gap-4"):
             with ui.column().classes("w-1/2 gap-1"):
                 self._sections()
-            with ui.column().classes("w-1/2 gap-2"):
+            with ui.column().classes("w-1/2 gap-2 sticky top-16 self-start"):
                 self.editor = ui.codemirror("", language="TOML", on_change=self.edited) \
                     .classes("w-full h-[36rem] border").props('data-testid="toml"')
                 self._files()
