@@ -1,0 +1,260 @@
+"""Preparing a run over HTTP: the form's schema, presets, validation, saving and loading run files.
+
+The page /prepare calls these same functions (`service`), so a script sees what a user sees.
+Validation answers with the message `difftune check` prints; paths go through the roots.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel
+
+from difftune.errors import ConfigError
+from difftune.ui.context import UiContext
+from difftune.ui.forms import applies, presets, schema, toml_io
+from difftune.ui.forms.validate import validate
+from difftune.ui.security import PathOutsideRoots
+
+
+class SchemaOut(BaseModel):
+    """The form: its sections and fields, the fields that do not apply (with why), and the
+    choices that depend on the family."""
+
+    sections: list[schema.SectionSpec]
+    hidden: dict[str, str]
+    choices: dict[str, list[Any]]
+
+
+class PresetInfo(BaseModel):
+    """A preset as listed (its TOML from GET /config/presets/{name})."""
+
+    name: str
+    title: str
+    family: str
+    gib: int | None
+    example: str
+    savers: list[str]
+    estimate_gib: float | None
+
+
+class RefusalInfo(BaseModel):
+    """An example and GPU size with no preset, and why."""
+
+    example: str
+    gib: int
+    reason: str
+
+
+class PresetsOut(BaseModel):
+    """Every preset, and the example sizes that have none."""
+
+    presets: list[PresetInfo]
+    refused: list[RefusalInfo]
+
+
+class PresetOut(BaseModel):
+    """One preset's run file."""
+
+    name: str
+    title: str
+    toml: str
+
+
+class TomlIn(BaseModel):
+    """A run file's text; `path` (under the roots) is where it is or will be saved, which
+    relative paths in it are taken from (default: the runs folder)."""
+
+    toml: str
+    path: str | None = None
+
+
+class ValidationOut(BaseModel):
+    """`ok`, or `message`: what `difftune check` prints after `error: ` for the same file."""
+
+    ok: bool
+    message: str | None = None
+    warnings: list[str] = []
+
+
+class FormOut(BaseModel):
+    """A run file as the form holds it: its values by field path, hidden fields, choices."""
+
+    toml: str
+    values: dict[str, Any]
+    hidden: dict[str, str]
+    choices: dict[str, list[Any]]
+
+
+class SaveIn(TomlIn):
+    """Save `toml` at `path`; an existing different file needs `overwrite`."""
+
+    overwrite: bool = False
+
+
+class SaveOut(BaseModel):
+    """Where the file was written (absolute, and as shown: relative to its root)."""
+
+    path: str
+    shown: str
+    validation: ValidationOut
+
+
+class FileExists(Exception):
+    """The target holds a different file and overwrite was not asked for."""
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    """Form values as JSON (dates and other TOML-only types as text)."""
+    import json
+
+    return json.loads(json.dumps(values, default=str))
+
+
+class Service:
+    """What the routes and the page do, on the app's roots."""
+
+    def __init__(self, ctx: UiContext) -> None:
+        self.ctx = ctx
+
+    def place(self, path: str | None) -> tuple[Path, str]:
+        """The folder relative paths are taken from and the name the CLI would show."""
+        if path is None:
+            return self.ctx.runs_dir, "run.toml"
+        target = self.ctx.roots.resolve(path)
+        return target.parent, str(target)
+
+    def validate(self, text: str, path: str | None = None) -> ValidationOut:
+        """Validate `text` as `difftune check` would the file at `path`."""
+        base, source = self.place(path)
+        result = validate(text, base, source)
+        return ValidationOut(ok=result.ok, message=result.message, warnings=result.warnings)
+
+    def form(self, text: str) -> FormOut:
+        """The form's view of `text` (bad TOML raises ConfigError)."""
+        values = _jsonable(toml_io.values(toml_io.parse(text)))
+        return FormOut(toml=text, values=values, hidden=applies.hidden(values),
+                       choices=applies.choices(values))
+
+    def save(self, text: str, path: str, overwrite: bool = False) -> SaveOut:
+        """Write `text` at `path` (atomically); refuse to replace a different file unless
+        `overwrite`. Bad TOML is refused (ConfigError); config problems are reported, not
+        refused, so a draft can be kept."""
+        toml_io.parse(text, path)
+        target = self.ctx.roots.resolve(path)
+        if target.is_dir():
+            raise ConfigError(f"{path} is a folder; give the path of a .toml file in it")
+        if target.exists() and not overwrite and target.read_text(encoding="utf-8") != text:
+            raise FileExists(f"{self.ctx.roots.relative(target)} already exists and differs; "
+                             "choose another path or save with overwrite")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".run-", suffix=".toml")
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, target)
+        return SaveOut(path=str(target), shown=self.ctx.roots.relative(target),
+                       validation=self.validate(text, str(target)))
+
+    def load(self, path: str) -> FormOut:
+        """The run file at `path` as the form holds it."""
+        target = self.ctx.roots.resolve(path)
+        if not target.is_file():
+            raise FileNotFoundError(f"{self.ctx.roots.relative(target)} is not a file; give the "
+                                    "path of a .toml run file")
+        return self.form(target.read_text(encoding="utf-8"))
+
+    def default_path(self, text: str) -> Path:
+        """Where a new run file goes: `<runs>/<save.name or "run">/run.toml`."""
+        try:
+            name = toml_io.values(toml_io.parse(text)).get("save.name") or "run"
+        except ConfigError:
+            name = "run"
+        return self.ctx.runs_dir / str(name) / "run.toml"
+
+
+def _http(err: Exception) -> HTTPException:
+    """An HTTP error carrying the message as the CLI words it."""
+    if isinstance(err, PathOutsideRoots):
+        return HTTPException(403, str(err))
+    if isinstance(err, FileExists):
+        return HTTPException(409, str(err))
+    if isinstance(err, (FileNotFoundError, KeyError)):
+        return HTTPException(404, str(err.args[0]) if err.args else "not found")
+    return HTTPException(422, str(err))
+
+
+def router(ctx: UiContext) -> APIRouter:
+    """The /config routes."""
+    api = APIRouter(prefix="/config", tags=["config"])
+    service = Service(ctx)
+
+    @api.get("/schema", response_model=SchemaOut, summary="The run form's sections and fields")
+    def get_schema(family: str = Query("flux"), variant: str | None = None,
+                   adapter: str = Query("lora")) -> SchemaOut:
+        """Every section and field (kind, default, choices, bounds, help) from the config
+        models, and the fields that do not apply to this family, variant and adapter type."""
+        values = {"model.family": family, "adapter.type": adapter}
+        if variant:
+            values["model.variant"] = variant
+        return SchemaOut(sections=schema.sections(), hidden=applies.hidden(values),
+                         choices=applies.choices(values))
+
+    @api.get("/presets", response_model=PresetsOut, summary="Presets per example and GPU size")
+    def list_presets() -> PresetsOut:
+        """The presets (24/16/12 GiB per example, the tiny CPU demo) and the sizes refused."""
+        made, refused = presets.build()
+        return PresetsOut(
+            presets=[PresetInfo(**{k: v for k, v in asdict(p).items() if k != "toml"})
+                     for p in made],
+            refused=[RefusalInfo(**asdict(r)) for r in refused])
+
+    @api.get("/presets/{name}", response_model=PresetOut, summary="One preset's run file")
+    def get_preset(name: str) -> PresetOut:
+        """The preset's TOML text (404 for an unknown name)."""
+        try:
+            preset = presets.get(name)
+        except KeyError:
+            raise HTTPException(404, f"no preset {name!r}; GET /api/config/presets lists them") \
+                from None
+        return PresetOut(name=preset.name, title=preset.title, toml=preset.toml)
+
+    @api.post("/validate", response_model=ValidationOut, summary="Validate a run file")
+    def post_validate(body: TomlIn) -> ValidationOut:
+        """ok, or the message `difftune check` prints for the same file."""
+        try:
+            return service.validate(body.toml, body.path)
+        except PathOutsideRoots as err:
+            raise _http(err) from None
+
+    @api.post("/form", response_model=FormOut, summary="A run file as the form holds it")
+    def post_form(body: TomlIn) -> FormOut:
+        """Values by field path, the fields that do not apply, and family-dependent choices."""
+        try:
+            return service.form(body.toml)
+        except ConfigError as err:
+            raise _http(err) from None
+
+    @api.post("/save", response_model=SaveOut, summary="Save a run file under the roots")
+    def post_save(body: SaveIn) -> SaveOut:
+        """Write the text as is (byte for byte); 409 when a different file is there and
+        `overwrite` is false; 403 outside the roots."""
+        try:
+            return service.save(body.toml, body.path or str(service.default_path(body.toml)),
+                                body.overwrite)
+        except (PathOutsideRoots, FileExists, ConfigError) as err:
+            raise _http(err) from None
+
+    @api.get("/load", response_model=FormOut, summary="Read a run file under the roots")
+    def get_load(path: str) -> FormOut:
+        """The file's text and its form values (404 missing, 403 outside the roots)."""
+        try:
+            return service.load(path)
+        except (PathOutsideRoots, FileNotFoundError, ConfigError) as err:
+            raise _http(err) from None
+
+    return api

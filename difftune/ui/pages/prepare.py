@@ -1,0 +1,331 @@
+"""/prepare: make a run file from a preset, a form per section and a TOML view kept in sync.
+
+The form is generated from the config models (`forms.schema`); fields that do not apply to the
+chosen family, adapter and options are hidden (`forms.applies`); every change is validated with
+the CLI's own parser and the CLI's message is shown; the TOML view is the file itself, edited
+with tomlkit so a value changed in the form changes only that value. "Check" and "Start
+training" save the file and submit `difftune check` / `difftune train` jobs to the queue.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from nicegui import events, run, ui
+
+from difftune.errors import ConfigError
+from difftune.ui.api.config import FileExists, Service
+from difftune.ui.context import UiContext
+from difftune.ui.forms import presets, schema, toml_io
+from difftune.ui.forms.schema import FieldSpec
+from difftune.ui.pages.layout import error_box, frame
+from difftune.ui.security import PathOutsideRoots
+
+FINISHED = ("succeeded", "failed", "stopped", "cancelled", "died")
+
+
+def _literal(text: str) -> Any:
+    """A TOML literal typed in a text field (an array, a table, a number), else the text."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _shown(value: Any) -> str:
+    """A value as TOML writes it (for list, table and free-value inputs)."""
+    if value is None:
+        return ""
+    import tomlkit
+
+    return tomlkit.item(value).as_string()
+
+
+def _attr(text: str) -> str:
+    """Text safe inside a double-quoted prop."""
+    return text.replace('"', "'")
+
+
+class FieldInput:
+    """One form input bound to a field path: the widget, its row, and value conversions."""
+
+    def __init__(self, spec: FieldSpec, on_change: Any) -> None:
+        self.spec = spec
+        with ui.row().classes("w-full items-center gap-2 no-wrap") as self.row:
+            self.widget = self._make(on_change)
+            self.widget.classes("grow").props(f'data-testid="field-{spec.path}"')
+            if spec.help:
+                self.widget.tooltip(spec.help)
+
+    def _make(self, on_change: Any) -> ui.element:
+        s, label = self.spec, self.spec.path.split("].")[-1]
+        hint = f"default: {_shown(s.default)}" if s.default is not None else \
+            ("required" if s.required else "unset")
+        handler = lambda e: on_change(s.path, self.read(e.value))  # noqa: E731
+        if s.kind == "bool":
+            return ui.switch(label, value=bool(s.default), on_change=handler)
+        if s.kind in ("int", "float"):
+            bounds = {k: v for k, v in (("min", s.bounds.get("ge")), ("max", s.bounds.get("le")))
+                      if v is not None}
+            return ui.number(label, on_change=handler, step=1 if s.kind == "int" else None,
+                             **bounds).props(f'clearable hint="{hint}"')
+        if s.kind == "choice" and s.choices is not None:
+            options = {c: _shown(c).strip('"') for c in s.choices}
+            return ui.select(options, label=label, value=None, on_change=handler,
+                             clearable=True).props(f'hint="{_attr(hint)}"')
+        if s.kind == "list" and s.choices:
+            return ui.select({c: str(c) for c in s.choices}, label=label, multiple=True,
+                             value=[], on_change=handler).props(f'hint="{_attr(hint)}"')
+        return ui.input(label, on_change=handler).props(f'clearable hint="{_attr(hint)}"')
+
+    def read(self, value: Any) -> Any:
+        """The widget's value as the TOML value to write (None: unset the field)."""
+        kind = self.spec.kind
+        if value in (None, "") or (kind == "list" and value == [] and self.spec.choices):
+            return None
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind in ("list", "table", "value") and isinstance(value, str):
+            return _literal(value)
+        return value
+
+    def show(self, value: Any) -> None:
+        """Put `value` (None: the default) into the widget, without reporting a change."""
+        s, w = self.spec, self.widget
+        if s.kind == "bool":
+            w.value = bool(s.default if value is None else value)
+        elif s.kind in ("int", "float"):
+            w.value = value if isinstance(value, (int, float)) else None
+        elif s.kind == "choice" and s.choices is not None:
+            w.value = value if value in s.choices else None
+        elif s.kind == "list" and s.choices:
+            w.value = [v for v in value or [] if v in s.choices]
+        elif s.kind in ("list", "table", "value"):
+            w.value = _shown(value) if value is not None else ""
+        else:
+            w.value = "" if value is None else str(value)
+
+
+class Prepare:
+    """The state of one /prepare page: the TOML text and the inputs bound to it."""
+
+    def __init__(self, ctx: UiContext) -> None:
+        self.ctx, self.service = ctx, Service(ctx)
+        self.text = ""
+        self.inputs: dict[str, FieldInput] = {}
+        self.syncing = False
+        self.owned: Path | None = None  # a file this page loaded or saved (may be replaced)
+        self.timer: ui.timer | None = None
+
+    # --- building -------------------------------------------------------------------------
+    def build(self) -> None:
+        """Lay out the page: presets and paths, the form, the TOML view, the actions."""
+        made, _ = presets.build()
+        with ui.row().classes("w-full items-end gap-4"):
+            ui.select({p.name: p.title for p in made}, label="Preset (family · GPU memory)",
+                      on_change=lambda e: self.pick(e.value)) \
+                .classes("min-w-[22rem]").props('data-testid="preset"')
+            self.path = ui.input("Save to (under the roots)").classes("grow") \
+                .props('data-testid="save-path"')
+        self.errors = ui.column().classes("w-full")
+        self.warnings = ui.column().classes("w-full")
+        with ui.row().classes("w-full no-wrap items-start gap-4"):
+            with ui.column().classes("w-1/2 gap-1"):
+                self._sections()
+            with ui.column().classes("w-1/2 gap-2 sticky top-16 self-start"):
+                self.editor = ui.codemirror("", language="TOML", on_change=self.edited) \
+                    .classes("w-full h-[36rem] border").props('data-testid="toml"')
+                self._files()
+        self._actions()
+
+    def _sections(self) -> None:
+        for section in schema.sections():
+            with ui.expansion(section.title, value=section.name in ("model", "datasets")) \
+                    .classes("w-full").props(f'data-testid="section-{section.name}"'):
+                if section.help:
+                    ui.label(section.help).classes("text-sm text-gray-600")
+                for spec in section.fields:
+                    self.inputs[spec.path] = FieldInput(spec, self.changed)
+
+    def _files(self) -> None:
+        with ui.row().classes("w-full items-center gap-2"):
+            ui.upload(label="Import a .toml", auto_upload=True, on_upload=self.uploaded) \
+                .props('accept=".toml" data-testid="import"').classes("w-64")
+            self.load_path = ui.input("Import from a path").classes("grow") \
+                .props('data-testid="load-path"')
+            ui.button("Load", on_click=self.load).props('data-testid="load" flat')
+        with ui.row().classes("gap-2"):
+            ui.button("Download", on_click=lambda: ui.download.content(
+                self.text, "run.toml")).props('data-testid="download" flat')
+            ui.button("Save", on_click=self.save_clicked).props('data-testid="save"')
+        self.saved = ui.label("").props('data-testid="saved"').classes("text-sm")
+
+    def _actions(self) -> None:
+        with ui.row().classes("gap-2 items-center"):
+            ui.button("Check", on_click=self.check).props('data-testid="check"')
+            ui.button("Start training", on_click=self.start).props(
+                'data-testid="start" color="positive"')
+            self.job_state = ui.label("").props('data-testid="check-state"')
+        self.report = ui.label("").classes("w-full whitespace-pre-wrap font-mono text-xs") \
+            .props('data-testid="check-report"')
+
+    # --- keeping the form, the TOML and the messages in step -----------------------------
+    def set_text(self, text: str, from_editor: bool = False) -> None:
+        """Make `text` the run file: the inputs, visibility and messages follow."""
+        self.text = text
+        if not from_editor:
+            self.syncing = True
+            self.editor.value = text
+            self.syncing = False
+        try:
+            form = self.service.form(text)
+        except ConfigError as err:
+            self.show_error(str(err))
+            return
+        self.syncing = True
+        try:
+            for path, field in self.inputs.items():
+                field.show(form.values.get(path))
+        finally:
+            self.syncing = False
+        self.apply_visibility(form.hidden, form.choices)
+        ui.timer(0.01, self.validate, once=True)
+
+    def apply_visibility(self, hidden: dict[str, str], choices: dict[str, list[Any]]) -> None:
+        """Hide the fields that do not apply; refresh family-dependent choices."""
+        for path, field in self.inputs.items():
+            field.row.set_visibility(path not in hidden)
+        variant = self.inputs.get("model.variant")
+        if variant is not None and "model.variant" in choices:
+            variant.widget.props(f'hint="one of: {", ".join(choices["model.variant"])}"')
+
+    def changed(self, path: str, value: Any) -> None:
+        """A form input changed: write that one value into the TOML."""
+        if self.syncing:
+            return
+        try:
+            doc = toml_io.parse(self.text)
+        except ConfigError as err:
+            self.show_error(str(err))
+            return
+        toml_io.set_value(doc, path, value)
+        self.set_text(toml_io.dumps(doc))
+
+    def edited(self, e: events.ValueChangeEventArguments) -> None:
+        """The TOML view changed: the form follows."""
+        if not self.syncing and e.value != self.text:
+            self.set_text(e.value, from_editor=True)
+
+    async def validate(self) -> None:
+        """Validate as `difftune check` would the file at the save path; show its message."""
+        text = self.text
+        try:
+            result = await run.io_bound(self.service.validate, text, self.path.value or None)
+        except PathOutsideRoots as err:
+            self.show_error(str(err))
+            return
+        if text != self.text:
+            return  # a newer edit validates itself
+        self.show_error(result.message)
+        self.warnings.clear()
+        with self.warnings:
+            for line in result.warnings:
+                ui.label(f"warning: {line}").classes("text-amber-700 text-sm")
+
+    def show_error(self, message: str | None) -> None:
+        """Show the CLI's message (or clear it)."""
+        self.errors.clear()
+        if message:
+            with self.errors:
+                error_box(f"error: {message}")
+
+    # --- presets, import, export ------------------------------------------------------------
+    def pick(self, name: str | None) -> None:
+        """Load preset `name` into the form, and propose its default save path."""
+        if not name:
+            return
+        text = presets.get(name).toml
+        self.path.value = str(self.service.default_path(text))
+        self.owned = None
+        self.set_text(text)
+
+    async def uploaded(self, e: events.UploadEventArguments) -> None:
+        self.set_text(await e.file.text())
+
+    def load(self) -> None:
+        try:
+            form = self.service.load(self.load_path.value)
+        except (PathOutsideRoots, FileNotFoundError, ConfigError) as err:
+            self.show_error(str(err))
+            return
+        self.path.value = str(self.ctx.roots.resolve(self.load_path.value))
+        self.owned = Path(self.path.value)
+        self.set_text(form.toml)
+
+    def save(self) -> Path | None:
+        """Save the TOML at the save path (replacing only a file this page owns)."""
+        target = self.path.value or str(self.service.default_path(self.text))
+        try:
+            resolved = self.ctx.roots.resolve(target)
+            out = self.service.save(self.text, target, overwrite=resolved == self.owned)
+        except (PathOutsideRoots, FileExists, ConfigError) as err:
+            self.show_error(str(err))
+            return None
+        self.owned = Path(out.path)
+        self.path.value = out.path
+        self.saved.text = f"saved {out.shown}"
+        return self.owned
+
+    def save_clicked(self) -> None:
+        self.save()
+
+    # --- jobs -------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Save, submit `difftune check`, and show its output as it comes."""
+        path = self.save()
+        if path is None:
+            return
+        job = self.ctx.queue.submit("check", path)
+        self.report.text = ""
+        self.job_state.text = f"check job {job.id}: {job.state}"
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = ui.timer(1.0, lambda: self.poll(job.id))
+
+    def poll(self, job_id: int) -> None:
+        """Refresh the check job's state and output; stop when it has finished."""
+        job = self.ctx.queue.get(job_id)
+        self.report.text = "\n".join(self.ctx.queue.tail(job_id))
+        self.job_state.text = f"check job {job.id}: {job.state}"
+        if job.state in FINISHED and self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+            if job.state != "succeeded" and job.error:
+                self.show_error(job.error.removeprefix("error: "))
+
+    def start(self) -> None:
+        """Save, submit `difftune train`, and go to the run's page."""
+        path = self.save()
+        if path is None:
+            return
+        job = self.ctx.queue.submit("train", path)
+        ui.navigate.to(f"/run?job={job.id}")
+
+
+def register(ctx: UiContext) -> None:
+    """The /prepare page."""
+
+    @ui.page("/prepare")
+    def prepare_page(preset: str | None = None, path: str | None = None) -> None:
+        with frame("New run"):
+            page = Prepare(ctx)
+            page.build()
+            if path:
+                page.load_path.value = path
+                page.load()
+            elif preset:
+                page.pick(preset)
