@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+DEMO = Path(__file__).resolve().parents[2] / "difftune" / "assets" / "demo"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -90,3 +91,14 @@ def shoot(page: Any, name: str) -> None:
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)
+
+
+def wait_for(what: str, test: Any, timeout: float = 60) -> Any:
+    """Poll `test()` until it returns something truthy; fail naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = test()
+        if value:
+            return value
+        time.sleep(0.25)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")

@@ -7,17 +7,13 @@ import json
 import os
 import shutil
 import signal
-import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
-
-import pytest
+from typing import Any
 
 from difftune.ui.runs import metrics
-from tests.ui.browser import FLAGS, UiProcess, chromium, shoot
+from tests.ui.browser import DEMO, UiProcess, shoot, wait_for
 
-DEMO = Path(__file__).resolve().parents[2] / "difftune" / "assets" / "demo"
 
 RUN_FILE = """\
 # a tiny FLUX.1 LoRA on the bundled demo images (CPU)
@@ -67,29 +63,6 @@ def api(ui: UiProcess, method: str, path: str, body: dict[str, Any] | None = Non
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
-
-
-def wait_for(what: str, test: Any, timeout: float = 60) -> Any:
-    """Poll `test()` until it returns something truthy; fail naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = test()
-        if value:
-            return value
-        time.sleep(0.25)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    """Debian's Chromium, headless, driven by Playwright."""
-    from playwright.sync_api import sync_playwright
-
-    path = chromium()
-    with sync_playwright() as p:
-        instance = p.chromium.launch(executable_path=path, args=FLAGS)
-        yield instance
-        instance.close()
 
 
 def test_restart_mid_run_and_a_killed_job(tmp_path: Path, browser: Any) -> None:

@@ -1,0 +1,104 @@
+"""In a real browser, what a user does: pick the tiny FLUX.1 preset, point it at the demo
+images, see a bad field refused with the CLI's message, check, start, watch the loss chart and
+a sample appear, press "sample now", stop, resume, finish, download the LoRA."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from difftune.ui.runs import metrics
+from tests.ui.browser import DEMO, UiProcess, shoot, wait_for
+
+STEP = re.compile(r"step (\d+)/(\d+)")
+
+
+def fill(page: Any, testid: str, value: str) -> None:
+    """Type `value` into the input a form field's test id marks, as a user would, and leave it
+    (the form validates on change)."""
+    field = page.get_by_test_id(testid)
+    target = field if field.evaluate("e => e.tagName") in ("INPUT", "TEXTAREA") \
+        else field.locator("input, textarea").first
+    target.fill(value)
+    target.press("Tab")
+
+
+def step_of(page: Any) -> int:
+    """The step the run page shows."""
+    found = STEP.search(page.get_by_test_id("run-progress").inner_text())
+    return int(found.group(1)) if found else 0
+
+
+def chart_points(page: Any) -> int:
+    """How many training-loss points the run page's chart holds (read from ECharts itself)."""
+    return page.evaluate("""() => {
+        const el = document.querySelector('[data-testid="loss-chart"]');
+        const chart = el && window.echarts && window.echarts.getInstanceByDom(el);
+        const opt = chart && chart.getOption();
+        return opt ? opt.series[0].data.length : -1;
+    }""")
+
+
+def test_a_user_trains_the_tiny_preset_end_to_end(tmp_path: Path, browser: Any) -> None:
+    shutil.copytree(DEMO, tmp_path / "demo")
+    ui = UiProcess(tmp_path).start()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(20_000)
+    try:
+        page.goto(f"{ui.url}/prepare")
+        page.get_by_test_id("preset").click()
+        page.get_by_role("option", name=re.compile("tiny FLUX.1")).click()
+        wait_for("the preset's TOML", lambda: "flavor" in page.get_by_test_id("toml").inner_text())
+        fill(page, "field-datasets[0].subsets[0].path", str(tmp_path / "demo"))
+        fill(page, "field-train.lr", "-1")
+        error = page.get_by_test_id("error")
+        wait_for("the CLI's message for the bad field",
+                 lambda: error.count() and "train.lr" in error.first.inner_text())
+        shoot(page, "prepare-error")
+        fill(page, "field-train.lr", "0.001")
+        wait_for("the message to go", lambda: error.count() == 0)
+        for field, value in (("train.steps", "300"), ("sample.every_n_steps", "100"),
+                             ("save.every_n_steps", "150")):
+            fill(page, f"field-{field}", value)
+        fill(page, "save-path", str(tmp_path / "runs" / "tiny" / "run.toml"))
+        page.get_by_test_id("check").click()
+        report = page.get_by_test_id("check-report")
+        wait_for("check passed", lambda: "check passed" in report.inner_text(), timeout=90)
+        shoot(page, "prepare")
+        page.get_by_test_id("start").click()
+        page.wait_for_url(re.compile(r"/run\?job=\d+"))
+        run_dir = tmp_path / "runs" / "tiny"
+        wait_for("the first sample", lambda: page.get_by_test_id("sample").count() > 0,
+                 timeout=120)
+        wait_for("loss points on the chart", lambda: chart_points(page) > 5)
+        page.get_by_test_id("sample-now").click()
+        asked = step_of(page)
+        wait_for("the requested sample", lambda: any(
+            int(r.group(1)) % 100 for r in map(re.compile(r"samples-step-(\d+)").search, (
+                e.get_attribute("data-testid") for e in
+                page.locator('[data-testid^="samples-step-"]').all())) if r), timeout=60)
+        shoot(page, "run")
+        page.get_by_test_id("stop").click()
+        state = page.get_by_test_id("run-state")
+        wait_for("stopped", lambda: state.inner_text() == "stopped", timeout=60)
+        stopped_at = max(r["step"] for r in metrics(run_dir))
+        assert asked <= stopped_at < 300
+        page.get_by_test_id("resume").click()
+        page.wait_for_url(re.compile(r"/run\?job=\d+"))
+        wait_for("the resumed run to finish", lambda: page.get_by_test_id(
+            "run-state").inner_text() == "succeeded", timeout=120)
+        assert step_of(page) == 300
+        shoot(page, "run-finished")
+        with page.expect_download() as download:
+            page.get_by_test_id("download-run.safetensors").click()
+        saved = tmp_path / "downloaded.safetensors"
+        download.value.save_as(saved)
+        with safe_open(str(saved), "pt") as f:
+            assert any(key.endswith(".alpha") or "lora" in key for key in f.keys())
+    finally:
+        page.close()
+        ui.stop()
