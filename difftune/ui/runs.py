@@ -366,7 +366,8 @@ def _weight_file(path: Path) -> RunFile:
     named = FILE_STEP.search(path.stem)
     steps = meta.get("difftune.steps")
     step = int(named[1]) if named else int(steps) if steps and steps.isdigit() else None
-    return RunFile(_kind(meta), str(path), step, path.stat().st_size, meta, final=named is None)
+    final = named is None and not path.stem.endswith("-best")  # (validation.keep_best's file)
+    return RunFile(_kind(meta), str(path), step, path.stat().st_size, meta, final=final)
 
 
 def _checkpoint(folder: Path) -> RunFile:
