@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from difftune.ui.runs import SKIP_FOLDERS
+from difftune.ui.runs import searched
 
 DEFAULT_CAPTION_EXT = ".txt"
 # The side granularity of most families' buckets; a report of a bare folder uses it unless a
@@ -126,8 +126,8 @@ def browse(folder: Path, offset: int = 0, limit: int = 48,
 
 def image_folders(roots: list[Path], depth: int = 4, limit: int = 200) -> list[dict[str, Any]]:
     """Folders under `roots` (down to `depth` levels) that directly hold images, with their
-    image count: the choices of the dataset page's folder picker. Hidden folders, caches and
-    run insides (samples, checkpoints) are left out."""
+    image count: the choices of the dataset page's folder picker. Hidden and linked folders,
+    caches and run insides (samples, checkpoints) are left out."""
     from difftune.data.discover import list_images
 
     found: list[dict[str, Any]] = []
@@ -145,8 +145,7 @@ def image_folders(roots: list[Path], depth: int = 4, limit: int = 200) -> list[d
         if left <= 0:
             return
         for child in children:
-            if child.is_dir() and not child.name.startswith(".") \
-                    and child.name not in SKIP_FOLDERS:
+            if searched(child):
                 walk(child, left - 1)
 
     for root in roots:

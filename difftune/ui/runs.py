@@ -217,14 +217,22 @@ def summary(run_dir: Path) -> RunSummary:
 def find_runs(roots: Roots, depth: int = 4) -> list[RunSummary]:
     """Every run folder under the roots, at most `depth` folders deep, newest first.
 
-    Hidden folders, the app's state, caches and a run's own subfolders are not searched, and a
-    run folder is not searched for runs inside it.
+    Hidden folders, the app's state, caches and a run's own subfolders are not searched, nor
+    are symbolic links (which may lead out of the roots, or in circles), and a run folder is
+    not searched for runs inside it.
     """
     found: list[Path] = []
     for root in roots.folders:
         _walk(root, depth, found)
     runs = [summary(p) for p in dict.fromkeys(found)]
     return sorted(runs, key=lambda r: r.updated or 0.0, reverse=True)
+
+
+def searched(folder: Path) -> bool:
+    """Whether a search for runs or datasets goes into `folder`: a real folder (not a link),
+    not hidden, not the app's state, a cache or a run's insides."""
+    return (not folder.name.startswith(".") and folder.name not in SKIP_FOLDERS
+            and not folder.is_symlink() and folder.is_dir())
 
 
 def _walk(folder: Path, depth: int, found: list[Path]) -> None:
@@ -235,9 +243,7 @@ def _walk(folder: Path, depth: int, found: list[Path]) -> None:
     if depth <= 0:
         return
     try:
-        children = sorted(p for p in folder.iterdir()
-                          if p.is_dir() and not p.name.startswith(".")
-                          and p.name not in SKIP_FOLDERS)
+        children = sorted(p for p in folder.iterdir() if searched(p))
     except OSError:
         return
     for child in children:
