@@ -13,11 +13,13 @@ import logging
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from difftune.ui.runs import searched
+from difftune.ui.security import PathOutsideRoots, Roots
 
 DEFAULT_CAPTION_EXT = ".txt"
 # The side granularity of most families' buckets; a report of a bare folder uses it unless a
@@ -81,7 +83,8 @@ def _header_size(path: Path) -> tuple[int | None, int | None]:
     try:
         with Image.open(path) as img:
             return img.size
-    except Exception:  # an unreadable file shows without a size; `report` says why
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        # an unreadable file shows without a size; the report says why
         return None, None
 
 
@@ -186,6 +189,27 @@ def write_caption(image: Path, text: str, caption_ext: str = DEFAULT_CAPTION_EXT
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def under(roots: Roots) -> Callable[[Path], bool]:
+    """A predicate: whether a path (symbolic links followed) lies under `roots`."""
+    def inside(path: Path) -> bool:
+        try:
+            roots.resolve(path)
+        except PathOutsideRoots:
+            return False
+        return True
+    return inside
+
+
+def edit_caption(roots: Roots, image: str | Path, text: str,
+                 caption_ext: str = DEFAULT_CAPTION_EXT) -> Path:
+    """`write_caption` for a request: the image and the caption file it would replace must
+    both lie under `roots` (PathOutsideRoots otherwise: a caption file that is a link leading
+    outside is refused, not followed)."""
+    resolved = roots.resolve(image)
+    roots.resolve(caption_path(resolved, caption_ext))
+    return write_caption(resolved, text, caption_ext)
 
 
 # --- thumbnails ------------------------------------------------------------------------------------

@@ -95,21 +95,20 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     it (shorter, or a different first line): either way it is parsed again from the start.
     """
     try:
-        f = open(path, "rb")
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = f.readline()
+            if not head.endswith(b"\n"):
+                return []  # no row is complete yet
+            with _lock:
+                known = _parsed.get(path)
+            if (known is None or known.inode != st.st_ino or known.head != head
+                    or st.st_size < known.offset):
+                known = _Parsed(st.st_ino, 0, head)
+            f.seek(known.offset)
+            data = f.read()
     except FileNotFoundError:
         return []
-    with f:
-        st = os.fstat(f.fileno())
-        head = f.readline()
-        if not head.endswith(b"\n"):
-            return []  # no row is complete yet
-        with _lock:
-            known = _parsed.get(path)
-        if (known is None or known.inode != st.st_ino or known.head != head
-                or st.st_size < known.offset):
-            known = _Parsed(st.st_ino, 0, head)
-        f.seek(known.offset)
-        data = f.read()
     end = data.rfind(b"\n") + 1
     fresh = _Parsed(known.inode, known.offset + end, head, known.rows + _parse_lines(data[:end]))
     with _lock:
@@ -125,6 +124,18 @@ def metrics(run_dir: Path, since: int = 0) -> list[dict[str, Any]]:
     """
     rows = _read_metrics(Path(run_dir) / METRICS)
     return [dict(r) for r in rows if r["step"] > since]
+
+
+def series(rows: list[dict[str, Any]], key: str, max_points: int = 2000) -> list[list[float]]:
+    """[[step, value], ...] of the rows that carry a number under `key`, thinned to at most
+    `max_points` by an even stride (the last point always kept) so a long run's chart stays
+    light to send and draw."""
+    points = [[r["step"], r[key]] for r in rows if isinstance(r.get(key), (int, float))]
+    if len(points) <= max_points:
+        return points
+    stride = -(-len(points) // max_points)
+    thinned = points[::stride]
+    return thinned if thinned[-1] is points[-1] else [*thinned, points[-1]]
 
 
 # --- summary -----------------------------------------------------------------------------------
@@ -347,12 +358,12 @@ class RunFile:
 
 def header_metadata(path: Path) -> dict[str, str]:
     """The `__metadata__` of a safetensors file's header ({} when it has none or is not one)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
             return dict(f.metadata() or {})
-    except Exception as err:  # a damaged or half-written file: listed, without metadata
+    except (OSError, SafetensorError) as err:  # a damaged or half-written file: listed, without metadata
         log.debug("safetensors header of %s unreadable: %s", path, err)
         return {}
 

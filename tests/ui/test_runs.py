@@ -120,3 +120,24 @@ def test_find_runs_skips_hidden_cache_and_app_folders(run_dir: Path, tmp_path: P
     deeper = runs.find_runs(Roots.of([tmp_path]), depth=5)
     assert {Path(r.path).name for r in deeper} == {"run1", "deep"}
     assert found[0].to_dict()["total_steps"] == tiny_run.STEPS
+
+
+def test_series_thins_long_runs_and_keeps_the_last_point() -> None:
+    rows = [{"step": s, "loss": float(s), "val_loss": None if s % 10 else 1.0}
+            for s in range(1, 10001)]
+    points = runs.series(rows, "loss", max_points=1000)
+    assert len(points) <= 1001 and points[0] == [1, 1.0] and points[-1] == [10000, 10000.0]
+    assert len(runs.series(rows, "val_loss")) == 1000  # rows without the key are left out
+
+
+def test_compare_chart_draws_smoothed_and_val_loss_per_run(run_dir: Path) -> None:
+    from difftune.ui.pages.compare import loss_chart
+
+    rows = runs.metrics(run_dir)
+    chart = loss_chart({"a": rows, "b": [r for r in rows if "val_loss" not in r]}, raw=False)
+    names = [s["name"] for s in chart["series"]]
+    assert names == ["a · loss (smoothed)", "a · val_loss", "b · loss (smoothed)"]
+    assert chart["series"][1]["data"] == [[r["step"], r["val_loss"]] for r in rows
+                                          if "val_loss" in r]
+    assert chart["series"][0]["itemStyle"] == chart["series"][1]["itemStyle"]  # one colour a run
+    assert len(loss_chart({"a": rows}, raw=True)["series"]) == 3

@@ -83,17 +83,6 @@ def _resolve(ctx: UiContext, path: str) -> Path:
         raise HTTPException(status_code=403, detail=str(err)) from None
 
 
-def _inside(ctx: UiContext) -> Any:
-    """A predicate: whether a path (links followed) lies under the roots."""
-    def inside(path: Path) -> bool:
-        try:
-            ctx.roots.resolve(path)
-        except PathOutsideRoots:
-            return False
-        return True
-    return inside
-
-
 def router(ctx: UiContext) -> APIRouter:
     """The /datasets routes over `ctx`'s roots."""
     api = APIRouter(prefix="/datasets", tags=["datasets"])
@@ -111,17 +100,17 @@ def router(ctx: UiContext) -> APIRouter:
         folder = _resolve(ctx, path)
         try:
             return datasets.browse(folder, offset, limit, caption_ext,
-                                   inside=_inside(ctx)).to_dict()
+                                   inside=datasets.under(ctx.roots)).to_dict()
         except ValueError as err:
             raise HTTPException(status_code=422, detail=str(err)) from None
 
     @api.put("/caption", response_model=CaptionWritten, summary="Write an image's caption")
     def caption(edit: CaptionEdit) -> dict[str, str]:
         """Write the same-stem caption file of `image` (atomically; nothing else changes)."""
-        image = _resolve(ctx, edit.image)
         try:
-            _resolve(ctx, str(datasets.caption_path(image, edit.caption_ext)))
-            written = datasets.write_caption(image, edit.text, edit.caption_ext)
+            written = datasets.edit_caption(ctx.roots, edit.image, edit.text, edit.caption_ext)
+        except PathOutsideRoots as err:
+            raise HTTPException(status_code=403, detail=str(err)) from None
         except ValueError as err:
             raise HTTPException(status_code=422, detail=str(err)) from None
         return {"caption_file": str(written), "caption": written.read_text(encoding="utf-8")}
