@@ -148,7 +148,8 @@ class RunSummary:
     `gpu_mem` is the last row's GPU memory figure (GiB) when the run logs one; `best_val_loss`
     the lowest validation loss with its step (`best_val_step`); `updated` the newest
     modification time (Unix seconds) of its metrics, config or log; `lora` the final LoRA
-    file when it exists.
+    file when it exists; `finished` whether it exists or the last step was logged (what
+    files say; whether a process still runs is the job queue's to tell).
     """
 
     name: str
@@ -211,14 +212,15 @@ def summary(run_dir: Path) -> RunSummary:
     out = RunSummary(name=run_dir.name, path=str(run_dir), total_steps=total,
                      updated=_updated(run_dir), family=cfg.get("model", {}).get("family"),
                      lora=str(lora) if lora is not None and lora.is_file() else None)
-    out.finished = out.lora is not None
     if rows:
         last = rows[-1]
         out.step, out.loss, out.loss_smoothed = last["step"], last.get("loss"), last.get(
             "loss_smoothed")
         out.it_per_s, out.gpu_mem = last.get("it_per_s"), _gpu_memory(last)
-        if out.it_per_s and total and out.step < total and not out.finished:
-            out.eta_s = (total - out.step) / out.it_per_s
+    # The final LoRA file, or (a full fine-tune, embeddings) the last step logged.
+    out.finished = out.lora is not None or bool(total and out.step >= total)
+    if out.it_per_s and total and not out.finished:
+        out.eta_s = (total - out.step) / out.it_per_s
     vals = [(r["val_loss"], r["step"]) for r in rows if isinstance(r.get("val_loss"), float)]
     if vals:
         out.best_val_loss, out.best_val_step = min(vals)
