@@ -1,0 +1,147 @@
+"""`/api/datasets`: browse a folder's images and captions, edit a caption, report what training
+would make of a folder or run file, and serve images and thumbnails. Every path (the caption
+file a write would replace included) is checked against the app's roots: 403 outside them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi.responses import FileResponse
+from pydantic import BaseModel
+
+from difftune.errors import DifftuneError
+from difftune.ui import datasets
+from difftune.ui.context import UiContext
+from difftune.ui.security import PathOutsideRoots
+
+
+class DatasetImageModel(BaseModel):
+    """One image and its caption (see `difftune.ui.datasets.DatasetImage`)."""
+
+    image: str
+    caption: str | None
+    caption_file: str
+    width: int | None
+    height: int | None
+    bytes: int
+    error: str | None
+
+
+class BrowseModel(BaseModel):
+    """A page of a folder's images."""
+
+    folder: str
+    total: int
+    offset: int
+    limit: int
+    items: list[DatasetImageModel]
+
+
+class FolderModel(BaseModel):
+    """A folder holding images, for the folder picker."""
+
+    path: str
+    images: int
+
+
+class CaptionEdit(BaseModel):
+    """A caption to write: the image it belongs to and its new text."""
+
+    image: str
+    text: str
+    caption_ext: str = datasets.DEFAULT_CAPTION_EXT
+
+
+class CaptionWritten(BaseModel):
+    """The caption file written and the text it now holds."""
+
+    caption_file: str
+    caption: str
+
+
+class ReportModel(BaseModel):
+    """Buckets, skipped images with check's reasons, caption statistics."""
+
+    source: str
+    buckets: list[dict[str, Any]]
+    skipped: list[dict[str, str]]
+    missing_captions: list[str]
+    tags: list[dict[str, Any]]
+    lengths: list[dict[str, int]]
+    summary: dict[str, Any]
+    error: str | None
+
+
+def _resolve(ctx: UiContext, path: str) -> Path:
+    """`path` under the roots, or HTTP 403 with the reason."""
+    try:
+        return ctx.roots.resolve(path)
+    except PathOutsideRoots as err:
+        raise HTTPException(status_code=403, detail=str(err)) from None
+
+
+def router(ctx: UiContext) -> APIRouter:
+    """The /datasets routes over `ctx`'s roots."""
+    api = APIRouter(prefix="/datasets", tags=["datasets"])
+
+    @api.get("/folders", response_model=list[FolderModel], summary="Folders holding images")
+    def folders(depth: int = Query(4, ge=0, le=8)) -> list[dict[str, Any]]:
+        """Folders under the roots that hold images (hidden, cache and run folders left out)."""
+        return datasets.image_folders(list(ctx.roots.folders), depth)
+
+    @api.get("/browse", response_model=BrowseModel, summary="A page of a folder's images")
+    def browse(path: str, offset: int = Query(0, ge=0), limit: int = Query(48, ge=1, le=500),
+               caption_ext: str = datasets.DEFAULT_CAPTION_EXT) -> dict[str, Any]:
+        """The images training would find in `path` (recursively, hidden files left out) with
+        their captions, `limit` from `offset`."""
+        folder = _resolve(ctx, path)
+        try:
+            return datasets.browse(folder, offset, limit, caption_ext,
+                                   inside=datasets.under(ctx.roots)).to_dict()
+        except ValueError as err:
+            raise HTTPException(status_code=422, detail=str(err)) from None
+
+    @api.put("/caption", response_model=CaptionWritten, summary="Write an image's caption")
+    def caption(edit: CaptionEdit) -> dict[str, str]:
+        """Write the same-stem caption file of `image` (atomically; nothing else changes)."""
+        try:
+            written = datasets.edit_caption(ctx.roots, edit.image, edit.text, edit.caption_ext)
+        except PathOutsideRoots as err:
+            raise HTTPException(status_code=403, detail=str(err)) from None
+        except ValueError as err:
+            raise HTTPException(status_code=422, detail=str(err)) from None
+        return {"caption_file": str(written), "caption": written.read_text(encoding="utf-8")}
+
+    @api.get("/report", response_model=ReportModel, summary="What training would make of it")
+    def report(path: str, resolution: int = 1024, family: str | None = None) -> dict[str, Any]:
+        """Buckets, skipped images (with the reason `check` gives) and caption statistics of
+        a folder (bucketed at `resolution`, `family`'s bucket step) or a run file (.toml)."""
+        source = _resolve(ctx, path)
+        if not source.exists():
+            raise HTTPException(status_code=404, detail=f"{path} does not exist")
+        try:
+            return datasets.report(source, resolution, family).to_dict()
+        except (ValueError, DifftuneError) as err:
+            raise HTTPException(status_code=422, detail=str(err)) from None
+
+    @api.get("/image", summary="An image of a dataset, or its thumbnail",
+             response_class=Response)
+    def image(path: str, size: int | None = Query(None, ge=16, le=2048)) -> Response:
+        """The image file, or with `size` a JPEG thumbnail at most `size` px on its longer
+        side (422 with check's reason for an unreadable image)."""
+        from difftune.data.discover import IMAGE_EXTENSIONS
+
+        target = _resolve(ctx, path)
+        if not target.is_file() or target.suffix.lower() not in IMAGE_EXTENSIONS:
+            raise HTTPException(status_code=404, detail=f"{path} is not an image file")
+        if size is None:
+            return FileResponse(target)
+        try:
+            return Response(datasets.thumbnail(target, size), media_type="image/jpeg")
+        except ValueError as err:
+            raise HTTPException(status_code=422, detail=f"{target}: {err}") from None
+
+    return api

@@ -1,0 +1,331 @@
+"""Datasets in the UI: browse a folder's images and captions, edit a caption, and report what
+training would make of a folder or a run file (buckets, skipped images, caption statistics).
+
+Everything goes through difftune's own data code (`difftune.data.discover`): the images listed
+are the ones `list_images` finds, captions are read by `read_caption`, and the report's buckets
+and skip reasons are those `data.build` gives, which are what `difftune check` prints.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from difftune.ui.runs import searched
+from difftune.ui.security import PathOutsideRoots, Roots
+
+DEFAULT_CAPTION_EXT = ".txt"
+# The side granularity of most families' buckets; a report of a bare folder uses it unless a
+# family is named (a run file always uses its own family's).
+DEFAULT_BUCKET_STEP = 16
+
+
+def _ext(caption_ext: str) -> str:
+    """A caption extension with its dot; refuses anything that is not a plain suffix."""
+    ext = caption_ext if caption_ext.startswith(".") else f".{caption_ext}"
+    if len(ext) < 2 or any(c in ext for c in "/\\\x00") or ext.count(".") != 1:
+        raise ValueError(f"caption extension {caption_ext!r} is not a file suffix; use e.g. .txt")
+    return ext
+
+
+def caption_path(image: Path, caption_ext: str = DEFAULT_CAPTION_EXT) -> Path:
+    """The same-stem caption file of `image` (what training reads)."""
+    return Path(image).with_suffix(_ext(caption_ext))
+
+
+# --- browsing ------------------------------------------------------------------------------------
+
+@dataclass
+class DatasetImage:
+    """One image of a browsed folder: its caption (None when it has no caption file), the
+    caption file's path, its header size and its file size; `error` when the caption cannot be
+    read or the path lies outside what the app serves."""
+
+    image: str
+    caption: str | None
+    caption_file: str
+    width: int | None = None
+    height: int | None = None
+    bytes: int = 0
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass
+class BrowsePage:
+    """A page of a folder's images (`offset`, `limit`) and how many there are in all."""
+
+    folder: str
+    total: int
+    offset: int
+    limit: int
+    items: list[DatasetImage] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def _header_size(path: Path) -> tuple[int | None, int | None]:
+    """(width, height) from the image header alone (cheap: no decode); Nones if unreadable."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            return img.size
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        # an unreadable file shows without a size; the report says why
+        return None, None
+
+
+def _entry(image: Path, caption_ext: str, inside: Callable[[Path], bool] | None
+           ) -> DatasetImage:
+    """The browse entry of one image."""
+    from difftune.data.discover import read_caption
+    from difftune.errors import DataError
+
+    cap = caption_path(image, caption_ext)
+    entry = DatasetImage(str(image), None, str(cap), bytes=image.stat().st_size)
+    if inside is not None and not (inside(image) and inside(cap)):
+        entry.error = "the image or its caption file links outside the folders this app serves"
+        return entry
+    entry.width, entry.height = _header_size(image)
+    try:
+        entry.caption = read_caption(image, caption_ext)
+    except DataError as err:
+        entry.error = str(err)
+    return entry
+
+
+def browse(folder: Path, offset: int = 0, limit: int = 48,
+           caption_ext: str = DEFAULT_CAPTION_EXT, recursive: bool = True,
+           inside: Callable[[Path], bool] | None = None) -> BrowsePage:
+    """A page of the images training would find in `folder`, with their captions.
+
+    `inside(path)` says whether a path (symbolic links followed) is one the caller may read;
+    an entry failing it is listed without its caption or size.
+    """
+    from difftune.data.discover import list_images
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder; pick a folder of images")
+    images = list_images(folder, recursive)
+    offset, limit = max(0, offset), max(1, limit)
+    page = images[offset:offset + limit]
+    return BrowsePage(str(folder), len(images), offset, limit,
+                      [_entry(p, caption_ext, inside) for p in page])
+
+
+def image_folders(roots: list[Path], depth: int = 4, limit: int = 200) -> list[dict[str, Any]]:
+    """Folders under `roots` (down to `depth` levels) that directly hold images, with their
+    image count: the choices of the dataset page's folder picker. Hidden and linked folders,
+    caches and run insides (samples, checkpoints) are left out."""
+    from difftune.data.discover import list_images
+
+    found: list[dict[str, Any]] = []
+
+    def walk(folder: Path, left: int) -> None:
+        if len(found) >= limit:
+            return
+        try:
+            children = sorted(folder.iterdir())
+        except OSError:
+            return
+        count = len(list_images(folder, recursive=False))
+        if count:
+            found.append({"path": str(folder), "images": count})
+        if left <= 0:
+            return
+        for child in children:
+            if searched(child):
+                walk(child, left - 1)
+
+    for root in roots:
+        walk(Path(root), depth)
+    return found
+
+
+# --- editing ---------------------------------------------------------------------------------------
+
+def write_caption(image: Path, text: str, caption_ext: str = DEFAULT_CAPTION_EXT) -> Path:
+    """Write `text` (stripped, UTF-8) as `image`'s caption file and return that file.
+
+    Only the caption file changes: it is written to a temporary file beside it and renamed
+    over it, so a reader (a training run) sees the old caption or the new one, never half.
+    Its permission bits are kept when it existed. Raises ValueError when `image` is not an
+    image file training would read.
+    """
+    from difftune.data.discover import IMAGE_EXTENSIONS
+
+    image = Path(image)
+    if image.suffix.lower() not in IMAGE_EXTENSIONS or not image.is_file():
+        raise ValueError(f"{image} is not an image file ({'/'.join(sorted(IMAGE_EXTENSIONS))}); "
+                         "captions belong to images")
+    target = caption_path(image, caption_ext)
+    try:
+        mode = target.stat().st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o644
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text.strip())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def under(roots: Roots) -> Callable[[Path], bool]:
+    """A predicate: whether a path (symbolic links followed) lies under `roots`."""
+    def inside(path: Path) -> bool:
+        try:
+            roots.resolve(path)
+        except PathOutsideRoots:
+            return False
+        return True
+    return inside
+
+
+def edit_caption(roots: Roots, image: str | Path, text: str,
+                 caption_ext: str = DEFAULT_CAPTION_EXT) -> Path:
+    """`write_caption` for a request: the image and the caption file it would replace must
+    both lie under `roots` (PathOutsideRoots otherwise: a caption file that is a link leading
+    outside is refused, not followed)."""
+    resolved = roots.resolve(image)
+    roots.resolve(caption_path(resolved, caption_ext))
+    return write_caption(resolved, text, caption_ext)
+
+
+# --- thumbnails ------------------------------------------------------------------------------------
+
+def thumbnail(image: Path, side: int = 256) -> bytes:
+    """A JPEG of `image` at most `side` pixels on its longer side (EXIF orientation applied,
+    transparency over white, as training decodes it). Raises ValueError for an unreadable
+    image, with the reason `check` would give."""
+    from difftune.data.images import load_rgb, probe_image
+
+    probe_image(Path(image))  # the reason, worded as check words it
+    img = load_rgb(Path(image))
+    img.thumbnail((side, side))
+    out = io.BytesIO()
+    img.save(out, "JPEG", quality=85)
+    return out.getvalue()
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+@dataclass
+class DatasetReport:
+    """What training would make of a dataset.
+
+    `buckets`: one row per (resolution, bucket "WxH") with its image count; `skipped`: the
+    images left out and the reason `check` prints; `missing_captions`: images trained with the
+    default caption; `tags`: (tag, count) most frequent first, split on each subset's
+    `caption_separator`; `lengths`: caption length in words -> images; `summary`: the counts
+    `DataSet.summary()` gives; `error`: the message `check` would stop with (then the rest
+    is empty).
+    """
+
+    source: str
+    buckets: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    missing_captions: list[str] = field(default_factory=list)
+    tags: list[dict[str, Any]] = field(default_factory=list)
+    lengths: list[dict[str, int]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def folder_datasets(folder: Path, resolution: int) -> list[Any]:
+    """The `[[datasets]]` config of a bare folder at `resolution` (otherwise the defaults a
+    run file gets, with the side limits widened to hold `resolution`)."""
+    from difftune.config import DatasetConfig
+
+    return [DatasetConfig(path=Path(folder), resolution=resolution,
+                          min_side=min(256, resolution), max_side=max(2048, resolution))]
+
+
+def config_datasets(path: Path) -> tuple[list[Any], int]:
+    """The datasets of a run file and its family's bucket step; raises the CLI's ConfigError."""
+    from difftune.config import load_config
+    from difftune.families.registry import spec
+
+    cfg = load_config(path)
+    return cfg.datasets, spec(cfg.model.family, cfg.model.variant).bucket_step
+
+
+def report(source: Path, resolution: int = 1024, family: str | None = None) -> DatasetReport:
+    """The report of a folder of images (bucketed at `resolution` with `family`'s bucket
+    step) or of a run file (.toml: its datasets as configured). Raises ValueError for a
+    resolution the config refuses and ConfigError for a run file `train` would refuse."""
+    from pydantic import ValidationError
+
+    from difftune.data.discover import build
+    from difftune.errors import DataError
+    from difftune.families.registry import spec
+
+    source = Path(source)
+    if source.is_file():
+        datasets, step = config_datasets(source)
+    else:
+        try:
+            datasets = folder_datasets(source, resolution)
+        except ValidationError as err:
+            raise ValueError("; ".join(e["msg"] for e in err.errors())) from None
+        step = spec(family).bucket_step if family else DEFAULT_BUCKET_STEP
+    out = DatasetReport(str(source))
+    quiet = logging.getLogger("difftune.data")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # each skip is in the report; not a log line per request
+    try:
+        data = build(datasets, step)
+    except DataError as err:
+        out.error = str(err)
+        return out
+    finally:
+        quiet.setLevel(level)
+    _fill(out, data)
+    return out
+
+
+def _fill(out: DatasetReport, data: Any) -> None:
+    """The report's tables from a built `DataSet`."""
+    per_side = Counter((it.resolution, f"{it.bucket[0]}x{it.bucket[1]}") for it in data.items)
+    out.buckets = [{"resolution": r, "bucket": b, "images": n}
+                   for (r, b), n in sorted(per_side.items())]
+    out.skipped = [{"path": str(p), "reason": why} for p, why in data.skipped]
+    out.missing_captions = [str(p) for p in data.missing_captions]
+    out.summary = data.summary()
+    missing = set(data.missing_captions)
+    seen: dict[Path, Any] = {}
+    for it in data.items:
+        if it.path not in missing:
+            seen.setdefault(it.path, it)
+    tags: Counter[str] = Counter()
+    lengths: Counter[int] = Counter()
+    for it in seen.values():
+        tags.update(t.strip() for t in it.caption.split(it.augment.separator) if t.strip())
+        lengths[len(it.caption.split())] += 1
+    ranked = sorted(tags.items(), key=lambda kv: (-kv[1], kv[0]))
+    out.tags = [{"tag": t, "count": n} for t, n in ranked]
+    out.lengths = [{"words": w, "images": n} for w, n in sorted(lengths.items())]

@@ -1,0 +1,415 @@
+"""Reading run folders: what a run is doing and what it has written, from its files alone.
+
+A run folder (`save.dir`) holds `config.resolved.json` (the validated config), `metrics.jsonl`
+(one JSON row per logged step, appended while the trainer runs), `samples/<label>_II_<slug>.png`,
+`checkpoints/step-NNNNNN/`, the LoRA files (`<name>.safetensors`, `<name>-stepNNNNNN.safetensors`)
+and `difftune.log`. Nothing here talks to a process: the UI's run page, the compare page and the
+HTTP API all read the same files the CLI writes, so what they show is what is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from difftune.ui.security import Roots
+
+log = logging.getLogger("difftune")
+
+METRICS = "metrics.jsonl"
+CONFIG = "config.resolved.json"
+LOG = "difftune.log"
+RUN_MARKERS = (METRICS, CONFIG)
+# Folders that are never runs nor hold runs: the app's own state, caches, a run's insides.
+SKIP_FOLDERS = frozenset({".difftune-ui", ".difftune-jobs", "cache", "__pycache__",
+                          "node_modules", "checkpoints", "samples", "tensorboard", "validation"})
+SAMPLE_NAME = re.compile(r"^(?P<label>.+?)_(?P<index>\d{2,})_(?P<slug>.+)\.png$")
+STEP_LABEL = re.compile(r"^step-(\d+)$")
+FILE_STEP = re.compile(r"-step(\d+)$")
+
+
+def is_run(folder: Path) -> bool:
+    """Whether `folder` is a run folder (it holds metrics.jsonl or config.resolved.json)."""
+    return any((folder / name).is_file() for name in RUN_MARKERS)
+
+
+def run_of(path: Path) -> Path | None:
+    """The run folder `path` lies in (itself or its nearest ancestor that is a run), or None."""
+    for folder in (path, *path.parents):
+        if folder.is_dir() and is_run(folder):
+            return folder
+    return None
+
+
+# --- metrics.jsonl, read incrementally ---------------------------------------------------------
+
+@dataclass
+class _Parsed:
+    """The rows parsed so far from one metrics file, and where parsing stopped."""
+
+    inode: int
+    offset: int  # bytes consumed: always just after a newline
+    head: bytes  # the file's first line, to notice a file rewritten in place
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+_parsed: dict[Path, _Parsed] = {}
+_lock = threading.Lock()
+
+
+def _finite(value: Any) -> Any:
+    """`value` with NaN and infinities (a skipped step's loss) replaced by None, recursively:
+    JSON has no spelling for them and the API answers strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
+
+
+def _parse_lines(data: bytes) -> list[dict[str, Any]]:
+    """Rows of complete JSON lines; a line a kill cut short (invalid JSON) is dropped."""
+    rows = []
+    for line in data.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(_finite(row))
+    return rows
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every complete row of `path`, parsing only what was appended since the last call.
+
+    The trainer appends line by line, so bytes after the last newline are a row being written
+    and wait for the next call. A resume rewrites the file (a new inode), a new run truncates
+    it (shorter, or a different first line): either way it is parsed again from the start.
+    """
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = f.readline()
+            if not head.endswith(b"\n"):
+                return []  # no row is complete yet
+            with _lock:
+                known = _parsed.get(path)
+            if (known is None or known.inode != st.st_ino or known.head != head
+                    or st.st_size < known.offset):
+                known = _Parsed(st.st_ino, 0, head)
+            f.seek(known.offset)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    end = data.rfind(b"\n") + 1
+    fresh = _Parsed(known.inode, known.offset + end, head, known.rows + _parse_lines(data[:end]))
+    with _lock:
+        _parsed[path] = fresh
+    return fresh.rows
+
+
+def metrics(run_dir: Path, since: int = 0) -> list[dict[str, Any]]:
+    """The metrics rows of `run_dir` with step > `since` (all by default), oldest first.
+
+    Safe while the trainer writes: a half-written last line is left for the next call.
+    Non-finite numbers come back as None.
+    """
+    rows = _read_metrics(Path(run_dir) / METRICS)
+    return [dict(r) for r in rows if r["step"] > since]
+
+
+def series(rows: list[dict[str, Any]], key: str, max_points: int = 2000) -> list[list[float]]:
+    """[[step, value], ...] of the rows that carry a number under `key`, thinned to at most
+    `max_points` by an even stride (the last point always kept) so a long run's chart stays
+    light to send and draw."""
+    points = [[r["step"], r[key]] for r in rows if isinstance(r.get(key), (int, float))]
+    if len(points) <= max_points:
+        return points
+    stride = -(-len(points) // max_points)
+    thinned = points[::stride]
+    return thinned if thinned[-1] is points[-1] else [*thinned, points[-1]]
+
+
+# --- summary -----------------------------------------------------------------------------------
+
+@dataclass
+class RunSummary:
+    """What a run list or a run header shows: progress, speed, losses, and when it last wrote.
+
+    `eta_s` is (total - step) / it_per_s, None when the run is done or its speed unknown;
+    `gpu_mem` is the last row's GPU memory figure (GiB) when the run logs one; `best_val_loss`
+    the lowest validation loss with its step (`best_val_step`); `updated` the newest
+    modification time (Unix seconds) of its metrics, config or log; `lora` the final LoRA
+    file when it exists; `finished` whether it exists or the last step was logged (what
+    files say; whether a process still runs is the job queue's to tell).
+    """
+
+    name: str
+    path: str
+    step: int = 0
+    total_steps: int | None = None
+    it_per_s: float | None = None
+    eta_s: float | None = None
+    gpu_mem: float | None = None
+    loss: float | None = None
+    loss_smoothed: float | None = None
+    best_val_loss: float | None = None
+    best_val_step: int | None = None
+    updated: float | None = None
+    family: str | None = None
+    lora: str | None = None
+    finished: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def resolved_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.resolved.json as a dict ({} when absent or unreadable)."""
+    try:
+        doc = json.loads((Path(run_dir) / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _gpu_memory(row: dict[str, Any]) -> float | None:
+    """The GPU memory figure of a metrics row (any key starting `gpu_mem`), when present."""
+    for key, value in row.items():
+        if key.startswith("gpu_mem") and isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def _updated(run_dir: Path) -> float | None:
+    """The newest modification time of the run's metrics, config and log."""
+    times = []
+    for name in (*RUN_MARKERS, LOG):
+        try:
+            times.append((run_dir / name).stat().st_mtime)
+        except OSError:
+            continue
+    return max(times) if times else None
+
+
+def summary(run_dir: Path) -> RunSummary:
+    """The state of the run in `run_dir`, read from its files."""
+    run_dir = Path(run_dir)
+    cfg = resolved_config(run_dir)
+    rows = metrics(run_dir)
+    total = cfg.get("train", {}).get("steps")
+    name = cfg.get("save", {}).get("name")
+    lora = run_dir / f"{name}.safetensors" if name else None
+    out = RunSummary(name=run_dir.name, path=str(run_dir), total_steps=total,
+                     updated=_updated(run_dir), family=cfg.get("model", {}).get("family"),
+                     lora=str(lora) if lora is not None and lora.is_file() else None)
+    if rows:
+        last = rows[-1]
+        out.step, out.loss, out.loss_smoothed = last["step"], last.get("loss"), last.get(
+            "loss_smoothed")
+        out.it_per_s, out.gpu_mem = last.get("it_per_s"), _gpu_memory(last)
+    # The final LoRA file, or (a full fine-tune, embeddings) the last step logged.
+    out.finished = out.lora is not None or bool(total and out.step >= total)
+    if out.it_per_s and total and not out.finished:
+        out.eta_s = (total - out.step) / out.it_per_s
+    vals = [(r["val_loss"], r["step"]) for r in rows if isinstance(r.get("val_loss"), float)]
+    if vals:
+        out.best_val_loss, out.best_val_step = min(vals)
+    return out
+
+
+def find_runs(roots: Roots, depth: int = 4) -> list[RunSummary]:
+    """Every run folder under the roots, at most `depth` folders deep, newest first.
+
+    Hidden folders, the app's state, caches and a run's own subfolders are not searched, nor
+    are symbolic links (which may lead out of the roots, or in circles), and a run folder is
+    not searched for runs inside it.
+    """
+    found: list[Path] = []
+    for root in roots.folders:
+        _walk(root, depth, found)
+    runs = [summary(p) for p in dict.fromkeys(found)]
+    return sorted(runs, key=lambda r: r.updated or 0.0, reverse=True)
+
+
+def searched(folder: Path) -> bool:
+    """Whether a search for runs or datasets goes into `folder`: a real folder (not a link),
+    not hidden, not the app's state, a cache or a run's insides."""
+    return (not folder.name.startswith(".") and folder.name not in SKIP_FOLDERS
+            and not folder.is_symlink() and folder.is_dir())
+
+
+def _walk(folder: Path, depth: int, found: list[Path]) -> None:
+    """Add the run folders at or below `folder` (down to `depth` more levels) to `found`."""
+    if is_run(folder):
+        found.append(folder)
+        return
+    if depth <= 0:
+        return
+    try:
+        children = sorted(p for p in folder.iterdir() if searched(p))
+    except OSError:
+        return
+    for child in children:
+        _walk(child, depth - 1, found)
+
+
+# --- samples -----------------------------------------------------------------------------------
+
+@dataclass
+class SampleImage:
+    """One sample image: the step it was drawn at (None for a non-step label), the prompt's
+    index in the prompt file at that event, its text, and the file."""
+
+    step: int | None
+    index: int
+    prompt: str
+    label: str
+    path: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def _prompt_texts(cfg: dict[str, Any]) -> list[str]:
+    """The prompts of the run's sample prompt file as it is now (empty when it has none)."""
+    from difftune.sample.prompts import PromptSpec, read_prompts
+
+    name = cfg.get("sample", {}).get("prompts")
+    if not name or not Path(name).is_file():
+        return []
+    default = PromptSpec("", "", 64, 64, 1, 0, 1.0, 1.0)
+    logger = logging.getLogger("difftune")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # a bad line was warned about by the run; not again per poll
+    try:
+        return [s.prompt for s in read_prompts(Path(name), default)]
+    finally:
+        logger.setLevel(level)
+
+
+def _prompt_of(index: int, slug_text: str, prompts: list[str]) -> str:
+    """The text of sample `index` whose file name carries `slug_text`.
+
+    File names hold only a slug of the prompt; the prompt file holds the text. The file may
+    have been edited since the sample was drawn, so a prompt is taken only when its slug
+    matches (at the same index first, then anywhere); otherwise the slug itself, in words.
+    """
+    from difftune.sample.runner import slug
+
+    if index < len(prompts) and slug(prompts[index]) == slug_text:
+        return prompts[index]
+    for text in prompts:
+        if slug(text) == slug_text:
+            return text
+    return slug_text.replace("-", " ")
+
+
+def samples(run_dir: Path) -> list[SampleImage]:
+    """The run's sample images (grids left out), by step then prompt index."""
+    folder = Path(run_dir) / "samples"
+    if not folder.is_dir():
+        return []
+    prompts = _prompt_texts(resolved_config(Path(run_dir)))
+    out = []
+    for path in folder.glob("*.png"):
+        match = SAMPLE_NAME.match(path.name)
+        if match is None:
+            continue  # a grid (`<label>_grid.png`) or a file someone put there
+        label, index = match["label"], int(match["index"])
+        step = STEP_LABEL.match(label)
+        out.append(SampleImage(int(step[1]) if step else None, index,
+                               _prompt_of(index, match["slug"], prompts), label, str(path)))
+    return sorted(out, key=lambda s: (s.step is None, s.step or 0, s.label, s.index))
+
+
+# --- checkpoints and weight files ------------------------------------------------------------
+
+@dataclass
+class RunFile:
+    """A file (or checkpoint folder) a run wrote that a user downloads or resumes from.
+
+    `kind`: "lora", "embedding", "model" (a full fine-tune's single file) or "checkpoint"
+    (a folder; `complete` when its state.json exists, i.e. it can be resumed from). `metadata`
+    is the safetensors header metadata (a checkpoint shows its LoRA file's); `size` in bytes
+    (a folder's files summed); `step` from the metadata or the name, None for the final file.
+    """
+
+    kind: str
+    path: str
+    step: int | None
+    size: int
+    metadata: dict[str, str] = field(default_factory=dict)
+    complete: bool = True
+    final: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def header_metadata(path: Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file's header ({} when it has none or is not one)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return dict(f.metadata() or {})
+    except (OSError, SafetensorError) as err:  # a damaged or half-written file: listed, without metadata
+        log.debug("safetensors header of %s unreadable: %s", path, err)
+        return {}
+
+
+def _kind(meta: dict[str, str]) -> str:
+    """What a weight file is, from the metadata difftune writes into it."""
+    if "difftune.placeholder" in meta:
+        return "embedding"
+    if "difftune.rank" in meta or "ss_network_dim" in meta:
+        return "lora"
+    return "model"
+
+
+def _weight_file(path: Path) -> RunFile:
+    """A RunFile for one .safetensors file."""
+    meta = header_metadata(path)
+    named = FILE_STEP.search(path.stem)
+    steps = meta.get("difftune.steps")
+    step = int(named[1]) if named else int(steps) if steps and steps.isdigit() else None
+    final = named is None and not path.stem.endswith("-best")  # (validation.keep_best's file)
+    return RunFile(_kind(meta), str(path), step, path.stat().st_size, meta, final=final)
+
+
+def _checkpoint(folder: Path) -> RunFile:
+    """A RunFile for one checkpoint folder."""
+    from difftune.train.checkpoint.files import lora_file
+
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    step = STEP_LABEL.match(folder.name)
+    lora = lora_file(folder)
+    meta = header_metadata(lora) if lora.is_file() else {}
+    return RunFile("checkpoint", str(folder), int(step[1]) if step else None, size, meta,
+                   complete=(folder / "state.json").is_file())
+
+
+def files(run_dir: Path) -> list[RunFile]:
+    """The run's LoRA / embedding / model files and its checkpoint folders, by step (final
+    files last). Interrupted saves (`.tmp-*` folders) are left out."""
+    run_dir = Path(run_dir)
+    weights = [p for p in run_dir.glob("*.safetensors") if p.is_file()]
+    weights += [p for p in (run_dir / "embeddings").glob("*.safetensors") if p.is_file()]
+    out = [_weight_file(p) for p in weights]
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir():
+        out += [_checkpoint(p) for p in ckpts.glob("step-*") if p.is_dir()]
+    return sorted(out, key=lambda f: (f.final, f.step if f.step is not None else -1,
+                                      f.kind, f.path))
