@@ -45,6 +45,9 @@ def _offline_docs() -> None:
 
     app.mount("/docs-assets", StaticFiles(directory=swagger_ui_path), name="docs-assets")
     app.docs_url, app.redoc_url = "/docs-cdn", "/redoc-cdn"
+    # The bundle's Swagger UI (4.x) reads OpenAPI 3.0 documents; FastAPI's schema renders
+    # under that version label (its nullable fields as anyOf with null, which 4.x shows).
+    app.openapi_version = "3.0.3"
 
     @app.get("/docs", include_in_schema=False)
     def docs() -> HTMLResponse:

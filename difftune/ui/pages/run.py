@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from nicegui import run, ui
 
@@ -55,6 +56,7 @@ class RunView:
             raise ValueError("open a run from the jobs page (/run?job=ID) or by its folder "
                              "(/run?path=RUN_DIR)")
         self.rows: list[dict[str, Any]] = []
+        self.busy = False
         self.log_offset = 0
         self.shown_samples = -1
         self.shown_files: list[str] = []
@@ -76,14 +78,26 @@ class RunView:
         self.gallery = ui.column().classes("w-full gap-2").props('data-testid="gallery"')
         ui.label("Checkpoints and files").classes("text-xl")
         self.files = ui.column().classes("w-full gap-1").props('data-testid="files"')
-        self.refresh()
+        ui.timer(0, self.refresh, once=True)
 
     async def refresh(self) -> None:
-        """Read what changed on disk and update the parts that show it."""
+        """Read what changed on disk and update the parts that show it (one refresh at a
+        time: a slow read must not let the next tick append the same rows twice)."""
+        if self.busy:
+            return
+        self.busy = True
+        try:
+            await self._refresh()
+        finally:
+            self.busy = False
+
+    async def _refresh(self) -> None:
         if self.job is not None:
             self.job = await run.io_bound(self.ctx.queue.get, self.job.id)
         summary = await run.io_bound(runs.summary, self.run_dir)
-        new = await run.io_bound(runs.metrics, self.run_dir, self._last_step())
+        last = self._last_step()
+        new = [r for r in await run.io_bound(runs.metrics, self.run_dir, last)
+               if r.get("step", 0) > last]
         self._status(summary)
         if new:
             self.rows.extend(new)
@@ -99,7 +113,7 @@ class RunView:
 
     def _status(self, summary: "runs.RunSummary") -> None:
         """State badge, step/total, it/s, ETA, GPU memory, the error and the actions."""
-        state = self.job.state if self.job else ("finished" if summary.eta_s == 0 else "—")
+        state = self.job.state if self.job else ("finished" if summary.finished else "—")
         self.state.text = state
         total = summary.total_steps or "?"
         self.progress.text = f"step {summary.step}/{total}"
@@ -156,11 +170,10 @@ class RunView:
         ui.navigate.to(f"/run?job={new.id}")
 
     async def _follow_log(self) -> None:
-        """Append the log's new lines (the job's own log file, read from where we stopped)."""
-        if self.job is None:
-            return
-        text, self.log_offset = await run.io_bound(_read_from, Path(self.job.log),
-                                                   self.log_offset)
+        """Append the log's new lines (the job's own log file, or the run's difftune.log when
+        the run was opened by its folder), read from where we stopped."""
+        log = Path(self.job.log) if self.job is not None else self.run_dir / "difftune.log"
+        text, self.log_offset = await run.io_bound(_read_from, log, self.log_offset)
         for line in text.splitlines():
             self.log.push(line)
 
@@ -173,10 +186,10 @@ class RunView:
         self.gallery.clear()
         by_step: dict[int, list[runs.SampleImage]] = {}
         for image in images:
-            by_step.setdefault(image.step, []).append(image)
+            by_step.setdefault(image.step if image.step is not None else -1, []).append(image)
         with self.gallery:
             for step in sorted(by_step, reverse=True):
-                ui.label(f"step {step}").classes("font-bold")
+                ui.label(f"step {step}" if step >= 0 else "other").classes("font-bold")
                 with ui.row().classes("gap-2").props(f'data-testid="samples-step-{step}"'):
                     for image in sorted(by_step[step], key=lambda i: i.index):
                         _thumb(image)
@@ -184,7 +197,7 @@ class RunView:
     async def _files(self) -> None:
         """Checkpoints and model files with their metadata, download and resume-from."""
         found = await run.io_bound(runs.files, self.run_dir)
-        names = [str(f.path) for f in found]
+        names = [f"{f.path}:{f.size}" for f in found]
         if names == self.shown_files:
             return
         self.shown_files = names
@@ -197,24 +210,25 @@ class RunView:
 def _thumb(image: "runs.SampleImage") -> None:
     """One sample with its prompt under it."""
     with ui.column().classes("w-40 gap-0"):
-        ui.image(f"/api/runs/image?path={image.path}").classes("w-40 h-40") \
+        ui.image(f"/api/runs/image?{urlencode({'path': image.path})}").classes("w-40 h-40") \
             .props('fit="contain" data-testid="sample"')
         ui.label(image.prompt).classes("text-xs")
 
 
 def _file_row(view: RunView, item: "runs.RunFile") -> None:
     """A checkpoint or model file: kind, step, size; metadata in an expansion."""
+    path = Path(item.path)
     with ui.row().classes("w-full items-center gap-3"):
         ui.label(item.kind).classes("w-24")
-        ui.label(item.path.name).classes("font-mono grow")
+        ui.label(path.name + ("" if item.complete else " (incomplete)")).classes("font-mono grow")
         ui.label(f"step {item.step}" if item.step is not None else "")
         ui.label(f"{item.size / 2**20:.1f} MiB" if item.size else "")
-        if item.path.is_file():
-            ui.link("download", f"/api/runs/file?path={item.path}") \
-                .props(f'download data-testid="download-{item.path.name}"')
-        elif view.job is not None and view.job.verb == "train":
-            ui.button("resume from here", on_click=lambda p=item.path: view._resume(p)) \
-                .props("flat dense")
+        if item.kind != "checkpoint":
+            ui.link("download", f"/api/runs/file?{urlencode({'path': item.path})}") \
+                .props(f'download data-testid="download-{path.name}"')
+        elif item.complete and view.job is not None and view.job.verb == "train":
+            ui.button("resume from here", on_click=lambda p=path: view._resume(p)) \
+                .props(f'flat dense data-testid="resume-from-{path.name}"')
     if item.metadata:
         with ui.expansion("metadata").classes("w-full text-sm"):
             ui.json_editor({"content": {"json": item.metadata}}).props("read-only")
