@@ -60,7 +60,7 @@ class UiProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "difftune", "ui", "--root", str(self.root),
                  "--port", str(self.port), "--host", self.host],
-                stdout=out, stderr=subprocess.STDOUT, cwd=self.root)
+                stdout=out, stderr=subprocess.STDOUT, cwd=self.root, env=_user_env())
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -82,6 +82,12 @@ class UiProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def _user_env() -> dict[str, str]:
+    """The environment a user's shell would give `difftune ui`: without pytest's variables,
+    which make NiceGUI take itself for a test harness."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "NICEGUI_"))}
 
 
 def shoot(page: Any, name: str) -> None:
