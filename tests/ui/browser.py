@@ -8,12 +8,14 @@ tests skip, unless DIFFTUNE_REQUIRE_BROWSER is set (CI sets it), where they fail
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -53,9 +55,11 @@ class UiProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / f"ui-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.printed = self.url
 
-    def start(self) -> "UiProcess":
-        """Start the server and wait until it answers (30 s at most)."""
+    def start(self, token_from_log: bool = False) -> "UiProcess":
+        """Start the server and wait until it answers (30 s at most); with `token_from_log`,
+        `printed` is the address it printed (token included), as reached from this machine."""
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "difftune", "ui", "--root", str(self.root),
@@ -67,9 +71,16 @@ class UiProcess:
                 raise RuntimeError(f"difftune ui exited: {self.log.read_text()}")
             try:
                 urllib.request.urlopen(f"{self.url}/api/jobs", timeout=2)
-                return self
+            except urllib.error.HTTPError:
+                pass  # it answers (401 without the token)
             except OSError:
                 time.sleep(0.3)
+                continue
+            if token_from_log:
+                found = re.search(r"difftune ui: (http://\S+)", self.log.read_text())
+                assert found, self.log.read_text()
+                self.printed = re.sub(r"//[^/]+/", f"//127.0.0.1:{self.port}/", found.group(1))
+            return self
         raise RuntimeError(f"difftune ui did not answer in 30 s: {self.log.read_text()}")
 
     def stop(self) -> None:
@@ -108,3 +119,12 @@ def wait_for(what: str, test: Any, timeout: float = 60) -> Any:
             return value
         time.sleep(0.25)
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def editable(page: Any, testid: str) -> Any:
+    """The input or textarea a test id marks (Quasar puts it on the native element or on the
+    field around it)."""
+    field = page.get_by_test_id(testid)
+    if field.evaluate("e => e.tagName") in ("INPUT", "TEXTAREA"):
+        return field
+    return field.locator("input, textarea").first

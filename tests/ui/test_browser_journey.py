@@ -12,7 +12,7 @@ from typing import Any
 from safetensors import safe_open
 
 from difftune.ui.runs import metrics
-from tests.ui.browser import DEMO, UiProcess, shoot, wait_for
+from tests.ui.browser import DEMO, UiProcess, editable, shoot, wait_for
 
 STEP = re.compile(r"step (\d+)/(\d+)")
 
@@ -20,12 +20,10 @@ STEP = re.compile(r"step (\d+)/(\d+)")
 def fill(page: Any, testid: str, value: str) -> None:
     """Type `value` into the input a form field's test id marks, as a user would, and leave it
     (the form validates on change)."""
-    field = page.get_by_test_id(testid)
-    if testid.startswith("field-") and not field.is_visible():  # open its form section
-        section = re.split(r"[.\[]", testid[len("field-"):])[0]
+    if testid.startswith("field-") and not page.get_by_test_id(testid).is_visible():
+        section = re.split(r"[.\[]", testid[len("field-"):])[0]  # open its form section
         page.get_by_test_id(f"section-{section}").locator(".q-item").first.click()
-    target = field if field.evaluate("e => e.tagName") in ("INPUT", "TEXTAREA") \
-        else field.locator("input, textarea").first
+    target = editable(page, testid)
     target.fill(value)
     target.press("Tab")
 

@@ -1,4 +1,4 @@
-"""ECharts options for the loss charts (NiceGUI's `ui.echart` draws them)."""
+"""ECharts options for the run page's loss chart (NiceGUI's `ui.echart` draws it)."""
 
 from __future__ import annotations
 
@@ -36,23 +36,3 @@ def loss_chart_options(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "series": series,
     }
 
-
-def compare_chart_options(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Several runs' smoothed training loss (and validation loss where measured) on one chart."""
-    series: list[dict[str, Any]] = []
-    for name, rows in runs.items():
-        series.append({"name": name, "type": "line", "showSymbol": False,
-                       "data": _points(rows, "loss_smoothed")})
-        val = _points(rows, "val_loss")
-        if val:
-            series.append({"name": f"{name} (validation)", "type": "line", "symbolSize": 6,
-                           "lineStyle": {"type": "dashed"}, "data": val})
-    return {
-        "animation": False,
-        "tooltip": {"trigger": "axis"},
-        "legend": {"top": 0, "type": "scroll"},
-        "grid": {"left": 60, "right": 30, "top": 40, "bottom": 40},
-        "xAxis": {"type": "value", "name": "step", "min": "dataMin"},
-        "yAxis": {"type": "value", "name": "loss", "scale": True},
-        "series": series,
-    }
