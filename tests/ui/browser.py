@@ -97,8 +97,11 @@ class UiProcess:
 
 def _user_env() -> dict[str, str]:
     """The environment a user's shell would give `difftune ui`: without pytest's variables,
-    which make NiceGUI take itself for a test harness."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "NICEGUI_"))}
+    which make NiceGUI take itself for a test harness. One thread per process (the app's jobs
+    inherit it): on a 2-core machine the browser, the app and a training job share the cores,
+    and torch's spinning worker threads slow a job many times over when cores are short."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "NICEGUI_"))}
+    return env | {"OMP_NUM_THREADS": "1"}
 
 
 def shoot(page: Any, name: str) -> None:
