@@ -105,12 +105,12 @@ def _user_env() -> dict[str, str]:
 
 
 def shoot(page: Any, name: str) -> None:
-    """Save a screenshot of `page` as docs/ui/<name>.png when DIFFTUNE_SCREENSHOTS names a
-    folder (`DIFFTUNE_SCREENSHOTS=docs/ui pytest tests/ui/test_browser.py` makes docs/ui.md's)."""
+    """Save what `page` shows as <folder>/<name>.png when DIFFTUNE_SCREENSHOTS names a folder
+    (docs/ui.md's pictures: `DIFFTUNE_SCREENSHOTS=docs/ui pytest tests/ui/test_browser_*.py`)."""
     folder = os.environ.get("DIFFTUNE_SCREENSHOTS")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)
+        page.screenshot(path=str(Path(folder) / f"{name}.png"))
 
 
 def wait_for(what: str, test: Any, timeout: float = 60) -> Any:
