@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import re
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,9 +29,6 @@ RUN_MARKERS = (METRICS, CONFIG)
 # Folders that are never runs nor hold runs: the app's own state, caches, a run's insides.
 SKIP_FOLDERS = frozenset({".difftune-ui", ".difftune-jobs", "cache", "__pycache__",
                           "node_modules", "checkpoints", "samples", "tensorboard", "validation"})
-SAMPLE_NAME = re.compile(r"^(?P<label>.+?)_(?P<index>\d{2,})_(?P<slug>.+)\.png$")
-STEP_LABEL = re.compile(r"^step-(\d+)$")
-FILE_STEP = re.compile(r"-step(\d+)$")
 
 
 def is_run(folder: Path) -> bool:
@@ -261,155 +257,3 @@ def _walk(folder: Path, depth: int, found: list[Path]) -> None:
         return
     for child in children:
         _walk(child, depth - 1, found)
-
-
-# --- samples -----------------------------------------------------------------------------------
-
-@dataclass
-class SampleImage:
-    """One sample image: the step it was drawn at (None for a non-step label), the prompt's
-    index in the prompt file at that event, its text, and the file."""
-
-    step: int | None
-    index: int
-    prompt: str
-    label: str
-    path: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return asdict(self)
-
-
-def _prompt_texts(cfg: dict[str, Any]) -> list[str]:
-    """The prompts of the run's sample prompt file as it is now (empty when it has none)."""
-    from difftune.sample.prompts import PromptSpec, read_prompts
-
-    name = cfg.get("sample", {}).get("prompts")
-    if not name or not Path(name).is_file():
-        return []
-    default = PromptSpec("", "", 64, 64, 1, 0, 1.0, 1.0)
-    logger = logging.getLogger("difftune")
-    level = logger.level
-    logger.setLevel(logging.ERROR)  # a bad line was warned about by the run; not again per poll
-    try:
-        return [s.prompt for s in read_prompts(Path(name), default)]
-    finally:
-        logger.setLevel(level)
-
-
-def _prompt_of(index: int, slug_text: str, prompts: list[str]) -> str:
-    """The text of sample `index` whose file name carries `slug_text`.
-
-    File names hold only a slug of the prompt; the prompt file holds the text. The file may
-    have been edited since the sample was drawn, so a prompt is taken only when its slug
-    matches (at the same index first, then anywhere); otherwise the slug itself, in words.
-    """
-    from difftune.sample.runner import slug
-
-    if index < len(prompts) and slug(prompts[index]) == slug_text:
-        return prompts[index]
-    for text in prompts:
-        if slug(text) == slug_text:
-            return text
-    return slug_text.replace("-", " ")
-
-
-def samples(run_dir: Path) -> list[SampleImage]:
-    """The run's sample images (grids left out), by step then prompt index."""
-    folder = Path(run_dir) / "samples"
-    if not folder.is_dir():
-        return []
-    prompts = _prompt_texts(resolved_config(Path(run_dir)))
-    out = []
-    for path in folder.glob("*.png"):
-        match = SAMPLE_NAME.match(path.name)
-        if match is None:
-            continue  # a grid (`<label>_grid.png`) or a file someone put there
-        label, index = match["label"], int(match["index"])
-        step = STEP_LABEL.match(label)
-        out.append(SampleImage(int(step[1]) if step else None, index,
-                               _prompt_of(index, match["slug"], prompts), label, str(path)))
-    return sorted(out, key=lambda s: (s.step is None, s.step or 0, s.label, s.index))
-
-
-# --- checkpoints and weight files ------------------------------------------------------------
-
-@dataclass
-class RunFile:
-    """A file (or checkpoint folder) a run wrote that a user downloads or resumes from.
-
-    `kind`: "lora", "embedding", "model" (a full fine-tune's single file) or "checkpoint"
-    (a folder; `complete` when its state.json exists, i.e. it can be resumed from). `metadata`
-    is the safetensors header metadata (a checkpoint shows its LoRA file's); `size` in bytes
-    (a folder's files summed); `step` from the metadata or the name, None for the final file.
-    """
-
-    kind: str
-    path: str
-    step: int | None
-    size: int
-    metadata: dict[str, str] = field(default_factory=dict)
-    complete: bool = True
-    final: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return asdict(self)
-
-
-def header_metadata(path: Path) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file's header ({} when it has none or is not one)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), "pt") as f:
-            return dict(f.metadata() or {})
-    except (OSError, SafetensorError) as err:  # a damaged or half-written file: listed, without metadata
-        log.debug("safetensors header of %s unreadable: %s", path, err)
-        return {}
-
-
-def _kind(meta: dict[str, str]) -> str:
-    """What a weight file is, from the metadata difftune writes into it."""
-    if "difftune.placeholder" in meta:
-        return "embedding"
-    if "difftune.rank" in meta or "ss_network_dim" in meta:
-        return "lora"
-    return "model"
-
-
-def _weight_file(path: Path) -> RunFile:
-    """A RunFile for one .safetensors file."""
-    meta = header_metadata(path)
-    named = FILE_STEP.search(path.stem)
-    steps = meta.get("difftune.steps")
-    step = int(named[1]) if named else int(steps) if steps and steps.isdigit() else None
-    final = named is None and not path.stem.endswith("-best")  # (validation.keep_best's file)
-    return RunFile(_kind(meta), str(path), step, path.stat().st_size, meta, final=final)
-
-
-def _checkpoint(folder: Path) -> RunFile:
-    """A RunFile for one checkpoint folder."""
-    from difftune.train.checkpoint.files import lora_file
-
-    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    step = STEP_LABEL.match(folder.name)
-    lora = lora_file(folder)
-    meta = header_metadata(lora) if lora.is_file() else {}
-    return RunFile("checkpoint", str(folder), int(step[1]) if step else None, size, meta,
-                   complete=(folder / "state.json").is_file())
-
-
-def files(run_dir: Path) -> list[RunFile]:
-    """The run's LoRA / embedding / model files and its checkpoint folders, by step (final
-    files last). Interrupted saves (`.tmp-*` folders) are left out."""
-    run_dir = Path(run_dir)
-    weights = [p for p in run_dir.glob("*.safetensors") if p.is_file()]
-    weights += [p for p in (run_dir / "embeddings").glob("*.safetensors") if p.is_file()]
-    out = [_weight_file(p) for p in weights]
-    ckpts = run_dir / "checkpoints"
-    if ckpts.is_dir():
-        out += [_checkpoint(p) for p in ckpts.glob("step-*") if p.is_dir()]
-    return sorted(out, key=lambda f: (f.final, f.step if f.step is not None else -1,
-                                      f.kind, f.path))

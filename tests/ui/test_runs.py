@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from difftune.ui import run_outputs as outputs
 from difftune.ui import runs
 from difftune.ui.security import Roots
 from tests.ui import tiny_run
@@ -70,7 +71,7 @@ def test_metrics_file_rewritten_by_a_resume_is_read_again(tmp_path: Path) -> Non
 
 
 def test_samples_by_step_with_their_prompt_text(run_dir: Path) -> None:
-    found = runs.samples(run_dir)
+    found = outputs.samples(run_dir)
     assert [(s.step, s.index) for s in found] == [(st, i) for st in (0, 4) for i in range(2)]
     # The first prompt's capitals and punctuation are not in its file name: read back in full.
     assert [s.prompt for s in found[:2]] == list(tiny_run.PROMPTS)
@@ -85,13 +86,13 @@ def test_a_prompt_edited_away_since_the_sample_shows_as_its_slug(run_dir: Path,
     cfg = runs.resolved_config(run)
     cfg["sample"]["prompts"] = str(prompts)
     (run / "config.resolved.json").write_text(json.dumps(cfg))
-    by_index = {s.index: s.prompt for s in runs.samples(run) if s.step == 0}
+    by_index = {s.index: s.prompt for s in outputs.samples(run) if s.step == 0}
     assert by_index[0] == "A red circle, on a blue background!"  # moved: found by its slug
     assert by_index[1] == "a yellow square on a green background"  # gone: the slug, in words
 
 
 def test_files_list_loras_and_checkpoints_with_metadata(run_dir: Path, tmp_path: Path) -> None:
-    found = runs.files(run_dir)
+    found = outputs.files(run_dir)
     kinds = [(f.kind, Path(f.path).name, f.step, f.final, f.complete) for f in found]
     assert kinds == [("checkpoint", "step-000002", 2, False, True),
                      ("lora", "demo-lora-step000002.safetensors", 2, False, True),
@@ -103,7 +104,7 @@ def test_files_list_loras_and_checkpoints_with_metadata(run_dir: Path, tmp_path:
     run = _copy(run_dir, tmp_path / "run")
     (run / "checkpoints" / ".tmp-step-000006-1").mkdir(parents=True)  # an interrupted save
     (run / "checkpoints" / "step-000008").mkdir()  # no state.json: not resumable
-    ckpts = [f for f in runs.files(run) if f.kind == "checkpoint"]
+    ckpts = [f for f in outputs.files(run) if f.kind == "checkpoint"]
     assert [(Path(f.path).name, f.complete) for f in ckpts] == [("step-000008", False)]
 
 

@@ -13,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
+from difftune.ui import run_outputs as outputs
 from difftune.ui import runs
 from difftune.ui.context import UiContext
 from difftune.ui.security import PathOutsideRoots
@@ -39,7 +40,7 @@ class RunSummaryModel(BaseModel):
 
 
 class SampleModel(BaseModel):
-    """One sample image (see `difftune.ui.runs.SampleImage`)."""
+    """One sample image (see `difftune.ui.outputs.SampleImage`)."""
 
     step: int | None
     index: int
@@ -49,7 +50,7 @@ class SampleModel(BaseModel):
 
 
 class RunFileModel(BaseModel):
-    """A LoRA, embedding or model file, or a checkpoint folder (see `runs.RunFile`)."""
+    """A LoRA, embedding or model file, or a checkpoint folder (see `outputs.RunFile`)."""
 
     kind: str
     path: str
@@ -110,13 +111,13 @@ def router(ctx: UiContext) -> APIRouter:
     def run_samples(path: str) -> list[dict[str, Any]]:
         """The sample images by step and prompt, with each prompt's text; fetch an image with
         /api/runs/image?path=."""
-        return [s.to_dict() for s in runs.samples(run_folder(ctx, path))]
+        return [s.to_dict() for s in outputs.samples(run_folder(ctx, path))]
 
     @api.get("/files", response_model=list[RunFileModel], summary="A run's weights and checkpoints")
     def run_files(path: str) -> list[dict[str, Any]]:
         """LoRA / embedding / model files and checkpoint folders with their safetensors
         metadata; download a file with /api/runs/file?path=."""
-        return [f.to_dict() for f in runs.files(run_folder(ctx, path))]
+        return [f.to_dict() for f in outputs.files(run_folder(ctx, path))]
 
     @api.get("/file", response_class=FileResponse, summary="Download a file of a run")
     def download(path: str) -> FileResponse:

@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 from nicegui import run, ui
 
+from difftune.ui import run_outputs as outputs
 from difftune.ui import runs as readers
 from difftune.ui.context import UiContext
 from difftune.ui.pages.layout import frame
@@ -71,7 +72,7 @@ class CompareView:
 
     def __init__(self, ctx: UiContext) -> None:
         self.ctx = ctx
-        self.samples: dict[str, list[readers.SampleImage]] = {}
+        self.samples: dict[str, list[outputs.SampleImage]] = {}
         with ui.row().classes("w-full items-end gap-4"):
             self.picker = ui.select({}, label="Runs", multiple=True, with_input=True,
                                     on_change=self.refresh).classes("grow") \
@@ -114,7 +115,7 @@ class CompareView:
         """Re-read the chosen runs' metrics and samples, then redraw everything."""
         await self.refresh_chart()
         chosen = list(self.picker.value or [])
-        self.samples = {p: await run.io_bound(readers.samples, Path(p)) for p in chosen}
+        self.samples = {p: await run.io_bound(outputs.samples, Path(p)) for p in chosen}
         prompts = list(dict.fromkeys(s.prompt for found in self.samples.values() for s in found))
         steps = sorted({s.step for found in self.samples.values() for s in found
                         if s.step is not None})

@@ -15,6 +15,7 @@ from urllib.parse import urlencode
 from nicegui import run, ui
 
 from difftune.train.requests import make_request
+from difftune.ui import run_outputs as outputs
 from difftune.ui import runs
 from difftune.ui.pages.charts import loss_chart_options
 from difftune.ui.pages.layout import error_box, frame
@@ -179,12 +180,12 @@ class RunView:
 
     async def _gallery(self) -> None:
         """Samples by step (newest first), each with its prompt; redrawn when new ones land."""
-        images = await run.io_bound(runs.samples, self.run_dir)
+        images = await run.io_bound(outputs.samples, self.run_dir)
         if len(images) == self.shown_samples:
             return
         self.shown_samples = len(images)
         self.gallery.clear()
-        by_step: dict[int, list[runs.SampleImage]] = {}
+        by_step: dict[int, list[outputs.SampleImage]] = {}
         for image in images:
             by_step.setdefault(image.step if image.step is not None else -1, []).append(image)
         with self.gallery:
@@ -196,7 +197,7 @@ class RunView:
 
     async def _files(self) -> None:
         """Checkpoints and model files with their metadata, download and resume-from."""
-        found = await run.io_bound(runs.files, self.run_dir)
+        found = await run.io_bound(outputs.files, self.run_dir)
         names = [f"{f.path}:{f.size}" for f in found]
         if names == self.shown_files:
             return
@@ -207,7 +208,7 @@ class RunView:
                 _file_row(self, item)
 
 
-def _thumb(image: "runs.SampleImage") -> None:
+def _thumb(image: "outputs.SampleImage") -> None:
     """One sample with its prompt under it."""
     with ui.column().classes("w-40 gap-0"):
         ui.image(f"/api/runs/image?{urlencode({'path': image.path})}").classes("w-40 h-40") \
@@ -215,7 +216,7 @@ def _thumb(image: "runs.SampleImage") -> None:
         ui.label(image.prompt).classes("text-xs")
 
 
-def _file_row(view: RunView, item: "runs.RunFile") -> None:
+def _file_row(view: RunView, item: "outputs.RunFile") -> None:
     """A checkpoint or model file: kind, step, size; metadata in an expansion."""
     path = Path(item.path)
     with ui.row().classes("w-full items-center gap-3"):
