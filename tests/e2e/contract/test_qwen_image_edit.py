@@ -139,9 +139,19 @@ def plus_toml(folder: Path, **kw: object) -> Path:
     return path
 
 
-def test_edit_plus_trains_and_its_lora_gives_the_trained_models_images(tmp_path: Path) -> None:
+def test_edit_plus_trains_and_its_lora_gives_the_trained_models_images(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two input images per pair: samples through QwenImageEditPlusPipeline with both, and the
-    LoRA loaded there (the pipeline encoding the texts with both images) gives them."""
+    LoRA loaded there (the pipeline encoding the texts with both images) gives them.
+
+    The Plus pipeline VAE-encodes each input image at its VAE_IMAGE_SIZE area (1024 x 1024,
+    whatever the image's size: two thirds of this test's time); both pipelines here, the
+    sampler's and the test's, read it at 256 x 256. difftune never reads that constant (its
+    text images follow CONDITION_IMAGE_SIZE, its training references the dataset's
+    resolution), and the unit test of the transformer inputs holds the released sizes."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", 256 * 256)
     prompts = tmp_path / "prompts.txt"
     circle = [EDIT / "before/circle.png", tmp_path / "mirrored/circle.png"]
     prompts.write_text(f"make the circle red --ci {circle[0].as_posix()} "
