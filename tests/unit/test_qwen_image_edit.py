@@ -5,6 +5,7 @@ exactly (CPU); text entries are keyed by the image they read."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,11 @@ def test_sizes_follow_the_pipeline_rule() -> None:
     # the areas the Plus pipeline sizes its inputs by, as released
     assert plus.VAE_IMAGE_SIZE == 1024 * 1024
     assert plus.CONDITION_IMAGE_SIZE == edit.text_area(True) == 384 * 384
-    assert edit.text_area(False) == 1024 * 1024  # the edit pipeline's one size, inline
+    # the edit pipeline's one size, inline (tests/e2e/contract/test_qwen_image_edit.py
+    # shrinks exactly that call in its pipeline runs)
+    assert edit.text_area(False) == 1024 * 1024
+    assert "calculate_dimensions(1024 * 1024," in inspect.getsource(
+        one.QwenImageEditPipeline.__call__)
     assert edit.control_size((3000, 100), 64) == (352, 32)  # never below one 32-pixel side
 
 
@@ -109,8 +114,7 @@ def test_transformer_inputs_equal_the_pipeline_exactly(tmp_path: Path, variant: 
     at resolution 1024; the Plus pipeline reads its VAE area from a module constant, which is
     set here to 256 x 256 (three images at 1024 x 1024 through the VAE twice cost 20 s):
     difftune's sizes at resolution 256 against the pipeline's at that area. That the constant
-    is 1024 x 1024 as released, and that resolution 1024 gives it, `test_sizes_follow_the_
-    pipeline_rule` asserts."""
+    is 1024 x 1024 as released, and that resolution 1024 gives it, the sizes test asserts."""
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
 
     from difftune.data.images import load_control_pixels
