@@ -5,6 +5,7 @@ exactly (CPU); text entries are keyed by the image they read."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,14 @@ def test_sizes_follow_the_pipeline_rule() -> None:
             assert edit.dimensions(area, size) == plus.calculate_dimensions(
                 area, size[0] / size[1])[:2]
         assert edit.control_size(size, 1024) == edit.dimensions(1024 * 1024, size)
+    # the areas the Plus pipeline sizes its inputs by, as released
+    assert plus.VAE_IMAGE_SIZE == 1024 * 1024
+    assert plus.CONDITION_IMAGE_SIZE == edit.text_area(True) == 384 * 384
+    # the edit pipeline's one size, inline (tests/e2e/contract/test_qwen_image_edit.py
+    # shrinks exactly that call in its pipeline runs)
+    assert edit.text_area(False) == 1024 * 1024
+    assert "calculate_dimensions(1024 * 1024," in inspect.getsource(
+        one.QwenImageEditPipeline.__call__)
     assert edit.control_size((3000, 100), 64) == (352, 32)  # never below one 32-pixel side
 
 
@@ -99,9 +108,19 @@ def _capture(module: torch.nn.Module, into: list[dict[str, Any]]) -> Any:
 
 
 @pytest.mark.parametrize("variant", list(PIPELINES))
-def test_transformer_inputs_equal_the_pipeline_exactly(tmp_path: Path, variant: str) -> None:
+def test_transformer_inputs_equal_the_pipeline_exactly(tmp_path: Path, variant: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The edit pipeline encodes its input image at 1024 x 1024 (inline), so that variant runs
+    at resolution 1024; the Plus pipeline reads its VAE area from a module constant, which is
+    set here to 256 x 256 (three images at 1024 x 1024 through the VAE twice cost 20 s):
+    difftune's sizes at resolution 256 against the pipeline's at that area. That the constant
+    is 1024 x 1024 as released, and that resolution 1024 gives it, the sizes test asserts."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
     from difftune.data.images import load_control_pixels
 
+    resolution = 1024 if variant == "edit" else 256
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", resolution * resolution)
     pipe, family, comps = _setup(variant)
     sizes = [(40, 30), (24, 40), (32, 32)][: family.control_images]
     paths = [_image(tmp_path / f"in{n}.png", s, n) for n, s in enumerate(sizes)]
@@ -117,9 +136,9 @@ def test_transformer_inputs_equal_the_pipeline_exactly(tmp_path: Path, variant: 
     h, w = height // 8, width // 8
     n = (h // 2) * (w // 2)
     noisy = unpack(want["hidden_states"][:, :n], h, w)
-    # At resolution 1024 the VAE sizes are the pipeline's own.
+    # At resolution 1024 the VAE sizes are the pipeline's own (at 256, the patched Plus's).
     controls = tuple(family.encode_images(
-        comps, load_control_pixels(p, family.control_size(s, (0, 0), 1024))) for p, s in
+        comps, load_control_pixels(p, family.control_size(s, (0, 0), resolution))) for p, s in
         zip(paths, sizes))
     images = tuple(from_file(p, family.text_image_size(s, (0, 0)), family.text_image_rule)
                    for p, s in zip(paths, sizes))

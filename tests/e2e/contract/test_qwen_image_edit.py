@@ -9,6 +9,7 @@ input images per pair (QwenImageEditPlusPipeline)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -38,8 +39,41 @@ def train(folder: Path, *sets: str, **kw: object) -> Path:
     return folder / "out"
 
 
+SMALL_AREA = 256 * 256  # the pipelines' 1024 x 1024 input-image area, in this module
+RELEASED_AREA = 1024 * 1024
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_input_image_area() -> Iterator[None]:
+    """The edit pipelines read each input image at about 1024 x 1024 pixels whatever its
+    size: the edit pipeline for its VAE and its text encoder (an inline
+    `calculate_dimensions(1024 * 1024, ...)`, which difftune's text images follow by
+    `edit.VAE_AREA`), the Plus pipeline for its VAE (`VAE_IMAGE_SIZE`, which difftune never
+    reads). A VAE encoding at that size is most of each sampling round here (3 s on a CPU),
+    so this module runs the pipelines and difftune's matching constant at 256 x 256: the
+    tests compare difftune's samples with the pipelines' at the same rule and area. That the
+    constants are the released 1024 x 1024 and that difftune's inputs equal the pipelines' at
+    that size, tests/unit/test_qwen_image_edit.py asserts."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as one
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    from difftune.families.qwen_image import edit
+
+    real = one.calculate_dimensions
+
+    def smaller(area: float, ratio: float) -> tuple[int, int, None]:
+        return real(SMALL_AREA if area == RELEASED_AREA else area, ratio)
+
+    assert edit.VAE_AREA == plus.VAE_IMAGE_SIZE == RELEASED_AREA
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(one, "calculate_dimensions", smaller)
+        mp.setattr(plus, "VAE_IMAGE_SIZE", SMALL_AREA)
+        mp.setattr(edit, "VAE_AREA", SMALL_AREA)
+        yield
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained(tmp_path_factory: pytest.TempPathFactory, small_input_image_area: None) -> Path:
     """4 steps on the edit pairs, sampled with the bundled prompts (input images by --ci)
     once, at the end: the tests read only those samples, and each sampling round (the VAE
     encoding each input image, true CFG) costs more than the training."""
