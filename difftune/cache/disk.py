@@ -277,7 +277,9 @@ class DiskStore:
         A cold cache costs no per-key system call; a warm one checks each header (truncated
         files are found, dropped and reported here, before training).
         """
-        present = set(self.keys()) | set(self._pending)
+        with self._lock:  # pending first: a write that lands after this is on the listing
+            queued = set(self._pending)
+        present = queued | set(self.keys())
         out = {k for k in keys if k not in present or k not in self}
         self._expected = len(out)  # a fill computes these next: its first put checks the room
         return out
