@@ -194,7 +194,7 @@ def router(ctx: UiContext) -> APIRouter:
     service = Service(ctx)
 
     @api.get("/schema", response_model=SchemaOut, summary="The run form's sections and fields")
-    def get_schema(family: str = Query("flux"), variant: str | None = None,
+    def get_schema(family: str = Query(presets.DEFAULT_FAMILY), variant: str | None = None,
                    adapter: str = Query("lora")) -> SchemaOut:
         """Every section and field (kind, default, choices, bounds, help) from the config
         models, and the fields that do not apply to this family, variant and adapter type."""

@@ -32,8 +32,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from difftune.config.sections import ModelConfig
 from difftune.families import registry
 from difftune.ui.forms import toml_io
+
+# The family a run file without `model.family` gets (the config model's default).
+DEFAULT_FAMILY: str = ModelConfig.model_fields["family"].default
 
 GIB = 2 ** 30
 SIZES = (24, 16, 12)
@@ -183,7 +187,7 @@ def _example_preset(path: Path, gib: int) -> Preset | Refusal | None:
         return None
     doc = toml_io.parse(text, path.name)
     values = toml_io.values(doc)
-    family = str(values.get("model.family", "flux"))
+    family = str(values.get("model.family", DEFAULT_FAMILY))
     full = values.get("adapter.type") == "full"
     if gib > size.gpu or (full and gib != size.gpu):
         reason = (f"a full fine-tune's trained weights need the example's {size.gpu} GB GPU"
@@ -224,7 +228,8 @@ def tiny_preset(folder: Path | None = None) -> Preset | None:
     toml_io.set_value(doc, "datasets[0].subsets[0].path", demo.as_posix())
     toml_io.set_value(doc, "sample.prompts", (demo / "prompts.txt").as_posix())
     toml_io.set_value(doc, "save.dir", ".")
-    return Preset(name="tiny-flux", title="tiny FLUX.1 (CPU demo)", family="flux", gib=None,
+    family = str(toml_io.values(doc).get("model.family", DEFAULT_FAMILY))
+    return Preset(name="tiny-flux", title="tiny FLUX.1 (CPU demo)", family=family, gib=None,
                   example=TINY, toml=toml_io.dumps(doc))
 
 
