@@ -59,6 +59,7 @@ def test_a_user_trains_the_tiny_preset_end_to_end(tmp_path: Path, browser: Any) 
         error = page.get_by_test_id("error")
         wait_for("the CLI's message for the bad field",
                  lambda: error.count() and "train.lr" in error.first.inner_text())
+        error.first.scroll_into_view_if_needed()
         shoot(page, "prepare-error")
         fill(page, "field-train.lr", "0.001")
         wait_for("the message to go", lambda: error.count() == 0)
@@ -92,6 +93,7 @@ def test_a_user_trains_the_tiny_preset_end_to_end(tmp_path: Path, browser: Any) 
         wait_for("the resumed run to finish", lambda: page.get_by_test_id(
             "run-state").inner_text() == "succeeded", timeout=120)
         assert step_of(page) == 120
+        assert page.get_by_test_id("resume").count() == 0  # nothing left to train
         shoot(page, "run-finished")
         with page.expect_download() as download:
             page.get_by_test_id("download-lora.safetensors").click()
@@ -99,6 +101,12 @@ def test_a_user_trains_the_tiny_preset_end_to_end(tmp_path: Path, browser: Any) 
         download.value.save_as(saved)
         with safe_open(str(saved), "pt") as f:
             assert any(key.endswith(".alpha") or "lora" in key for key in f.keys())
+        page.goto(f"{ui.url}/")
+        # the check, the stopped training and its resumption
+        for job, state in ((1, "succeeded"), (2, "stopped"), (3, "succeeded")):
+            wait_for(f"job {job} {state}", lambda: page.get_by_test_id(
+                f"job-{job}-state").inner_text() == state)
+        shoot(page, "jobs")
     finally:
         page.close()
         ui.stop()

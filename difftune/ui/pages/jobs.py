@@ -103,7 +103,7 @@ def _actions(ctx: "UiContext", job: "Job") -> list[tuple[str, Callable[[], Any]]
     out: list[tuple[str, Callable[[], Any]]] = []
     if job.state in ("queued", "running"):
         out.append(("Stop", act(ctx.queue.stop, False)))
-    if job.state in FINISHED and job.verb == "train" and job.checkpoints:
+    if job.state in ("stopped", "failed", "died") and job.verb == "train" and job.checkpoints:
         out.append(("Resume", act(ctx.queue.resume, True)))
     if job.state in FINISHED:
         out.append(("Requeue", act(ctx.queue.requeue, True)))

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from difftune.ui.context import UiContext
     from difftune.ui.jobs.store import Job
 
-FINISHED = {"succeeded", "failed", "stopped", "cancelled", "died"}
+# States a train job can be resumed from (a finished run has nothing left to train).
+RESUMABLE = {"stopped", "failed", "died"}
 
 
 def register(ctx: "UiContext") -> None:
@@ -145,7 +146,8 @@ class RunView:
                 ui.button("Save now", on_click=lambda: self._request("save")) \
                     .props('data-testid="save-now"')
                 ui.button("Stop", color="negative", on_click=self._stop).props('data-testid="stop"')
-            if self.job is not None and state in FINISHED and self.job.verb == "train":
+            if self.job is not None and state in RESUMABLE and self.job.verb == "train" \
+                    and self.job.checkpoints:
                 ui.button("Resume", on_click=self._resume).props('data-testid="resume"')
 
     async def _request(self, kind: str) -> None:
