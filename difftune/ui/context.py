@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from difftune.ui.security import Roots
 
@@ -20,6 +20,7 @@ class UiContext:
     roots: Roots
     queue: "JobQueue"
     token: str | None = None
+    lock: IO[str] | None = None  # the open lock file that makes this app the queue's only one
 
     @property
     def state_dir(self) -> Path:

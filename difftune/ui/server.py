@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import IO
 
 from difftune.ui.context import UiContext
 from difftune.ui.security import Guard, Roots, is_loopback, new_token
@@ -58,13 +61,38 @@ def _offline_docs() -> None:
 
 
 def make_context(roots: list[Path], token: str | None) -> UiContext:
-    """The context for `roots`: the job queue's database under the first root."""
+    """The context for `roots`: the job queue's database under the first root, held by this
+    app alone (ValueError when another `difftune ui` serves it: two apps starting jobs from
+    one queue would run them twice)."""
     from difftune.ui.jobs.queue import JobQueue
 
     checked = Roots.of(roots)
     state = checked.main / ".difftune-ui"
     state.mkdir(parents=True, exist_ok=True)
-    return UiContext(roots=checked, queue=JobQueue(state / "jobs.sqlite", checked), token=token)
+    lock = hold_lock(state / "ui.lock")
+    ctx = UiContext(roots=checked, queue=JobQueue(state / "jobs.sqlite", checked), token=token)
+    ctx.lock = lock
+    return ctx
+
+
+def hold_lock(path: Path) -> IO[str]:
+    """An exclusive lock on `path`, held while the returned file stays open (the OS drops it
+    when the process ends, crash included, so a stale lock never blocks a restart)."""
+    handle = path.open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ValueError(f"another difftune ui ({holder}) already serves the job queue in "
+                         f"{path.parent}; use that one, stop it, or start this one with another "
+                         "first --root") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    return handle
 
 
 def serve(host: str, port: int, roots: list[Path]) -> int:

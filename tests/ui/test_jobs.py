@@ -243,3 +243,18 @@ def test_a_train_job_that_wrote_no_file_is_not_a_success(tmp_path: Path) -> None
     assert failed.state == "failed" and "there is no such file" in failed.error
     (tmp_path / "gone.safetensors").write_bytes(b"x")
     assert finish(job, clean).state == "succeeded"
+
+
+def test_a_second_stop_kills_a_job_that_ignores_sigterm(jobs_queue: JobQueue,
+                                                        jobs_root: Path) -> None:
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); time.sleep(60)")
+    job = jobs_queue.submit("train", jobs_root / "a.toml", [stubborn])
+    jobs_queue.tick()
+    wait_log(jobs_queue, job.id, "ready")
+    assert jobs_queue.stop(job.id).state == "stopping"
+    time.sleep(1.0)
+    assert jobs_queue.get(job.id).state == "stopping"  # SIGTERM ignored: still there
+    jobs_queue.stop(job.id)  # the second press kills it
+    done = wait_for(jobs_queue, job.id, ("died", "failed", "stopped", "succeeded"))
+    assert done.state == "died" and "without an exit record" in done.error

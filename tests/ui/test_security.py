@@ -105,3 +105,14 @@ def test_on_loopback_only_loopback_host_names_are_answered() -> None:
     assert _client(None, host="localhost").get("/api/ping").status_code == 200
     rebound = _client(None, host="evil.example.com").get("/api/ping")
     assert rebound.status_code == 403 and "bound to localhost" in rebound.text
+
+
+def test_one_app_per_job_queue(tmp_path: Path) -> None:
+    from difftune.ui.server import make_context
+
+    first = make_context([tmp_path], None)
+    with pytest.raises(ValueError, match=r"another difftune ui \(pid \d+\) already serves"):
+        make_context([tmp_path], None)
+    assert first.lock is not None
+    first.lock.close()  # as when the first app ends
+    make_context([tmp_path], None).lock.close()

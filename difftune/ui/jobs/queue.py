@@ -89,12 +89,19 @@ class JobQueue:
 
     def stop(self, job_id: int) -> Job:
         """Cancel a queued job, or ask a running one to stop (SIGTERM: a training saves a
-        checkpoint and exits). JobStateError for a job that has ended."""
+        checkpoint and exits). Stop on a job already stopping kills it (SIGKILL to its whole
+        process group: a process that ignores or hangs on SIGTERM must not stay "stopping"
+        forever); it then shows as died. JobStateError for a job that has ended."""
         with self._lock:
             job = self.get(job_id)
             if job.state == "queued":
                 return self._save(replace(job, state="cancelled", ended=time.time()))
             if job.state == "stopping":
+                if job.pid is not None and wrapper_alive(job):
+                    try:
+                        os.killpg(job.pid, signal.SIGKILL)  # the wrapper leads its session
+                    except ProcessLookupError:
+                        pass
                 return job
             if job.state != "running":
                 raise JobStateError(f"job {job_id} has already ended ({job.state}); there is "

@@ -103,6 +103,8 @@ def _actions(ctx: "UiContext", job: "Job") -> list[tuple[str, Callable[[], Any]]
     out: list[tuple[str, Callable[[], Any]]] = []
     if job.state in ("queued", "running"):
         out.append(("Stop", act(ctx.queue.stop, False)))
+    if job.state == "stopping":  # it did not stop on SIGTERM: a second press kills it
+        out.append(("Kill", act(ctx.queue.stop, False)))
     if job.state in ("stopped", "failed", "died") and job.verb == "train" and job.checkpoints:
         out.append(("Resume", act(ctx.queue.resume, True)))
     if job.state in FINISHED:

@@ -146,6 +146,8 @@ class RunView:
                 ui.button("Save now", on_click=lambda: self._request("save")) \
                     .props('data-testid="save-now"')
                 ui.button("Stop", color="negative", on_click=self._stop).props('data-testid="stop"')
+            if state == "stopping":  # a run that hangs on SIGTERM: kill it
+                ui.button("Kill", color="negative", on_click=self._stop).props('data-testid="kill"')
             if self.job is not None and state in RESUMABLE and self.job.verb == "train" \
                     and self.job.checkpoints:
                 ui.button("Resume", on_click=self._resume).props('data-testid="resume"')
@@ -156,8 +158,10 @@ class RunView:
 
     async def _stop(self) -> None:
         assert self.job is not None
+        killing = self.job.state == "stopping"
         self.job = await run.io_bound(self.ctx.queue.stop, self.job.id)
-        ui.notify("stop sent: the run saves a checkpoint and exits")
+        ui.notify("killed: resume from its last checkpoint" if killing else
+                  "stop sent: the run saves a checkpoint and exits")
 
     async def _resume(self, checkpoint: Path | None = None) -> None:
         assert self.job is not None
