@@ -4,25 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _points(rows: list[dict[str, Any]], key: str) -> list[list[float]]:
-    """[step, value] pairs of the rows that carry `key` (val_loss is on some rows only)."""
-    return [[row["step"], row[key]] for row in rows
-            if isinstance(row.get(key), (int, float))]
+from difftune.ui.runs import series
 
 
 def loss_chart_options(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Training loss (raw and smoothed), validation loss where measured, and the learning rate
-    on its own axis, against the step."""
-    series = [
-        {"name": "loss", "type": "line", "showSymbol": False, "data": _points(rows, "loss"),
+    on its own axis, against the step (each thinned by `runs.series`, so a long run's chart
+    stays light to resend every second)."""
+    lines = [
+        {"name": "loss", "type": "line", "showSymbol": False, "data": series(rows, "loss"),
          "lineStyle": {"width": 1, "opacity": 0.35}},
         {"name": "loss (smoothed)", "type": "line", "showSymbol": False,
-         "data": _points(rows, "loss_smoothed"), "lineStyle": {"width": 2}},
+         "data": series(rows, "loss_smoothed"), "lineStyle": {"width": 2}},
         {"name": "validation loss", "type": "line", "symbolSize": 6,
-         "data": _points(rows, "val_loss")},
+         "data": series(rows, "val_loss")},
         {"name": "learning rate", "type": "line", "showSymbol": False, "yAxisIndex": 1,
-         "data": _points(rows, "lr"), "lineStyle": {"type": "dashed", "width": 1}},
+         "data": series(rows, "lr"), "lineStyle": {"type": "dashed", "width": 1}},
     ]
     return {
         "animation": False,
@@ -33,6 +30,6 @@ def loss_chart_options(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "yAxis": [{"type": "value", "name": "loss", "scale": True},
                   {"type": "value", "name": "lr", "splitLine": {"show": False},
                    "axisLabel": {"formatter": "{value}"}}],
-        "series": series,
+        "series": lines,
     }
 
