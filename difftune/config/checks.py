@@ -15,7 +15,7 @@ from difftune.config.base import QUANT_BACKENDS
 from difftune.config.full import warn_ignored_full
 from difftune.errors import ConfigError, ModelFileError
 from difftune.families import registry
-from difftune.files.names import embedding_stem, name_too_long
+from difftune.files.names import COMFYUI_DORA, embedding_stem, name_too_long
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.train.optimizers import specs as optimizer_specs
 
@@ -99,7 +99,23 @@ def adapter_kind_problems(cfg: "RunConfig") -> list[str]:
         problems.append(f"save.format = \"{cfg.save.format}\" chooses a plain LoRA layout; "
                         f"{'DoRA' if a.dora else a.type} files are written in the LyCORIS "
                         "layout ComfyUI and LyCORIS read; remove save.format")
-    return problems
+    return problems + _dora_fp8_problems(cfg)
+
+
+def _dora_fp8_problems(cfg: "RunConfig") -> list[str]:
+    """DoRA on fp8-stored layers: peft computes DoRA's norm of the base weight plus the update
+    in the weight's storage dtype, where float8 has no arithmetic (it fails when the adapter is
+    added). Quantizing to fp8 (torchao) dequantizes instead, and works."""
+    a, p = cfg.adapter, cfg.precision
+    if not a.dora:
+        return []
+    table = isinstance(p.text_encoders, dict)
+    parts = (["denoiser"] if p.denoiser == "fp8" else []) + sorted({
+        f"text_encoders.{n}" if table else "text_encoders"
+        for n in a.text_encoders if p.encoder_dtype(n) == "fp8"})
+    return [f"adapter.dora with precision.{part} = \"fp8\": peft's DoRA cannot compute its "
+            "weight norm on fp8-stored weights; store them in bf16, or quantize them instead "
+            "(precision.quantize, e.g. \"fp8\" or \"int8\")" for part in parts]
 
 
 def embedding_problems(cfg: "RunConfig") -> list[str]:
@@ -268,7 +284,8 @@ def output_problems(cfg: "RunConfig") -> list[str]:
     if cache is not None and not cache.is_relative_to(save.dir):
         found.append(folder_problem("cache.dir", cache))
     steps = cfg.train.steps
-    why = name_too_long(save.name, steps, save.dir)
+    extra = COMFYUI_DORA if cfg.adapter.dora and save.dora_comfyui else ""
+    why = name_too_long(save.name, steps, save.dir, extra)
     found.append(f"save.name: {why}" if why else None)
     for i, e in enumerate(cfg.adapter.embeddings):
         stem = embedding_stem(e.name)

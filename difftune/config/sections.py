@@ -309,5 +309,9 @@ class SaveConfig(_Section):
         "own, the layout ComfyUI and diffusers both read fully: kohya for SDXL, diffusers for "
         "FLUX.1 and SD3).")
     dtype: DType = Field("bf16", description="dtype of the saved LoRA tensors.")
+    dora_comfyui: bool = Field(
+        True, description="DoRA runs: also write `<file>-comfyui.safetensors` beside each LoRA "
+        "file, whose magnitudes give the trained weights under ComfyUI's (and Forge's) DoRA "
+        "formula; the file without the suffix is for diffusers/peft, LyCORIS and difftune.")
     overwrite: bool = Field(False, description="Allow a new run in a folder holding a "
                             "previous run's outputs (its checkpoints are removed).")

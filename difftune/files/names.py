@@ -15,6 +15,9 @@ from pathlib import Path
 # Characters kept in an embedding file's stem: safe in file names on every OS and in every UI.
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 SUFFIX = ".safetensors"
+# A DoRA run's ComfyUI file beside each LoRA file: `<name>-comfyui.safetensors`,
+# `<name>-step000123-comfyui.safetensors` (adapters/dora_comfyui.py).
+COMFYUI_DORA = "-comfyui"
 # formats.save_lora writes `.<final name>.<8 random characters>.tmp` (tempfile.mkstemp) in the
 # same folder and renames it into place: 14 bytes on top of the final name.
 TEMP_EXTRA = len("." + "." + "x" * 8 + ".tmp")
@@ -46,14 +49,15 @@ def name_max(folder: Path) -> int:
     return DEFAULT_NAME_MAX
 
 
-def name_too_long(stem: str, steps: int, folder: Path) -> str | None:
+def name_too_long(stem: str, steps: int, folder: Path, extra: str = "") -> str | None:
     """Why files named from `stem` cannot be written in `folder` (None when they can): the
-    longest one, under its temporary name while it is written, must fit the file system."""
-    size = len(step_name(stem, steps).encode()) + TEMP_EXTRA
+    longest one, under its temporary name while it is written, must fit the file system.
+    `extra` is a tail some files add before the suffix (COMFYUI_DORA)."""
+    tail = step_name("", steps).removesuffix(SUFFIX) + extra + SUFFIX
+    size = len((stem + tail).encode()) + TEMP_EXTRA
     limit = name_max(folder)
     if size <= limit:
         return None
-    tail = step_name("", steps)
     room = limit - (size - len(stem.encode()))
     return (f"file names made from it are too long for the file system of {folder}: "
             f"'<it>{tail}' takes {size - TEMP_EXTRA} bytes, and {size} under its temporary "

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_non_finite,
                                        non_finite, split_lora_key, with_clip_root)
+from difftune.adapters.dora_comfyui import refuse_comfyui_file
 from difftune.adapters.kinds import uses_lycoris_layout
 from difftune.adapters.lycoris_files import adapted_layers, file_kind, load_into
 from difftune.errors import ConfigError, CheckpointError, NonFiniteError
@@ -58,6 +59,7 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
         raise ConfigError(f"--init-lora {path}: adapter.type = \"full\" trains the weights "
                           "themselves; merge the LoRA into the base model first, or train a LoRA")
     raw, meta = read_lora(path)
+    refuse_comfyui_file("--init-lora", path, meta)
     bad = non_finite(raw)
     if bad:
         raise NonFiniteError(f"--init-lora {path}: {describe_non_finite(bad)}; this file would "

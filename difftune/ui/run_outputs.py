@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from difftune.files.names import COMFYUI_DORA
 from difftune.ui.runs import resolved_config
 
 log = logging.getLogger("difftune")
@@ -136,10 +137,11 @@ def _kind(meta: dict[str, str]) -> str:
 def _weight_file(path: Path) -> RunFile:
     """A RunFile for one .safetensors file."""
     meta = header_metadata(path)
-    named = FILE_STEP.search(path.stem)
+    stem = path.stem.removesuffix(COMFYUI_DORA)  # a DoRA run's ComfyUI file: as its twin
+    named = FILE_STEP.search(stem)
     steps = meta.get("difftune.steps")
     step = int(named[1]) if named else int(steps) if steps and steps.isdigit() else None
-    final = named is None and not path.stem.endswith("-best")  # (validation.keep_best's file)
+    final = named is None and not stem.endswith("-best")  # (validation.keep_best's file)
     return RunFile(_kind(meta), str(path), step, path.stat().st_size, meta, final=final)
 
 

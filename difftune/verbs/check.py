@@ -16,10 +16,11 @@ from difftune.data import class_images
 from difftune.adapters.full import trained_parameters
 from difftune.adapters.kinds import (adapter_parameters, is_adapter_parameter, kind,
                                      uses_lycoris_layout)
-from difftune.config import RunConfig
+from difftune.config import RunConfig, SaveConfig
 from difftune.data import masks
 from difftune.data.discover import DataSet
 from difftune.errors import DataError
+from difftune.files.names import COMFYUI_DORA
 from difftune.memory import savers
 from difftune.train.checkpoint.lora import lora_format
 from difftune.train.loop import param_groups, set_training
@@ -220,12 +221,26 @@ def _format_line(run: Run) -> str:
     a = run.cfg.adapter
     if uses_lycoris_layout(a.type, a.dora):
         return (f"adapter file format: LyCORIS ({run.family.lycoris_prefix}_<module>, "
-                "lora_teN_<module>), read by ComfyUI and the LyCORIS tools")
+                "lora_teN_<module>), read by ComfyUI and the LyCORIS tools"
+                + (f"; {_dora_files(run.cfg.save)}" if a.dora else ""))
     save = run.cfg.save
     why = ("set by save.format" if save.format else
            f"the {run.family.name} default: the layout ComfyUI and diffusers both read "
            "fully; set save.format to choose")
     return f"LoRA file format: {lora_format(save, run.family)} ({why})"
+
+
+def _dora_files(save: SaveConfig) -> str:
+    """Which DoRA file to load where: ComfyUI and Forge divide the magnitudes by the base
+    weight's norm, peft and LyCORIS by the adapted weight's (adapters/dora_comfyui.py)."""
+    name = save.name
+    if not save.dora_comfyui:
+        return (f"DoRA: {name}.safetensors for diffusers/peft, LyCORIS and difftune; ComfyUI and "
+                "Forge read its magnitudes by another formula (rows off by ||W+dW||/||W||): "
+                "set save.dora_comfyui = true for a file of their own")
+    return (f"DoRA: load {name}.safetensors in diffusers/peft, LyCORIS and difftune, and "
+            f"{name}{COMFYUI_DORA}.safetensors in ComfyUI and Forge (magnitudes for their "
+            "formula, which divides by the base weight's norm)")
 
 
 def _gradient_flow(run: Run, caption: str) -> list[str]:

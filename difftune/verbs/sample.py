@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from difftune import families
+from difftune.adapters.dora_comfyui import refuse_comfyui_file
 from difftune.adapters.formats import describe_non_finite, load_lora_file, non_finite
 from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
@@ -59,7 +60,9 @@ class LoraArg:
                                   ".safetensors LoRA (optionally PATH:WEIGHT)")
         if self.path.suffix.lower() != ".safetensors":
             raise CheckpointError(f"--lora {self.path}: not a .safetensors file")
-        bad = non_finite(load_lora_file(self.path)[0])
+        tensors, meta = load_lora_file(self.path)
+        refuse_comfyui_file("--lora", self.path, meta)
+        bad = non_finite(tensors)
         if bad:  # it would turn every image black
             raise NonFiniteError(f"--lora {self.path}: {describe_non_finite(bad)}; the LoRA is "
                                  "broken (its training diverged). Use one saved before that "

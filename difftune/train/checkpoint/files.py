@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from difftune import __version__
 from difftune.adapters.formats import write_safetensors
 from difftune.errors import CheckpointError
+from difftune.files.names import COMFYUI_DORA
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.files.shards import SHARD_BYTES, exists, meta, read_sharded, write_sharded
 from difftune.train import sharding
@@ -148,11 +149,13 @@ def read(path: Path) -> Checkpoint:
 
 
 def lora_file(folder: Path) -> Path:
-    """The LoRA file a checkpoint folder holds beside its state files."""
+    """The LoRA file a checkpoint folder holds beside its state files (and not a DoRA run's
+    ComfyUI file, `<name>-comfyui.safetensors`, which is for ComfyUI alone)."""
     ours = (*FILES, EMA_FILE)
     found = [p for p in sorted(folder.glob("*.safetensors")) if p.name not in ours
              and not p.name.startswith(tuple(n.removesuffix(".safetensors") + "-"
-                                             for n in ours))]
+                                             for n in ours))
+             and not p.stem.endswith(COMFYUI_DORA)]
     return found[0] if found else folder
 
 

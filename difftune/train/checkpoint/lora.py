@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from difftune import __version__
+from difftune.adapters.dora_comfyui import (COMFYUI, PEFT, comfyui_path, comfyui_tensors,
+                                            formula_keys)
 from difftune.adapters.embeddings import Embeddings
 from difftune.adapters.formats import fold_scale, merged_adapter_metadata, save_lora, with_clip_root
 from difftune.adapters.full import named_full
@@ -139,7 +141,14 @@ class LoraFiles:
         layers = adapted_layers(self.family, modules, file_clip_roots(self.family))
         tensors = to_file(layers)
         meta = self.metadata(step, self.cfg.adapter.scale_alpha) | lycoris_keys(self.cfg.adapter)
-        return self._write_file(tensors, meta, path or self.lora_path(step, final))
+        path = path or self.lora_path(step, final)
+        if not self.cfg.adapter.dora:
+            return self._write_file(tensors, meta, path)
+        written = self._write_file(tensors, meta | formula_keys(PEFT), path)
+        if self.cfg.save.dora_comfyui:  # the same adapter for ComfyUI's DoRA formula
+            self._write_file(comfyui_tensors(layers, tensors), meta | formula_keys(COMFYUI),
+                             comfyui_path(path))
+        return written
 
     def _write_file(self, tensors: dict[str, torch.Tensor], meta: dict[str, str], path: Path) -> Path:
         """The file with the bundled embeddings, atomically, in save.dtype."""
@@ -217,14 +226,16 @@ class LoraFiles:
 
     def bytes_needed(self) -> int:
         """About what one save takes: a checkpoint (fp32 weights, two optimizer moments, the
-        LoRA) and the LoRA file beside it (a full fine-tune: its models, folder and file)."""
+        LoRA) and the LoRA file beside it, with a DoRA run's ComfyUI file in both (a full
+        fine-tune: its models, folder and file)."""
         n = sum(p.numel() for p in self.trainable().values())
         size = DTYPES[self.cfg.save.dtype].itemsize
         ema = 4 * n if self.cfg.train.ema.enabled else 0
         if self.cfg.adapter.type == "full":  # the whole models: a folder and a single file
             total = sum(p.numel() for m in self.modules().values() for p in m.parameters())
             return n * (4 + 8) + ema + total * 2 * size + (64 << 10)
-        return n * (4 + 8 + 2 * size) + ema + (64 << 10)
+        files = 4 if self.cfg.adapter.dora and self.cfg.save.dora_comfyui else 2  # + ComfyUI's
+        return n * (4 + 8 + files * size) + ema + (64 << 10)
 
     def check_space(self) -> None:
         """Refuse to start when save.dir has no room for one save."""

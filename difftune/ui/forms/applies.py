@@ -191,6 +191,8 @@ RULES: tuple[Rule, ...] = (
          not f.get("adapter.dora"),
          lambda f: ("a full fine-tune is written as a diffusers folder" if f.adapter == "full"
                     else "LyCORIS kinds and DoRA are written in the LyCORIS layout")),
+    Rule(("save.dora_comfyui",), lambda f: f.adapter in ("lora", "locon") and
+         bool(f.get("adapter.dora")), lambda f: "a DoRA option: turn on adapter.dora"),
     Rule(("preservation.trigger",), lambda f: f.adapter in PEFT_KINDS,
          lambda f: f"adapter.type = \"{f.adapter}\" has no adapter to switch off"),
     Rule(("preservation.replacement", "preservation.weight"),
