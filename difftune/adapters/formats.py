@@ -229,11 +229,13 @@ def save_lora(
     tensors: dict[str, torch.Tensor],
     metadata: dict[str, str],
     dtype: torch.dtype | None = None,
+    keep: tuple[str, ...] = (),
 ) -> Path:
     """Write a LoRA (or embedding) file as safetensors with string metadata, atomically.
 
     Floating tensors with at least one dimension are cast to `dtype` (None keeps them); scalar
-    tensors such as kohya alphas are kept as they are. Tensors holding NaN or inf (before or
+    tensors such as kohya alphas, and those whose key ends with one of `keep`, are kept as
+    they are. Tensors holding NaN or inf (before or
     after the cast) are refused with `NonFiniteError`: such a file would only make black images.
     The file is written to a temporary name in the destination folder and moved into place with
     `os.replace`, so a crash never leaves a half-written LoRA under the final name; it gets the
@@ -247,7 +249,8 @@ def save_lora(
     for key, value in tensors.items():
         value = value.detach().to("cpu")
         # Scalars (kohya alphas) keep their precision: bf16 cannot hold e.g. alpha=12.3 exactly.
-        if dtype is not None and value.is_floating_point() and value.ndim > 0:
+        if (dtype is not None and value.is_floating_point() and value.ndim > 0
+                and not key.endswith(keep)):
             out[key] = value.to(dtype).contiguous()
         else:
             out[key] = value.contiguous()

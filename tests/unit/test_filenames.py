@@ -39,3 +39,20 @@ def test_name_too_long_counts_the_step_tag_of_the_last_step(tmp_path: Path) -> N
     assert name_too_long("n" * room, 10**7, tmp_path) is None
     why = name_too_long("n" * (room + 1), 10**7, tmp_path)
     assert why is not None and f"at most {room} bytes" in why and "-step10000000" in why
+
+
+def test_a_dora_runs_comfyui_file_counts_in_the_name_rule(tmp_path: Path) -> None:
+    """A DoRA run also writes `<name>-stepN-comfyui.safetensors`: a save.name that fits the
+    plain files but not that one is refused at load, naming the longer file."""
+    from difftune.config import load_config
+    from difftune.errors import ConfigError
+
+    room = name_max(tmp_path) - TEMP_EXTRA - len(step_name("", 10))
+    text = (f'[model]\nflavor = "tiny"\n[[datasets]]\npath = "{tmp_path.as_posix()}"\n'
+            f'[train]\nsteps = 10\n[save]\ndir = "{(tmp_path / "out").as_posix()}"\n'
+            f'name = "{"n" * room}"\n')
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(text, encoding="utf-8")
+    load_config(cfg, ["adapter.dora=true", "save.dora_comfyui=false"])
+    with pytest.raises(ConfigError, match=r"save.name: .*'<it>-step000010-comfyui.safetensors'"):
+        load_config(cfg, ["adapter.dora=true"])

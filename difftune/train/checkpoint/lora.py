@@ -24,7 +24,7 @@ from difftune.adapters.full import named_full
 from difftune.adapters.full_files import save_folder
 from difftune.adapters.kinds import is_adapter_parameter, uses_lycoris_layout
 from difftune.adapters.lora import lora_state
-from difftune.adapters.lycoris_files import adapted_layers, to_file
+from difftune.adapters.lycoris_files import FULL_PRECISION, adapted_layers, to_file
 from difftune.adapters.metadata import FileFacts, embedding_keys, lora_keys, lycoris_keys
 from difftune.config import RunConfig, SaveConfig
 from difftune.files.single import write_layout
@@ -151,12 +151,13 @@ class LoraFiles:
         return written
 
     def _write_file(self, tensors: dict[str, torch.Tensor], meta: dict[str, str], path: Path) -> Path:
-        """The file with the bundled embeddings, atomically, in save.dtype."""
+        """The file with the bundled embeddings, atomically, in save.dtype (DoRA magnitudes
+        in float32)."""
         if self.embeddings is not None:  # pivotal tuning: the placeholders travel with the LoRA
             tensors.update({f"{BUNDLE}{name}.{key}": value for name, vectors in
                             self.embeddings.file_tensors().items() for key, value in vectors.items()})
         with writing(path.parent, f"LoRA {path.name}", self.bytes_needed(), FIX):
-            path = save_lora(path, tensors, meta, DTYPES[self.cfg.save.dtype])
+            path = save_lora(path, tensors, meta, DTYPES[self.cfg.save.dtype], FULL_PRECISION)
         log.info("saved LoRA %s", path)
         return path
 
