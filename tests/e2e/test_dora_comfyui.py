@@ -226,9 +226,15 @@ def test_the_run_pages_list_a_comfyui_file_as_its_twin(tmp_path: Path, images: P
     assert listed["lora-comfyui.safetensors"] == listed["lora.safetensors"]
 
 
-def test_dora_comfyui_off_writes_the_standard_file_alone(tmp_path: Path, images: Path,
-                                                         capsys: pytest.CaptureFixture) -> None:
+def test_dora_comfyui_off_writes_the_standard_file_alone_and_check_says_so(
+        tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
     m, path = adapted_run(tmp_path, images, "flux", "adapter.dora=true",
                           "save.dora_comfyui=false")
     assert sorted(p.name for p in path.parent.glob("*.safetensors")) == ["lora.safetensors"]
     assert lora_metadata(path)["difftune.dora_formula"] == "peft"
+    fresh = run_toml(tmp_path / "check", images, fmt=None, family="flux")
+    capsys.readouterr()
+    assert main(["check", str(fresh), "--set", "adapter.dora=true", "--set",
+                 "save.dora_comfyui=false"]) == 0
+    assert ("ComfyUI and Forge read its magnitudes by another formula (rows off by "
+            "||W+dW||/||W||): set save.dora_comfyui = true") in capsys.readouterr().out
