@@ -96,9 +96,9 @@ class RunView:
     async def _refresh(self) -> None:
         if self.job is not None:
             self.job = await run.io_bound(self.ctx.queue.get, self.job.id)
-        summary = await run.io_bound(runs.summary, self.run_dir)
+        summary = await run.io_bound(runs.summary, self.run_dir, self.ctx.roots)
         last = self._last_step()
-        new = [r for r in await run.io_bound(runs.metrics, self.run_dir, last)
+        new = [r for r in await run.io_bound(runs.metrics, self.run_dir, last, self.ctx.roots)
                if r.get("step", 0) > last]
         self._status(summary)
         if new:
@@ -186,7 +186,7 @@ class RunView:
 
     async def _gallery(self) -> None:
         """Samples by step (newest first), each with its prompt; redrawn when new ones land."""
-        images = await run.io_bound(outputs.samples, self.run_dir)
+        images = await run.io_bound(outputs.samples, self.run_dir, self.ctx.roots)
         if len(images) == self.shown_samples:
             return
         self.shown_samples = len(images)
@@ -203,7 +203,7 @@ class RunView:
 
     async def _files(self) -> None:
         """Checkpoints and model files with their metadata, download and resume-from."""
-        found = await run.io_bound(outputs.files, self.run_dir)
+        found = await run.io_bound(outputs.files, self.run_dir, self.ctx.roots)
         names = [f"{f.path}:{f.size}" for f in found]
         if names == self.shown_files:
             return
