@@ -4,6 +4,7 @@ before it starts; a job's log is never written through a symbolic link."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,22 @@ def test_a_job_folder_that_is_a_link_is_refused(
     failed = _until(client, ctx, job.json()["id"], "failed", "succeeded")
     assert failed["state"] == "failed" and "through a symbolic link" in failed["error"]
     assert list(outside.iterdir()) == []
+
+
+def test_a_log_reached_through_a_link_is_not_served(
+        jobs_api: tuple[TestClient, UiContext]) -> None:  # noqa: F811
+    client, ctx = jobs_api
+    job = client.post("/api/jobs", json={"verb": "check", "config": "a.toml", "args": [QUICK]})
+    assert _until(client, ctx, job.json()["id"], "succeeded")["state"] == "succeeded"
+    folder = ctx.roots.main / "runs" / "a" / ".difftune-jobs"
+    outside = ctx.roots.main.parent / "outside"
+    (outside / "1.log").write_text("secret\n")
+    (folder / "1.log").unlink()
+    (folder / "1.log").symlink_to(outside / "1.log")
+    assert client.get("/api/jobs/1/log").json()["lines"] == []
+    for path in folder.iterdir():  # the job's record and pid file, moved out with it
+        if path.name != "1.log":
+            shutil.copy(path, outside / path.name)
+    shutil.rmtree(folder)
+    folder.symlink_to(outside, target_is_directory=True)  # the whole folder, now
+    assert client.get("/api/jobs/1/log").json()["lines"] == []

@@ -120,8 +120,11 @@ def last_line(log: Path) -> str | None:
 
 def tail_lines(path: Path, count: int) -> list[str]:
     """The last `count` lines of a text file (read from its end only), [] if it is missing.
-    Carriage returns (progress bars redrawn in place) end lines too. A log that is a
-    symbolic link is not followed (it could lead to any file): [] as for a missing one."""
+    Carriage returns (progress bars redrawn in place) end lines too. A log reached through
+    a symbolic link (itself or its folder) is not read, as it could lead to any file: [] as
+    for a missing one (a job's run folder is stored with its links resolved)."""
+    if os.path.realpath(path) != os.path.abspath(path):
+        return []
     try:
         with open(path, "rb", opener=_no_follow) as f:
             f.seek(0, 2)

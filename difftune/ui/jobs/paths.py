@@ -100,7 +100,6 @@ def check_run_file(config: Path, args: list[str], roots: Roots) -> None:
     CLI will load it: PathOutsideRoots naming the field (and the `--set` that gave it) for
     one outside the roots or in the app's own folder."""
     from difftune.config import load_config
-    from difftune.errors import DifftuneError
 
     overrides = option_values(args, "--set")
     quiet = logging.getLogger("difftune")
@@ -108,8 +107,8 @@ def check_run_file(config: Path, args: list[str], roots: Roots) -> None:
     quiet.setLevel(logging.ERROR)  # the job's own log gets the config's warnings
     try:
         cfg = load_config(config, overrides)
-    except DifftuneError:
-        return  # the CLI stops at the same error before reading or writing anything
+    except Exception:  # noqa: BLE001 - a ConfigError, or whatever else stops the load
+        return  # stops the CLI at the same place, before it reads or writes anything
     finally:
         quiet.setLevel(level)
     for field, path in config_paths(cfg):
