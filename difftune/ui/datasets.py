@@ -318,11 +318,13 @@ def report(source: Path, resolution: int = 1024, family: str | None = None,
 
 def check_sources(datasets: list[Any], roots: Roots) -> None:
     """Refuse (PathOutsideRoots naming it) a dataset folder, or a file in one that training
-    would read (image, caption, control, mask), that lies outside `roots`, links followed:
-    the report reads them all, and would show what an outside caption file holds."""
+    would read (image, caption, control, mask), that lies outside `roots` (and the demo data
+    shipped with difftune), links followed: the report reads them all, and would show what
+    an outside caption file holds."""
     from difftune.data.discover import list_images
-    from difftune.ui.jobs.paths import config_paths
+    from difftune.ui.jobs.paths import config_paths, reading
 
+    roots = reading(roots)
     for name, folder in config_paths(datasets, "datasets"):
         try:
             roots.resolve(folder)

@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from difftune.ui.context import UiContext
+from difftune.verbs.demo import demo_dir
 
 from .jobs_helpers import QUICK
 from .test_api_jobs import _until, jobs_api  # noqa: F401 - the fixture
@@ -169,3 +170,18 @@ def test_a_log_reached_through_a_link_is_not_served(
     shutil.rmtree(folder)
     folder.symlink_to(outside, target_is_directory=True)  # the whole folder, now
     assert client.get("/api/jobs/1/log").json()["lines"] == []
+
+
+def test_the_shipped_demo_data_is_read_but_never_written(
+        jobs_api: tuple[TestClient, UiContext]) -> None:  # noqa: F811
+    client, ctx = jobs_api
+    demo = demo_dir()
+    config = _run_file(ctx.roots.main, f'\n[sample]\nprompts = "{demo / "prompts.txt"}"\n')
+    read = client.post("/api/jobs", json={"verb": "check", "config": config, "args": [
+        "--set", f"datasets.0.path={demo}"]})
+    assert read.status_code == 201, read.text
+    for args in (["--set", f"save.dir={demo}"], ["--set", f"cache.dir={demo}"],
+                 ["--out", str(demo)]):
+        written = client.post("/api/jobs", json={"verb": "sample", "config": config,
+                                                 "args": args})
+        assert written.status_code == 403, args

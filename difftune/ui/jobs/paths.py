@@ -7,11 +7,15 @@ reads it (`load_config` with the overrides), and every path field of the validat
 checked, found by walking the pydantic models' values (as `load_config` resolves them), so a
 field added to the config later is covered without a list kept here. A run file the CLI
 would refuse is left to the job: the CLI stops at the same error before touching any path.
+
+What a job writes (`--out`, save.dir, cache.dir) must lie under the roots; what it only reads
+may also be the data shipped with difftune (the tiny preset's demo dataset and prompt file).
 """
 
 from __future__ import annotations
 
 import logging
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,6 +28,16 @@ PATH_OPTIONS = ("--resume", "--init-lora", "--lora", "--prompts", "--out")
 # Options whose abbreviations argparse would also take (`--ou` for `--out`): refused, so no
 # path reaches the CLI unchecked.
 CHECKED_OPTIONS = (*PATH_OPTIONS, "--set")
+# The options and config fields a job writes to; every other path it names it only reads.
+WRITTEN_OPTIONS = ("--out",)
+WRITTEN_FIELDS = ("save.dir", "cache.dir")
+
+
+def reading(roots: Roots) -> Roots:
+    """The folders a job, or a report, may read from: the roots and the data shipped with
+    difftune (`difftune/assets`: the demo images, captions and prompt file), never written."""
+    shipped = Path(str(resources.files("difftune") / "assets")).resolve()
+    return Roots((*roots.folders, shipped))
 
 
 def option_values(args: list[str], option: str) -> list[str]:
@@ -75,8 +89,9 @@ def _checked_path(option: str, value: str, roots: Roots) -> str:
             path, weight = head, ":" + tail
         except ValueError:
             pass
+    within = roots if option in WRITTEN_OPTIONS else reading(roots)
     try:
-        return f"{roots.resolve(path, write=True)}{weight}"
+        return f"{within.resolve(path, write=True)}{weight}"
     except PathOutsideRoots as err:
         raise PathOutsideRoots(f"{option} {value}: {err}") from None
 
@@ -98,7 +113,8 @@ def config_paths(node: Any, prefix: str = "") -> Iterator[tuple[str, Path]]:
 def check_run_file(config: Path, args: list[str], roots: Roots) -> None:
     """Check every path of the run file `config` with the job's `--set` overrides, as the
     CLI will load it: PathOutsideRoots naming the field (and the `--set` that gave it) for
-    one outside the roots or in the app's own folder."""
+    one outside the roots (a path only read: and the shipped data) or in the app's own
+    folder."""
     from difftune.config import load_config
 
     overrides = option_values(args, "--set")
@@ -111,9 +127,10 @@ def check_run_file(config: Path, args: list[str], roots: Roots) -> None:
         return  # stops the CLI at the same place, before it reads or writes anything
     finally:
         quiet.setLevel(level)
+    readable = reading(roots)
     for field, path in config_paths(cfg):
         try:
-            roots.resolve(path, write=True)
+            (roots if field in WRITTEN_FIELDS else readable).resolve(path, write=True)
         except PathOutsideRoots as err:
             raise PathOutsideRoots(f"{_origin(field, path, config, overrides)}: {err}") from None
 
