@@ -58,7 +58,7 @@ def checked_args(args: list[str], roots: Roots) -> list[str]:
     out = list(args)
     for i, arg in enumerate(out):
         name, eq, value = arg.partition("=")
-        if name.startswith("--") and name not in CHECKED_OPTIONS and \
+        if name.startswith("--") and len(name) > 2 and name not in CHECKED_OPTIONS and \
                 any(full.startswith(name) for full in CHECKED_OPTIONS):
             raise ValueError(f"{name} is an abbreviated option; write it in full ("
                              f"{' or '.join(o for o in CHECKED_OPTIONS if o.startswith(name))})")
@@ -140,6 +140,9 @@ def _origin(field: str, path: Path, config: Path, overrides: list[str]) -> str:
     the run file's field."""
     for item in overrides:
         value = item.partition("=")[2].strip().strip("\"'")
-        if value and (config.parent / Path(value).expanduser()).resolve() == path.resolve():
-            return f"--set {item} ({field})"
+        try:
+            if value and (config.parent / Path(value).expanduser()).resolve() == path.resolve():
+                return f"--set {item} ({field})"
+        except (OSError, RuntimeError):  # (no home folder for ~, a loop of links)
+            continue
     return f"{field} = {path} in the run file {config}"

@@ -178,9 +178,13 @@ class RunView:
 
     async def _follow_log(self) -> None:
         """Append the log's new lines (the job's own log file, or the run's difftune.log when
-        the run was opened by its folder), read from where we stopped."""
+        the run was opened by its folder), read from where we stopped; not one that is a
+        link leading outside the roots."""
         log = Path(self.job.log) if self.job is not None else self.run_dir / "difftune.log"
-        text, self.log_offset = await run.io_bound(_read_from, log, self.log_offset)
+        real = runs.readable(log, self.run_dir, self.ctx.roots)
+        if real is None:
+            return
+        text, self.log_offset = await run.io_bound(_read_from, real, self.log_offset)
         for line in text.splitlines():
             self.log.push(line)
 
