@@ -25,7 +25,7 @@ class UiContext:
     @property
     def state_dir(self) -> Path:
         """Where the job database lives (`<first root>/.difftune-ui`)."""
-        return self.roots.main / ".difftune-ui"
+        return self.roots.app_folder
 
     @property
     def runs_dir(self) -> Path:

@@ -22,16 +22,24 @@ from difftune.ui.runs import searched
 from difftune.ui.security import PathOutsideRoots, Roots
 
 DEFAULT_CAPTION_EXT = ".txt"
+# The extensions of a caption the app writes or reads: text files training takes as captions.
+# Any other (an image's, a run file's) could name a file that is not a caption: `.png` would
+# replace the image itself.
+CAPTION_EXTENSIONS = (".txt", ".caption", ".cap", ".tags", ".text")
 # The side granularity of most families' buckets; a report of a bare folder uses it unless a
 # family is named (a run file always uses its own family's).
 DEFAULT_BUCKET_STEP = 16
 
 
 def _ext(caption_ext: str) -> str:
-    """A caption extension with its dot; refuses anything that is not a plain suffix."""
+    """A caption extension with its dot; ValueError naming `caption_ext` for one that is not
+    a caption's (CAPTION_EXTENSIONS, any case)."""
     ext = caption_ext if caption_ext.startswith(".") else f".{caption_ext}"
-    if len(ext) < 2 or any(c in ext for c in "/\\\x00") or ext.count(".") != 1:
-        raise ValueError(f"caption extension {caption_ext!r} is not a file suffix; use e.g. .txt")
+    if ext.lower() not in CAPTION_EXTENSIONS:
+        shown = caption_ext if len(caption_ext) <= 20 else caption_ext[:20] + "..."
+        raise ValueError(f"caption_ext {shown!r} is not a caption extension; use one of "
+                         f"{', '.join(CAPTION_EXTENSIONS)} (captions in other files are "
+                         "edited outside the app)")
     return ext
 
 
@@ -95,10 +103,11 @@ def _entry(image: Path, caption_ext: str, inside: Callable[[Path], bool] | None
     from difftune.errors import DataError
 
     cap = caption_path(image, caption_ext)
-    entry = DatasetImage(str(image), None, str(cap), bytes=image.stat().st_size)
+    entry = DatasetImage(str(image), None, str(cap))
     if inside is not None and not (inside(image) and inside(cap)):
         entry.error = "the image or its caption file links outside the folders this app serves"
         return entry
+    entry.bytes = image.stat().st_size
     entry.width, entry.height = _header_size(image)
     try:
         entry.caption = read_caption(image, caption_ext)
@@ -193,22 +202,17 @@ def write_caption(image: Path, text: str, caption_ext: str = DEFAULT_CAPTION_EXT
 
 def under(roots: Roots) -> Callable[[Path], bool]:
     """A predicate: whether a path (symbolic links followed) lies under `roots`."""
-    def inside(path: Path) -> bool:
-        try:
-            roots.resolve(path)
-        except PathOutsideRoots:
-            return False
-        return True
-    return inside
+    return roots.holds
 
 
 def edit_caption(roots: Roots, image: str | Path, text: str,
                  caption_ext: str = DEFAULT_CAPTION_EXT) -> Path:
     """`write_caption` for a request: the image and the caption file it would replace must
-    both lie under `roots` (PathOutsideRoots otherwise: a caption file that is a link leading
-    outside is refused, not followed)."""
-    resolved = roots.resolve(image)
-    roots.resolve(caption_path(resolved, caption_ext))
+    both lie under `roots`, outside the app's own folder (PathOutsideRoots otherwise: a
+    caption file that is a link leading outside is refused, not followed); `caption_ext`
+    must be a caption's (ValueError)."""
+    resolved = roots.resolve(image, write=True)
+    roots.resolve(caption_path(resolved, caption_ext), write=True)
     return write_caption(resolved, text, caption_ext)
 
 
@@ -274,10 +278,12 @@ def config_datasets(path: Path) -> tuple[list[Any], int]:
     return cfg.datasets, spec(cfg.model.family, cfg.model.variant).bucket_step
 
 
-def report(source: Path, resolution: int = 1024, family: str | None = None) -> DatasetReport:
+def report(source: Path, resolution: int = 1024, family: str | None = None,
+           roots: Roots | None = None) -> DatasetReport:
     """The report of a folder of images (bucketed at `resolution` with `family`'s bucket
     step) or of a run file (.toml: its datasets as configured). Raises ValueError for a
-    resolution the config refuses and ConfigError for a run file `train` would refuse."""
+    resolution the config refuses, ConfigError for a run file `train` would refuse, and
+    PathOutsideRoots for a dataset folder or file (links followed) outside `roots`."""
     from pydantic import ValidationError
 
     from difftune.data.discover import build
@@ -293,6 +299,8 @@ def report(source: Path, resolution: int = 1024, family: str | None = None) -> D
         except ValidationError as err:
             raise ValueError("; ".join(e["msg"] for e in err.errors())) from None
         step = spec(family).bucket_step if family else DEFAULT_BUCKET_STEP
+    if roots is not None:
+        check_sources(datasets, roots)
     out = DatasetReport(str(source))
     quiet = logging.getLogger("difftune.data")
     level = quiet.level
@@ -306,6 +314,30 @@ def report(source: Path, resolution: int = 1024, family: str | None = None) -> D
         quiet.setLevel(level)
     _fill(out, data)
     return out
+
+
+def check_sources(datasets: list[Any], roots: Roots) -> None:
+    """Refuse (PathOutsideRoots naming it) a dataset folder, or a file in one that training
+    would read (image, caption, control, mask), that lies outside `roots` (and the demo data
+    shipped with difftune), links followed: the report reads them all, and would show what
+    an outside caption file holds."""
+    from difftune.data.discover import list_images
+    from difftune.ui.jobs.paths import config_paths, reading
+
+    roots = reading(roots)
+    for name, folder in config_paths(datasets, "datasets"):
+        try:
+            roots.resolve(folder)
+        except PathOutsideRoots as err:
+            raise PathOutsideRoots(f"{name}: {err}") from None
+    for dataset in datasets:
+        for sub in dataset.subsets:
+            ext = sub.caption_ext if sub.caption_ext.startswith(".") else f".{sub.caption_ext}"
+            masks = [sub.mask_path] if sub.mask_path is not None else []
+            for folder in (sub.path, *sub.control_path, *masks):
+                images = list_images(folder, sub.recursive) if folder.is_dir() else []
+                for path in (p for image in images for p in (image, image.with_suffix(ext))):
+                    roots.resolve(path)
 
 
 def _fill(out: DatasetReport, data: Any) -> None:

@@ -5,6 +5,11 @@ A run folder (`save.dir`) holds `config.resolved.json` (the validated config), `
 `checkpoints/step-NNNNNN/`, the LoRA files (`<name>.safetensors`, `<name>-stepNNNNNN.safetensors`)
 and `difftune.log`. Nothing here talks to a process: the UI's run page, the compare page and the
 HTTP API all read the same files the CLI writes, so what they show is what is on disk.
+
+Each file is read only when it lies, symbolic links followed, under the app's roots (given as
+`roots`; without them, inside the run folder itself): the folder a request names is checked
+by the API, and each file inside it here, so a link planted in a run folder never serves a
+file from elsewhere.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from difftune.ui.security import Roots
+from difftune.ui.security import PathOutsideRoots, Roots
 
 log = logging.getLogger("difftune")
 
@@ -42,6 +47,17 @@ def run_of(path: Path) -> Path | None:
         if folder.is_dir() and is_run(folder):
             return folder
     return None
+
+
+def readable(path: Path, run_dir: Path, roots: Roots | None = None) -> Path | None:
+    """`path`, a file a run folder holds or names, with its links followed, when it may be
+    read: under `roots` (None: inside `run_dir` itself). None for one that leads elsewhere
+    or cannot be resolved."""
+    within = roots if roots is not None else Roots((Path(run_dir).resolve(),))
+    try:
+        return within.resolve(Path(path).absolute())
+    except PathOutsideRoots:
+        return None
 
 
 # --- metrics.jsonl, read incrementally ---------------------------------------------------------
@@ -112,13 +128,14 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return fresh.rows
 
 
-def metrics(run_dir: Path, since: int = 0) -> list[dict[str, Any]]:
+def metrics(run_dir: Path, since: int = 0, roots: Roots | None = None) -> list[dict[str, Any]]:
     """The metrics rows of `run_dir` with step > `since` (all by default), oldest first.
 
     Safe while the trainer writes: a half-written last line is left for the next call.
-    Non-finite numbers come back as None.
+    Non-finite numbers come back as None; a metrics file leading outside `roots`, no rows.
     """
-    rows = _read_metrics(Path(run_dir) / METRICS)
+    path = readable(Path(run_dir) / METRICS, run_dir, roots)
+    rows = _read_metrics(path) if path is not None else []
     return [dict(r) for r in rows if r["step"] > since]
 
 
@@ -169,10 +186,14 @@ class RunSummary:
         return asdict(self)
 
 
-def resolved_config(run_dir: Path) -> dict[str, Any]:
-    """The run's config.resolved.json as a dict ({} when absent or unreadable)."""
+def resolved_config(run_dir: Path, roots: Roots | None = None) -> dict[str, Any]:
+    """The run's config.resolved.json as a dict ({} when absent, unreadable or leading
+    outside `roots`)."""
+    path = readable(Path(run_dir) / CONFIG, run_dir, roots)
     try:
-        doc = json.loads((Path(run_dir) / CONFIG).read_text(encoding="utf-8"))
+        if path is None:
+            return {}
+        doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
@@ -186,28 +207,31 @@ def _gpu_memory(row: dict[str, Any]) -> float | None:
     return None
 
 
-def _updated(run_dir: Path) -> float | None:
+def _updated(run_dir: Path, roots: Roots | None) -> float | None:
     """The newest modification time of the run's metrics, config and log."""
     times = []
     for name in (*RUN_MARKERS, LOG):
+        path = readable(run_dir / name, run_dir, roots)
         try:
-            times.append((run_dir / name).stat().st_mtime)
+            if path is not None:
+                times.append(path.stat().st_mtime)
         except OSError:
             continue
     return max(times) if times else None
 
 
-def summary(run_dir: Path) -> RunSummary:
-    """The state of the run in `run_dir`, read from its files."""
+def summary(run_dir: Path, roots: Roots | None = None) -> RunSummary:
+    """The state of the run in `run_dir`, read from its files (those under `roots`)."""
     run_dir = Path(run_dir)
-    cfg = resolved_config(run_dir)
-    rows = metrics(run_dir)
+    cfg = resolved_config(run_dir, roots)
+    rows = metrics(run_dir, 0, roots)
     total = cfg.get("train", {}).get("steps")
     name = cfg.get("save", {}).get("name")
-    lora = run_dir / f"{name}.safetensors" if name else None
+    lora = run_dir / f"{name}.safetensors" if isinstance(name, str) and name else None
+    held = readable(lora, run_dir, roots) if lora is not None else None
     out = RunSummary(name=run_dir.name, path=str(run_dir), total_steps=total,
-                     updated=_updated(run_dir), family=cfg.get("model", {}).get("family"),
-                     lora=str(lora) if lora is not None and lora.is_file() else None)
+                     updated=_updated(run_dir, roots), family=cfg.get("model", {}).get("family"),
+                     lora=str(lora) if held is not None and held.is_file() else None)
     if rows:
         last = rows[-1]
         out.step, out.loss, out.loss_smoothed = last["step"], last.get("loss"), last.get(
@@ -233,7 +257,7 @@ def find_runs(roots: Roots, depth: int = 4) -> list[RunSummary]:
     found: list[Path] = []
     for root in roots.folders:
         _walk(root, depth, found)
-    runs = [summary(p) for p in dict.fromkeys(found)]
+    runs = [summary(p, roots) for p in dict.fromkeys(found)]
     return sorted(runs, key=lambda r: r.updated or 0.0, reverse=True)
 
 

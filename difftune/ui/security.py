@@ -21,6 +21,7 @@ from urllib.parse import parse_qs
 
 COOKIE = "difftune_token"
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+APP_FOLDER = ".difftune-ui"  # the app's own state (job database, lock file), in the first root
 
 
 class PathOutsideRoots(ValueError):
@@ -49,16 +50,45 @@ class Roots:
         """The first root: new runs, the job database and relative paths live under it."""
         return self.folders[0]
 
-    def resolve(self, path: str | Path) -> Path:
+    @property
+    def app_folder(self) -> Path:
+        """The app's own folder (`<first root>/.difftune-ui`): never a target of a write."""
+        return self.main / APP_FOLDER
+
+    def resolve(self, path: str | Path, *, write: bool = False) -> Path:
         """`path` made absolute (relative to the first root), symbolic links followed; raises
-        PathOutsideRoots when it lies outside every root."""
+        PathOutsideRoots when it lies outside every root, or (`write`: a path something will
+        be written to) inside the app's own folder, whose job database a save must not
+        replace."""
+        resolved = self._resolved(path)
+        app = self.app_folder
+        if write and (resolved == app or resolved.is_relative_to(app)):
+            raise PathOutsideRoots(f"{path} is inside the app's own folder {app} (its job "
+                                   "database and lock); pick a path outside it")
+        return resolved
+
+    def holds(self, path: str | Path) -> bool:
+        """Whether `path` (absolute, or relative to the first root), symbolic links followed,
+        lies under a root: the check for each file inside a folder a request names."""
+        try:
+            self._resolved(path)
+        except PathOutsideRoots:
+            return False
+        return True
+
+    def _resolved(self, path: str | Path) -> Path:
+        """`path` resolved; PathOutsideRoots when it lies outside every root."""
         text = str(path)
         if "\x00" in text:
             raise PathOutsideRoots(f"{text!r} is not a valid path")
-        candidate = Path(text).expanduser()
-        if not candidate.is_absolute():
-            candidate = self.main / candidate
-        resolved = candidate.resolve()
+        try:
+            candidate = Path(text).expanduser()
+            if not candidate.is_absolute():
+                candidate = self.main / candidate
+            resolved = candidate.resolve()
+        except (OSError, RuntimeError) as err:  # (RuntimeError: a loop of links)
+            raise PathOutsideRoots(f"{text} cannot be resolved ({err}); give a path without "
+                                   "a loop of links") from None
         for root in self.folders:
             if resolved == root or resolved.is_relative_to(root):
                 return resolved

@@ -3,6 +3,7 @@ and every way of naming a path outside the roots answered 403."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -24,6 +25,10 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(run, base / "root" / "runs" / "tiny",
                     ignore=shutil.ignore_patterns("tensorboard"))
     (base / "secret.txt").write_text("not yours")
+    config = base / "root" / "runs" / "tiny" / "config.resolved.json"
+    cfg = json.loads(config.read_text())  # its prompt file, copied under the root with it
+    prompts = shutil.copy(cfg["sample"]["prompts"], base / "root" / "prompts.txt")
+    config.write_text(json.dumps({**cfg, "sample": {**cfg["sample"], "prompts": str(prompts)}}))
     (base / "root" / "runs" / "tiny" / "leak.txt").symlink_to(base / "secret.txt")
     (base / "root" / "runs" / "linked").symlink_to(base, target_is_directory=True)
     return base / "root"

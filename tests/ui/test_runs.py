@@ -71,7 +71,7 @@ def test_metrics_file_rewritten_by_a_resume_is_read_again(tmp_path: Path) -> Non
 
 
 def test_samples_by_step_with_their_prompt_text(run_dir: Path) -> None:
-    found = outputs.samples(run_dir)
+    found = outputs.samples(run_dir, Roots.of([run_dir.parent]))  # (the prompt file's too)
     assert [(s.step, s.index) for s in found] == [(st, i) for st in (0, 4) for i in range(2)]
     # The first prompt's capitals and punctuation are not in its file name: read back in full.
     assert [s.prompt for s in found[:2]] == list(tiny_run.PROMPTS)
@@ -86,7 +86,8 @@ def test_a_prompt_edited_away_since_the_sample_shows_as_its_slug(run_dir: Path,
     cfg = runs.resolved_config(run)
     cfg["sample"]["prompts"] = str(prompts)
     (run / "config.resolved.json").write_text(json.dumps(cfg))
-    by_index = {s.index: s.prompt for s in outputs.samples(run) if s.step == 0}
+    by_index = {s.index: s.prompt for s in outputs.samples(run, Roots.of([tmp_path]))
+                if s.step == 0}
     assert by_index[0] == "A red circle, on a blue background!"  # moved: found by its slug
     assert by_index[1] == "a yellow square on a green background"  # gone: the slug, in words
 

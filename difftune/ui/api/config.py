@@ -146,7 +146,7 @@ class Service:
         `overwrite`. Bad TOML is refused (ConfigError); config problems are reported, not
         refused, so a draft can be kept."""
         toml_io.parse(text, path)
-        target = self.ctx.roots.resolve(path)
+        target = self.ctx.roots.resolve(path, write=True)  # never the app's own files
         if target.is_dir():
             raise ConfigError(f"{path} is a folder; give the path of a .toml file in it")
         if target.exists() and not overwrite and target.read_text(encoding="utf-8") != text:

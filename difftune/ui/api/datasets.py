@@ -1,6 +1,8 @@
 """`/api/datasets`: browse a folder's images and captions, edit a caption, report what training
 would make of a folder or run file, and serve images and thumbnails. Every path (the caption
-file a write would replace included) is checked against the app's roots: 403 outside them.
+file a write would replace, each file a report reads) is checked against the app's roots: 403
+outside them or, for a write, in the app's own folder. A caption write only ever creates or
+replaces a caption file (`caption_ext` one of `datasets.CAPTION_EXTENSIONS`, else 422).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.responses import FileResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from difftune.errors import DifftuneError
 from difftune.ui import datasets
@@ -47,12 +49,19 @@ class FolderModel(BaseModel):
     images: int
 
 
+# A caption extension as a request may give it: a short suffix, no separators or control
+# characters (which one is a caption's, `datasets._ext` decides).
+CAPTION_EXT = {"max_length": 16, "pattern": r"^\.?[A-Za-z0-9_-]+$",
+               "description": f"the caption files' extension: one of "
+                              f"{', '.join(datasets.CAPTION_EXTENSIONS)}"}
+
+
 class CaptionEdit(BaseModel):
     """A caption to write: the image it belongs to and its new text."""
 
     image: str
     text: str
-    caption_ext: str = datasets.DEFAULT_CAPTION_EXT
+    caption_ext: str = Field(datasets.DEFAULT_CAPTION_EXT, **CAPTION_EXT)
 
 
 class CaptionWritten(BaseModel):
@@ -94,7 +103,8 @@ def router(ctx: UiContext) -> APIRouter:
 
     @api.get("/browse", response_model=BrowseModel, summary="A page of a folder's images")
     def browse(path: str, offset: int = Query(0, ge=0), limit: int = Query(48, ge=1, le=500),
-               caption_ext: str = datasets.DEFAULT_CAPTION_EXT) -> dict[str, Any]:
+               caption_ext: str = Query(datasets.DEFAULT_CAPTION_EXT, **CAPTION_EXT)
+               ) -> dict[str, Any]:
         """The images training would find in `path` (recursively, hidden files left out) with
         their captions, `limit` from `offset`."""
         folder = _resolve(ctx, path)
@@ -111,7 +121,7 @@ def router(ctx: UiContext) -> APIRouter:
             written = datasets.edit_caption(ctx.roots, edit.image, edit.text, edit.caption_ext)
         except PathOutsideRoots as err:
             raise HTTPException(status_code=403, detail=str(err)) from None
-        except ValueError as err:
+        except (ValueError, OSError) as err:  # (OSError: e.g. a folder where the file goes)
             raise HTTPException(status_code=422, detail=str(err)) from None
         return {"caption_file": str(written), "caption": written.read_text(encoding="utf-8")}
 
@@ -123,7 +133,9 @@ def router(ctx: UiContext) -> APIRouter:
         if not source.exists():
             raise HTTPException(status_code=404, detail=f"{path} does not exist")
         try:
-            return datasets.report(source, resolution, family).to_dict()
+            return datasets.report(source, resolution, family, ctx.roots).to_dict()
+        except PathOutsideRoots as err:
+            raise HTTPException(status_code=403, detail=str(err)) from None
         except (ValueError, DifftuneError) as err:
             raise HTTPException(status_code=422, detail=str(err)) from None
 

@@ -1,7 +1,8 @@
 """`/api/runs`: list runs and read what a run wrote (summary, metrics, samples, files), and
 download its files. Every path is checked against the app's roots (403 outside them) and must
-lie in a run folder (404 otherwise). Routes are plain `def`: FastAPI runs them in its thread
-pool, so reading files never blocks the event loop.
+lie in a run folder (404 otherwise); each file read inside a run folder is checked too (one
+that is a link leading outside the roots is left out). Routes are plain `def`: FastAPI runs
+them in its thread pool, so reading files never blocks the event loop.
 """
 
 from __future__ import annotations
@@ -99,25 +100,25 @@ def router(ctx: UiContext) -> APIRouter:
     @api.get("/summary", response_model=RunSummaryModel, summary="A run's progress")
     def run_summary(path: str) -> dict[str, Any]:
         """Step/total, it/s, ETA, GPU memory, last and best losses of the run at `path`."""
-        return runs.summary(run_folder(ctx, path)).to_dict()
+        return runs.summary(run_folder(ctx, path), ctx.roots).to_dict()
 
     @api.get("/metrics", summary="A run's metrics rows")
     def run_metrics(path: str, since: int = 0) -> list[dict[str, Any]]:
         """The metrics.jsonl rows with step > `since` (poll with the last step seen);
         non-finite values are null."""
-        return runs.metrics(run_folder(ctx, path), since)
+        return runs.metrics(run_folder(ctx, path), since, ctx.roots)
 
     @api.get("/samples", response_model=list[SampleModel], summary="A run's sample images")
     def run_samples(path: str) -> list[dict[str, Any]]:
         """The sample images by step and prompt, with each prompt's text; fetch an image with
         /api/runs/image?path=."""
-        return [s.to_dict() for s in outputs.samples(run_folder(ctx, path))]
+        return [s.to_dict() for s in outputs.samples(run_folder(ctx, path), ctx.roots)]
 
     @api.get("/files", response_model=list[RunFileModel], summary="A run's weights and checkpoints")
     def run_files(path: str) -> list[dict[str, Any]]:
         """LoRA / embedding / model files and checkpoint folders with their safetensors
         metadata; download a file with /api/runs/file?path=."""
-        return [f.to_dict() for f in outputs.files(run_folder(ctx, path))]
+        return [f.to_dict() for f in outputs.files(run_folder(ctx, path), ctx.roots)]
 
     @api.get("/file", response_class=FileResponse, summary="Download a file of a run")
     def download(path: str) -> FileResponse:

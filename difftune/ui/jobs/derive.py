@@ -10,6 +10,7 @@ Nothing is kept only in memory, so a restarted app derives the same states.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import replace
@@ -106,6 +107,11 @@ def error_text(log: Path) -> str | None:
     return None
 
 
+def _no_follow(path: str, flags: int) -> int:
+    """`open`'s opener that refuses a symbolic link (OSError)."""
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
 def last_line(log: Path) -> str | None:
     """The log's last non-empty line."""
     lines = [line for line in tail_lines(log, 20) if line.strip()]
@@ -114,9 +120,13 @@ def last_line(log: Path) -> str | None:
 
 def tail_lines(path: Path, count: int) -> list[str]:
     """The last `count` lines of a text file (read from its end only), [] if it is missing.
-    Carriage returns (progress bars redrawn in place) end lines too."""
+    Carriage returns (progress bars redrawn in place) end lines too. A log reached through
+    a symbolic link (itself or its folder) is not read, as it could lead to any file: [] as
+    for a missing one (a job's run folder is stored with its links resolved)."""
+    if os.path.realpath(path) != os.path.abspath(path):
+        return []
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=_no_follow) as f:
             f.seek(0, 2)
             size = f.tell()
             f.seek(max(0, size - TAIL_BYTES))

@@ -50,10 +50,39 @@ def device_env(device: str) -> dict[str, str]:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write `data` as JSON atomically (temporary file, then rename): readers see all or nothing."""
+    """Write `data` as JSON atomically (temporary file, then rename): readers see all or
+    nothing. The temporary file is created anew (a link left in its place is not followed)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644),
+                   "w", encoding="utf-8") as f:
+        f.write(json.dumps(data))
     os.replace(tmp, path)
+
+
+def open_log(log: Path, *, fresh: bool = False) -> int:
+    """A file descriptor appending to the job's log, opened without following a link (a log
+    file that is a symbolic link, which could lead anywhere, is refused: OSError naming it).
+    `fresh`: created, or emptied when a stale job with the same id left one."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    if fresh:
+        flags |= os.O_CREAT | os.O_TRUNC
+    try:
+        return os.open(log, flags, 0o644)
+    except OSError as err:
+        if log.is_symlink():
+            raise OSError(err.errno, f"the job's log {log} is a symbolic link; it is never "
+                          "followed: remove it") from None
+        raise
+
+
+def job_folder(folder: Path) -> None:
+    """Make the job's folder (`<run>/.difftune-jobs`); refuse one that is, or lies under, a
+    symbolic link, whose files would land wherever it leads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if folder.resolve() != folder.absolute():
+        raise OSError(f"the job folder {folder} leads to {folder.resolve()} through a "
+                      "symbolic link; remove the link (a job writes only in its run folder)")
 
 
 def process_start(pid: int) -> int | None:
@@ -85,17 +114,17 @@ def start_wrapper(python: str, argv: list[str], log: Path, record: Path, pidfile
                   cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """Start the wrapper running `argv` in `cwd` (with `env` added), in a new session; write
     its pid file. Stale files of a job with the same id (a deleted database) are removed."""
-    log.parent.mkdir(parents=True, exist_ok=True)
+    job_folder(log.parent)
     record.unlink(missing_ok=True)
     pidfile.unlink(missing_ok=True)
-    log.write_bytes(b"")
+    fd = open_log(log, fresh=True)
     command = [python, "-m", "difftune.ui.jobs.launch", "--record", str(record),
                "--log", str(log), "--", *argv]
     # The wrapper starts with the stop signals blocked (a signal mask is inherited), so a stop
     # sent before it has set its handlers waits for them instead of killing it unrecorded.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        with open(log, "ab") as out:  # append: the wrapper and the CLI write to it too
+        with os.fdopen(fd, "ab") as out:  # append: the wrapper and the CLI write to it too
             proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
@@ -125,7 +154,7 @@ def run(argv: list[str], log: Path, record: Path) -> int:
     # Blocked by start_wrapper until now: one sent meanwhile arrives here, and the CLI must
     # not inherit the mask.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    with open(log, "ab", buffering=0) as out:
+    with os.fdopen(open_log(log), "ab", buffering=0) as out:
         out.write(f"$ {shlex.join(argv)}\n".encode())
         try:
             child.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,

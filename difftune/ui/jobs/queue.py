@@ -25,11 +25,10 @@ from difftune.config.errors import parse_override
 from difftune.errors import ConfigError
 from difftune.ui.jobs.derive import derive, tail_lines, wrapper_alive
 from difftune.ui.jobs.launch import cli_argv, device_env, start_wrapper
+from difftune.ui.jobs.paths import check_run_file, checked_args, option_values
 from difftune.ui.jobs.store import LIVE, VERBS, Job, JobStore
 from difftune.ui.security import Roots
 
-# Options of the CLI verbs that name a file or folder: each goes through the roots.
-PATH_OPTIONS = ("--resume", "--init-lora", "--lora", "--prompts", "--out")
 TICK_SECONDS = 0.5
 
 log = logging.getLogger("difftune")
@@ -73,7 +72,8 @@ class JobQueue:
             raise ValueError(f"config file {path} does not exist; pass the path of a .toml run "
                              "file")
         checked = checked_args(list(args), self.roots)
-        run_dir = self.roots.resolve(run_dir_of(path, checked))
+        run_dir = self.roots.resolve(run_dir_of(path, checked), write=True)
+        check_run_file(path, checked, self.roots)
         with self._lock:
             return self.store.add(verb, path, checked, run_dir, device, parent)
 
@@ -194,11 +194,14 @@ class JobQueue:
                 log.exception("job queue tick failed")
 
     def _launch(self, job: Job) -> None:
-        """Start `job`'s wrapper; a job that cannot start fails with the reason."""
+        """Start `job`'s wrapper; a job that cannot start fails with the reason (its run
+        file is checked again: it may have been edited to name a path outside the roots
+        since the job was queued)."""
         try:
+            check_run_file(job.config, job.args, self.roots)
             proc = start_wrapper(self.python, self._command(job), job.log, job.record,
                                  job.pidfile, job.run_dir, device_env(job.device))
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError) as err:  # (PathOutsideRoots is a ValueError)
             self._save(replace(job, state="failed", ended=time.time(),
                                error=f"the job could not start: {err}"))
             return
@@ -237,53 +240,6 @@ def run_dir_of(config: Path, args: list[str]) -> Path:
         return config.parent
     path = Path(folder).expanduser()
     return (path if path.is_absolute() else config.parent / path).resolve()
-
-
-def option_values(args: list[str], option: str) -> list[str]:
-    """The values given to `option` in `args` (`--opt VALUE` or `--opt=VALUE`)."""
-    out = []
-    for i, arg in enumerate(args):
-        if arg == option and i + 1 < len(args):
-            out.append(args[i + 1])
-        elif arg.startswith(option + "="):
-            out.append(arg[len(option) + 1:])
-    return out
-
-
-def checked_args(args: list[str], roots: Roots) -> list[str]:
-    """`args` with every path an option names resolved through the roots (PathOutsideRoots
-    for one outside them): absolute, so the job's working folder does not change them."""
-    out = list(args)
-    for i, arg in enumerate(out):
-        name, eq, value = arg.partition("=")
-        if name not in PATH_OPTIONS:
-            continue
-        if not eq:
-            if i + 1 >= len(out) or out[i + 1].startswith("--"):
-                continue
-            value = out[i + 1]
-        resolved = _checked_path(name, value, roots)
-        if eq:
-            out[i] = f"{name}={resolved}"
-        else:
-            out[i + 1] = resolved
-    return out
-
-
-def _checked_path(option: str, value: str, roots: Roots) -> str:
-    """One option's path resolved through the roots (`--resume latest` and a `--lora`
-    file's `:WEIGHT` kept as they are)."""
-    if option == "--resume" and value == "latest":
-        return value
-    path, weight = value, ""
-    if option == "--lora" and ":" in value:
-        head, _, tail = value.rpartition(":")
-        try:
-            float(tail)
-            path, weight = head, ":" + tail
-        except ValueError:
-            pass
-    return f"{roots.resolve(path)}{weight}"
 
 
 def without_options(args: list[str], options: tuple[str, ...]) -> list[str]:

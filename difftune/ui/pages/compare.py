@@ -115,7 +115,8 @@ class CompareView:
         """Re-read the chosen runs' metrics and samples, then redraw everything."""
         await self.refresh_chart()
         chosen = list(self.picker.value or [])
-        self.samples = {p: await run.io_bound(outputs.samples, Path(p)) for p in chosen}
+        roots = self.ctx.roots
+        self.samples = {p: await run.io_bound(outputs.samples, Path(p), roots) for p in chosen}
         prompts = list(dict.fromkeys(s.prompt for found in self.samples.values() for s in found))
         steps = sorted({s.step for found in self.samples.values() for s in found
                         if s.step is not None})
@@ -130,7 +131,8 @@ class CompareView:
     async def refresh_chart(self) -> None:
         """Redraw the loss chart of the chosen runs (metrics are read incrementally)."""
         chosen = list(self.picker.value or [])
-        curves = {self.label(p): await run.io_bound(readers.metrics, Path(p)) for p in chosen}
+        curves = {self.label(p): await run.io_bound(readers.metrics, Path(p), 0, self.ctx.roots)
+                  for p in chosen}
         self.chart.options.clear()
         self.chart.options.update(loss_chart(curves, bool(self.raw.value)))
         self.chart.update()

@@ -169,7 +169,7 @@ class DatasetView:
             spinner = ui.spinner()
         try:
             found = await run.io_bound(datasets.report, source,
-                                       int(self.resolution.value or 1024))
+                                       int(self.resolution.value or 1024), None, self.ctx.roots)
         except (ValueError, DifftuneError) as err:
             self.report.clear()
             self._error(str(err))

@@ -96,9 +96,9 @@ class RunView:
     async def _refresh(self) -> None:
         if self.job is not None:
             self.job = await run.io_bound(self.ctx.queue.get, self.job.id)
-        summary = await run.io_bound(runs.summary, self.run_dir)
+        summary = await run.io_bound(runs.summary, self.run_dir, self.ctx.roots)
         last = self._last_step()
-        new = [r for r in await run.io_bound(runs.metrics, self.run_dir, last)
+        new = [r for r in await run.io_bound(runs.metrics, self.run_dir, last, self.ctx.roots)
                if r.get("step", 0) > last]
         self._status(summary)
         if new:
@@ -178,15 +178,19 @@ class RunView:
 
     async def _follow_log(self) -> None:
         """Append the log's new lines (the job's own log file, or the run's difftune.log when
-        the run was opened by its folder), read from where we stopped."""
+        the run was opened by its folder), read from where we stopped; not one that is a
+        link leading outside the roots."""
         log = Path(self.job.log) if self.job is not None else self.run_dir / "difftune.log"
-        text, self.log_offset = await run.io_bound(_read_from, log, self.log_offset)
+        real = runs.readable(log, self.run_dir, self.ctx.roots)
+        if real is None:
+            return
+        text, self.log_offset = await run.io_bound(_read_from, real, self.log_offset)
         for line in text.splitlines():
             self.log.push(line)
 
     async def _gallery(self) -> None:
         """Samples by step (newest first), each with its prompt; redrawn when new ones land."""
-        images = await run.io_bound(outputs.samples, self.run_dir)
+        images = await run.io_bound(outputs.samples, self.run_dir, self.ctx.roots)
         if len(images) == self.shown_samples:
             return
         self.shown_samples = len(images)
@@ -203,7 +207,7 @@ class RunView:
 
     async def _files(self) -> None:
         """Checkpoints and model files with their metadata, download and resume-from."""
-        found = await run.io_bound(outputs.files, self.run_dir)
+        found = await run.io_bound(outputs.files, self.run_dir, self.ctx.roots)
         names = [f"{f.path}:{f.size}" for f in found]
         if names == self.shown_files:
             return
