@@ -170,6 +170,12 @@ class Family(Protocol):
     # Conv2d layers adapter.conv_rank adapts (regexes; empty: none).
     lycoris_prefix: str
     conv_targets: tuple[str, ...]
+    # LyCORIS-kind files: (denoiser module, the file's name for it) where it differs from
+    # `<lycoris_prefix>_<module>` (a name ComfyUI maps); (layout, reader, module regex, why)
+    # for the modules a reader of the family's files would not apply (`adapters.coverage`).
+    lycoris_renames: tuple[tuple[str, str], ...]
+    lora_unread: tuple[tuple[str, str, str, str], ...]
+    formats: tuple[str, ...]  # the save.format values the family writes
     # How many control/reference images an edit pair or an edit sample prompt may give it
     # (0: it is no edit model).
     control_images: int
