@@ -163,8 +163,8 @@ class Family(Protocol):
     # train.compile compiles one by one.
     swap_blocks: tuple[str, ...]
     compile_blocks: tuple[str, ...]
-    # The LoRA key layout written when save.format is unset ("diffusers" or "kohya"): the one
-    # that ComfyUI and diffusers both read completely for this family.
+    # The LoRA key layout written when save.format is unset ("diffusers", "kohya" or
+    # "original"): the one that ComfyUI and diffusers both read completely for this family.
     default_format: str
     # LyCORIS-kind files: the denoiser's module-name prefix ("lycoris", "lora_unet"), and the
     # Conv2d layers adapter.conv_rank adapts (regexes; empty: none).
