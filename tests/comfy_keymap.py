@@ -18,7 +18,11 @@ read from its source: silveroxides/ComfyUI at commit 4f874c5e3a2fafb9938273c5f3f
 - the models' weight names: comfy/ldm/flux/{model,layers}.py (FLUX.1 with per-block modulation,
   FLUX.2 with `global_modulation`: the shared `double_stream_modulation_img/txt.lin` and
   `single_stream_modulation.lin`, no `vector_in`), comfy/ldm/chroma, comfy/ldm/qwen_image
-  (diffusers' names), comfy/ldm/lumina (Z-Image), comfy/ldm/krea2, comfy/ldm/modules/mmdit.py.
+  (diffusers' names), comfy/ldm/lumina (Z-Image), comfy/ldm/krea2, comfy/ldm/modules/mmdit.py,
+  comfy/ldm/modules/diffusionmodules/openaimodel.py (SDXL's UNet), and for SDXL the UNet
+  branch: `lora_unet_<d_>` and `lycoris_<d_>` over `unet_to_diffusers`.
+
+The text encoders' maps (`model_lora_keys_clip`) are not here: the tests train the denoiser.
 
 Names are regexes over module names with `\\.` for dots (a block index is `\\d+`); `{}` in a form
 is the name, `{_}` the name with underscores for dots.
@@ -144,9 +148,26 @@ KREA2 = KeyMap("Krea2", (
     r"first|tmlp\.[02]|tproj\.1|txtmlp\.[13]|txtfusion\.projector|last\.linear"),
     _KREA2_TABLE, _LUMINA_FORMS)
 
-# difftune family (and variant) -> the ComfyUI model class that loads its denoiser.
-MAPS = {"flux": FLUX, "chroma": CHROMA, "flux2": FLUX2, "sd3": SD3, "qwen_image": QWEN_IMAGE,
-        "z_image": Z_IMAGE, "krea2": KREA2}
+# comfy/utils.py unet_to_diffusers (SDXL): the diffusers UNet names its tables
+# (UNET_MAP_ATTENTIONS, TRANSFORMER_BLOCKS, UNET_MAP_RESNET, UNET_MAP_BASIC) map, which the
+# UNet branch spells `lora_unet_<d_>` and `lycoris_<d_>` (and, with `.processor.` inserted,
+# as old diffusers attention-processor names, which difftune does not write).
+_SD_BLOCKS = r"(?:down_blocks\.\d+|up_blocks\.\d+|mid_block)"
+SDXL = KeyMap("SDXL", (
+    r"(?:input_blocks\.\d+\.[01]|middle_block\.[012]|output_blocks\.\d+\.[0-2])\.(?:proj_in|"
+    r"proj_out|transformer_blocks\.\d+\.(?:attn[12]\.(?:to_q|to_k|to_v|to_out\.0)|"
+    r"ff\.net\.(?:0\.proj|2))|in_layers\.2|emb_layers\.1|out_layers\.3|skip_connection|op|conv)",
+    r"time_embed\.[02]|label_emb\.0\.[02]|input_blocks\.0\.0|out\.2"), (
+    _SD_BLOCKS + r"\.attentions\.\d+\.(?:proj_in|proj_out|norm|transformer_blocks\.\d+\.(?:"
+    r"norm[123]|attn[12]\.(?:to_q|to_k|to_v|to_out\.0)|ff\.net\.0\.proj|ff\.net\.2))",
+    _SD_BLOCKS + r"\.resnets\.\d+\.(?:conv1|time_emb_proj|conv2|conv_shortcut|norm1|norm2)",
+    r"down_blocks\.\d+\.downsamplers\.0\.conv|up_blocks\.\d+\.upsamplers\.0\.conv|"
+    r"(?:class_embedding|add_embedding|time_embedding)\.linear_[12]|conv_in|conv_norm_out|"
+    r"conv_out"), ("lora_unet_{_}", "lycoris_{_}"))
+
+# difftune family -> the ComfyUI model class that loads its denoiser (variants share it).
+MAPS = {"flux": FLUX, "chroma": CHROMA, "flux2": FLUX2, "sd3": SD3, "sdxl": SDXL,
+        "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2}
 
 
 def split_key(key: str) -> tuple[str, str]:
