@@ -194,3 +194,14 @@ def test_check_names_the_modules_a_reader_would_not_apply(
     assert ("ComfyUI would not apply double_stream_modulation_img.linear, "
             "double_stream_modulation_txt.linear, single_stream_modulation.linear") in line
     assert 'save.format = "original" carries every trained module to both readers' in line
+
+
+def test_original_format_is_refused_where_not_written(tmp_path: Path, images: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """save.format = "original" is FLUX.2's: another family refuses it at load (exit 2),
+    naming the formats it writes."""
+    cfg = run_toml(tmp_path, images, fmt="original", family="sd3")
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert 'save.format = "original" is not written for model.family = "sd3"' in err
+    assert '"diffusers", "kohya"' in err
