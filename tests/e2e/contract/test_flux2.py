@@ -183,8 +183,8 @@ def test_default_file_loads_completely_in_diffusers(tmp_path: Path, images: Path
 def test_check_names_the_modules_a_reader_would_not_apply(
         tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The default claims both readers only when it is so; save.format = "diffusers" with the
-    shared modulation layers names them (ComfyUI skips them), and says which layout carries
-    them all."""
+    shared modulation layers names them (ComfyUI skips them) in `check` and in the training
+    log, and says which layout carries them all."""
     cfg = run_toml(tmp_path, images, fmt=None, family="flux2")
     assert main(["check", str(cfg)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "LoRA file format" in x)
@@ -194,6 +194,9 @@ def test_check_names_the_modules_a_reader_would_not_apply(
     assert ("ComfyUI would not apply double_stream_modulation_img.linear, "
             "double_stream_modulation_txt.linear, single_stream_modulation.linear") in line
     assert 'save.format = "original" carries every trained module to both readers' in line
+    out = train(tmp_path / "run", images, steps=1)  # save.format = "diffusers"
+    log = (out / "difftune.log").read_text(encoding="utf-8")
+    assert "ComfyUI would not apply double_stream_modulation_img.linear" in log
 
 
 def test_original_format_is_refused_where_not_written(tmp_path: Path, images: Path,
