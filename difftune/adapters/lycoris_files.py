@@ -177,11 +177,11 @@ def _load_layer(path: object, module: str, layer: BaseTunerLayer,
         target.copy_(scaled.reshape(target.shape))
 
 
-def needs_lycoris(family: Family, tensors: dict[str, torch.Tensor]) -> bool:
+def needs_lycoris(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether a file is one diffusers' loaders cannot read (LoHa, LoKr, DoRA, or LyCORIS's
-    `lycoris_` names, the family's renamed ones included), so `apply_file` applies it through
-    the LyCORIS library."""
-    tensors = standard_names(family, tensors)
+    `lycoris_` names), so `apply_file` applies it through the LyCORIS library. (A LoCon file
+    whose modules are all renamed ones, `lycoris_renames`, reads as kohya's: a kohya file's
+    names are the same.)"""
     return file_kind(tensors) != "lora" or any(k.startswith("lycoris_") for k in tensors)
 
 

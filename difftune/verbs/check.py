@@ -229,9 +229,8 @@ def _format_line(run: Run) -> str:
     if gaps:
         why = f"{'set by save.format' if save.format else 'the default'}; WARNING: {gaps}"
     else:
-        why = ("set by save.format; ComfyUI and diffusers both read every trained module"
-               if save.format else f"the {run.family.name} default: the layout ComfyUI and "
-               "diffusers both read fully; set save.format to choose")
+        why = ("set by save.format" if save.format else f"the {run.family.name} default: "
+               "the layout ComfyUI and diffusers both read fully; set save.format to choose")
     return f"LoRA file format: {fmt} ({why})"
 
 

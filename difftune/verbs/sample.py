@@ -84,7 +84,7 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     settings = cfg.sample.model_copy(update={"prompts": prompts})
     runner = SampleRunner(family, comps, texts, settings, out or cfg.save.dir / "samples",
                           (res, res), policy)
-    lycoris = [lora for lora in loras if needs_lycoris(family, load_lora_file(lora.path)[0])]
+    lycoris = [lora for lora in loras if needs_lycoris(load_lora_file(lora.path)[0])]
     networks = [net for lora in lycoris for net in _apply_lycoris(family, comps, lora)]
     runner.use_pipeline(_pipeline_with(family.pipeline(comps),
                                        [lora for lora in loras if lora not in lycoris]))
