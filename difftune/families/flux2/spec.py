@@ -68,6 +68,9 @@ KLEIN = FamilySpec(
          "(shift, scale) final modulation onto norm_out.linear without swapping the halves"),
         ("diffusers", "ComfyUI", "|".join(re.escape(m) for m, _ in _BFL_ONLY),
          "ComfyUI's FLUX table (comfy/utils.py flux_to_diffusers) has no diffusers name for them"),
+        ("lycoris", "LyCORIS's create_lycoris_from_weights on the diffusers model",
+         "|".join(re.escape(m) for m, _ in _BFL_ONLY), "the file names them for ComfyUI, "
+         "`lora_unet_<BFL name>`; difftune's --init-lora and sample --lora read them"),
         ("kohya", "diffusers", _MODULATION + r"|time_guidance_embed\.guidance_embedder\..*|"
          r"norm_out\.linear", "diffusers' kohya FLUX.2 converter skips them"),
     ),
