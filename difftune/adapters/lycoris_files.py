@@ -6,7 +6,10 @@ denoiser's prefix is the family's `lycoris_prefix` ("lycoris" for the diffusers-
 families, which ComfyUI maps and LyCORIS's `create_lycoris_from_weights` reads; "lora_unet"
 for SDXL, kohya's prefix over diffusers module names, which ComfyUI and LyCORIS's kohya network
 read), a text encoder's is `lora_te<N>` (N counting the family's encoders from 1, as ComfyUI
-maps CLIP-L, CLIP-G and T5) over the `text_model.` names every reader maps.
+maps CLIP-L, CLIP-G and T5) over the `text_model.` names every reader maps. A family renames
+the denoiser modules ComfyUI maps only by another name (`lycoris_renames`: FLUX.2's shared
+modulation layers under their BFL names, `lora_unet_double_stream_modulation_img_lin`); they
+are read back under the standard names (`standard_names`).
 
 Tensors per module, in LyCORIS's names: `lora_down.weight`/`lora_up.weight` (LoRA, LoCon),
 `hada_w1_a`..`hada_w2_b` (LoHa), `lokr_w1` or `lokr_w1_a/_b`, `lokr_w2` or `lokr_w2_a/_b`
@@ -55,14 +58,28 @@ def adapted_layers(family: Family, modules: dict[str, torch.nn.Module], roots: d
     """{file module name: the peft layer} of every adapted layer of `modules` (by prefix).
 
     `roots` is the file's CLIP naming (`families.common.text.file_clip_roots`)."""
-    names = prefixes(family)
+    names, renames = prefixes(family), dict(family.lycoris_renames)
     out: dict[str, BaseTunerLayer] = {}
     for prefix, model in modules.items():
         for name, layer in model.named_modules():
             if isinstance(layer, BaseTunerLayer) and ADAPTER in _factors(layer):
                 key = next(iter(with_clip_root({f"{prefix}.{name}": 0}, roots)))
                 module = key.partition(".")[2]
-                out[f"{names[prefix]}_{module.replace('.', '_')}"] = layer
+                renamed = renames.get(module) if prefix == family.denoiser_prefix else None
+                out[renamed or f"{names[prefix]}_{module.replace('.', '_')}"] = layer
+    return out
+
+
+def standard_names(family: Family, tensors: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+    """A file's tensors with the family's renamed denoiser modules (`lycoris_renames`) back
+    under `<lycoris_prefix>_<module>`, the names LyCORIS's wrapper looks modules up by."""
+    back = {new: f"{family.lycoris_prefix}_{module.replace('.', '_')}"
+            for module, new in family.lycoris_renames}
+    out = {}
+    for key, value in tensors.items():
+        module, dot, suffix = key.partition(".")
+        out[f"{back.get(module, module)}{dot}{suffix}"] = value
     return out
 
 
@@ -167,7 +184,9 @@ def _load_layer(path: object, module: str, layer: BaseTunerLayer,
 
 def needs_lycoris(tensors: dict[str, torch.Tensor]) -> bool:
     """Whether a file is one diffusers' loaders cannot read (LoHa, LoKr, DoRA, or LyCORIS's
-    `lycoris_` names), so `apply_file` applies it through the LyCORIS library."""
+    `lycoris_` names), so `apply_file` applies it through the LyCORIS library. (A LoCon file
+    whose modules are all renamed ones, `lycoris_renames`, reads as kohya's: a kohya file's
+    names are the same.)"""
     return file_kind(tensors) != "lora" or any(k.startswith("lycoris_") for k in tensors)
 
 
@@ -180,6 +199,7 @@ def apply_file(family: Family, modules: dict[str, torch.nn.Module], roots: dict[
     from lycoris.wrapper import create_lycoris_from_weights  # only for sampling such files
 
     names, networks = prefixes(family), []
+    tensors = standard_names(family, tensors)
     for prefix, module in modules.items():
         head = f"{names[prefix]}_"
         strip = "text_model_" if roots.get(prefix, None) == "" else ""

@@ -52,8 +52,9 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
         problems.append(f"model.clip_skip: model.family = \"{family}\" reads no CLIP hidden "
                         "state (only CLIP's pooled output), so there is nothing to skip; remove it")
     refused = spec.kohya_text_encoders_refused
-    if fmt == "kohya" and adapter.text_encoders and refused is not None and adapter.type != "full":
-        problems.append(f"save.format = \"kohya\" cannot hold the text-encoder LoRA of "
+    if (fmt in ("kohya", "original") and adapter.text_encoders and refused is not None
+            and adapter.type != "full"):
+        problems.append(f"save.format = \"{fmt}\" cannot hold the text-encoder LoRA of "
                         f"model.family = \"{family}\" ({refused}); "
                         "use save.format = \"diffusers\" or train the denoiser only")
     return problems
@@ -94,6 +95,11 @@ def adapter_kind_problems(cfg: "RunConfig") -> list[str]:
                         "Conv2d layers to adapt (its denoiser is a transformer of Linear "
                         "layers), so conv options would do nothing; remove adapter.conv_rank "
                         "and adapter.conv_alpha")
+    fmt = cfg.save.format
+    if fmt is not None and fmt not in spec.formats:
+        problems.append(f"save.format = \"{fmt}\" is not written for model.family = "
+                        f"\"{cfg.model.family}\"; choose one of "
+                        + ", ".join(f'"{f}"' for f in spec.formats))
     lycoris_layout = a.type in ("locon", "loha", "lokr") or a.dora
     if lycoris_layout and cfg.save.format is not None:
         problems.append(f"save.format = \"{cfg.save.format}\" chooses a plain LoRA layout; "

@@ -304,10 +304,11 @@ class SaveConfig(_Section):
         None, ge=1, description="Also save the LoRA and a resume checkpoint every N steps.")
     keep_last: int | None = Field(
         None, ge=1, description="Keep only the K newest checkpoints (default: all).")
-    format: Literal["diffusers", "kohya"] | None = Field(
-        None, description="diffusers/PEFT keys, or kohya/ComfyUI keys (default: the family's "
-        "own, the layout ComfyUI and diffusers both read fully: kohya for SDXL, diffusers for "
-        "FLUX.1 and SD3).")
+    format: Literal["diffusers", "kohya", "original"] | None = Field(
+        None, description="diffusers/PEFT keys, kohya/ComfyUI keys, or the model's original "
+        "module names under `diffusion_model.` (FLUX.2) (default: the family's own, the layout "
+        "ComfyUI and diffusers both read fully: kohya for SDXL, original for FLUX.2, diffusers "
+        "for the others).")
     dtype: DType = Field("bf16", description="dtype of the saved LoRA tensors.")
     dora_comfyui: bool = Field(
         True, description="DoRA runs: also write `<file>-comfyui.safetensors` beside each LoRA "

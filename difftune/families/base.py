@@ -163,13 +163,19 @@ class Family(Protocol):
     # train.compile compiles one by one.
     swap_blocks: tuple[str, ...]
     compile_blocks: tuple[str, ...]
-    # The LoRA key layout written when save.format is unset ("diffusers" or "kohya"): the one
-    # that ComfyUI and diffusers both read completely for this family.
+    # The LoRA key layout written when save.format is unset ("diffusers", "kohya" or
+    # "original"): the one that ComfyUI and diffusers both read completely for this family.
     default_format: str
     # LyCORIS-kind files: the denoiser's module-name prefix ("lycoris", "lora_unet"), and the
     # Conv2d layers adapter.conv_rank adapts (regexes; empty: none).
     lycoris_prefix: str
     conv_targets: tuple[str, ...]
+    # LyCORIS-kind files: (denoiser module, the file's name for it) where it differs from
+    # `<lycoris_prefix>_<module>` (a name ComfyUI maps); (layout, reader, module regex, why)
+    # for the modules a reader of the family's files would not apply (`adapters.coverage`).
+    lycoris_renames: tuple[tuple[str, str], ...]
+    lora_unread: tuple[tuple[str, str, str, str], ...]
+    formats: tuple[str, ...]  # the save.format values the family writes
     # How many control/reference images an edit pair or an edit sample prompt may give it
     # (0: it is no edit model).
     control_images: int

@@ -131,6 +131,18 @@ family's files would load, with the reason.
     # the diffusers-layout families and what LyCORIS's own wrapper reads; a family whose LoRA
     # files are kohya's gives its kohya prefix ("lora_unet").
     lycoris_prefix: str = "lycoris"
+    # The LoRA layouts the family writes (save.format values; others are refused at load):
+    # "diffusers", "kohya", and "original" (the model's own module names under
+    # `diffusion_model.`, scale folded) where the family implements it.
+    formats: tuple[str, ...] = ("diffusers", "kohya")
+    # LyCORIS-kind files: (denoiser module, the file's module name) for the modules ComfyUI
+    # maps by another name than `<lycoris_prefix>_<module>` (e.g. FLUX.2's shared modulation
+    # layers, which its generic `lora_unet_<original name>` map reads).
+    lycoris_renames: tuple[tuple[str, str], ...] = ()
+    # (layout, reader, module regex, why): modules a reader would not apply from a file in that
+    # layout ("diffusers", "kohya", "original", "lycoris"), as read from the reader's source;
+    # `difftune check` names them (adapters/coverage.py).
+    lora_unread: tuple[tuple[str, str, str, str], ...] = ()
     # Conv2d layers that adapter.conv_rank adapts (full-match regexes on module names, as
     # LyCORIS's presets choose them); empty: the denoiser has none worth adapting, and conv
     # options are refused at load.

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from difftune import families
+from difftune.adapters import coverage
 from difftune.data import class_images
 from difftune.adapters.full import trained_parameters
 from difftune.adapters.kinds import (adapter_parameters, is_adapter_parameter, kind,
@@ -218,16 +219,21 @@ def optimizer_line(run: Run) -> str:
 
 def _format_line(run: Run) -> str:
     """Which key layout the LoRA will be written in, and why."""
-    a = run.cfg.adapter
-    if uses_lycoris_layout(a.type, a.dora):
+    a, save = run.cfg.adapter, run.cfg.save
+    lycoris = uses_lycoris_layout(a.type, a.dora)
+    fmt = coverage.LYCORIS if lycoris else lora_format(save, run.family)
+    gaps = coverage.describe(run.family, fmt, run.targets)
+    if lycoris:
         return (f"adapter file format: LyCORIS ({run.family.lycoris_prefix}_<module>, "
                 "lora_teN_<module>), read by ComfyUI and the LyCORIS tools"
-                + (f"; {_dora_files(run.cfg.save)}" if a.dora else ""))
-    save = run.cfg.save
-    why = ("set by save.format" if save.format else
-           f"the {run.family.name} default: the layout ComfyUI and diffusers both read "
-           "fully; set save.format to choose")
-    return f"LoRA file format: {lora_format(save, run.family)} ({why})"
+                + (f"; {_dora_files(run.cfg.save)}" if a.dora else "")
+                + (f"; WARNING: {gaps}" if gaps else ""))
+    if gaps:
+        why = f"{'set by save.format' if save.format else 'the default'}; WARNING: {gaps}"
+    else:
+        why = ("set by save.format" if save.format else f"the {run.family.name} default: "
+               "the layout ComfyUI and diffusers both read fully; set save.format to choose")
+    return f"LoRA file format: {fmt} ({why})"
 
 
 def _dora_files(save: SaveConfig) -> str:

@@ -19,6 +19,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 
 from difftune import families
+from difftune.adapters.lycoris_files import standard_names
 from difftune.config import load_config
 from difftune.families.common.text import model_clip_roots
 from difftune.train.checkpoint import CheckpointManager
@@ -68,9 +69,11 @@ def lycoris_modules(manager: CheckpointManager, path: Path) -> list[tuple[str, s
 
     The file's component prefixes (`lycoris_`, SDXL's `lora_unet_`, `lora_teN_`) are renamed
     to the wrapper's `lycoris_` per component; the rest of each name is LyCORIS's own lookup
-    of the module by its dotted name."""
-    weights = load_file(str(path))
+    of the module by its dotted name. Modules a family names for ComfyUI (FLUX.2's shared
+    modulation layers as `lora_unet_<BFL name>`) go back to their `lycoris_` names first, as
+    difftune hands them to the wrapper (`standard_names`)."""
     family = manager.family
+    weights = standard_names(family, load_file(str(path)))
     names = {family.denoiser_prefix: family.lycoris_prefix}
     names |= {p: f"lora_te{i}" for i, p in enumerate(family.text_encoder_prefixes.values(), 1)}
     found = []

@@ -102,6 +102,8 @@ def test_switches_show_their_subsections() -> None:
 def test_variant_choices_come_from_the_spec() -> None:
     assert applies.choices({"model.family": "flux2"})["model.variant"] == ["klein", "dev"]
     assert "model.variant" in applies.hidden({"model.family": "sdxl"})
+    assert applies.choices({"model.family": "flux2"})["save.format"][0] == "original"
+    assert "original" not in applies.choices({"model.family": "sd3"})["save.format"]
 
 
 def test_presets_scale_from_the_examples() -> None:

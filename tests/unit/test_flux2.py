@@ -206,3 +206,66 @@ def test_kohya_layout_round_trips_and_reads_in_diffusers() -> None:
     pipe.load_lora_weights(dict(kohya), adapter_name="kohya")
     theirs = pipe(generator=torch.Generator().manual_seed(0), **common).images
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_original_layout_means_the_trained_update_in_both_readers() -> None:
+    """The default layout (issue 29) over every Linear of dev's transformer: BFL names under
+    `diffusion_model.`, no alpha. ComfyUI adds `B @ A` to each BFL weight (its LoRA adapter at
+    scale 1, no alpha); those updates, converted by diffusers' own single-file converter
+    (fused qkv split, the final modulation's halves swapped), are the trained ones. diffusers'
+    LoRA converter reads every module but norm_out.linear as trained (`lora_unread` says so),
+    and the file reads back to the same updates."""
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_flux2_lora_to_diffusers,
+    )
+    from diffusers.loaders.single_file_utils import (
+        convert_flux2_transformer_checkpoint_to_diffusers,
+    )
+
+    from difftune.adapters.coverage import unread
+    from difftune.adapters.formats import group_modules
+
+    family = families.get("flux2", "dev")
+    model = build_tiny_flux2("dev")["transformer"]
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            state[f"transformer.{name}.lora_A.weight"] = torch.randn(2, module.in_features,
+                                                                     generator=gen)
+            state[f"transformer.{name}.lora_B.weight"] = torch.randn(module.out_features, 2,
+                                                                     generator=gen)
+    want = {m: p.delta() for m, p in group_modules(state, 3.0).items()}  # alpha 3, rank 2
+    original = family.lora_to_format(None, state, "original", 2, 3.0)
+    assert all(k.startswith("diffusion_model.") and k.endswith((".lora_A.weight",
+                                                               ".lora_B.weight"))
+               for k in original)
+    comfy = {k.removeprefix("diffusion_model.").replace(".lora_B.weight", ".weight"):
+             v @ original[k.replace("lora_B", "lora_A")]
+             for k, v in original.items() if k.endswith(".lora_B.weight")}
+    converted = convert_flux2_transformer_checkpoint_to_diffusers(comfy)
+    assert {f"transformer.{k.removesuffix('.weight')}" for k in converted} == set(want)
+    for key, value in converted.items():
+        torch.testing.assert_close(value, want[f"transformer.{key.removesuffix('.weight')}"],
+                                   rtol=1e-5, atol=1e-5)
+    # no alpha and no metadata: diffusers takes alpha = rank, scale 1
+    theirs = group_modules(_convert_non_diffusers_flux2_lora_to_diffusers(dict(original)), 1.0)
+    assert set(theirs) == set(want)
+    wrong = sorted(m.removeprefix("transformer.") for m, p in theirs.items()
+                   if not torch.allclose(p.up @ p.down, want[m], atol=1e-5))
+    assert wrong == ["norm_out.linear"]
+    assert list(unread(family, "original", [m.removeprefix("transformer.") for m in want])
+                ) == ["diffusers"]
+    back, alphas = family.lora_from_format(None, original)
+    for module, pair in group_modules(back, alphas).items():
+        torch.testing.assert_close(pair.delta(), want[module], rtol=1e-5, atol=1e-5)
+    # What `check` says ComfyUI skips in each plain layout is what its key map lacks.
+    from ..comfy_keymap import unmapped
+
+    modules = [m.removeprefix("transformer.") for m in want]
+    for fmt in family.formats:
+        tensors = family.lora_to_format(None, state, fmt, 2, 3.0)
+        skipped = unread(family, fmt, modules).get("ComfyUI", ([], ""))[0]
+        lost = {k.removeprefix("transformer.").rsplit(".", 2)[0]
+                for k in unmapped("flux2", list(tensors))}
+        assert sorted(lost) == skipped, fmt

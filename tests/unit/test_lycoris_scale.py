@@ -20,6 +20,7 @@ from difftune.adapters.lycoris_files import adapted_layers, load_into, to_file
 
 class Family:
     denoiser_prefix, lycoris_prefix, text_encoder_prefixes = "unet", "lycoris", {}
+    lycoris_renames: tuple[tuple[str, str], ...] = ()
 
 
 class Net(torch.nn.Module):

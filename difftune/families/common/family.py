@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 # The spec facts the `Family` protocol exposes as attributes of the family class.
 FACTS = ("name", "text_encoders", "bucket_step", "denoiser_prefix", "default_cfg",
          "text_encoder_prefixes", "keep_high", "swap_blocks", "compile_blocks", "default_format",
-         "control_images", "lycoris_prefix", "conv_targets")
+         "control_images", "lycoris_prefix", "conv_targets", "lycoris_renames", "lora_unread",
+         "formats")
 
 
 def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -275,10 +276,19 @@ class FamilyBase:
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
     ) -> dict[str, torch.Tensor]:
-        """diffusers-named LoRA -> the requested key layout ("diffusers" as is, or "kohya")."""
+        """diffusers-named LoRA -> the requested key layout ("diffusers" as is, "kohya", or
+        "original": the model's own module names under `diffusion_model.`, scale folded)."""
         if fmt == "diffusers":
             return dict(state)
+        if fmt == "original":
+            return self.to_original(c, state, rank, alpha)
         return self.to_kohya(c, state, rank, alpha)
+
+    def to_original(self, c: Components, state: dict[str, torch.Tensor], rank: int,
+                    alpha: float) -> dict[str, torch.Tensor]:
+        """diffusers-named LoRA -> `diffusion_model.<original module>` keys (family-specific;
+        config validation refuses "original" where `spec.formats` lacks it)."""
+        raise NotImplementedError
 
     def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
                  ) -> dict[str, torch.Tensor]:

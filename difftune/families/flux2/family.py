@@ -168,3 +168,11 @@ class Flux2Family(FamilyBase):
         from difftune.families.flux2.keys import diffusers_to_kohya
 
         return diffusers_to_kohya(state, alpha=alpha, rank=rank, prefix=self.denoiser_prefix)
+
+    def to_original(self, c: Components, state: dict[str, torch.Tensor], rank: int,
+                    alpha: float) -> dict[str, torch.Tensor]:
+        """diffusers-named LoRA -> `diffusion_model.<BFL module>` keys, scale folded: the
+        default layout, which ComfyUI and diffusers both read completely."""
+        from difftune.families.flux2.keys import to_original
+
+        return to_original(state, rank=rank, alpha=alpha, prefix=self.denoiser_prefix)

@@ -8,17 +8,33 @@ ComfyUI reads for any model through its generic `lora_unet_<diffusion_model key>
 diffusers through `_convert_kohya_flux2_lora_to_diffusers`. FLUX.2 differs from FLUX.1 here:
 its single blocks' `linear1` is one diffusers module (`attn.to_qkv_mlp_proj`), its MLPs are
 `ff.linear_in/linear_out` (gated: `linear_in` emits 2 x 3 x the width), and its modulation
-layers are shared by all blocks (`double_stream_modulation_img.lin`, ...). Read besides: the
-diffusers names under `diffusion_model.` (ai-toolkit's PEFT files, without alpha) with
-`lora_down`/`lora_up` factors and `.alpha` entries.
+layers are shared by all blocks (`double_stream_modulation_img.lin`, ...).
+
+The original layout (`diffusion_model.<BFL module>.lora_A/lora_B.weight`, scale folded, no
+alpha: `to_original`) is the default: ComfyUI reads every module of it through its generic
+`diffusion_model.<state-dict name>` map, and diffusers through
+`_convert_non_diffusers_flux2_lora_to_diffusers`, the modulation layers included (which
+ComfyUI's FLUX table, for diffusers names, and diffusers' kohya converter both lack). Read
+besides: the diffusers names under `diffusion_model.` (ai-toolkit's PEFT files, without alpha)
+with `lora_down`/`lora_up` factors and `.alpha` entries.
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from difftune.families.common.block_table import BlockTable, Row
-from difftune.families.common.kohya import KohyaNames, fused_from_kohya, fused_to_kohya
+from difftune.families.common.kohya import (
+    KOHYA_PREFIX,
+    ORIGINAL_PREFIXES,
+    KohyaNames,
+    fused_from_kohya,
+    fused_to_kohya,
+    group_kohya,
+    original_to_kohya,
+)
 
 # Model-spec architecture / implementation and kohya's base-model names, per variant.
 ARCHITECTURE = {"klein": "flux-2-klein", "dev": "flux-2-dev"}
@@ -48,12 +64,34 @@ NON_BLOCK: tuple[Row, ...] = (
     ("img_in", (("x_embedder", 1),)),
     ("txt_in", (("context_embedder", 1),)),
     ("final_layer_linear", (("proj_out", 1),)),
+    ("time_in_in_layer", (("time_guidance_embed.timestep_embedder.linear_1", 1),)),
+    ("time_in_out_layer", (("time_guidance_embed.timestep_embedder.linear_2", 1),)),
+    ("guidance_in_in_layer", (("time_guidance_embed.guidance_embedder.linear_1", 1),)),
+    ("guidance_in_out_layer", (("time_guidance_embed.guidance_embedder.linear_2", 1),)),
+    # BFL's final modulation is (shift, scale) where diffusers' norm_out.linear is (scale, shift)
+    ("final_layer_adaLN_modulation_1", (("norm_out.linear", 2),)),
 )
 TABLE = BlockTable(
     blocks=(("transformer_blocks", "double_blocks", DOUBLE_BLOCK),
             ("single_transformer_blocks", "single_blocks", SINGLE_BLOCK)),
     non_block=NON_BLOCK,
+    swap=frozenset({"final_layer_adaLN_modulation_1"}),
 )
+# The dotted BFL name of each row (kohya's names are these with underscores for dots).
+DOTTED = {"img_attn_qkv": "img_attn.qkv", "img_attn_proj": "img_attn.proj",
+          "txt_attn_qkv": "txt_attn.qkv", "txt_attn_proj": "txt_attn.proj",
+          "img_mlp_0": "img_mlp.0", "img_mlp_2": "img_mlp.2", "txt_mlp_0": "txt_mlp.0",
+          "txt_mlp_2": "txt_mlp.2", "linear1": "linear1", "linear2": "linear2",
+          "double_stream_modulation_img_lin": "double_stream_modulation_img.lin",
+          "double_stream_modulation_txt_lin": "double_stream_modulation_txt.lin",
+          "single_stream_modulation_lin": "single_stream_modulation.lin",
+          "img_in": "img_in", "txt_in": "txt_in", "final_layer_linear": "final_layer.linear",
+          "time_in_in_layer": "time_in.in_layer", "time_in_out_layer": "time_in.out_layer",
+          "guidance_in_in_layer": "guidance_in.in_layer",
+          "guidance_in_out_layer": "guidance_in.out_layer",
+          "final_layer_adaLN_modulation_1": "final_layer.adaLN_modulation.1"}
+_BLOCK = re.compile(r"^(double_blocks|single_blocks)_(\d+)_(\w+)$")
+_DOTTED_BLOCK = re.compile(r"^(?:double_blocks|single_blocks)\.\d+\.")
 
 
 def diffusers_to_kohya(state: dict[str, torch.Tensor], alpha: float, rank: int,
@@ -73,12 +111,54 @@ FOREIGN_PREFIXES = ("diffusion_model.", "model.diffusion_model.")
 FACTORS = {".lora_down.weight": ".lora_A.weight", ".lora_up.weight": ".lora_B.weight"}
 
 
+def dotted(kohya: str) -> str:
+    """The dotted BFL module name of a kohya one without `lora_unet_`
+    (`double_blocks_0_img_attn_qkv` -> `double_blocks.0.img_attn.qkv`); KeyError if unknown."""
+    m = _BLOCK.match(kohya)
+    if m is None:
+        return DOTTED[kohya]
+    return f"{m.group(1)}.{m.group(2)}.{DOTTED[m.group(3)]}"
+
+
+def to_original(state: dict[str, torch.Tensor], rank: int, alpha: float,
+                prefix: str = "transformer") -> dict[str, torch.Tensor]:
+    """diffusers-named LoRA -> `diffusion_model.<BFL module>.lora_A/B.weight` (q, k, v fused as
+    the kohya layout fuses them), each module's alpha / rank folded into its up factor and no
+    `.alpha` entry: diffusers' converter refuses any key besides the factors, and both readers
+    then apply scale 1."""
+    pairs = group_kohya(diffusers_to_kohya(state, alpha, rank, prefix), NAMES)
+    out: dict[str, torch.Tensor] = {}
+    for name, pair in pairs.items():
+        base = f"diffusion_model.{dotted(name)}"
+        out[f"{base}.lora_A.weight"] = pair.down.contiguous()
+        out[f"{base}.lora_B.weight"] = (pair.up * (pair.alpha / pair.rank)).contiguous()
+    return out
+
+
+def _original(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a file names BFL's modules under `diffusion_model.` (our default layout,
+    ComfyUI's and ai-toolkit's BFL files) rather than diffusers' modules."""
+    originals = set(DOTTED.values())
+    for key in tensors:
+        start = next((p for p in ORIGINAL_PREFIXES if key.startswith(p)), None)
+        if start is None:
+            continue
+        rest = key[len(start):]
+        module = rest.rsplit(".", 2 if ".lora_" in rest else 1)[0]
+        if _DOTTED_BLOCK.match(module) or module in originals:
+            return True
+    return False
+
+
 def diffusers_names(tensors: dict[str, torch.Tensor], prefix: str = "transformer"
                     ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """A FLUX.2 LoRA state in diffusers names (`<prefix>.<module>.lora_A/B.weight`) and the
-    alpha of each module (`<prefix>.<module>`) that has an `.alpha` entry: kohya files through
+    alpha of each module (`<prefix>.<module>`) that has an `.alpha` entry: kohya files and
+    original-layout ones (read as kohya, alpha = rank where none is given) through
     `kohya_to_diffusers`, the others by their prefixes and factor names."""
-    if any(k.startswith("lora_unet_") for k in tensors):
+    if _original(tensors):
+        tensors = original_to_kohya(tensors)
+    if any(k.startswith(KOHYA_PREFIX) for k in tensors):
         return kohya_to_diffusers(tensors, prefix)
     out: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}

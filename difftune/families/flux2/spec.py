@@ -9,6 +9,7 @@ validation before anything heavy is imported, and by `Flux2Family`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
@@ -18,6 +19,17 @@ from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
 DEV_SYSTEM = ("You are an AI that reasons about image descriptions. You give structured "
               "responses focusing on object relationships, object\nattribution and actions "
               "without speculation.")
+
+# Modules outside the blocks that ComfyUI's FLUX table has no diffusers name for, with the
+# BFL names its FLUX.2 model keeps (comfy/ldm/flux/model.py), kohya-style (dots as underscores).
+_BFL_ONLY = (("double_stream_modulation_img.linear", "double_stream_modulation_img_lin"),
+             ("double_stream_modulation_txt.linear", "double_stream_modulation_txt_lin"),
+             ("single_stream_modulation.linear", "single_stream_modulation_lin"),
+             ("time_guidance_embed.timestep_embedder.linear_1", "time_in_in_layer"),
+             ("time_guidance_embed.timestep_embedder.linear_2", "time_in_out_layer"),
+             ("time_guidance_embed.guidance_embedder.linear_1", "guidance_in_in_layer"),
+             ("time_guidance_embed.guidance_embedder.linear_2", "guidance_in_out_layer"))
+_MODULATION = r"double_stream_modulation_(?:img|txt)\.linear|single_stream_modulation\.linear"
 
 KLEIN = FamilySpec(
     name="flux2",
@@ -37,18 +49,31 @@ KLEIN = FamilySpec(
     denoiser_prefix="transformer",
     # klein base runs real CFG at 4 (its pipeline's default; the step-distilled klein ignores it)
     default_cfg=4.0,
-    # The diffusers layout is the default: Flux2LoraLoaderMixin reads every module of it, and
-    # ComfyUI maps the diffusers block names under `transformer.` (comfy/lora.py
-    # model_lora_keys_unet, Flux branch, through comfy/utils.py flux_to_diffusers, whose block
-    # map names FLUX.2's `ff.linear_in/linear_out`, `ff_context.*`, `attn.to_qkv_mlp_proj` and
-    # `attn.to_out` in current trees; read here in a ComfyUI-derived copy of utils.py). Not
-    # mapped there: the shared modulation layers of the "all_linear" preset, and, in ComfyUI
-    # versions before FLUX.2's MLP names were added, `ff*.linear_in/out` ("lora key not
-    # loaded", bghira/SimpleTuner issue 2439). save.format = "kohya" writes BFL's original
-    # names (fused qkv), which ComfyUI reads for every module through its generic
-    # `lora_unet_<diffusion_model key>` map; diffusers' kohya converter
-    # (_convert_kohya_flux2_lora_to_diffusers) reads it except those modulation layers.
-    default_format="diffusers",
+    # The original layout is the default (`diffusion_model.<BFL module>.lora_A/B.weight`, scale
+    # folded, no alpha; keys.to_original): ComfyUI reads every module of it through its generic
+    # `diffusion_model.<state-dict name>` map (comfy/lora.py model_lora_keys_unet; its FLUX.2
+    # model keeps BFL's names, comfy/ldm/flux), diffusers through
+    # _convert_non_diffusers_flux2_lora_to_diffusers, the shared modulation layers included.
+    # The other layouts each lose those three layers of the "all_linear" preset in one reader:
+    # "diffusers" in ComfyUI (its FLUX table, comfy/utils.py flux_to_diffusers, has no entry
+    # for them) and "kohya" (`lora_unet_<BFL name>`) in diffusers' kohya converter.
+    default_format="original",
+    formats=("original", "diffusers", "kohya"),
+    # LyCORIS files: ComfyUI maps `lycoris_<diffusers module>` through its FLUX table (q/k/v
+    # applied to the fused weights by offset), which lacks these; its generic map reads them
+    # under BFL's names.
+    lycoris_renames=tuple((m, f"lora_unet_{o}") for m, o in _BFL_ONLY),
+    lora_unread=(
+        ("original", "diffusers", r"norm_out\.linear", "diffusers' FLUX.2 converter maps BFL's "
+         "(shift, scale) final modulation onto norm_out.linear without swapping the halves"),
+        ("diffusers", "ComfyUI", "|".join(re.escape(m) for m, _ in _BFL_ONLY),
+         "ComfyUI's FLUX table (comfy/utils.py flux_to_diffusers) has no diffusers name for them"),
+        ("lycoris", "LyCORIS's create_lycoris_from_weights on the diffusers model",
+         "|".join(re.escape(m) for m, _ in _BFL_ONLY), "the file names them for ComfyUI, "
+         "`lora_unet_<BFL name>`; difftune's --init-lora and sample --lora read them"),
+        ("kohya", "diffusers", _MODULATION + r"|time_guidance_embed\.guidance_embedder\..*|"
+         r"norm_out\.linear", "diffusers' kohya FLUX.2 converter skips them"),
+    ),
     text_encoder_prefixes={"qwen3": "text_encoder"},
     # Kept out of fp8 storage and quantization: the time/guidance embedder, the shared
     # modulation layers, the input and output projections.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from difftune import __version__
+from difftune.adapters import coverage
 from difftune.adapters.dora_comfyui import (COMFYUI, PEFT, comfyui_path, comfyui_tensors,
                                             formula_keys)
 from difftune.adapters.embeddings import Embeddings
@@ -65,6 +66,11 @@ class LoraFiles:
         self.lycoris = uses_lycoris_layout(cfg.adapter.type, cfg.adapter.dora)
         if not self.lycoris:
             cfg.save.format = lora_format(cfg.save, family)
+        fmt = coverage.LYCORIS if self.lycoris else str(cfg.save.format)
+        adapters = writes and cfg.adapter.peft_kind is not None
+        gaps = coverage.describe(family, fmt, targets) if adapters else ""
+        if gaps:
+            log.warning("the LoRA files of this run: %s", gaps)
 
     def write_config(self) -> Path:
         """The resolved config as JSON (every default filled in)."""
@@ -126,10 +132,12 @@ class LoraFiles:
         # CLIP modules as every reader maps them (`text_encoder.text_model.encoder...`).
         state = with_clip_root(state, file_clip_roots(self.family))
         alpha, meta = a.scale_alpha, {}
-        if fmt == "diffusers":
-            # ComfyUI takes no alpha from a diffusers-layout file (neither metadata nor tensor):
-            # the scale goes into the up factors, and the file says alpha = rank everywhere.
+        if fmt in ("diffusers", "original"):
+            # ComfyUI takes no alpha from a diffusers-layout file (neither metadata nor tensor),
+            # diffusers' original-layout converter refuses alpha keys: the scale goes into the
+            # up factors, and the file says alpha = rank everywhere.
             state, alpha = fold_scale(state, a.scale_alpha / a.rank), float(a.rank)
+        if fmt == "diffusers":
             meta = merged_adapter_metadata(state, a.rank, alpha, list(modules))
         meta |= self.metadata(step, alpha)
         tensors = self.family.lora_to_format(self.comps, state, fmt, a.rank, alpha)

@@ -218,7 +218,8 @@ def hidden(values: dict[str, Any]) -> dict[str, str]:
 
 
 def choices(values: dict[str, Any]) -> dict[str, list[Any]]:
-    """Choices that depend on other fields: the family's variants and text encoders."""
+    """Choices that depend on other fields: the family's variants, text encoders and LoRA
+    layouts."""
     facts = Facts(values, fields_by_path())
     top = facts.top_spec()
     out: dict[str, list[Any]] = {}
@@ -227,4 +228,5 @@ def choices(values: dict[str, Any]) -> dict[str, list[Any]]:
     if facts.spec is not None:
         out["adapter.text_encoders"] = list(facts.spec.encoder_names)
         out["adapter.embeddings[0].encoders"] = list(facts.spec.encoder_names)
+        out["save.format"] = list(facts.spec.formats)
     return out
