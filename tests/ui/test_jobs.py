@@ -165,10 +165,10 @@ def test_a_reused_pid_is_not_taken_for_the_job(jobs_queue: JobQueue, jobs_root: 
 
 
 def test_a_restarted_app_reattaches_live_jobs_and_finishes_ended_ones(jobs_root: Path) -> None:
-    before = make_queue(jobs_root)
+    before = make_queue(jobs_root, gpus=True)  # three devices: default (GPU 0), cpu, GPU 1
     live = before.submit("train", jobs_root / "a.toml", [TRAINLIKE])
     ended = before.submit("check", jobs_root / "b.toml", [QUICK], device="cpu")
-    killed = before.submit("train", jobs_root / "c.toml", [SLEEP], device="cuda:0")
+    killed = before.submit("train", jobs_root / "c.toml", [SLEEP], device="cuda:1")
     before.tick()
     for job_id in (live.id, killed.id):
         wait_log(before, job_id, "ready")
@@ -180,7 +180,7 @@ def test_a_restarted_app_reattaches_live_jobs_and_finishes_ended_ones(jobs_root:
     assert {j.state for j in before.store.all()} == {"running"}
     before.close()  # the app stops; its jobs do not
 
-    after = make_queue(jobs_root)
+    after = make_queue(jobs_root, gpus=True)
     try:
         states = {j.id: j.state for j in after.store.all()}  # as the restart derived them
         assert states == {live.id: "running", ended.id: "succeeded", killed.id: "died"}
