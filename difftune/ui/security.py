@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
 import secrets
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
@@ -63,8 +64,12 @@ class Roots:
         """`path` made absolute (relative to the first root), symbolic links followed; raises
         PathOutsideRoots when it lies outside every root."""
         text = str(path)
-        if "\x00" in text:
-            raise PathOutsideRoots(f"{text!r} is not a valid path")
+        try:
+            if "\x00" in text:
+                raise ValueError(text)
+            os.fsencode(text)  # UnicodeEncodeError for a lone surrogate: no file has one
+        except ValueError:
+            raise PathOutsideRoots(f"{text!r} is not a valid path") from None
         candidate = Path(text).expanduser()
         if not candidate.is_absolute():
             candidate = self.main / candidate

@@ -146,6 +146,13 @@ def test_odd_saves_are_refused_naming_the_problem(forms_client: TestClient,
     assert surrogate.status_code == 422
     assert "U+D800 at line 2, column 9, a lone surrogate" in surrogate.json()["detail"]
     assert not (root / "runs" / "s.toml").exists()
+    for route, fields in (("form", {"toml": 'a = "\ud800"'}),
+                          ("validate", {"toml": "a = 1", "path": "runs/\ud800.toml"}),
+                          ("save", {"toml": "a = 1", "path": "runs/\ud800.toml"})):
+        odd = forms_client.post(f"/api/config/{route}", content=json.dumps(fields).encode(),
+                                headers={"content-type": "application/json"})
+        assert odd.status_code in (403, 422) and ("lone surrogate" in odd.json()["detail"] or
+                                                  "is not a valid path" in odd.json()["detail"])
     binary = root / "runs" / "image.toml"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\x00")
     for overwrite in (False, True):

@@ -161,7 +161,9 @@ class Service:
         return ValidationOut(ok=result.ok, message=result.message, warnings=result.warnings)
 
     def form(self, text: str) -> FormOut:
-        """The form's view of `text` (bad TOML raises ConfigError)."""
+        """The form's view of `text` (bad TOML, or text with no UTF-8 form, raises
+        ConfigError)."""
+        encode(text, "the run file")
         values = _jsonable(toml_io.values(toml_io.parse(text)))
         return FormOut(toml=text, values=values, hidden=applies.hidden(values),
                        choices=applies.choices(values))
