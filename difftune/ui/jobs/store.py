@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from difftune.errors import DifftuneError
 
@@ -157,9 +157,9 @@ class JobStore:
             return None
         rows = "; ".join(f"job {i}: {why}" for i, why in sorted(self.unreadable.items()))
         return (f"{len(self.unreadable)} job(s) in the job database {self.path} cannot be read "
-                f"and are not listed ({rows}). Their runs stay in their folders; delete the "
-                f"rows (sqlite3 {self.path} 'DELETE FROM jobs WHERE id IN "
-                f"({', '.join(map(str, sorted(self.unreadable)))})') to silence this")
+                f"and are not listed ({rows}). Their runs stay in their folders; to drop the rows "
+                f"from the list for good: sqlite3 {self.path} 'DELETE FROM jobs WHERE id IN "
+                f"({', '.join(map(str, sorted(self.unreadable)))})'")
 
     def close(self) -> None:
         """Close the database connection."""
@@ -247,7 +247,7 @@ def _problem(db: sqlite3.Connection) -> str | None:
     return None
 
 
-def _unusable(path: Path, problem: str) -> None:
+def _unusable(path: Path, problem: str) -> NoReturn:
     """Raise JobDatabaseError: the database at `path` `problem`, and what to do (it is left
     as it is)."""
     raise JobDatabaseError(
