@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
@@ -42,7 +43,7 @@ def _scope(headers: list[tuple[bytes, bytes]]) -> dict:
             "query_string": b""}
 
 
-async def _echo(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+async def _echo(scope: dict, receive: Any, send: Any) -> None:
     """An app that reads the whole body and answers its length."""
     size, more = 0, True
     while more:
