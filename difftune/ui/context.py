@@ -20,6 +20,7 @@ class UiContext:
     roots: Roots
     queue: "JobQueue"
     token: str | None = None
+    origin_token: str | None = None  # lets a request from another web site through
     lock: IO[str] | None = None  # the open lock file that makes this app the queue's only one
 
     @property

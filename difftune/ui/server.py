@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import IO
 
 from difftune.ui.context import UiContext
+from difftune.ui.limits import BodyLimit
 from difftune.ui.security import Guard, Roots, is_loopback, new_token
 
 log = logging.getLogger("difftune")
@@ -31,7 +34,8 @@ def build(ctx: UiContext) -> None:
     for name in PAGE_MODULES:
         importlib.import_module(f"difftune.ui.pages.{name}").register(ctx)
     _offline_docs()
-    app.add_middleware(Guard, token=ctx.token)
+    app.add_middleware(BodyLimit)  # inside the guard: a refused request's body is never read
+    app.add_middleware(Guard, token=ctx.token, origin_token=ctx.origin_token)
     app.on_startup(ctx.queue.start)
     app.on_shutdown(ctx.queue.close)
 
@@ -63,16 +67,52 @@ def _offline_docs() -> None:
 def make_context(roots: list[Path], token: str | None) -> UiContext:
     """The context for `roots`: the job queue's database under the first root, held by this
     app alone (ValueError when another `difftune ui` serves it: two apps starting jobs from
-    one queue would run them twice)."""
+    one queue would run them twice, or when its folder cannot be written; JobDatabaseError
+    when the database cannot serve)."""
     from difftune.ui.jobs.queue import JobQueue
 
     checked = Roots.of(roots)
     state = checked.main / ".difftune-ui"
-    state.mkdir(parents=True, exist_ok=True)
-    lock = hold_lock(state / "ui.lock")
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        lock = hold_lock(state / "ui.lock")
+    except OSError as err:
+        raise ValueError(f"cannot use {state} for the job queue ({err.strerror}); make it a "
+                         "writable folder, or start with another first --root") from None
     ctx = UiContext(roots=checked, queue=JobQueue(state / "jobs.sqlite", checked), token=token)
     ctx.lock = lock
     return ctx
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise ValueError naming the value when the app could not listen on `host`:`port` (a
+    port outside 1..65535, a host that is no address here, a port in use), before anything
+    starts: uvicorn would end with its own line and exit code, or hang."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port {port} is not a TCP port; give one from 1 to 65535")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn picks it
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, family=family, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as err:
+        raise ValueError(_not_here(host, str(err))) from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as err:
+            if err.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(_not_here(host, err.strerror)) from None
+            what = "is in use by another program" if err.errno == errno.EADDRINUSE else \
+                f"cannot be used ({err.strerror})"
+            raise ValueError(f"--port {port} on --host {host} {what}; pick another --port "
+                             "(or stop what listens there)") from None
+
+
+def _not_here(host: str, why: str) -> str:
+    """The message for a --host that is no address of this machine."""
+    return (f"--host {host!r} is not an address of this machine ({why}); give one of its IP "
+            "addresses (127.0.0.1, or 0.0.0.0 for all) or a host name that resolves to one")
 
 
 def hold_lock(path: Path) -> IO[str]:
@@ -96,11 +136,15 @@ def hold_lock(path: Path) -> IO[str]:
 
 
 def serve(host: str, port: int, roots: list[Path]) -> int:
-    """Serve the app until Ctrl-C. Off loopback a token is made and printed, and required."""
-    from nicegui import ui
-
+    """Serve the app until Ctrl-C. Off loopback a token is made and printed, and required; on
+    loopback one is made for the requests from other web sites (which need it)."""
+    check_address(host, port)
     token = None if is_loopback(host) else new_token()
     ctx = make_context(roots, token)
+    ctx.origin_token = token or new_token()
+
+    from nicegui import ui  # after the checks: a refused start is quick
+
     build(ctx)
     shown = f"[{host}]" if ":" in host else host
     address = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
@@ -108,6 +152,9 @@ def serve(host: str, port: int, roots: list[Path]) -> int:
           flush=True)
     if token:
         print("every request needs this token (or 'Authorization: Bearer <token>')", flush=True)
+    else:
+        print("requests from other web sites are refused unless they send 'Authorization: "
+              f"Bearer {ctx.origin_token}'", flush=True)
     ui.run(host=host, port=port, reload=False, show=False, title="difftune",
            fastapi_docs={"title": "difftune ui API"}, show_welcome_message=False,
            uvicorn_logging_level="warning", favicon="🎛️", dark=None)

@@ -51,10 +51,11 @@ def make_root(tmp_path: Path) -> Path:
     return root
 
 
-def make_queue(root: Path) -> JobQueue:
-    """A queue over `root` (database in `root/.difftune-ui`) running scripts as jobs."""
+def make_queue(root: Path, gpus: bool | None = None) -> JobQueue:
+    """A queue over `root` (database in `root/.difftune-ui`) running scripts as jobs; `gpus`
+    as JobQueue takes it (whether "default" and "cuda:N" are GPUs, or all the CPU)."""
     return JobQueue(root / ".difftune-ui" / "jobs.sqlite", Roots.of([root]),
-                    command=script_command)
+                    command=script_command, gpus=gpus)
 
 
 def wait_for(queue: JobQueue, job_id: int, states: tuple[str, ...], timeout: float = 15) -> Job:

@@ -3,6 +3,7 @@ roots (traversal refused), on an app built for the test with a fake job queue.""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,3 +129,57 @@ def test_load_gives_text_and_form_values(forms_client: TestClient, tmp_path: Pat
     assert missing.status_code == 404
     form = forms_client.post("/api/config/form", json={"toml": text}).json()
     assert form["values"] == got["values"]
+
+
+def _left_over(root: Path) -> list[Path]:
+    """Temporary files a save left behind."""
+    return [p for p in root.rglob("*") if p.name.startswith(".run-")]
+
+
+def test_odd_saves_are_refused_naming_the_problem(forms_client: TestClient,
+                                                  tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "runs").mkdir()
+    body = json.dumps({"toml": 'a = 1\nname = "\ud800"\n', "path": "runs/s.toml"})
+    surrogate = forms_client.post("/api/config/save", content=body.encode(),  # as \ud800
+                                  headers={"content-type": "application/json"})
+    assert surrogate.status_code == 422
+    assert "U+D800 at line 2, column 9, a lone surrogate" in surrogate.json()["detail"]
+    assert not (root / "runs" / "s.toml").exists()
+    for route, fields in (("form", {"toml": 'a = "\ud800"'}),
+                          ("validate", {"toml": "a = 1", "path": "runs/\ud800.toml"}),
+                          ("save", {"toml": "a = 1", "path": "runs/\ud800.toml"})):
+        odd = forms_client.post(f"/api/config/{route}", content=json.dumps(fields).encode(),
+                                headers={"content-type": "application/json"})
+        assert odd.status_code in (403, 422) and ("lone surrogate" in odd.json()["detail"] or
+                                                  "is not a valid path" in odd.json()["detail"])
+    binary = root / "runs" / "image.toml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\x00")
+    for overwrite in (False, True):
+        over = forms_client.post("/api/config/save", json={
+            "toml": "a = 1\n", "path": "runs/image.toml", "overwrite": overwrite})
+        assert over.status_code == 422 and "image.toml is not UTF-8 text (byte 0x89 at " \
+            "offset 0), so it is not a run file" in over.json()["detail"]
+    assert binary.read_bytes() == b"\x89PNG\r\n\x1a\n\xff\x00"
+    (root / "runs" / "notes.txt").write_text("mine")
+    for path in ("runs/notes.txt/run.toml", "runs/notes.txt/deeper/run.toml"):
+        parent = forms_client.post("/api/config/save", json={"toml": "a = 1\n", "path": path})
+        assert parent.status_code == 422
+        assert f"{root / 'runs' / 'notes.txt'} is a file, not a folder" in \
+            parent.json()["detail"]
+    assert (root / "runs" / "notes.txt").read_text() == "mine"
+    assert _left_over(root) == []
+
+
+def test_loading_a_file_that_is_no_run_file_is_refused(forms_client: TestClient,
+                                                       tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "big.toml").write_text("# " + "x" * (1 << 21) + "\n")  # valid TOML, 2 MiB
+    big = forms_client.get("/api/config/load", params={"path": "big.toml"})
+    assert big.status_code == 413 and "2.0 MiB, too large for a run file" in big.json()["detail"]
+    (root / "latin1.toml").write_bytes('name = "caf\u00e9"\n'.encode("latin-1"))
+    latin = forms_client.get("/api/config/load", params={"path": "latin1.toml"})
+    assert latin.status_code == 422 and "is not UTF-8 text (byte 0xe9" in latin.json()["detail"]
+    large = forms_client.post("/api/config/save", json={
+        "toml": "# " + "x" * (1 << 21), "path": "runs/large.toml"})
+    assert large.status_code == 413 and not (root / "runs" / "large.toml").exists()

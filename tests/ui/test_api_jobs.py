@@ -105,12 +105,16 @@ def test_paths_outside_the_roots_are_403(jobs_api: tuple[TestClient, UiContext],
 
 
 def test_bad_input_is_refused_with_the_message(jobs_api: tuple[TestClient, UiContext]) -> None:
-    client, _ = jobs_api
+    client, ctx = jobs_api
     assert client.post("/api/jobs", json={"verb": "demo", "config": "a.toml"}).status_code == 422
     missing = client.post("/api/jobs", json={"verb": "train", "config": "nope.toml"})
     assert missing.status_code == 400 and "does not exist" in missing.json()["detail"]
     device = client.post("/api/jobs", json={"verb": "train", "config": "a.toml", "device": "x"})
     assert device.status_code == 400 and "use default, cpu or cuda:N" in device.json()["detail"]
+    big = ctx.roots.main / "big.toml"
+    big.write_text("# " + "x" * (2 << 20) + "\n")  # valid TOML, larger than a run file can be
+    large = client.post("/api/jobs", json={"verb": "train", "config": "big.toml"})
+    assert large.status_code == 413 and "too large for a run file" in large.json()["detail"]
 
 
 def test_routes_are_documented(jobs_api: tuple[TestClient, UiContext]) -> None:

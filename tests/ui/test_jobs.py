@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 
 from difftune.ui.jobs.derive import derive, finish
-from difftune.ui.jobs.launch import write_json
+from difftune.ui.jobs.launch import gpus_visible, resolve_device, write_json
 from difftune.ui.jobs.queue import JobQueue, JobStateError, run_dir_of
 from difftune.ui.jobs.store import Job
 from difftune.ui.security import PathOutsideRoots, Roots
@@ -47,8 +47,8 @@ def test_run_folder_is_the_save_dir_relative_to_the_run_file(tmp_path: Path) -> 
     assert run_dir_of(config, []) == tmp_path / "cfg"
 
 
-def test_one_job_at_a_time_per_device_in_submission_order(jobs_queue: JobQueue,
-                                                          jobs_root: Path) -> None:
+def test_one_job_at_a_time_per_device_in_submission_order(jobs_root: Path) -> None:
+    jobs_queue = make_queue(jobs_root, gpus=True)  # default is GPU 0, another device than cpu
     short = "import time; time.sleep(0.3)"
     first, second, third = (jobs_queue.submit("check", jobs_root / f"{n}.toml", [short])
                             for n in "abc")
@@ -64,6 +64,45 @@ def test_one_job_at_a_time_per_device_in_submission_order(jobs_queue: JobQueue,
     assert [j.id for j in jobs_queue.list()] == [other.id, third.id, second.id, first.id]
     assert done[0].run_dir == jobs_root / "runs" / "a"
     assert done[0].log == jobs_root / "runs" / "a" / ".difftune-jobs" / f"{first.id}.log"
+    jobs_queue.close()
+
+
+def _running_at_once(queue: JobQueue, root: Path, devices: list[str]) -> list[str]:
+    """Queue a sleeping job on each of `devices`; the devices of those that run after a tick."""
+    jobs = [queue.submit("check", root / "a.toml", [SLEEP], device=d) for d in devices]
+    queue.tick()
+    return [d for d, job in zip(devices, jobs) if queue.get(job.id).state == "running"]
+
+
+def test_two_spellings_of_one_gpu_are_one_device(jobs_root: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    queue = make_queue(jobs_root, gpus=True)
+    try:
+        assert _running_at_once(queue, jobs_root, ["cuda:00", "cuda:0", "default", "cpu",
+                                                   "cuda:01"]) == ["cuda:00", "cpu", "cuda:01"]
+        assert [j.device for j in queue.list()][-1] == "cuda:0"  # stored in one spelling
+        assert resolve_device("default", gpus=True) == "cuda:0"
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+        assert resolve_device("default", gpus=True) == resolve_device("cuda:003", gpus=True)
+    finally:
+        queue.close()
+
+
+def test_without_a_gpu_every_device_is_the_cpu(tmp_path: Path) -> None:
+    # The queue asks torch by default: on this machine, default and cpu are one device
+    # exactly when torch sees no GPU.
+    cases = [(False, ["default", "cpu", "cuda:0"], ["default"]),
+             (None, ["default", "cpu"], ["default"] if not gpus_visible() else ["default", "cpu"])]
+    for n, (gpus, devices, running) in enumerate(cases):
+        (tmp_path / str(n)).mkdir()
+        root = make_root(tmp_path / str(n))
+        queue = make_queue(root, gpus=gpus)
+        try:
+            assert _running_at_once(queue, root, devices) == running
+        finally:
+            queue.close()
+            kill_jobs(root)
 
 
 def test_stop_cancels_a_queued_job(jobs_queue: JobQueue, jobs_root: Path) -> None:
@@ -126,10 +165,10 @@ def test_a_reused_pid_is_not_taken_for_the_job(jobs_queue: JobQueue, jobs_root: 
 
 
 def test_a_restarted_app_reattaches_live_jobs_and_finishes_ended_ones(jobs_root: Path) -> None:
-    before = make_queue(jobs_root)
+    before = make_queue(jobs_root, gpus=True)  # three devices: default (GPU 0), cpu, GPU 1
     live = before.submit("train", jobs_root / "a.toml", [TRAINLIKE])
     ended = before.submit("check", jobs_root / "b.toml", [QUICK], device="cpu")
-    killed = before.submit("train", jobs_root / "c.toml", [SLEEP], device="cuda:0")
+    killed = before.submit("train", jobs_root / "c.toml", [SLEEP], device="cuda:1")
     before.tick()
     for job_id in (live.id, killed.id):
         wait_log(before, job_id, "ready")
@@ -141,7 +180,7 @@ def test_a_restarted_app_reattaches_live_jobs_and_finishes_ended_ones(jobs_root:
     assert {j.state for j in before.store.all()} == {"running"}
     before.close()  # the app stops; its jobs do not
 
-    after = make_queue(jobs_root)
+    after = make_queue(jobs_root, gpus=True)
     try:
         states = {j.id: j.state for j in after.store.all()}  # as the restart derived them
         assert states == {live.id: "running", ended.id: "succeeded", killed.id: "died"}
@@ -219,8 +258,8 @@ def test_the_real_cli_check_passes_and_a_bad_option_fails_with_its_message(
     try:
         good = queue.submit("check", "tiny.toml")
         bad = queue.submit("check", "tiny.toml", ["--bogus"], device="cpu")  # refused at once
-        bad = wait_for(queue, bad.id, ("failed", "succeeded"), timeout=60)
         good = wait_for(queue, good.id, ("failed", "succeeded"), timeout=90)
+        bad = wait_for(queue, bad.id, ("failed", "succeeded"), timeout=60)
     finally:
         queue.close()
         kill_jobs(root)

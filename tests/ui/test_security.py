@@ -116,3 +116,82 @@ def test_one_app_per_job_queue(tmp_path: Path) -> None:
     assert first.lock is not None
     first.lock.close()  # as when the first app ends
     make_context([tmp_path], None).lock.close()
+
+
+WS = "ws://127.0.0.1:8765/ws"  # in full: the test client's websockets default to another host
+
+
+def _acting_app(token: str | None, origin_token: str | None = None) -> tuple[TestClient, list]:
+    """An app behind the guard whose POST /api/act, and websocket, record that they acted."""
+    acted: list[str] = []
+    app = FastAPI()
+
+    @app.post("/api/act")
+    def act() -> dict[str, str]:
+        acted.append("post")
+        return {"ok": "yes"}
+
+    @app.get("/api/ping")
+    def ping() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    @app.websocket("/ws")
+    async def ws(socket: WebSocket) -> None:
+        await socket.accept()
+        acted.append("ws")
+        await socket.send_text("hi")
+
+    app.add_middleware(Guard, token=token, origin_token=origin_token)
+    return TestClient(app, base_url="http://127.0.0.1:8765"), acted
+
+
+@pytest.mark.parametrize("headers", [
+    {"Origin": "http://evil.example"}, {"Origin": "null"},
+    {"Origin": "http://127.0.0.1:9999"},  # another port is another site's page
+    {"Origin": "http://localhost:8765"}, {"Origin": "http://127.0.0.1:notaport"},
+    {"Referer": "http://evil.example/page"}, {"Sec-Fetch-Site": "cross-site"},
+    {"Sec-Fetch-Site": "same-site", "Referer": "http://127.0.0.1:8765/"},
+])
+def test_on_loopback_a_request_from_another_site_changes_nothing(headers: dict) -> None:
+    client, acted = _acting_app(None, origin_token="o-token")
+    refused = client.post("/api/act", headers=headers)
+    assert refused.status_code == 403 and "another web site" in refused.text
+    wrong = client.post("/api/act", headers=headers | {"Authorization": "Bearer nope"})
+    assert wrong.status_code == 403 and acted == []
+    with pytest.raises(WebSocketDisconnect):
+        with client.websocket_connect(WS, headers=headers) as socket:
+            socket.receive_text()
+    assert acted == []
+    # The token lets it through (a browser page elsewhere cannot send it: it never sees it).
+    assert client.post("/api/act", headers=headers | {"Authorization": "Bearer o-token"}) \
+        .status_code == 200
+    assert acted == ["post"]
+
+
+def test_the_apps_own_pages_and_scripts_still_act() -> None:
+    client, acted = _acting_app(None, origin_token="o-token")
+    same = {"Origin": "http://127.0.0.1:8765", "Referer": "http://127.0.0.1:8765/prepare",
+            "Sec-Fetch-Site": "same-origin"}
+    assert client.post("/api/act", headers=same).status_code == 200
+    assert client.post("/api/act").status_code == 200  # curl or a script: no Origin
+    with client.websocket_connect(WS, headers={"Origin": "http://127.0.0.1:8765"}) as socket:
+        assert socket.receive_text() == "hi"
+    # A link from another site opens a page; only a foreign Origin is refused on reads.
+    assert client.get("/api/ping", headers={"Sec-Fetch-Site": "cross-site",
+                                            "Referer": "http://evil.example/"}).status_code == 200
+    assert client.get("/api/ping", headers={"Origin": "http://evil.example"}).status_code == 403
+    assert acted == ["post", "post", "ws"]
+
+
+def test_with_a_token_the_cookie_does_not_carry_a_request_from_another_site() -> None:
+    client, acted = _acting_app("s3cret")
+    client.get("/api/ping?token=s3cret")  # the cookie is set, as the printed link does
+    evil = {"Origin": "http://evil.example"}
+    assert client.post("/api/act").status_code == 200
+    refused = client.post("/api/act", headers=evil)
+    assert refused.status_code == 403 and "Origin: http://evil.example" in refused.text
+    client.cookies.clear()
+    assert client.post("/api/act", headers=evil).status_code == 401
+    assert client.post("/api/act", headers=evil | {"Authorization": "Bearer s3cret"}) \
+        .status_code == 200
+    assert acted == ["post", "post"]

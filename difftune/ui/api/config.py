@@ -19,6 +19,7 @@ from difftune.errors import ConfigError
 from difftune.ui.context import UiContext
 from difftune.ui.forms import applies, presets, schema, toml_io
 from difftune.ui.forms.validate import validate
+from difftune.ui.limits import MAX_TEXT_BYTES, TooLarge, encode, read_text
 from difftune.ui.security import PathOutsideRoots
 
 
@@ -109,6 +110,30 @@ class FileExists(Exception):
     """The target holds a different file and overwrite was not asked for."""
 
 
+def _write_atomic(target: Path, data: bytes, shown: str) -> None:
+    """Write `data` at `target` through a temporary file in its folder, renamed over it; the
+    temporary file is removed when anything fails. A folder that cannot be made (a file in the
+    way) or written is a ConfigError naming it."""
+    folder = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise ConfigError(f"cannot save {shown}: {folder} is a file, not a folder; choose "
+                          "another path")
+    tmp: str | None = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".run-", suffix=".toml")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as err:
+        raise ConfigError(f"cannot save {shown}: {err.strerror or err} "
+                          f"({err.filename or target}); choose another path") from None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
     """Form values as JSON (dates and other TOML-only types as text)."""
     import json
@@ -136,37 +161,46 @@ class Service:
         return ValidationOut(ok=result.ok, message=result.message, warnings=result.warnings)
 
     def form(self, text: str) -> FormOut:
-        """The form's view of `text` (bad TOML raises ConfigError)."""
+        """The form's view of `text` (bad TOML, or text with no UTF-8 form, raises
+        ConfigError)."""
+        encode(text, "the run file")
         values = _jsonable(toml_io.values(toml_io.parse(text)))
         return FormOut(toml=text, values=values, hidden=applies.hidden(values),
                        choices=applies.choices(values))
 
     def save(self, text: str, path: str, overwrite: bool = False) -> SaveOut:
         """Write `text` at `path` (atomically); refuse to replace a different file unless
-        `overwrite`. Bad TOML is refused (ConfigError); config problems are reported, not
-        refused, so a draft can be kept."""
+        `overwrite`, and a file that is not a run file (not UTF-8 text, or too large) at all.
+        Bad TOML, text with no UTF-8 form and a path that cannot hold a file are refused
+        (ConfigError); config problems are reported, not refused, so a draft can be kept."""
+        data = encode(text, path)
+        if len(data) > MAX_TEXT_BYTES:
+            raise TooLarge(f"{path}: the text is {len(data)} bytes, more than a run file may be "
+                           f"({MAX_TEXT_BYTES} bytes); shorten it")
         toml_io.parse(text, path)
         target = self.ctx.roots.resolve(path, write=True)  # never the app's own files
+        shown = self.ctx.roots.relative(target)
         if target.is_dir():
             raise ConfigError(f"{path} is a folder; give the path of a .toml file in it")
-        if target.exists() and not overwrite and target.read_text(encoding="utf-8") != text:
-            raise FileExists(f"{self.ctx.roots.relative(target)} already exists and differs; "
-                             "choose another path or save with overwrite")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".run-", suffix=".toml")
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.replace(tmp, target)
-        return SaveOut(path=str(target), shown=self.ctx.roots.relative(target),
-                       validation=self.validate(text, str(target)))
+        if target.exists():
+            if not target.is_file():
+                raise ConfigError(f"{shown} is not a regular file; choose another path")
+            # Only a run file may be replaced: a file that is not one (an image, a file that
+            # is not UTF-8) is refused even with overwrite.
+            if read_text(target, "run file") != text and not overwrite:
+                raise FileExists(f"{shown} already exists and differs; choose another path or "
+                                 "save with overwrite")
+        _write_atomic(target, data, shown)
+        return SaveOut(path=str(target), shown=shown, validation=self.validate(text, str(target)))
 
     def load(self, path: str) -> FormOut:
-        """The run file at `path` as the form holds it."""
+        """The run file at `path` as the form holds it (TooLarge past MAX_TEXT_BYTES, unread;
+        ConfigError when it is not UTF-8 text)."""
         target = self.ctx.roots.resolve(path)
         if not target.is_file():
             raise FileNotFoundError(f"{self.ctx.roots.relative(target)} is not a file; give the "
                                     "path of a .toml run file")
-        return self.form(target.read_text(encoding="utf-8"))
+        return self.form(read_text(target, "run file"))
 
     def default_path(self, text: str) -> Path:
         """Where a new run file goes: `<runs>/<save.name or "run">/run.toml`."""
@@ -183,6 +217,8 @@ def _http(err: Exception) -> HTTPException:
         return HTTPException(403, str(err))
     if isinstance(err, FileExists):
         return HTTPException(409, str(err))
+    if isinstance(err, TooLarge):
+        return HTTPException(413, str(err))
     if isinstance(err, (FileNotFoundError, KeyError)):
         return HTTPException(404, str(err.args[0]) if err.args else "not found")
     return HTTPException(422, str(err))
@@ -242,19 +278,21 @@ def router(ctx: UiContext) -> APIRouter:
     @api.post("/save", response_model=SaveOut, summary="Save a run file under the roots")
     def post_save(body: SaveIn) -> SaveOut:
         """Write the text as is (byte for byte); 409 when a different file is there and
-        `overwrite` is false; 403 outside the roots."""
+        `overwrite` is false; 403 outside the roots; 413 for text over 1 MiB; 422 for text
+        with no UTF-8 form, a target that is not a run file, or a folder that cannot hold it."""
         try:
             return service.save(body.toml, body.path or str(service.default_path(body.toml)),
                                 body.overwrite)
-        except (PathOutsideRoots, FileExists, ConfigError) as err:
+        except (PathOutsideRoots, FileExists, ConfigError, OSError) as err:
             raise _http(err) from None
 
     @api.get("/load", response_model=FormOut, summary="Read a run file under the roots")
     def get_load(path: str) -> FormOut:
-        """The file's text and its form values (404 missing, 403 outside the roots)."""
+        """The file's text and its form values (404 missing, 403 outside the roots, 413 over
+        1 MiB, 422 not UTF-8 text)."""
         try:
             return service.load(path)
-        except (PathOutsideRoots, FileNotFoundError, ConfigError) as err:
+        except (PathOutsideRoots, ConfigError, OSError) as err:
             raise _http(err) from None
 
     return api

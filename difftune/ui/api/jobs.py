@@ -2,7 +2,8 @@
 
 Errors, each with the queue's message: a path outside the roots -> 403; an unknown job ->
 404; an action the job's state refuses (resume without a checkpoint, stop of a finished job)
--> 409; bad input (a missing run file, an unknown device) -> 400.
+-> 409; bad input (a missing run file, an unknown device) -> 400; a run file larger than
+a run file can be -> 413.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from difftune.ui.jobs.queue import JobStateError
 from difftune.ui.jobs.store import Job
+from difftune.ui.limits import TooLarge
 from difftune.ui.security import PathOutsideRoots
 
 if TYPE_CHECKING:
@@ -130,6 +132,8 @@ def _answer(call: Callable[[], T]) -> T:
         return call()
     except PathOutsideRoots as err:
         raise HTTPException(403, str(err)) from None
+    except TooLarge as err:
+        raise HTTPException(413, str(err)) from None
     except KeyError as err:
         raise HTTPException(404, err.args[0] if err.args else "no such job") from None
     except JobStateError as err:

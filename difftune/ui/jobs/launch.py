@@ -13,8 +13,10 @@ process is never taken for the job.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -38,15 +40,47 @@ def cli_argv(verb: str, config: Path, args: list[str], python: str = sys.executa
 def device_env(device: str) -> dict[str, str]:
     """The environment changes that put a job on `device` ("default": as the app was started;
     "cpu": no GPU visible; "cuda:N": only GPU N visible, as cuda:0)."""
+    device = parse_device(device)
     if device == "default":
         return {}
     if device == "cpu":
         return {"CUDA_VISIBLE_DEVICES": ""}
-    index = device.removeprefix("cuda:")
-    if device.startswith("cuda:") and index.isdigit():
-        return {"CUDA_VISIBLE_DEVICES": index}
-    raise ValueError(f"device {device!r} is not one this app knows; use default, cpu or cuda:N "
-                     "(N the GPU's index, as nvidia-smi lists it)")
+    return {"CUDA_VISIBLE_DEVICES": device.removeprefix("cuda:")}
+
+
+def parse_device(device: str) -> str:
+    """`device` in its one spelling: "default", "cpu" or "cuda:N" with N as a plain number
+    ("cuda:00" is "cuda:0"); ValueError for anything else."""
+    if device in ("default", "cpu"):
+        return device
+    found = re.fullmatch(r"cuda:([0-9]+)", device)
+    if found is None:
+        raise ValueError(f"device {device!r} is not one this app knows; use default, cpu or "
+                         "cuda:N (N the GPU's index, as nvidia-smi lists it)")
+    return f"cuda:{int(found.group(1))}"
+
+
+def resolve_device(device: str, gpus: bool) -> str:
+    """What `device` runs a job on: "cpu" or "cuda:N" (N as nvidia-smi numbers GPUs), so that
+    two spellings of one device compare equal. `gpus`: whether the app sees a GPU; without
+    one every job runs on the CPU. "default" is the first GPU the app's CUDA_VISIBLE_DEVICES
+    leaves visible (GPU 0 when it is unset). ValueError for a device `parse_device` refuses."""
+    device = parse_device(device)
+    if not gpus or device == "cpu":
+        return "cpu"
+    if device != "default":
+        return device
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return f"cuda:{int(first)}" if first.isdigit() else f"cuda:{first}"  # a UUID stays one
+
+
+@functools.cache
+def gpus_visible() -> bool:
+    """Whether torch sees a CUDA GPU from this process (asked once; torch is imported only
+    here, when the first job is scheduled)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -24,9 +24,11 @@ from typing import Callable, Iterable
 from difftune.config.errors import parse_override
 from difftune.errors import ConfigError
 from difftune.ui.jobs.derive import derive, tail_lines, wrapper_alive
-from difftune.ui.jobs.launch import cli_argv, device_env, start_wrapper
+from difftune.ui.jobs.launch import (cli_argv, device_env, gpus_visible, parse_device,
+                                      resolve_device, start_wrapper)
 from difftune.ui.jobs.paths import check_run_file, checked_args, option_values
 from difftune.ui.jobs.store import LIVE, VERBS, Job, JobStore
+from difftune.ui.limits import TooLarge, read_text
 from difftune.ui.security import Roots
 
 TICK_SECONDS = 0.5
@@ -43,12 +45,16 @@ class JobQueue:
     """Jobs persisted in `db`; run files and run folders must lie under `roots`.
 
     `python` runs the wrapper and the CLI. `command` (for tests and tools) replaces the CLI
-    command a job runs: it receives the job and returns the argv to start."""
+    command a job runs: it receives the job and returns the argv to start. `gpus` says
+    whether the machine has a GPU for jobs (default: whether torch sees one), which decides
+    what "default" and "cuda:N" resolve to."""
 
     def __init__(self, db: Path, roots: Roots, python: str = sys.executable, *,
-                 command: Callable[[Job], list[str]] | None = None) -> None:
+                 command: Callable[[Job], list[str]] | None = None,
+                 gpus: bool | None = None) -> None:
         self.roots = roots
         self.python = python
+        self._gpus = gpus
         self.store = JobStore(db)
         self._command = command or (lambda job: cli_argv(job.verb, job.config, job.args, python))
         self._lock = threading.RLock()
@@ -58,6 +64,9 @@ class JobQueue:
         with self._lock:  # after a restart: never leave a job "running" without its process
             for job in self.store.all():
                 self._refresh(job)
+        report = self.store.unreadable_report()
+        if report is not None:
+            log.warning(report)
 
     def submit(self, verb: str, config: str | Path, args: Iterable[str] = (),
                device: str = "default", *, parent: int | None = None) -> Job:
@@ -66,7 +75,7 @@ class JobQueue:
         if verb not in VERBS:
             raise ValueError(f"verb {verb!r} is not a job this app runs; use one of "
                              f"{', '.join(VERBS)}")
-        device_env(device)  # raises on an unknown device
+        device = parse_device(device)  # raises on an unknown device
         path = self.roots.resolve(config)
         if not path.is_file():
             raise ValueError(f"config file {path} does not exist; pass the path of a .toml run "
@@ -162,11 +171,21 @@ class JobQueue:
                 if proc.poll() is not None:  # reap: a finished wrapper is not left a zombie
                     del self._children[pid]
             jobs = [self._refresh(job) if job.state in LIVE else job for job in self.store.all()]
-            busy = {job.device for job in jobs if job.state in LIVE}
+            busy = {self.device_of(job) for job in jobs if job.state in LIVE}
             for job in jobs:
-                if job.state == "queued" and job.device not in busy:
-                    busy.add(job.device)
+                device = self.device_of(job)
+                if job.state == "queued" and device not in busy:
+                    busy.add(device)
                     self._launch(job)
+
+    def device_of(self, job: Job) -> str:
+        """The device `job` runs on, as `resolve_device` names it (its device as stored when
+        that is not one: it then fails to start, saying why)."""
+        gpus = gpus_visible() if self._gpus is None else self._gpus
+        try:
+            return resolve_device(job.device, gpus)
+        except ValueError:
+            return job.device
 
     def start(self) -> None:
         """Tick in a daemon thread every half second, until `close`."""
@@ -224,10 +243,13 @@ class JobQueue:
 
 def run_dir_of(config: Path, args: list[str]) -> Path:
     """The job's run folder: the run file's `[save] dir` (after its `--set` overrides) taken
-    relative to the run file's folder, as the CLI does; that folder when it cannot be read."""
+    relative to the run file's folder, as the CLI does; that folder when it cannot be read.
+    TooLarge for a file larger than a run file can be (it is not read)."""
     try:
-        data = tomllib.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        data = tomllib.loads(read_text(config))
+    except TooLarge:
+        raise
+    except (OSError, ConfigError, tomllib.TOMLDecodeError):
         return config.parent
     for override in option_values(args, "--set"):
         try:

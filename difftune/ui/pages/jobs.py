@@ -65,6 +65,9 @@ def _refresh(ctx: "UiContext", box: ui.column) -> None:
     box.clear()
     jobs = ctx.queue.list()
     with box:
+        report = ctx.queue.store.unreadable_report()
+        if report is not None:
+            error_box(report)
         if not jobs:
             ui.label("No jobs yet: make a run on 'New run', or queue a run file above.")
         for job in jobs:

@@ -259,7 +259,7 @@ class Prepare:
     def load(self) -> None:
         try:
             form = self.service.load(self.load_path.value)
-        except (PathOutsideRoots, FileNotFoundError, ConfigError) as err:
+        except (PathOutsideRoots, ConfigError, OSError) as err:
             self.show_error(str(err))
             return
         self.path.value = str(self.ctx.roots.resolve(self.load_path.value))
@@ -272,7 +272,7 @@ class Prepare:
         try:
             resolved = self.ctx.roots.resolve(target)
             out = self.service.save(self.text, target, overwrite=resolved == self.owned)
-        except (PathOutsideRoots, FileExists, ConfigError) as err:
+        except (PathOutsideRoots, FileExists, ConfigError, OSError) as err:
             self.show_error(str(err))
             return None
         self.owned = Path(out.path)
