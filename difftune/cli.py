@@ -195,9 +195,18 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from difftune.train.loop import Interrupted
     from difftune.verbs.demo import run_demo
 
-    report = run_demo(args.out, steps=args.steps)
+    try:
+        report = run_demo(args.out, steps=args.steps)
+    except Interrupted as stop:
+        # Ctrl-C is a request, not a failure: say what was left (a checkpoint, no figures)
+        # and leave with the conventional status of a SIGINT.
+        print(f"interrupted after step {stop.step}: the demo did not finish, so no figures "
+              f"were drawn; {args.out} holds its partial run (checkpoint {stop.path}): delete "
+              "it, or give another --out, to run the demo again", file=sys.stderr)
+        return 130
     print(report)
     return 0
 
