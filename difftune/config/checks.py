@@ -254,8 +254,9 @@ def model_file_problems(model: ModelConfig) -> list[str]:
     """Cheap checks of the model paths (exist, right kind, not pickle), all reported at once."""
     problems = []
     if model.path is not None and not model.path.is_dir():
+        layout = registry.spec(model.family, model.variant).files.folder
         problems.append(f"model.path: {model.path} is not a folder; expected a diffusers-format "
-                        "model folder (with model_index.json)")
+                        f"model folder (with model_index.json) in the {layout} layout")
     for name in ("transformer", "vae", "clip_l", "t5", "text_encoder"):
         path = getattr(model, name)
         if path is None:

@@ -64,6 +64,18 @@ def test_a_file_the_family_does_not_read_is_refused(tmp_path: Path, images: Path
     assert "model.transformer, model.vae, model.text_encoder); remove it" in err
 
 
+@pytest.mark.parametrize(("family", "variant"), KINDS)
+def test_a_path_that_is_no_folder_names_the_familys_layout(
+        tmp_path: Path, images: Path, family: str, variant: str | None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = run_toml(tmp_path, images, model=_model_lines(
+        family, variant, [f'path = "{(tmp_path / "no-such-folder").as_posix()}"']))
+    assert main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-folder is not a folder" in err
+    assert f"in the {registry.spec(family, variant).files.folder} layout" in err
+
+
 def test_help_names_every_familys_folder_and_files() -> None:
     fields = ModelConfig.model_fields
     for name, variant in KINDS:
