@@ -77,17 +77,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from difftune.verbs.train import run_train
     from difftune.config import load_config
-
-    from difftune.train.dist import current
-    from difftune.train.loop import Interrupted, StepFailed
 
     if args.resume and args.init_lora:
         print("error: --resume continues a run and --init-lora starts a new one; give one",
               file=sys.stderr)
         return 2
+    # The config first: its mistakes are reported before torch and the model libraries load.
     cfg = load_config(args.config, args.overrides)
+    from difftune.train.dist import current
+    from difftune.train.loop import Interrupted, StepFailed
+    from difftune.verbs.train import run_train
+
     try:
         result = run_train(cfg, show_progress=not args.no_progress, resume=args.resume,
                            init_lora=args.init_lora)
@@ -142,16 +143,17 @@ def _peer_failed(err: Exception) -> bool:
 
 def _rank_tag() -> str:
     """"[rank N] " before a message of one process of a multi-process launch, else ""."""
-    from difftune.train.dist import launched
+    from difftune.train.world import launched
 
     return f"[rank {os.environ.get('RANK', '0')}] " if launched() else ""
 
 
 def _check(args: argparse.Namespace) -> int:
-    from difftune.verbs.check import run_check
     from difftune.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # before torch: a mistake shows at once
+    from difftune.verbs.check import run_check
+
     for line in run_check(cfg):
         # Detail lines (indented) belong to the check above them.
         print(f"    {line.strip()}" if line.startswith(" ") else f"ok  {line}")
@@ -160,11 +162,12 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from difftune.verbs.cache import run_cache
     from difftune.config import load_config
-    from difftune.train.dist import current
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # before torch: a mistake shows at once
+    from difftune.train.dist import current
+    from difftune.verbs.cache import run_cache
+
     lines = run_cache(cfg, prune=args.prune, show_progress=not args.no_progress)
     for line in lines if current().main else []:
         print(line)
@@ -174,7 +177,7 @@ def _cache(args: argparse.Namespace) -> int:
 def _one_process(verb: str) -> None:
     """`check`, `sample` and `demo` run in one process; refuse them under a multi-process launch."""
     from difftune.errors import ConfigError
-    from difftune.train.dist import launched
+    from difftune.train.world import launched
 
     if launched() and verb not in ("train", "cache"):
         raise ConfigError(f"difftune {verb} runs in one process; start it without accelerate "
@@ -183,9 +186,10 @@ def _one_process(verb: str) -> None:
 
 def _sample(args: argparse.Namespace) -> int:
     from difftune.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # before torch: a mistake shows at once
     from difftune.verbs.sample import LoraArg, run_sample
 
-    cfg = load_config(args.config, args.overrides)
     loras = [LoraArg.parse(text) for text in args.lora]
     paths = run_sample(cfg, loras, args.prompts, args.out)
     for path in paths:
@@ -195,9 +199,18 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from difftune.train.loop import Interrupted
     from difftune.verbs.demo import run_demo
 
-    report = run_demo(args.out, steps=args.steps)
+    try:
+        report = run_demo(args.out, steps=args.steps)
+    except Interrupted as stop:
+        # Ctrl-C is a request, not a failure: say what was left (a checkpoint, no figures)
+        # and leave with the conventional status of a SIGINT.
+        print(f"interrupted after step {stop.step}: the demo did not finish, so no figures "
+              f"were drawn; {args.out} holds its partial run (checkpoint {stop.path}): delete "
+              "it, or give another --out, to run the demo again", file=sys.stderr)
+        return 130
     print(report)
     return 0
 
@@ -239,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _one_process(args.verb)
         if getattr(args, "num_processes", 1) > 1 and not tag:
+            from difftune.config import load_config
+
+            load_config(args.config, args.overrides)  # a mistake once, before N processes start
             from difftune.verbs.launch import launch
 
             return launch(args.num_processes, sys.argv[1:] if argv is None else argv)

@@ -64,8 +64,6 @@ def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:
     """Quantization settings that cannot work here: conflicts, missing libraries, no CUDA."""
     import importlib.util
 
-    import torch
-
     problems = []
     for part in ("denoiser", "text_encoders"):
         q = getattr(p.quantize, part)
@@ -79,11 +77,18 @@ def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:
                 "." in module and importlib.util.find_spec(module) is None):
             problems.append(f"precision.quantize.{part} = \"{q}\" needs the {package} "
                             f"package; install it (pip install {package}) or choose another")
-        if q == "nf4" and (device == "cpu" or not torch.cuda.is_available()):
+        if q == "nf4" and (device == "cpu" or not _cuda()):
             problems.append(f"precision.quantize.{part} = \"nf4\" needs a CUDA device "
                             "(bitsandbytes' 4-bit kernels); on this machine use \"int8\" or "
                             "\"qint8\"")
     return problems
+
+
+def _cuda() -> bool:
+    """Whether a CUDA device is there (torch imported only for the one setting that asks)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def adapter_kind_problems(cfg: "RunConfig") -> list[str]:
@@ -255,8 +260,9 @@ def model_file_problems(model: ModelConfig) -> list[str]:
     """Cheap checks of the model paths (exist, right kind, not pickle), all reported at once."""
     problems = []
     if model.path is not None and not model.path.is_dir():
+        layout = registry.spec(model.family, model.variant).files.folder
         problems.append(f"model.path: {model.path} is not a folder; expected a diffusers-format "
-                        "model folder (with model_index.json)")
+                        f"model folder (with model_index.json) in the {layout} layout")
     for name in ("transformer", "vae", "clip_l", "t5", "text_encoder"):
         path = getattr(model, name)
         if path is None:

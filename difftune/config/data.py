@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
 
 from difftune.config.base import Section as _Section
 
@@ -144,6 +144,9 @@ class DatasetConfig(_Section):
 
     For a single folder, give its fields (`path`, `repeats`, ...) directly; they become one subset.
     """
+
+    # The model whose keys the shorthand also accepts (read by the "did you mean" of errors).
+    shorthand_of: ClassVar[type[BaseModel]] = SubsetConfig
 
     resolution: int | list[int] = Field(
         1024, description="Target side: buckets hold ~resolution² px. A list of distinct sides "

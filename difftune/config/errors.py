@@ -5,8 +5,9 @@ from __future__ import annotations
 import tomllib
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from difftune.config.suggest import did_you_mean
 from difftune.errors import ConfigError
 
 _FIXES = {
@@ -42,21 +43,29 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def _fix(kind: str, where: str) -> str | None:
-    """What to do about one problem: the field's own advice where it has some, else its kind's."""
+def _fix(kind: str, loc: tuple[Any, ...], root: type[BaseModel] | None) -> str | None:
+    """What to do about one problem: the field's own advice where it has some, else its kind's
+    (for an unknown key, the known key it most likely meant)."""
+    where = _dotted(loc)
     if kind == "missing" and where in _MISSING:
         return _MISSING[where]
     if kind == "extra_forbidden" and where in _NOT_OPTIONS:
         return _NOT_OPTIONS[where]
+    if kind == "extra_forbidden" and root is not None:
+        guess = did_you_mean(root, loc, _dotted(loc[:-1]) if len(loc) > 1 else "")
+        if guess:
+            return f"unknown key: {guess}"
     return _FIXES.get(kind)
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    """One message listing every problem, each with its dotted field and a fix."""
+def format_validation_error(err: ValidationError, source: str,
+                            root: type[BaseModel] | None = None) -> str:
+    """One message listing every problem, each with its dotted field and a fix; `root`, the
+    model validated, lets an unknown key be answered with the key it most likely meant."""
     lines = [f"{source}: {err.error_count()} problem(s) in the configuration:"]
     for e in err.errors():
         msg = e["msg"].removeprefix("Value error, ")
-        fix = _fix(e["type"], _dotted(e["loc"]))
+        fix = _fix(e["type"], e["loc"], root)
         if e["type"] not in ("missing", "extra_forbidden", "value_error") and "input" in e:
             msg += f" (got {e['input']!r})"
         lines.append(f"  - {_dotted(e['loc'])}: {msg}" + (f" — {fix}" if fix else ""))

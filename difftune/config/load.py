@@ -41,7 +41,7 @@ def parse_config(data: dict[str, Any], base: Path, source: str = "config") -> Ru
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err, source)) from None
+        raise ConfigError(format_validation_error(err, source, RunConfig)) from None
     _resolve_paths(cfg, base)
     if cfg.cache.dir is None:
         cfg.cache.dir = cfg.save.dir / "cache"

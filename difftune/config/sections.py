@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from difftune.config import model_source
 from difftune.config.base import Beta, ClipNorm
 from difftune.config.base import Section as _Section
 from difftune.train.optimizers import specs as optimizers
@@ -34,19 +35,16 @@ class ModelConfig(_Section):
     flavor: Literal["tiny"] | None = Field(
         None, description='"tiny" builds the built-in tiny model that needs no files.'
     )
-    path: Path | None = Field(
-        None, description="A diffusers-format folder (the FLUX.1-dev / schnell layout)."
-    )
+    path: Path | None = Field(None, description=model_source.path_help())
     transformer: Path | None = Field(
-        None, description="Single-file transformer (.safetensors, BFL or diffusers layout)."
-    )
-    vae: Path | None = Field(None, description="Single-file autoencoder (ae.safetensors).")
-    clip_l: Path | None = Field(None, description="Single-file CLIP-L text encoder.")
-    t5: Path | None = Field(None, description="Single-file T5-XXL text encoder.")
+        None, description=model_source.single_help("transformer", "denoiser or checkpoint"))
+    vae: Path | None = Field(None, description=model_source.single_help("vae", "autoencoder"))
+    clip_l: Path | None = Field(
+        None, description=model_source.single_help("clip_l", "CLIP-L text encoder"))
+    t5: Path | None = Field(None, description=model_source.single_help("t5", "T5-XXL text encoder"))
     text_encoder: Path | None = Field(
-        None, description="Single-file decoder-LLM text encoder (Z-Image's Qwen3-4B, "
-                          "qwen_3_4b.safetensors); its tokenizer comes from model.path."
-    )
+        None, description=model_source.single_help("text_encoder", "decoder-LLM text encoder")
+        + " Its tokenizer comes from model.path.")
     name: str | None = Field(
         None, description="Base model name written into LoRA metadata (default: derived)."
     )
@@ -83,22 +81,20 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":
-        files = {k: getattr(self, k) for k in ("transformer", "vae", "clip_l", "t5")}
+        """One source: the tiny flavor alone, or the family's folder and/or single files
+        (what each family needs is its spec's `files`: see config/model_source.py)."""
         if self.flavor == "tiny":
-            files["text_encoder"] = self.text_encoder
-            given = [k for k, v in files.items() if v is not None] + (["path"] if self.path else [])
+            given = [k for k in model_source.SINGLE_KEYS if getattr(self, k) is not None]
+            given += ["path"] if self.path else []
             if given:
                 raise ValueError(
                     f'flavor = "tiny" needs no files, but {", ".join(given)} given; '
                     "remove them or remove flavor"
                 )
             return self
-        missing = [k for k, v in files.items() if v is None and k != "text_encoder"]
-        if self.path is None and missing:
-            raise ValueError(
-                "no model given: set flavor = \"tiny\", or path = a diffusers folder, or all of "
-                f"transformer, vae, clip_l, t5 as single files (missing: {', '.join(missing)})"
-            )
+        problems = model_source.source_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 

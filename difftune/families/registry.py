@@ -53,6 +53,14 @@ def spec(name: str, variant: str | None = None) -> FamilySpec:
         raise ConfigError(str(err)) from None
 
 
+def variant_specs(name: str) -> tuple[tuple[str | None, FamilySpec], ...]:
+    """Every released kind of family `name` with its spec: ((variant, spec), ...); one entry
+    (None, spec) for a family without variants."""
+    _check(name)
+    top = importlib.import_module(FAMILIES[name][0]).SPEC
+    return top.variants or ((None, top),)
+
+
 def get(name: str, variant: str | None = None) -> "Family":
     """A new object of the family registered under `name` (of its `variant`, where it has
     variants: the default one for None)."""

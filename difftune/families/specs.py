@@ -7,7 +7,7 @@ so there is one place each fact is written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -89,6 +89,30 @@ class TextEncoderSpec:
 
 
 @dataclass(frozen=True)
+class ModelFiles:
+    """Where a family's weights come from, as a user would name them: the diffusers folder
+    `model.path` takes (`folder`: the released repository whose layout it has), the ComfyUI
+    single files it reads over that folder (`singles`: (model key, the released file), in the
+    order a run file lists them), and what the folder must still hold when single files are
+    given (`folder_holds`: the tokenizers, which no single file stores; None where the single
+    files alone are enough when all of them are given). Config messages and help are written
+    from these, so each family's name its own files."""
+
+    folder: str
+    singles: tuple[tuple[str, str], ...]
+    folder_holds: str | None
+
+    def describe_singles(self) -> str:
+        """`model.transformer (flux1-dev.safetensors), model.vae (ae.safetensors), ...`."""
+        return ", ".join(f"model.{key} ({what})" for key, what in self.singles)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The single-file keys of `model` this family reads."""
+        return tuple(key for key, _ in self.singles)
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """Everything about a family that is plain data (see `families.base.Family` for meanings).
 
@@ -149,6 +173,8 @@ family's files would load, with the reason.
     conv_targets: tuple[str, ...] = ()
     variants: tuple[tuple[str, "FamilySpec"], ...] = ()
     variant: str | None = None
+    # The folder and single files a user points `model` at (messages and help name them).
+    files: ModelFiles = field(kw_only=True)
 
     def pick(self, variant: str | None) -> "FamilySpec":
         """The spec of `variant` (the default variant's for None; this spec for a family

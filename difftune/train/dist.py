@@ -18,12 +18,14 @@ processes that keeps the global batch.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence, TypeVar
 
 import torch
+
+# launched() lives in the torch-free train/world.py (the CLI asks it first); here for callers.
+from difftune.train.world import launched
 
 log = logging.getLogger("difftune")
 T = TypeVar("T")
@@ -31,11 +33,6 @@ T = TypeVar("T")
 # NCCL timeout (10 minutes) would kill a run whose sample event takes longer. A rank that fails
 # ends its process, and the launcher then stops the others; this is only the last resort.
 TIMEOUT = timedelta(minutes=60)
-
-
-def launched() -> bool:
-    """Whether this process was started by accelerate launch / torchrun with several processes."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 @dataclass(frozen=True)

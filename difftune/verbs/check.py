@@ -20,7 +20,7 @@ from difftune.adapters.kinds import (adapter_parameters, is_adapter_parameter, k
 from difftune.config import RunConfig, SaveConfig
 from difftune.data import masks
 from difftune.data.discover import DataSet
-from difftune.errors import DataError
+from difftune.errors import ConfigError, DataError
 from difftune.files.names import COMFYUI_DORA
 from difftune.memory import savers
 from difftune.train.checkpoint.lora import lora_format
@@ -291,7 +291,11 @@ def _check_sample(run: Run) -> list[str]:
     # Two steps: some released schedulers (a terminal stretch) divide by zero with one.
     probe = [replace(s, width=step, height=step, steps=2) for s in specs[:1]]
     if not probe:
-        return [f"sampling: {run.cfg.sample.prompts} holds no usable prompt"]
+        path = run.cfg.sample.prompts
+        what = "holds no usable prompt (the warnings above say why each line was skipped)" \
+            if path.is_file() else "does not exist"
+        raise ConfigError(f"sample.prompts: {path} {what}; write one prompt a line there, or "
+                          "remove sample.prompts to train without samples")
     with tempfile.TemporaryDirectory() as tmp:
         images = runner.run(0, probe, Path(tmp))
         flat = bool(images) and _flat(images[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 import torch
 from safetensors.torch import save_file
 
@@ -142,9 +143,7 @@ def test_dev_text_encoder_file_and_missing_folder_are_refused(
     cfg = ModelConfig(family="flux2", path=dev, text_encoder=klein.parent / "qwen_3_4b.safetensors")
     with pytest.raises(ModelFileError, match="text_encoder/ folder"):
         load_flux2_files(cfg, FP32)
-    cfg = ModelConfig(family="flux2", transformer=klein.parent / "flux-2-klein.safetensors",
-                      vae=klein.parent / "flux2-vae.safetensors",
-                      clip_l=klein.parent / "flux2-vae.safetensors",
-                      t5=klein.parent / "flux2-vae.safetensors")
-    with pytest.raises(ModelFileError, match="set model.path"):
-        load_flux2_files(cfg, FP32)
+    # Single files without the folder: refused when the config loads, naming the tokenizer.
+    with pytest.raises(ValidationError, match="model.path is not set.*tokenizer/"):
+        ModelConfig(family="flux2", transformer=klein.parent / "flux-2-klein.safetensors",
+                    vae=klein.parent / "flux2-vae.safetensors")

@@ -5,7 +5,7 @@ Read by config validation before anything heavy is imported, and by `ChromaFamil
 
 from __future__ import annotations
 
-from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
 
 SPEC = FamilySpec(
     name="chroma",
@@ -41,6 +41,11 @@ SPEC = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("t5", "text_encoder", "tokenizer"),),
     pipeline_class="ChromaPipeline",
+    files=ModelFiles(
+        folder="lodestones/Chroma1-HD",
+        singles=(("transformer", "Chroma1-HD.safetensors, Chroma's or the diffusers layout"),
+                 ("vae", "ae.safetensors, FLUX.1's"), ("t5", "t5xxl_fp16.safetensors")),
+        folder_holds="tokenizer/ (T5's; no single file holds it)"),
     # diffusers' text-encoder LoRA reader (lora_base._load_lora_into_text_encoder) converts only
     # CLIP module names (q_proj, k_proj, ...): ChromaPipeline.load_lora_weights fails on any T5
     # LoRA ("Could not automatically infer state dict type").

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
 
 # The base variant keeps `variant` None so its tiny flavor's fingerprint, and with it every
 # cache key written before variants existed, stays as it was.
@@ -43,11 +43,21 @@ BASE = FamilySpec(
     encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
                    ("t5", "text_encoder_2", "tokenizer_2")),
     pipeline_class="FluxPipeline",
+    # The tokenizers come from model.path, else from the local Hugging Face cache.
+    files=ModelFiles(
+        folder="black-forest-labs/FLUX.1-dev (or FLUX.1-schnell)",
+        singles=(("transformer", "flux1-dev.safetensors, BFL or diffusers layout"),
+                 ("vae", "ae.safetensors"), ("clip_l", "clip_l.safetensors"),
+                 ("t5", "t5xxl_fp16.safetensors")),
+        folder_holds=None),
 )
 
 # FLUX.1 Kontext: the conditioning image's packed latents follow the target's tokens
 # (FluxKontextPipeline.prepare_latents), so each edit pair gives exactly one control image.
 KONTEXT = replace(BASE, variant="kontext", pipeline_class="FluxKontextPipeline",
-                  control_images=1)
+                  control_images=1, files=replace(
+                      BASE.files, folder="black-forest-labs/FLUX.1-Kontext-dev",
+                      singles=(("transformer", "flux1-kontext-dev.safetensors"),
+                               *BASE.files.singles[1:])))
 
 SPEC = replace(BASE, variants=(("base", BASE), ("kontext", KONTEXT)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
 
 # diffusers' pipelines/flux2/system_messages.py SYSTEM_MESSAGE (from BFL's flux2 repository):
 # the system turn Flux2Pipeline puts before every prompt for Mistral.
@@ -89,6 +89,12 @@ KLEIN = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen3", "text_encoder", "tokenizer"),),
     pipeline_class="Flux2KleinPipeline",
+    files=ModelFiles(
+        folder="black-forest-labs/FLUX.2-klein-4B (or the 9B)",
+        singles=(("transformer", "BFL's klein file, BFL or diffusers layout"),
+                 ("vae", "flux2-vae.safetensors"),
+                 ("text_encoder", "qwen_3_4b.safetensors, or qwen_3_8b for the 9B")),
+        folder_holds="tokenizer/ (Qwen3's; no single file holds it) and model_index.json"),
     # Reference images (flux2/reference.py): both pipelines take `image=` a list of any length,
     # each reference's tokens following the target's. Each adds all of its tokens to every
     # attention call (4096 at 1024 x 1024: four add 16384 to the target's 4096), so memory and
@@ -119,6 +125,12 @@ DEV = replace(
     text_encoder_prefixes={"mistral3": "text_encoder"},
     encoder_parts=(("mistral3", "text_encoder", "tokenizer"),),
     pipeline_class="Flux2Pipeline",
+    files=ModelFiles(
+        folder="black-forest-labs/FLUX.2-dev",
+        singles=(("transformer", "flux2-dev.safetensors, BFL or diffusers layout"),
+                 ("vae", "flux2-vae.safetensors"),
+                 ("text_encoder", "the Mistral Small 3.1 encoder file")),
+        folder_holds="tokenizer/ (Mistral's; no single file holds it) and model_index.json"),
     text_encoder_lora_refused=(("mistral3", "Flux2Pipeline.load_lora_weights reads "
                                             "transformer LoRAs only; train the transformer "
                                             "only"),),

@@ -7,7 +7,7 @@ pipeline's `is_distilled` flag (its timestep shift), read from the loaded model.
 
 from __future__ import annotations
 
-from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
 
 # Krea2Pipeline's prompt layout (the Qwen-Image system prompt): the prefix before the caption
 # (34 tokens with Qwen's tokenizer, dropped from the outputs) and the assistant suffix (5 tokens)
@@ -67,6 +67,12 @@ SPEC = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen3vl", "text_encoder", "tokenizer"),),
     pipeline_class="Krea2Pipeline",
+    files=ModelFiles(
+        folder="the one Krea2Pipeline.save_pretrained writes",
+        singles=(("transformer", "the original-layout Krea 2 transformer"),
+                 ("vae", "qwen_image_vae.safetensors"),
+                 ("text_encoder", "qwen3vl_4b.safetensors")),
+        folder_holds="tokenizer/ (Qwen3-VL's; no single file holds it) and model_index.json"),
     # Krea2LoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
     text_encoder_lora_refused=(("qwen3vl", "Krea2Pipeline.load_lora_weights reads transformer "
                                            "LoRAs only; train the transformer only"),),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
 
 # QwenImagePipeline.prompt_template_encode and prompt_template_encode_start_idx (the system
 # turn and "<|im_start|>user\n" are 34 tokens of Qwen2's tokenizer).
@@ -81,6 +81,12 @@ BASE = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen2_5_vl", "text_encoder", "tokenizer"),),
     pipeline_class="QwenImagePipeline",
+    files=ModelFiles(
+        folder="Qwen/Qwen-Image",
+        singles=(("transformer", "qwen_image_bf16.safetensors"),
+                 ("vae", "qwen_image_vae.safetensors"),
+                 ("text_encoder", "qwen_2.5_vl_7b.safetensors")),
+        folder_holds="tokenizer/ (Qwen2.5-VL's; no single file holds it)"),
     # QwenImageLoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
     text_encoder_lora_refused=(("qwen2_5_vl", "QwenImagePipeline.load_lora_weights reads "
                                               "transformer LoRAs only; train the transformer "
@@ -91,19 +97,27 @@ BASE = FamilySpec(
 )
 
 
-def _edit(variant: str, pipeline: str, image_prompt: str, images: int) -> FamilySpec:
+def _edit(variant: str, pipeline: str, image_prompt: str, images: int,
+          release: str) -> FamilySpec:
     """An edit variant: the VL encoder reads the instruction in the edit template after one
     `image_prompt` per input image (not truncated: the pipelines pass the processor's whole
-    output), its processor serves as the tokenizer, `images` input images at most."""
+    output), its processor serves as the tokenizer, `images` input images at most; `release`
+    is the Qwen repository whose layout its folder has."""
     encoder = TextEncoderSpec("qwen2_5_vl", "decoder", max_length=MAX_TOKENS + EDIT_DROP,
                               hidden="last", pooled=False, mask=True, trim=True,
                               template=EDIT_TEMPLATE, drop=EDIT_DROP, layers=(-1,),
                               pad="longest", image_prompt=image_prompt)
+    files = replace(BASE.files, folder=f"Qwen/{release}",
+                    singles=(("transformer", f"{release.lower().replace('-', '_')}"
+                                             "_bf16.safetensors"), *BASE.files.singles[1:]),
+                    folder_holds="processor/ (Qwen2.5-VL's tokenizer and image processor; no "
+                                 "single file holds it)")
     return replace(BASE, variant=variant, pipeline_class=pipeline, control_images=images,
                    text_encoders=(encoder,),
-                   encoder_parts=(("qwen2_5_vl", "text_encoder", "processor"),))
+                   encoder_parts=(("qwen2_5_vl", "text_encoder", "processor"),), files=files)
 
 
-EDIT = _edit("edit", "QwenImageEditPipeline", VISION, 1)
-EDIT_PLUS = _edit("edit-plus", "QwenImageEditPlusPipeline", "Picture {}: " + VISION, PLUS_IMAGES)
+EDIT = _edit("edit", "QwenImageEditPipeline", VISION, 1, "Qwen-Image-Edit")
+EDIT_PLUS = _edit("edit-plus", "QwenImageEditPlusPipeline", "Picture {}: " + VISION, PLUS_IMAGES,
+                  "Qwen-Image-Edit-2509")
 SPEC = replace(BASE, variants=(("base", BASE), ("edit", EDIT), ("edit-plus", EDIT_PLUS)))

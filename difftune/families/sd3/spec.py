@@ -5,7 +5,7 @@ Read by config validation before anything heavy is imported, and by `SD3Family`.
 
 from __future__ import annotations
 
-from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
 
 SPEC = FamilySpec(
     name="sd3",
@@ -41,4 +41,11 @@ SPEC = FamilySpec(
                    ("clip_g", "text_encoder_2", "tokenizer_2"),
                    ("t5", "text_encoder_3", "tokenizer_3")),
     pipeline_class="StableDiffusion3Pipeline",
+    files=ModelFiles(
+        folder="stabilityai/stable-diffusion-3.5-medium",
+        singles=(("transformer", "sd3.5_medium.safetensors, with or without its text encoders"),
+                 ("vae", "an SD3 autoencoder, if the checkpoint has none"),
+                 ("clip_l", "clip_l.safetensors"), ("t5", "t5xxl_fp16.safetensors")),
+        folder_holds="tokenizer/, tokenizer_2/ and tokenizer_3/ (no single file holds them), "
+                     "and text_encoder_2/ (CLIP-G) unless the checkpoint bundles it"),
 )

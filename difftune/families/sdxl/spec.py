@@ -5,7 +5,7 @@ Read by config validation before anything heavy is imported, and by `SDXLFamily`
 
 from __future__ import annotations
 
-from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
 
 SPEC = FamilySpec(
     name="sdxl",
@@ -45,4 +45,9 @@ SPEC = FamilySpec(
     encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
                    ("clip_g", "text_encoder_2", "tokenizer_2")),
     pipeline_class="StableDiffusionXLPipeline",
+    files=ModelFiles(
+        folder="stabilityai/stable-diffusion-xl-base-1.0",
+        singles=(("transformer", "sd_xl_base_1.0.safetensors, the whole checkpoint"),
+                 ("vae", "sdxl_vae.safetensors, replacing the checkpoint's")),
+        folder_holds="tokenizer/ and tokenizer_2/ (no checkpoint holds them)"),
 )

@@ -6,7 +6,7 @@ Base share the architecture, so one spec serves both.
 
 from __future__ import annotations
 
-from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, TextEncoderSpec
+from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
 
 SPEC = FamilySpec(
     name="z_image",
@@ -42,6 +42,11 @@ SPEC = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen3", "text_encoder", "tokenizer"),),
     pipeline_class="ZImagePipeline",
+    files=ModelFiles(
+        folder="Tongyi-MAI/Z-Image-Turbo",
+        singles=(("transformer", "z_image_turbo_bf16.safetensors"), ("vae", "ae.safetensors"),
+                 ("text_encoder", "qwen_3_4b.safetensors")),
+        folder_holds="tokenizer/ (Qwen3's; no single file holds it)"),
     # ZImageLoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
     text_encoder_lora_refused=(("qwen3", "ZImagePipeline.load_lora_weights reads transformer "
                                          "LoRAs only; train the transformer only"),),

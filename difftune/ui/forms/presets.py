@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
+from importlib import resources
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,10 @@ class Refusal:
 
 
 def examples_dir() -> Path:
-    """The examples folder of a source checkout (next to the package)."""
-    return Path(__file__).resolve().parents[3] / "examples"
+    """The example run files the presets are made from, as the package ships them
+    (`difftune/assets/examples`, in a source checkout a link to the top-level `examples/`), so
+    an installed wheel has them too."""
+    return Path(str(resources.files("difftune") / "assets" / "examples"))
 
 
 def demo_dir() -> Path:
