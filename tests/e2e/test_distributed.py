@@ -220,6 +220,35 @@ def test_a_stop_signal_to_one_process_stops_all_after_the_same_step(tmp_path: Pa
     assert not (tmp_path / "out" / "lora.safetensors").exists()  # stopped long before step 200
 
 
+def test_a_stop_signal_to_another_process_ends_a_sample_event_early(tmp_path: Path,
+                                                                   images: Path) -> None:
+    """SIGTERM to rank 1 while rank 0 renders the step-2 event of eight images: rank 0 stopped
+    after at most one image more (it rendered all eight, then trained step 3, before)."""
+    prompts = tmp_path / "many.txt"
+    prompts.write_text("".join(f"prompt {i} --w 64 --h 64 --s 30\n" for i in range(8)))
+    cfg = run_toml(tmp_path, images, prompts=prompts, steps=6)
+    pid = tmp_path / "rank1.pid"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+           "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", "0", str(ROOT / "tests" / "e2e" / "stopping_rank.py"), "train",
+           str(cfg), "--no-progress", "--set", "train.batch_size=1", "--set",
+           "sample.at_start=false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DIFFTUNE_TEST_PID_FILE": str(pid)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    samples, deadline = tmp_path / "out" / "samples", time.monotonic() + 180
+    while not list(samples.glob("step-000002_00_*.png")):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.kill(int(pid.read_text()), signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    assert len(list(samples.glob("step-000002_0*.png"))) <= 3, err[-3000:]
+    assert "stopped after step 2" in out, out
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == \
+        ["step-000002"]
+
+
 def test_cache_verb_with_two_processes_fills_once_and_reports_once(tmp_path: Path,
                                                                    images: Path) -> None:
     cfg = run_toml(tmp_path, images, extra='\n[cache]\nlatents = "disk"\ntext = "disk"\n')
