@@ -15,6 +15,7 @@ from difftune.config.base import QUANT_BACKENDS
 from difftune.config.full import warn_ignored_full
 from difftune.errors import ConfigError, ModelFileError
 from difftune.families import registry
+from difftune.families.specs import ENCODER_FILE_FIELDS, FamilySpec
 from difftune.files.names import embedding_stem, name_too_long
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.train.optimizers import specs as optimizer_specs
@@ -46,6 +47,7 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
                  if n in adapter.text_encoders and adapter.type != "full"]
     if len(set(adapter.text_encoders)) != len(adapter.text_encoders):
         problems.append("adapter.text_encoders lists an encoder twice; list each once")
+    problems += _encoder_file_problems(model, spec)
     if model.t5_mask and "t5" not in names:
         problems.append(f"model.t5_mask: model.family = \"{family}\" has no T5 encoder; remove it")
     if model.clip_skip and not spec.clip_hidden:
@@ -57,6 +59,18 @@ def text_encoder_problems(model: ModelConfig, adapter: AdapterConfig, fmt: str |
                         f"model.family = \"{family}\" ({refused}); "
                         "use save.format = \"diffusers\" or train the denoiser only")
     return problems
+
+
+def _encoder_file_problems(model: ModelConfig, spec: FamilySpec) -> list[str]:
+    """Text-encoder file fields the family does not read (FLUX.1 has no `model.text_encoder`,
+    SDXL reads its encoders from its checkpoint or folder): refused, naming where they come
+    from instead."""
+    fields = spec.encoder_file_fields
+    sources = " or ".join([f"model.{f}" for f in fields] + ["model.path"])
+    return [f"model.{name}: model.family = \"{model.family}\" reads no such file (its text "
+            f"encoders, {', '.join(spec.encoder_names)}, come from {sources}); remove it"
+            for name in ENCODER_FILE_FIELDS
+            if getattr(model, name) is not None and name not in fields]
 
 
 def quantize_problems(p: PrecisionConfig, device: str) -> list[str]:

@@ -137,6 +137,10 @@ family's files would load, with the reason.
     conv_targets: tuple[str, ...] = ()
     variants: tuple[tuple[str, "FamilySpec"], ...] = ()
     variant: str | None = None
+    # The `model.*` fields naming one text encoder's single file that the family's loaders read
+    # (None: those `encoder_file_fields` derives from its encoders); any other such field is
+    # refused when the config loads, never silently ignored.
+    encoder_files: tuple[str, ...] | None = None
 
     def pick(self, variant: str | None) -> "FamilySpec":
         """The spec of `variant` (the default variant's for None; this spec for a family
@@ -166,12 +170,26 @@ family's files would load, with the reason.
         return tuple(s.name for s in self.text_encoders)
 
     @property
+    def encoder_file_fields(self) -> tuple[str, ...]:
+        """The `model.*` text-encoder file fields this family reads: `encoder_files`, else
+        `model.clip_l` for an encoder named clip_l, `model.t5` for t5, `model.text_encoder`
+        for a decoder LLM."""
+        if self.encoder_files is not None:
+            return self.encoder_files
+        names = self.encoder_names
+        has = {"clip_l": "clip_l" in names, "t5": "t5" in names,
+               "text_encoder": any(s.kind == "decoder" for s in self.text_encoders)}
+        return tuple(field for field in ENCODER_FILE_FIELDS if has[field])
+
+    @property
     def clip_hidden(self) -> bool:
         """Whether a CLIP hidden state reaches the denoiser (where clip_skip means something)."""
         return any(s.is_clip and s.hidden != "none" for s in self.text_encoders)
 
 
 CLIP_KINDS = ("clip", "clip_projection")
+# The `model.*` fields that name one text encoder's single file.
+ENCODER_FILE_FIELDS = ("clip_l", "t5", "text_encoder")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
 DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "suffix",
                   "drop", "layers", "stack", "pad", "valid_positions", "image_prompt")

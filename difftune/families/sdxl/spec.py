@@ -25,6 +25,8 @@ SPEC = FamilySpec(
     # diffusers and ComfyUI both read every key of the kohya one.
     default_format="kohya",
     text_encoder_prefixes={"clip_l": "text_encoder", "clip_g": "text_encoder_2"},
+    # Both CLIPs come from the checkpoint (model.transformer) or model.path, never alone.
+    encoder_files=(),
     # LyCORIS kinds: kohya's prefix over diffusers module names, what LyCORIS's kohya network
     # writes and reads for a diffusers UNet and what ComfyUI maps for SDXL; its conv layers
     # are those LyCORIS's kohya preset adapts (resnets, down- and upsamplers).
