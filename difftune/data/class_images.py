@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from difftune.data.discover import IMAGE_EXTENSIONS
-from difftune.errors import ConfigError
+from difftune.errors import ConfigError, NonFiniteError
 from difftune.files.atomic import leftovers, write_atomically
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ def _fill(need: Need, runner: Any, show_progress: bool) -> int:
         name = f"class_{number:06d}"
         write_atomically(need.folder / f"{name}.txt", (s.prompt + "\n").encode("utf-8"))
         png = io.BytesIO()
-        runner.generate(spec).save(png, format="PNG")
+        _class_image(need, runner, spec).save(png, format="PNG")
         write_atomically(need.folder / f"{name}.png", png.getvalue())
         files[f"{name}.png"] = number
         _write_manifest(need.folder, manifest)
@@ -166,6 +166,18 @@ def _fill(need: Need, runner: Any, show_progress: bool) -> int:
 # A whole PNG starts with its signature and ends with the IEND chunk (length 0, type, CRC).
 _PNG_START = b"\x89PNG\r\n\x1a\n"
 _PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
+
+
+def _class_image(need: Need, runner: Any, spec: Any) -> Any:
+    """One class image; a NaN one stops the run (a regularization set cannot do without it)."""
+    from difftune.sample.runner import NonFiniteSample
+
+    try:
+        return runner.generate(spec)
+    except NonFiniteSample as err:
+        raise NonFiniteError(f"{need.where}: class image {spec.seed} of {err}; the base model "
+                             "gives no image at these settings: change class_steps or "
+                             "class_guidance, or the precision settings") from None
 
 
 def _broken(path: Path) -> bool:

@@ -175,3 +175,16 @@ def test_init_lora_for_another_model_names_the_model_not_the_rank(
     err = capsys.readouterr().err
     assert f"--init-lora {bad}: " in err and f"{key} has shape {shape}" in err, err
     assert "made for another model" in err and "adapter.rank" not in err, err
+
+
+def test_a_sample_that_comes_out_nan_is_named_and_not_written(
+        good: Path, tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A finite LoRA whose factors overflow the model's activations: the image is NaN. It was
+    written as a black PNG; now a warning names the prompt and nothing is written."""
+    file = load_file(str(good / "lora.safetensors"))
+    huge = {k: torch.full_like(v, 1e30) if "lora_B" in k else v for k, v in file.items()}
+    bad = tmp_path / "huge.safetensors"
+    save_file(huge, str(bad), metadata=lora_metadata(good / "lora.safetensors"))
+    err = sample_refused(tmp_path, images, bad, capsys)  # exit 2: no image written
+    assert "'a red circle' (32x32, 1 steps) came out not finite (NaN or inf)" in err, err
+    assert "was not written" in err and not list(tmp_path.rglob("*.png"))

@@ -6,7 +6,9 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from difftune.cli import main
 from tests.e2e.conftest import metrics_rows, run_toml, stopped_and_resumed
@@ -33,9 +35,9 @@ def folders(images: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pat
 
 
 def reg_toml(folder: Path, train: Path, reg: Path, extra: str = "", steps: int = 4,
-             subset: str = CLASS) -> Path:
+             subset: str = CLASS, family: str | None = None) -> Path:
     """A tiny-flavor run over a training subset and a regularization subset."""
-    path = run_toml(folder, train, steps=steps)
+    path = run_toml(folder, train, steps=steps, family=family, fmt=None if family else "diffusers")
     text = path.read_text().replace(f'path = "{train.as_posix()}"\n', "", 1)
     path.write_text(text + f"""
 [[datasets.subsets]]
@@ -156,3 +158,17 @@ def test_a_kill_while_a_class_image_is_written_leaves_no_partial_file(
     assert sorted(p.name for p in reg.iterdir() if p.suffix == ".png") == ["class_000000.png"]
     assert main(["train", str(cfg), "--no-progress", "--set", "save.overwrite=true"]) == 0
     assert len(list(reg.glob("class_*.png"))) == 3
+
+
+def test_one_step_class_images_of_qwen_image_are_pictures(tmp_path: Path, images: Path) -> None:
+    """class_steps = 1 on Qwen-Image gave NaN images (its scheduler's one-step schedule),
+    written as black PNGs that trained as the class."""
+    train, reg = _fresh(tmp_path, images)
+    subset = CLASS.replace("class_steps = 2", "class_steps = 1")
+    cfg = reg_toml(tmp_path, train, reg, steps=1, subset=subset, family="qwen_image")
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    made = sorted(reg.glob("class_*.png"))
+    assert len(made) == 3
+    for png in made:
+        pixels = np.asarray(Image.open(png))
+        assert pixels.max() > pixels.min(), png
