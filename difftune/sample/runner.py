@@ -4,8 +4,10 @@ The prompt file (`prompts.py`: kohya-style `.txt` or `.toml`) is read at every s
 edits reach the next event. Prompt embeddings come from the text source: memoized by content,
 encoded on demand when new (reloading unloaded text encoders once per event). A prompt that
 fails is logged with its traceback in the run log and named once on the console; the others of
-the event still render, and training goes on. RNG states, module modes and the VAE's device are
-put back afterwards, so a run with samples trains exactly as one without.
+the event still render, and training goes on. A sample that comes out not finite (NaN) is named
+in a warning and never written (cast to 8 bits it would be a black image). RNG states, module
+modes and the VAE's device are put back afterwards, so a run with samples trains exactly as one
+without.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
+from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from difftune.cache.text_images import from_pil
@@ -152,6 +155,9 @@ class SampleRunner:
                 continue
             try:
                 image = self.generate(spec, inputs)
+            except NonFiniteSample as err:
+                log.warning("sample %d at step %d was not written: %s", i, step, err)
+                continue
             except Exception as err:  # one bad prompt (a size, memory) spares the others
                 _failed(f"sample {i} ({spec.prompt[:40]!r}) at step {step}", err)
                 continue
@@ -211,7 +217,37 @@ class SampleRunner:
         width, height = self._size(spec)
         kwargs.update(self.family.pipeline_images(inputs or [], width, height))
         generator = torch.Generator("cpu").manual_seed(spec.seed)
-        with self.policy.autocast():
-            result = self._pipe(**kwargs, width=width, height=height,
+        with self.policy.autocast(), one_step_safe(self._pipe, spec.steps):
+            result = self._pipe(**kwargs, width=width, height=height, output_type="np",
                                 num_inference_steps=spec.steps, generator=generator)
-        return result.images[0]
+        image = result.images[0]
+        if not np.isfinite(image).all():  # cast to 8 bits, NaN would turn into black pixels
+            raise NonFiniteSample(f"{spec.prompt[:60]!r} ({spec.width}x{spec.height}, "
+                                  f"{spec.steps} steps) came out not finite (NaN or inf)")
+        return VaeImageProcessor.numpy_to_pil(image)[0]
+
+
+class NonFiniteSample(ValueError):
+    """A sample whose pixels are not all finite: never written as an image."""
+
+
+@contextlib.contextmanager
+def one_step_safe(pipe: Any, steps: int) -> Iterator[None]:
+    """The pipeline with a scheduler that gives a one-step schedule finite sigmas.
+
+    diffusers' FlowMatchEulerDiscreteScheduler with `shift_terminal` set (Qwen-Image's
+    released config) stretches the sigmas so that the last one is `shift_terminal`, dividing
+    by 1 - (the last sigma) (`stretch_shift_to_terminal`). With one step the only sigma is 1,
+    so it divides by zero and every sigma is NaN ("invalid value encountered in divide"), and
+    so is the image. One step from pure noise has no terminal sigma to move: the schedule is
+    1 -> 0 with or without the stretch, so for one step the scheduler is used without it.
+    (Two or more steps end below 1 for any shift the pipelines compute.)"""
+    scheduler = getattr(pipe, "scheduler", None)
+    if steps != 1 or not getattr(getattr(scheduler, "config", None), "shift_terminal", None):
+        yield
+        return
+    pipe.scheduler = type(scheduler).from_config(scheduler.config, shift_terminal=None)
+    try:
+        yield
+    finally:
+        pipe.scheduler = scheduler

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from difftune.adapters.fit import check_fit
 from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_non_finite,
                                        non_finite, split_lora_key, with_clip_root)
 from difftune.adapters.dora_comfyui import refuse_comfyui_file
@@ -71,6 +72,7 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
         return
     a = manager.cfg.adapter
     _refuse_other_kind(path, raw, meta, a.type, a.dora)
+    check_fit(f"--init-lora {path}", raw, manager.family, manager.comps)
     if uses_lycoris_layout(a.type, a.dora):
         layers = adapted_layers(manager.family, manager.modules(), file_clip_roots(manager.family))
         missing = load_into(path, layers, raw)

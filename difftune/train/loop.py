@@ -30,6 +30,7 @@ from difftune.train.preservation import step_metrics
 from difftune.train.optimizers.modes import step_lr
 from difftune.train.optimizers.schedule import make_scheduler
 from difftune.train.rng import RunRngs, seed_everything
+from difftune.train.sample_events import sample_event
 from difftune.train.setup import Run
 from difftune.train.state import Snapshot, TrainState
 from difftune.train.step import batch_loss
@@ -92,9 +93,8 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
         log.info("resumed from %s at step %d", resume.path, state.step)
     else:
         seed_everything(cfg.train.seed)
-        if cfg.sample.at_start and hooks.sampler:
-            with state.eval_weights():
-                hooks.sampler.run(0)
+        if cfg.sample.at_start:
+            sample_event(run, hooks, state, 0)
     start = state.step
     run.dist.broadcast_params(state.params)
     if run.dist.rank > 0:  # its own dropout masks (rank 0 keeps the single-process stream)
@@ -119,8 +119,8 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
     with state.eval_weights(), using(state.ema, "saves"):
         result.lora = hooks.checkpoints.save_lora(state.step, final=True)
     hooks.checkpoints.save(state)
-    if cfg.sample.at_end or requests.SAMPLE in asked:
-        _sample(hooks, state, state.step)
+    if cfg.sample.at_end or requests.SAMPLE in asked:  # the other processes have gone on
+        sample_event(run, hooks, state, state.step, every_process=False)
     return result
 
 
@@ -343,13 +343,14 @@ def _between_steps(run: Run, hooks: Hooks, state: TrainState, step: int) -> None
     checkpoint and raise `Interrupted`.
 
     The stop request is read after sampling, which itself ends early when asked to: a
-    SIGTERM during a sample event stops after the current image. Request files are read in
-    the same look (rank 0 reads them; one collective tells every process, which all save)."""
+    SIGTERM during a sample event stops after the current image (`sample_events`). Request
+    files are read in the same look (rank 0 reads them; one collective tells every process,
+    which all save)."""
     cfg = run.cfg
     saved = _save(hooks, state, step) if _due(step, cfg.save.every_n_steps) else None
-    sampled = hooks.sampler is not None and _due(step, cfg.sample.every_n_steps)
-    if sampled:
-        _sample(hooks, state, step)
+    sampled = cfg.sample.prompts is not None and _due(step, cfg.sample.every_n_steps)
+    if sampled:  # on every process: a stop asked of any of them ends it early
+        sample_event(run, hooks, state, step)
     asked = hooks.stop()
     wanted = requests.pending(run.out) if run.dist.main else set()
     stop, want_sample, want_save = run.dist.any_of(
@@ -367,7 +368,7 @@ def _between_steps(run: Run, hooks: Hooks, state: TrainState, step: int) -> None
             log.warning("sample requested, but this run has no sample.prompts: nothing to "
                         "sample")
         elif not sampled:
-            _sample(hooks, state, step)
+            sample_event(run, hooks, state, step)
     done = [k for k, on in ((requests.SAVE, want_save), (requests.SAMPLE, want_sample and not stop))
             if on]
     if done and run.dist.main:
@@ -386,11 +387,3 @@ def _save(hooks: Hooks, state: TrainState, step: int, checkpoint: bool = True) -
     with state.eval_weights(), using(state.ema, "saves"):
         hooks.checkpoints.save_lora(step)
     return hooks.checkpoints.save(state) if checkpoint else None
-
-
-def _sample(hooks: Hooks, state: TrainState, step: int) -> None:
-    """A sample event at `step` from the weights to use (nothing on a process that does not
-    sample: every process but rank 0, or a run without prompts)."""
-    if hooks.sampler is not None:
-        with state.eval_weights(), using(state.ema, "samples"):
-            hooks.sampler.run(step)

@@ -288,7 +288,7 @@ def _check_sample(run: Run) -> list[str]:
     runner = sampler_for(run, None, Path())
     specs = runner.prompts()
     step = run.family.bucket_step * 2
-    # Two steps: some released schedulers (a terminal stretch) divide by zero with one.
+    # Two steps: the fewest that run every part of a multi-step schedule.
     probe = [replace(s, width=step, height=step, steps=2) for s in specs[:1]]
     if not probe:
         path = run.cfg.sample.prompts

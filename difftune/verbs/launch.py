@@ -8,9 +8,11 @@ so `difftune train run.toml --num-processes 4` is `accelerate launch --multi_gpu
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -56,7 +58,29 @@ def launch(n: int, argv: list[str]) -> int:
     check_devices(n)
     child = subprocess.Popen(command(n, argv))
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (a scheduler, the web app's Stop) reaches this process alone: passed on to every
+    # training process, as Ctrl-C reaches them all.
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: stop_workers(child))
     try:
         return child.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, before)
+
+
+def stop_workers(child: subprocess.Popen) -> None:
+    """SIGTERM to each training process (the launcher's children, read from /proc), so that
+    they agree on the step to stop after, save a checkpoint and exit 0, and the launcher with
+    them. The launcher itself would end them with SIGKILL 30 s after a signal of its own (and
+    exit 1 with a traceback), so it gets the signal only while it has no children yet (or
+    where /proc does not list them)."""
+    try:
+        listed = Path(f"/proc/{child.pid}/task/{child.pid}/children").read_text()
+        workers = [int(pid) for pid in listed.split()]
+    except (OSError, ValueError):
+        workers = []
+    for pid in workers or [child.pid]:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass

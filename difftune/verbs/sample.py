@@ -17,6 +17,7 @@ from pathlib import Path
 
 from difftune import families
 from difftune.adapters.dora_comfyui import refuse_comfyui_file
+from difftune.adapters.fit import check_fit, component_modules
 from difftune.adapters.formats import describe_non_finite, load_lora_file, non_finite
 from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
@@ -81,6 +82,8 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     policy = PrecisionPolicy.from_config(cfg.precision, resolve_device(cfg.train.device))
     comps = family.load(cfg.model, policy)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
+    for lora in loras:
+        check_fit(f"--lora {lora.path}", load_lora_file(lora.path)[0], family, comps)
     options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
     texts = TextSource(family, comps, MemoryStore(), options)
     res = max(cfg.datasets[0].resolutions)
@@ -100,11 +103,14 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
 def _apply_lycoris(family: Family, comps: Components, lora: LoraArg) -> list[object]:
     """A LoHa/LoKr/DoRA/LyCORIS-named file applied through the LyCORIS library (diffusers
     reads none of them), on the denoiser and text encoders, at the argument's weight."""
-    modules = {family.denoiser_prefix: comps.denoiser}
-    modules |= {family.text_encoder_prefixes[n]: m
-                for n, m in comps.text_encoders.items() if m is not None}
-    networks = apply_file(family, modules, model_clip_roots(family, comps),
-                          load_lora_file(lora.path)[0], lora.weight)
+    try:
+        networks = apply_file(family, component_modules(family, comps),
+                              model_clip_roots(family, comps), load_lora_file(lora.path)[0],
+                              lora.weight)
+    except (RuntimeError, KeyError, ValueError) as err:  # what `check_fit` cannot foresee
+        raise CheckpointError(f"--lora {lora.path} could not be applied to this model "
+                              f"({type(err).__name__}: {err}); check that it was trained for "
+                              "this family and base model") from None
     if not networks:
         raise CheckpointError(f"--lora {lora.path}: none of its modules is in this model; check "
                               "that it was trained for this family and base model")

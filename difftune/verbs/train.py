@@ -88,9 +88,7 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
     if sampler:
         sampler.reporter = reporter
     try:
-        with stop_signals() as stop:
-            if sampler:
-                sampler.stop = stop
+        with stop_signals() as stop:  # a sample event polls it too (train.sample_events)
             result = train(run, Hooks(reporter, ckpt, sampler, stop, validator), checkpoint)
     finally:
         reporter.close()

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -218,6 +219,53 @@ def test_a_stop_signal_to_one_process_stops_all_after_the_same_step(tmp_path: Pa
     assert "--num-processes 2 --resume latest" in out
     assert "another process of this run was asked to stop" in err
     assert not (tmp_path / "out" / "lora.safetensors").exists()  # stopped long before step 200
+
+
+def _stopped_in_a_sample_event(tmp_path: Path, images: Path, launcher: list[str],
+                               target: Callable[[subprocess.Popen], int],
+                               extra: tuple[str, ...] = ()) -> None:
+    """Start `launcher + ["train", cfg, ...] + extra` (two processes, eight images to sample at
+    step 2), send SIGTERM to `target(proc)` once the event's first image is written, and check
+    that the run stopped after at most one image more (it rendered all eight, then trained a
+    step more, before), saved a checkpoint of step 2 and exited 0."""
+    prompts = tmp_path / "many.txt"
+    prompts.write_text("".join(f"prompt {i} --w 64 --h 64 --s 30\n" for i in range(8)))
+    cfg = run_toml(tmp_path, images, prompts=prompts, steps=6)
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "DIFFTUNE_TEST_PID_FILE": str(tmp_path / "rank1.pid")}
+    proc = subprocess.Popen([*launcher, "train", str(cfg), "--no-progress", "--set",
+                             "train.batch_size=1", "--set", "sample.at_start=false", *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    samples, deadline = tmp_path / "out" / "samples", time.monotonic() + 180
+    while not list(samples.glob("step-000002_00_*.png")):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.kill(target(proc), signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    assert len(list(samples.glob("step-000002_0*.png"))) <= 3, err[-3000:]
+    assert "stopped after step 2" in out, out
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == \
+        ["step-000002"]
+
+
+def test_a_stop_signal_to_another_process_ends_a_sample_event_early(tmp_path: Path,
+                                                                   images: Path) -> None:
+    """SIGTERM to rank 1 (a scheduler preempting one process) while rank 0 samples."""
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no", "--main_process_port", "0",
+                str(ROOT / "tests" / "e2e" / "stopping_rank.py")]
+    _stopped_in_a_sample_event(tmp_path, images, launcher,
+                               lambda proc: int((tmp_path / "rank1.pid").read_text()))
+
+
+def test_a_stop_signal_to_the_command_stops_every_process(tmp_path: Path, images: Path) -> None:
+    """SIGTERM to `difftune train --num-processes 2` itself (the web app's Stop): it died
+    alone, and the training processes trained on to the end."""
+    _stopped_in_a_sample_event(tmp_path, images, [sys.executable, "-m", "difftune"],
+                               lambda proc: proc.pid, ("--num-processes", "2"))
 
 
 def test_cache_verb_with_two_processes_fills_once_and_reports_once(tmp_path: Path,

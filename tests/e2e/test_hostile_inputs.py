@@ -230,3 +230,46 @@ def test_max_grad_norm_zero_turns_clipping_off(tmp_path: Path, images: Path,
     assert calls == []
     assert main(["train", str(cfg), "--no-progress", "--set", "save.overwrite=true"]) == 0
     assert calls == [1.0]  # the default clips, through the same function
+
+
+def test_a_text_encoder_file_the_family_does_not_read_is_refused(
+        tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`model.text_encoder` for FLUX.1 (CLIP-L + T5, read from model.clip_l / model.t5) was
+    silently ignored; `model.clip_l` for SDXL too (its CLIPs come from the checkpoint)."""
+    file = tmp_path / "qwen_3_4b.safetensors"
+    file.write_bytes(b"")
+    for family, field, singles in (("flux", "text_encoder", "model.clip_l, model.t5"),
+                                   ("sdxl", "clip_l", "model.transformer, model.vae)")):
+        model = f'path = "{tmp_path.as_posix()}"\n{field} = "{file.as_posix()}"'
+        cfg = run_toml(tmp_path / family, images, family=family, model=model, fmt=None)
+        err = refused(capsys, "check", str(cfg))
+        assert f"model.{field}: model.family = \"{family}\"" in err, err
+        assert "reads no such file" in err and singles in err, err
+
+
+def test_a_misshapen_flux2_text_encoder_file_is_refused(tmp_path: Path, images: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    """A FLUX.2 [klein] Qwen3 file with one tensor of another shape: was a traceback from
+    transformers (`ignore_mismatched_sizes`), now exit 2 naming the field, file and shapes."""
+    import diffusers
+    from safetensors.torch import save_file
+
+    from difftune.families.flux2.tiny import build_tiny_flux2
+
+    tiny = build_tiny_flux2("klein")
+    folder = tmp_path / "FLUX.2-klein"
+    diffusers.Flux2KleinPipeline(**tiny).save_pretrained(str(folder), safe_serialization=True)
+    state = {k: v.contiguous() for k, v in tiny["text_encoder"].state_dict().items()
+             if k != "lm_head.weight"}  # tied to the embeddings, as ComfyUI's file leaves it
+    key = "model.layers.0.mlp.down_proj.weight"
+    rows, cols = state[key].shape
+    bad = tmp_path / "qwen_3_4b.safetensors"
+    save_file({**state, key: torch.zeros(rows, cols + 3)}, str(bad))
+    capsys.readouterr()  # save_pretrained's progress bar
+    model = f'path = "{folder.as_posix()}"\ntext_encoder = "{bad.as_posix()}"'
+    assert main(["check", str(run_toml(tmp_path, images, family="flux2", model=model,
+                                       fmt=None))]) == 2
+    err = capsys.readouterr().err  # after the model's loading line
+    assert "Traceback" not in err and f"error: model.text_encoder = {bad}: 1 tensor(s) have other shapes" in err, err
+    assert f"{key} is ({rows}, {cols + 3}), expected ({rows}, {cols})" in err, err

@@ -6,7 +6,9 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from difftune.cli import main
 from tests.e2e.conftest import metrics_rows, run_toml, stopped_and_resumed
@@ -33,9 +35,9 @@ def folders(images: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pat
 
 
 def reg_toml(folder: Path, train: Path, reg: Path, extra: str = "", steps: int = 4,
-             subset: str = CLASS) -> Path:
+             subset: str = CLASS, family: str | None = None) -> Path:
     """A tiny-flavor run over a training subset and a regularization subset."""
-    path = run_toml(folder, train, steps=steps)
+    path = run_toml(folder, train, steps=steps, family=family, fmt=None if family else "diffusers")
     text = path.read_text().replace(f'path = "{train.as_posix()}"\n', "", 1)
     path.write_text(text + f"""
 [[datasets.subsets]]
@@ -89,3 +91,84 @@ def test_refusals_name_the_field(tmp_path: Path, folders: tuple[Path, Path],
                                              "regularization = true", 1))
     assert main(["train", str(only), "--no-progress"]) == 2
     assert "regularization" in capsys.readouterr().err
+
+
+def _fresh(tmp_path: Path, images: Path) -> tuple[Path, Path]:
+    """Three trigger-captioned training images and an empty regularization folder."""
+    train, reg = tmp_path / "train", tmp_path / "reg"
+    train.mkdir(), reg.mkdir()
+    for png in sorted(images.glob("*.png"))[:3]:
+        shutil.copy(png, train / png.name)
+        (train / f"{png.stem}.txt").write_text(f"{TRIGGER} {png.stem}")
+    return train, reg
+
+
+@pytest.mark.parametrize("manifest", ['["class_000000.png"]',
+                                      '{"settings": {}, "files": ["class_000000.png"]}',
+                                      '{"settings": {}, "files": {"class_000000.png": "x"}}'])
+def test_a_manifest_of_another_shape_is_refused(tmp_path: Path, images: Path, manifest: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A manifest that is a list, or whose `files` is not a mapping of names to seeds, was an
+    AttributeError traceback; now exit 2 naming the file, before anything is generated."""
+    train, reg = _fresh(tmp_path, images)
+    (reg / "difftune_class_images.json").write_text(manifest)
+    for verb in ("check", "train"):
+        assert main([verb, str(reg_toml(tmp_path, train, reg))]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {reg / 'difftune_class_images.json'} is not a class-image manifest" in err
+        assert "Traceback" not in err
+    assert not list(reg.glob("class_*"))
+
+
+def test_class_images_cut_short_by_a_kill_are_made_again(tmp_path: Path, images: Path) -> None:
+    """Images the manifest names that a kill left empty or truncated are generated again, as
+    they were, instead of being skipped as unreadable."""
+    train, reg = _fresh(tmp_path, images)
+    cfg = reg_toml(tmp_path, train, reg, steps=1)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    made = {p.name: p.read_bytes() for p in sorted(reg.glob("class_*.png"))}
+    assert len(made) == 3
+    (reg / "class_000000.png").write_bytes(b"")
+    (reg / "class_000002.png").write_bytes(made["class_000002.png"][:100])
+    assert main(["train", str(cfg), "--no-progress", "--set", "save.overwrite=true"]) == 0
+    assert {p.name: p.read_bytes() for p in sorted(reg.glob("class_*.png"))} == made
+    assert not list(reg.glob(".*"))  # no temporary file left
+
+
+def test_a_kill_while_a_class_image_is_written_leaves_no_partial_file(
+        tmp_path: Path, images: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt in the middle of writing the second image: the first is whole, no file of
+    the second exists (a rerun makes it), nothing half-written under a class image's name."""
+    from PIL import Image
+
+    train, reg = _fresh(tmp_path, images)
+    real, calls = Image.Image.save, []
+
+    def cut(self: Image.Image, fp: object, *args: object, **kw: object) -> None:
+        calls.append(fp)
+        if len(calls) == 2:  # the kill arrives after the first bytes of the second image
+            (open(fp, "wb") if isinstance(fp, (str, Path)) else fp).write(b"\x89PNG")
+            raise KeyboardInterrupt
+        real(self, fp, *args, **kw)
+
+    monkeypatch.setattr(Image.Image, "save", cut)
+    cfg = reg_toml(tmp_path, train, reg, steps=1)
+    assert main(["train", str(cfg), "--no-progress"]) == 130
+    monkeypatch.setattr(Image.Image, "save", real)
+    assert sorted(p.name for p in reg.iterdir() if p.suffix == ".png") == ["class_000000.png"]
+    assert main(["train", str(cfg), "--no-progress", "--set", "save.overwrite=true"]) == 0
+    assert len(list(reg.glob("class_*.png"))) == 3
+
+
+def test_one_step_class_images_of_qwen_image_are_pictures(tmp_path: Path, images: Path) -> None:
+    """class_steps = 1 on Qwen-Image gave NaN images (its scheduler's one-step schedule),
+    written as black PNGs that trained as the class."""
+    train, reg = _fresh(tmp_path, images)
+    subset = CLASS.replace("class_steps = 2", "class_steps = 1")
+    cfg = reg_toml(tmp_path, train, reg, steps=1, subset=subset, family="qwen_image")
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    made = sorted(reg.glob("class_*.png"))
+    assert len(made) == 3
+    for png in made:
+        pixels = np.asarray(Image.open(png))
+        assert pixels.max() > pixels.min(), png

@@ -173,3 +173,21 @@ def test_sample_verb_refuses_bad_lora_files(lora_run: Path, tmp_path: Path,
     (tmp_path / "x.ckpt").write_bytes(b"pickle")
     assert main(["sample", cfg, "--lora", str(tmp_path / "x.ckpt")]) == 2
     assert "pickle" in capsys.readouterr().err
+
+
+def test_a_one_step_qwen_image_sample_is_not_nan(tmp_path: Path, images: Path) -> None:
+    """Qwen-Image's scheduler (shift_terminal) gave a one-step schedule NaN sigmas ("invalid
+    value encountered in divide"): the sample was NaN, written as a black image. Now finite."""
+    import warnings
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle --w 32 --h 32 --s 1\n")
+    cfg = run_toml(tmp_path, images, family="qwen_image", fmt=None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["sample", str(cfg), "--prompts", str(prompts), "--out",
+                     str(tmp_path / "pics")]) == 0
+    assert not [w for w in seen if "invalid value" in str(w.message)], seen
+    (png,) = (tmp_path / "pics").glob("*_00_a-red-circle.png")
+    pixels = np.asarray(Image.open(png))
+    assert pixels.max() > pixels.min()  # a picture, not the all-black cast of NaN

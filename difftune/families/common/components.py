@@ -85,17 +85,20 @@ def load_clip_file(path: Path, dtype: torch.dtype, tokenizer: Any) -> Any:
     except KeyError as err:
         raise ModelFileError(f"{path} does not look like a CLIP text encoder: tensor {err} is "
                              "missing") from None
-    return pretrained_from_state(CLIPTextModel, config, cast_state(sd, dtype), dtype, path, "CLIP-L")
+    return pretrained_from_state(CLIPTextModel, config, cast_state(sd, dtype), dtype, path,
+                                 "CLIP-L", "model.clip_l")
 
 
 def load_t5_file(path: Path, dtype: torch.dtype) -> Any:
     """T5 encoder (T5-XXL v1.1) from `t5xxl_*.safetensors`, fp16/bf16/fp8; sizes from shapes."""
     sd = strip_prefix(read_safetensors(path, "T5-XXL text encoder"), _T5_PREFIXES)
-    return t5_from_state(sd, path, dtype)
+    return t5_from_state(sd, path, dtype, "model.t5")
 
 
-def t5_from_state(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> Any:
-    """T5 encoder from transformers-layout tensors (prefix removed); `path` names the source."""
+def t5_from_state(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype,
+                  field: str | None = None) -> Any:
+    """T5 encoder from transformers-layout tensors (prefix removed); `path` names the source,
+    `field` the config field that gave it (None: a part of a checkpoint)."""
     from transformers import T5Config, T5EncoderModel
 
     if "shared.weight" not in sd and "encoder.embed_tokens.weight" in sd:
@@ -117,25 +120,42 @@ def t5_from_state(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -
         raise ModelFileError(f"{path} does not look like a T5 encoder: tensor {err} is "
                              "missing") from None
     sd.setdefault("encoder.embed_tokens.weight", sd["shared.weight"])
-    return pretrained_from_state(T5EncoderModel, config, cast_state(sd, dtype), dtype, path, "T5")
+    return pretrained_from_state(T5EncoderModel, config, cast_state(sd, dtype), dtype, path,
+                                 "T5", field)
 
 
 def pretrained_from_state(cls: Any, config: Any, sd: dict, dtype: torch.dtype, path: Path,
-                           what: str) -> Any:
-    """A transformers model from an in-memory state dict (meta init, buffers handled)."""
-    missing = {k for k in _expected_keys(cls, config) if k not in sd}
+                           what: str, field: str | None = None) -> Any:
+    """A transformers model from an in-memory state dict (meta init, buffers handled).
+
+    The config comes from a few tensors' shapes; a file whose other tensors are missing or of
+    other shapes (damaged, or parts of another model) is refused here, naming `field` (the
+    config field that gave the file, e.g. "model.text_encoder"), the file and the shapes,
+    before transformers would fail on it with a traceback about `ignore_mismatched_sizes`."""
+    source = f"{field} = {path}" if field else str(path)
+    expected = _expected_shapes(cls, config)
+    missing = sorted(k for k in expected if k not in sd)
     if missing:
-        raise ModelFileError(f"{path} is not a complete {what} text encoder: "
-                             f"{len(missing)} tensors missing, e.g. {sorted(missing)[:3]}")
+        raise ModelFileError(f"{source} is not a complete {what} text encoder: "
+                             f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+    wrong = [f"{k} is {tuple(sd[k].shape)}, expected {expected[k]}" for k in expected
+             if tuple(sd[k].shape) != expected[k]]
+    if wrong:
+        raise ModelFileError(
+            f"{source}: {len(wrong)} tensor(s) have other shapes than the {what} text encoder "
+            f"its other tensors describe ({'; '.join(wrong[:3])}{'; ...' if len(wrong) > 3 else ''}"
+            "); the file is damaged or mixes parts of different models: give the encoder's "
+            "file as released")
     model = cls.from_pretrained(None, config=config, state_dict=sd, torch_dtype=dtype)
     return model.eval()
 
 
-def _expected_keys(cls: Any, config: Any) -> list[str]:
-    """Persistent parameter/buffer names of a model class, without allocating its weights."""
+def _expected_shapes(cls: Any, config: Any) -> dict[str, tuple[int, ...]]:
+    """Persistent parameter/buffer names and shapes of a model class, without allocating its
+    weights."""
     with torch.device("meta"):
         model = cls(config)
-    return list(model.state_dict().keys())
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,16 +226,9 @@ def clip_from_state(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype,
         cls: Any = CLIPTextModelWithProjection
     else:
         state, cls = tower, CLIPTextModel
-    with torch.device("meta"):
-        expected = cls(config).state_dict().keys()
-    missing = [k for k in expected if k not in state]
-    if missing:
-        raise ModelFileError(f"{path} is not a complete CLIP text encoder: {len(missing)} tensors "
-                             f"missing, e.g. {missing[:3]}")
+    expected = _expected_shapes(cls, config)
     state = {k: v for k, v in state.items() if k in expected}
-    # from_pretrained with an in-memory state dict builds the non-persistent buffers properly.
-    return cls.from_pretrained(None, config=config, state_dict=cast_state(state, dtype),
-                               torch_dtype=dtype).eval()
+    return pretrained_from_state(cls, config, cast_state(state, dtype), dtype, path, "CLIP")
 
 
 def open_clip_state(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -129,4 +129,4 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype, variant: str) -> Any:
     if tied:
         sd = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]}
     return pretrained_from_state(Qwen3ForCausalLM, config, cast_state(sd, dtype), dtype, path,
-                                 "Qwen3")
+                                 "Qwen3", "model.text_encoder")

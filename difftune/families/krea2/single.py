@@ -126,4 +126,5 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype) -> Any:
         shapes = {k: v.shape for k, v in Qwen3VLModel(config).state_dict().items()
                   if k.startswith("visual.")}
     sd = cast_state(sd, dtype) | {k: torch.zeros(s, dtype=dtype) for k, s in shapes.items()}
-    return pretrained_from_state(Qwen3VLModel, config, sd, dtype, path, "Qwen3-VL")
+    return pretrained_from_state(Qwen3VLModel, config, sd, dtype, path, "Qwen3-VL",
+                                 "model.text_encoder")

@@ -136,7 +136,7 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype) -> Any:
         raise missing_error(path, "a Qwen2.5-VL text encoder", err) from None
     return pretrained_from_state(Qwen2_5_VLForConditionalGeneration,
                                  text_encoder_config(text, vision), cast_state(sd, dtype), dtype,
-                                 path, "Qwen2.5-VL")
+                                 path, "Qwen2.5-VL", "model.text_encoder")
 
 
 def text_sizes(sd: dict[str, torch.Tensor]) -> dict[str, Any]:

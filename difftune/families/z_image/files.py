@@ -163,7 +163,8 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype) -> Any:
             "intermediate_size": sd["layers.0.mlp.gate_proj.weight"].shape[0]})
     except KeyError as err:
         raise missing_error(path, "a Qwen3 text encoder", err) from None
-    return pretrained_from_state(Qwen3Model, config, cast_state(sd, dtype), dtype, path, "Qwen3")
+    return pretrained_from_state(Qwen3Model, config, cast_state(sd, dtype), dtype, path, "Qwen3",
+                                 "model.text_encoder")
 
 
 _Z_RENAMES = (("all_final_layer.2-1.", "final_layer."), ("all_x_embedder.2-1.", "x_embedder."),
