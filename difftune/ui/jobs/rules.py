@@ -16,8 +16,8 @@ from typing import Any, Iterable
 from difftune.config.errors import parse_override
 from difftune.errors import ConfigError
 from difftune.train.rundir import outputs_in
-from difftune.ui import runs
 from difftune.ui.jobs.paths import option_values
+from difftune.ui.jobs.progress import progress
 from difftune.ui.jobs.store import Job
 from difftune.ui.limits import TooLarge, read_text
 from difftune.ui.security import Roots
@@ -75,13 +75,11 @@ def resume_refusal(job: Job, roots: Roots) -> str | None:
         return f"job {job.id} is a {job.verb} job; only a train job can be resumed"
     if not job.finished:
         return f"job {job.id} is {job.state}; stop it, or wait for it to end, before resuming"
-    summary = runs.summary(job.run_dir, roots)
-    if job.state == "succeeded" or summary.finished:
-        done = f"step {summary.step} of {summary.total_steps}" if summary.total_steps else \
-            "its last step"
-        return (f"job {job.id}'s run is complete ({done}"
-                f"{', ' + Path(summary.lora).name + ' written' if summary.lora else ''}): "
-                "there is nothing left to train; Duplicate it to train again in a new folder")
+    run = progress(job.run_dir, roots)  # cached: asked for every job on every refresh
+    if job.state == "succeeded" or run.finished:
+        done = f"step {run.step} of {run.total}" if run.total else "its final file written"
+        return (f"job {job.id}'s run is complete ({done}): there is nothing left to train; "
+                "Duplicate it to train again in a new folder")
     if not job.checkpoints:
         return (f"job {job.id} cannot be resumed: its run folder {job.run_dir} has no "
                 "complete checkpoint (checkpoints/step-*/ with state.json); Duplicate it to "
