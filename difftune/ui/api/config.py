@@ -211,8 +211,7 @@ class Service:
             name = toml_io.values(toml_io.parse(text)).get("save.name") or "run"
         except ConfigError:
             name = "run"
-        taken = {Path(job.run_dir) for job in self.ctx.queue.store.all()}
-        return free_folder(self.ctx.runs_dir / str(name), taken) / "run.toml"
+        return free_folder(self.ctx.runs_dir / str(name), self.ctx.queue.run_dirs()) / "run.toml"
 
 
 def _http(err: Exception) -> HTTPException:

@@ -93,6 +93,12 @@ class JobQueue:
         with self._lock:
             return [job for job in self.store.all() if not job.finished]
 
+    def run_dirs(self) -> set[Path]:
+        """The run folder of every job, finished or not (a new run's folder is none of
+        them)."""
+        with self._lock:
+            return {Path(job.run_dir) for job in self.store.all()}
+
     def offers(self, job: Job) -> dict[str, str | None]:
         """The actions `job` offers now: None for one that can be taken, else why not (the
         same reason the action itself would be refused with)."""
@@ -154,9 +160,9 @@ class JobQueue:
             _refuse(rules.duplicate_refusal(job))
             config, args = Path(job.config), job.args
             if job.verb == "train":
-                taken = {Path(j.run_dir) for j in self.store.all()}
                 try:
-                    config, args = clone(config, args, Path(job.run_dir), self.roots, taken)
+                    config, args = clone(config, args, Path(job.run_dir), self.roots,
+                                         self.run_dirs())
                 except ConfigError as err:
                     raise ValueError(f"cannot copy the run file {job.config}: {err}") from None
             return self.submit(job.verb, config, args, job.device, parent=job.id)
