@@ -3,8 +3,8 @@
 Errors, each with the queue's message: a path outside the roots -> 403; an unknown job ->
 404; an action the job's state refuses (resume without a checkpoint or of a complete run,
 stop of a finished job, a new training in a run folder that holds results or that another
-training uses) -> 409; bad input (a missing run file, an unknown device) -> 400; a run file larger than
-a run file can be -> 413.
+training uses) -> 409; bad input (a missing run file, an unknown device) -> 400; a run file
+larger than a run file can be -> 413.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Literal, TypeVar
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, Field
 
+from difftune.ui.jobs import rules
 from difftune.ui.jobs.progress import progress
 from difftune.ui.jobs.queue import JobStateError
 from difftune.ui.jobs.store import Job
@@ -83,12 +84,15 @@ class JobOut(BaseModel):
                                            "action itself answers 409 with that reason)")
 
     @classmethod
-    def of(cls, job: Job, queue: "JobQueue") -> "JobOut":
-        """The response for `job`, with its progress and the actions it offers."""
+    def of(cls, job: Job, queue: "JobQueue", unfinished: list[Job] | None = None) -> "JobOut":
+        """The response for `job`, with its progress and the actions it offers (`unfinished`:
+        the queue's unfinished jobs, when the caller has them)."""
         run = progress(job.run_dir, queue.roots) if job.verb == "train" else None
+        if unfinished is None:
+            unfinished = queue.unfinished()
         return cls(**job.to_dict(), name=Path(job.run_dir).name,
                    progress=ProgressOut(**run.to_dict()) if run is not None else None,
-                   actions=queue.offers(job))
+                   actions=rules.offers(job, unfinished, queue.roots))
 
 
 class LogOut(BaseModel):
@@ -112,7 +116,9 @@ def router(ctx: "UiContext") -> APIRouter:
     @api.get("", response_model=list[JobOut], summary="List jobs")
     def list_jobs() -> list[JobOut]:
         """Every job, newest first, derived now from its process and run folder."""
-        return [JobOut.of(job, queue) for job in queue.list()]
+        jobs = queue.list()
+        unfinished = [job for job in jobs if not job.finished]
+        return [JobOut.of(job, queue, unfinished) for job in jobs]
 
     @api.get("/{job_id}", response_model=JobOut, summary="One job")
     def get(job_id: int) -> JobOut:

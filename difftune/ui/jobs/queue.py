@@ -99,11 +99,6 @@ class JobQueue:
         with self._lock:
             return {Path(job.run_dir) for job in self.store.all()}
 
-    def offers(self, job: Job) -> dict[str, str | None]:
-        """The actions `job` offers now: None for one that can be taken, else why not (the
-        same reason the action itself would be refused with)."""
-        return rules.offers(job, self.unfinished(), self.roots)
-
     def list(self) -> list[Job]:
         """Every job, newest first, each derived from its process and run folder."""
         with self._lock:

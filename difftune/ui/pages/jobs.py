@@ -32,7 +32,7 @@ def register(ctx: "UiContext") -> None:
             _submit_form(ctx)
             table = ui.column().classes("w-full gap-2").props('data-testid="jobs"')
             jobs = JobsList(ctx, table)
-            ui.timer(0, jobs.refresh, once=True)
+            jobs.show(*jobs.read())  # in the page as served; then refreshed off the event loop
             ui.timer(1.0, jobs.refresh)
 
 
