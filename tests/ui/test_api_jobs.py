@@ -224,3 +224,13 @@ def test_resume_is_offered_only_while_the_run_has_steps_left(
     assert _post(client, f"/api/jobs/{stopped['id']}/resume")["status"] == 201
     busy = client.get(f"/api/jobs/{stopped['id']}").json()["actions"]["requeue"]
     assert busy is not None and "already trains in the run folder" in busy
+
+
+def test_a_copy_of_a_run_file_grown_too_large_is_413(
+        jobs_api: tuple[TestClient, UiContext]) -> None:
+    client, ctx = jobs_api
+    job = _post(client, "/api/jobs", verb="train", config="a.toml", args=[QUICK])
+    (ctx.roots.main / "a.toml").write_text('[save]\ndir = "runs/a"\n# ' + "x" * (2 << 20) + "\n")
+    answer = _post(client, f"/api/jobs/{job['id']}/duplicate")
+    assert answer["status"] == 413 and "too large for a run file" in answer["detail"]
+    assert not (ctx.roots.main / "a-2.toml").exists()

@@ -28,6 +28,7 @@ from difftune.ui.jobs.launch import (cli_argv, device_env, gpus_visible, parse_d
                                       resolve_device, start_wrapper)
 from difftune.ui.jobs.paths import check_run_file, checked_args
 from difftune.ui.jobs.store import LIVE, VERBS, Job, JobStore
+from difftune.ui.limits import TooLarge
 from difftune.ui.security import Roots
 
 TICK_SECONDS = 0.5
@@ -158,6 +159,8 @@ class JobQueue:
                 try:
                     config, args = clone(config, args, Path(job.run_dir), self.roots,
                                          self.run_dirs())
+                except TooLarge:
+                    raise
                 except ConfigError as err:
                     raise ValueError(f"cannot copy the run file {job.config}: {err}") from None
             return self.submit(job.verb, config, args, job.device, parent=job.id)
