@@ -80,8 +80,8 @@ class JobRow:
         self._set("file", str(job.config), lambda: self.file.set_text(
             self.ctx.roots.relative(Path(job.config))))
         self.step.set_text(f"step {p.step}/{p.total or '?'}" if p else "")
-        running = job.state == "running" and p is not None and p.eta_s
-        self.eta.set_text(f"ETA {clock(p.eta_s)}" if running and p and p.eta_s else "")
+        eta = p.eta_s if p is not None and job.state == "running" else None
+        self.eta.set_text(f"ETA {clock(eta)}" if eta else "")
         self.loss.set_text(f"loss {p.loss:.4f}" if p and p.loss is not None else "")
         self.when.set_text(_when(job))
         sample = p.sample if p else None
