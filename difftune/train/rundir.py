@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 from difftune.config import RunConfig
 from difftune.errors import ConfigError, EnvironmentProblem
@@ -37,16 +38,21 @@ def previous_outputs(out: Path) -> list[str]:
     a metrics file with rows, sample images. A folder holding only a log, a resolved config or
     a cache (what a run refused before its first step leaves) is free to use.
     """
-    found = [p.name for p in _listed(out, "*.safetensors")]
+    return list(outputs_in(out))
+
+
+def outputs_in(out: Path) -> Iterator[str]:
+    """`previous_outputs` one at a time (relative names), so a caller asking only whether a
+    folder holds any result stops at the first (a run folder may hold thousands of samples)."""
+    yield from (p.name for p in _listed(out, "*.safetensors"))
     ckpts = out / CHECKPOINTS
     if ckpts.is_dir():
-        found += [f"{CHECKPOINTS}/{p.name}" for p in sorted(ckpts.iterdir())]
-    found += [f"embeddings/{p.name}" for p in _listed(out / "embeddings", "*.safetensors")]
+        yield from (f"{CHECKPOINTS}/{p.name}" for p in sorted(ckpts.iterdir()))
+    yield from (f"embeddings/{p.name}" for p in _listed(out / "embeddings", "*.safetensors"))
     metrics = out / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
-        found.append(metrics.name)
-    found += [f"samples/{p.name}" for p in _listed(out / "samples", "*.png")]
-    return found
+        yield metrics.name
+    yield from (f"samples/{p.name}" for p in _listed(out / "samples", "*.png"))
 
 
 def refuse_overwrite(cfg: RunConfig) -> None:

@@ -88,3 +88,27 @@ def kill_jobs(root: Path) -> None:
                 os.killpg(info["pid"], signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def run_outputs(run_dir: Path, step: int, total: int, final: bool,
+                samples: tuple[int, ...] = ()) -> None:
+    """Write what a training of `total` steps leaves in `run_dir` at `step`: its resolved
+    config, metrics rows (loss 1/step, 2 it/s), a complete checkpoint, two sample images
+    (prompts 0 and 1) at each step of `samples`, and (`final`) the final LoRA file."""
+    from PIL import Image
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.resolved.json").write_text(json.dumps(
+        {"train": {"steps": total}, "save": {"name": "lora"}}))
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 1 / s, "it_per_s": 2.0}) + "\n"
+        for s in range(1, step + 1)))
+    (run_dir / "checkpoints" / f"step-{step:06d}").mkdir(parents=True)
+    (run_dir / "checkpoints" / f"step-{step:06d}" / "state.json").write_text("{}")
+    (run_dir / "samples").mkdir(exist_ok=True)
+    for at in samples:
+        for index, colour in enumerate(("red", "blue")):
+            Image.new("RGB", (16, 16), colour).save(
+                run_dir / "samples" / f"step-{at:06d}_{index:02d}_a-{colour}-square.png")
+    if final:
+        (run_dir / "lora.safetensors").write_bytes(b"{}")

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from difftune.ui.api.config import router
 from difftune.ui.context import UiContext
+from difftune.ui.jobs.queue import JobQueue
 from difftune.ui.security import Roots
 
 
@@ -26,7 +27,7 @@ class FakeJob:
 
 @dataclass
 class FakeQueue:
-    """The JobQueue interface the pages use: submit, get, tail."""
+    """The JobQueue interface the pages use: submit, get, tail, run_dirs."""
 
     jobs: list[FakeJob] = field(default_factory=list)
 
@@ -41,15 +42,23 @@ class FakeQueue:
     def tail(self, job_id: int, lines: int = 200) -> list[str]:
         return []
 
+    def run_dirs(self) -> set[Path]:
+        return {job.config.parent for job in self.jobs}
+
 
 @pytest.fixture()
 def forms_client(tmp_path: Path) -> TestClient:
     root = tmp_path / "root"
     root.mkdir()
     ctx = UiContext(roots=Roots.of([root]), queue=FakeQueue())  # type: ignore[arg-type]
+    return TestClient(_app(ctx))
+
+
+def _app(ctx: UiContext) -> FastAPI:
+    """An app serving only the /config routes over `ctx`."""
     app = FastAPI()
     app.include_router(router(ctx), prefix="/api")
-    return TestClient(app)
+    return app
 
 
 def _tiny(client: TestClient) -> str:
@@ -183,3 +192,22 @@ def test_loading_a_file_that_is_no_run_file_is_refused(forms_client: TestClient,
     large = forms_client.post("/api/config/save", json={
         "toml": "# " + "x" * (1 << 21), "path": "runs/large.toml"})
     assert large.status_code == 413 and not (root / "runs" / "large.toml").exists()
+
+
+def test_the_default_save_path_never_lands_in_a_used_folder(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    queue = JobQueue(root / ".difftune-ui" / "jobs.sqlite", Roots.of([root]))
+    client = TestClient(_app(UiContext(roots=queue.roots, queue=queue)))
+    try:
+        text = _tiny(client)
+        saved = [client.post("/api/config/save", json={"toml": text}).json()["path"]
+                 for _ in range(2)]
+        assert saved == [str(root / "runs" / "run" / "run.toml"),
+                         str(root / "runs" / "run-2" / "run.toml")]  # the first now exists
+        (root / "other.toml").write_text('[save]\ndir = "runs/run-3"\n')
+        queue.submit("check", root / "other.toml")  # queued: its folder is not made yet
+        third = client.post("/api/config/save", json={"toml": text}).json()["path"]
+        assert third == str(root / "runs" / "run-4" / "run.toml")
+    finally:
+        queue.close()

@@ -1,6 +1,7 @@
 """In a real browser, what a user does: pick the tiny FLUX.1 preset, point it at the demo
 images, see a bad field refused with the CLI's message, check, start, watch the loss chart and
-a sample appear, press "sample now", stop, resume, finish, download the LoRA."""
+a sample appear (and the run's progress and ETA on the jobs list), press "sample now", stop,
+resume, finish, download the LoRA."""
 
 from __future__ import annotations
 
@@ -76,6 +77,13 @@ def test_a_user_trains_the_tiny_preset_end_to_end(tmp_path: Path, browser: Any) 
         page.wait_for_url(re.compile(r"/run\?job=\d+"))
         run_dir = tmp_path / "runs" / "tiny"
         wait_for("loss points on the chart", lambda: chart_points(page) > 5, timeout=120)
+        jobs = browser.new_page(viewport={"width": 1400, "height": 1000})
+        jobs.goto(f"{ui.url}/")  # the jobs list, while the run trains: its progress and ETA
+        wait_for("the ETA on the jobs list", lambda: jobs.get_by_test_id(
+            "job-2-eta").inner_text().startswith("ETA "))
+        assert jobs.get_by_test_id("job-2-name").inner_text() == "tiny"
+        assert STEP.search(jobs.get_by_test_id("job-2-progress").inner_text())
+        jobs.close()
         page.get_by_test_id("sample-now").click()  # before the scheduled sample at step 100
         asked = step_of(page)
         wait_for("the requested sample", lambda: page.get_by_test_id("sample").count() > 0)
@@ -106,6 +114,8 @@ def test_a_user_trains_the_tiny_preset_end_to_end(tmp_path: Path, browser: Any) 
         for job, state in ((1, "succeeded"), (2, "stopped"), (3, "succeeded")):
             wait_for(f"job {job} {state}", lambda: page.get_by_test_id(
                 f"job-{job}-state").inner_text() == state)
+        assert page.get_by_test_id("job-3-progress").inner_text() == "step 120/120"
+        assert page.get_by_test_id("job-3-resume").is_disabled()  # nothing left to train
         shoot(page, "jobs")
     finally:
         page.close()

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import pytest
 
+from difftune.ui.jobs.clone import copy_args
 from difftune.ui.jobs.derive import derive, finish
 from difftune.ui.jobs.launch import gpus_visible, resolve_device, write_json
 from difftune.ui.jobs.queue import JobQueue, JobStateError, run_dir_of
@@ -297,3 +298,9 @@ def test_a_second_stop_kills_a_job_that_ignores_sigterm(jobs_queue: JobQueue,
     jobs_queue.stop(job.id)  # the second press kills it
     done = wait_for(jobs_queue, job.id, ("died", "failed", "stopped", "succeeded"))
     assert done.state == "died" and "without an exit record" in done.error
+
+
+def test_a_copy_of_a_training_leaves_out_its_resume_and_save_overrides() -> None:
+    args = ["--set=save.dir=x", "--resume=latest", "--set", "train.lr=1", "--resume",
+            "runs/a/checkpoints/step-000001", "--set", " save.name = y", "--init-lora", "l.st"]
+    assert copy_args(args) == ["--set", "train.lr=1", "--init-lora", "l.st"]

@@ -19,6 +19,7 @@ from difftune.errors import ConfigError
 from difftune.ui.context import UiContext
 from difftune.ui.forms import applies, presets, schema, toml_io
 from difftune.ui.forms.validate import validate
+from difftune.ui.jobs.clone import free_folder
 from difftune.ui.limits import MAX_TEXT_BYTES, TooLarge, encode, read_text
 from difftune.ui.security import PathOutsideRoots
 
@@ -203,12 +204,14 @@ class Service:
         return self.form(read_text(target, "run file"))
 
     def default_path(self, text: str) -> Path:
-        """Where a new run file goes: `<runs>/<save.name or "run">/run.toml`."""
+        """Where a new run file goes: `<runs>/<save.name or "run">/run.toml`, or in
+        `<name>-2`, `-3`, ... when that folder exists or a job uses it: a new run never
+        lands in an existing run's folder."""
         try:
             name = toml_io.values(toml_io.parse(text)).get("save.name") or "run"
         except ConfigError:
             name = "run"
-        return self.ctx.runs_dir / str(name) / "run.toml"
+        return free_folder(self.ctx.runs_dir / str(name), self.ctx.queue.run_dirs()) / "run.toml"
 
 
 def _http(err: Exception) -> HTTPException:

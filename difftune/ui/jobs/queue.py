@@ -16,19 +16,19 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
-from difftune.config.errors import parse_override
 from difftune.errors import ConfigError
+from difftune.ui.jobs import rules
+from difftune.ui.jobs.clone import clone
 from difftune.ui.jobs.derive import derive, tail_lines, wrapper_alive
 from difftune.ui.jobs.launch import (cli_argv, device_env, gpus_visible, parse_device,
                                       resolve_device, start_wrapper)
-from difftune.ui.jobs.paths import check_run_file, checked_args, option_values
+from difftune.ui.jobs.paths import check_run_file, checked_args
 from difftune.ui.jobs.store import LIVE, VERBS, Job, JobStore
-from difftune.ui.limits import TooLarge, read_text
+from difftune.ui.limits import TooLarge
 from difftune.ui.security import Roots
 
 TICK_SECONDS = 0.5
@@ -84,7 +84,21 @@ class JobQueue:
         run_dir = self.roots.resolve(run_dir_of(path, checked), write=True)
         check_run_file(path, checked, self.roots)
         with self._lock:
+            if verb == "train":
+                _refuse(rules.training_refusal(run_dir, path, checked, self.unfinished()))
             return self.store.add(verb, path, checked, run_dir, device, parent)
+
+    def unfinished(self) -> list[Job]:
+        """The queued, running and stopping jobs, as last derived (not derived again: cheap
+        enough to ask on every refresh of a page)."""
+        with self._lock:
+            return [job for job in self.store.all() if not job.finished]
+
+    def run_dirs(self) -> set[Path]:
+        """The run folder of every job, finished or not (a new run's folder is none of
+        them)."""
+        with self._lock:
+            return {Path(job.run_dir) for job in self.store.all()}
 
     def list(self) -> list[Job]:
         """Every job, newest first, each derived from its process and run folder."""
@@ -124,35 +138,39 @@ class JobQueue:
 
     def resume(self, job_id: int) -> Job:
         """A new queued train job continuing this one's run (`--resume latest`). JobStateError
-        unless it is a finished train job whose run folder has a complete checkpoint."""
+        unless it is a finished train job whose run is not complete and whose run folder has
+        a complete checkpoint."""
         with self._lock:
             job = self.get(job_id)
-            if job.verb != "train":
-                raise JobStateError(f"job {job_id} is a {job.verb} job; only a train job can be "
-                                 "resumed")
-            if not job.finished:
-                raise JobStateError(f"job {job_id} is {job.state}; stop it, or wait for it to end, "
-                                 "before resuming")
-            if not job.checkpoints:
-                raise JobStateError(f"job {job_id} cannot be resumed: its run folder {job.run_dir} "
-                                 "has no complete checkpoint (checkpoints/step-*/ with "
-                                 "state.json); requeue it to start the run over")
+            _refuse(rules.resume_refusal(job, self.roots))
             args = [*without_options(job.args, ("--resume", "--init-lora")), "--resume", "latest"]
             return self.submit("train", job.config, args, job.device, parent=job.id)
 
     def duplicate(self, job_id: int) -> Job:
-        """A new queued job with the same verb, run file, arguments and device."""
+        """A new queued copy of the job. A training's copy trains into a new run folder under
+        a new name, from a copy of its run file written beside it (clone.py): rerun in its
+        own folder it would fail on the results there. Other jobs are queued again as they
+        are (same verb, run file, arguments and device)."""
         with self._lock:
             job = self.store.get(job_id)
-            return self.submit(job.verb, job.config, job.args, job.device, parent=job.id)
+            _refuse(rules.duplicate_refusal(job))
+            config, args = Path(job.config), job.args
+            if job.verb == "train":
+                try:
+                    config, args = clone(config, args, Path(job.run_dir), self.roots,
+                                         self.run_dirs())
+                except TooLarge:
+                    raise
+                except ConfigError as err:
+                    raise ValueError(f"cannot copy the run file {job.config}: {err}") from None
+            return self.submit(job.verb, config, args, job.device, parent=job.id)
 
     def requeue(self, job_id: int) -> Job:
-        """A finished job queued again, as a new job. JobStateError while it is unfinished."""
+        """A finished job queued again, as a new job. JobStateError while it is unfinished,
+        and for a training whose run folder now holds results (duplicate it instead)."""
         with self._lock:
             job = self.get(job_id)
-            if not job.finished:
-                raise JobStateError(f"job {job_id} is {job.state}; only a finished job can be "
-                                 "requeued (duplicate queues a copy of any job)")
+            _refuse(rules.requeue_refusal(job, self.unfinished()))
             return self.submit(job.verb, job.config, job.args, job.device, parent=job.id)
 
     def log_path(self, job_id: int) -> Path:
@@ -245,23 +263,17 @@ def run_dir_of(config: Path, args: list[str]) -> Path:
     """The job's run folder: the run file's `[save] dir` (after its `--set` overrides) taken
     relative to the run file's folder, as the CLI does; that folder when it cannot be read.
     TooLarge for a file larger than a run file can be (it is not read)."""
-    try:
-        data = tomllib.loads(read_text(config))
-    except TooLarge:
-        raise
-    except (OSError, ConfigError, tomllib.TOMLDecodeError):
-        return config.parent
-    for override in option_values(args, "--set"):
-        try:
-            parse_override(data, override)
-        except ConfigError:
-            pass  # the CLI reports it; the folder stays the file's
-    save = data.get("save")
-    folder = save.get("dir") if isinstance(save, dict) else None
+    folder = rules.save_table(config, args).get("dir")
     if not isinstance(folder, str) or not folder.strip():
         return config.parent
     path = Path(folder).expanduser()
     return (path if path.is_absolute() else config.parent / path).resolve()
+
+
+def _refuse(reason: str | None) -> None:
+    """Raise JobStateError with `reason`, when there is one."""
+    if reason is not None:
+        raise JobStateError(reason)
 
 
 def without_options(args: list[str], options: tuple[str, ...]) -> list[str]:

@@ -20,6 +20,7 @@ from difftune.ui.api.config import FileExists, Service
 from difftune.ui.context import UiContext
 from difftune.ui.forms import presets, schema, toml_io
 from difftune.ui.forms.schema import FieldSpec
+from difftune.ui.jobs.store import Job
 from difftune.ui.pages.layout import error_box, frame
 from difftune.ui.security import PathOutsideRoots
 
@@ -120,6 +121,7 @@ class Prepare:
         self.syncing = False
         self.owned: Path | None = None  # a file this page loaded or saved (may be replaced)
         self.timer: ui.timer | None = None
+        self.valid = False  # whether the text validated (Start is offered only then)
 
     # --- building -------------------------------------------------------------------------
     def build(self) -> None:
@@ -167,9 +169,12 @@ class Prepare:
     def _actions(self) -> None:
         with ui.row().classes("gap-2 items-center"):
             ui.button("Check", on_click=self.check).props('data-testid="check"')
-            ui.button("Start training", on_click=self.start).props(
+            self.start_button = ui.button("Start training", on_click=self.start).props(
                 'data-testid="start" color="positive"')
+            self.start_why = ui.label("").classes("text-sm text-red-800") \
+                .props('data-testid="start-why"')
             self.job_state = ui.label("").props('data-testid="check-state"')
+        self.startable(False, "pick a preset or load a run file to start training")
         self.report = ui.label("").classes("w-full whitespace-pre-wrap font-mono text-xs") \
             .props('data-testid="check-report"')
 
@@ -185,6 +190,7 @@ class Prepare:
             form = self.service.form(text)
         except ConfigError as err:
             self.show_error(str(err))
+            self.startable(False)
             return
         self.syncing = True
         try:
@@ -227,14 +233,22 @@ class Prepare:
             result = await run.io_bound(self.service.validate, text, self.path.value or None)
         except PathOutsideRoots as err:
             self.show_error(str(err))
+            self.startable(False)
             return
         if text != self.text:
             return  # a newer edit validates itself
         self.show_error(result.message)
+        self.startable(result.ok)
         self.warnings.clear()
         with self.warnings:
             for line in result.warnings:
                 ui.label(f"warning: {line}").classes("text-amber-700 text-sm")
+
+    def startable(self, ok: bool, why: str = "fix the error above to start training") -> None:
+        """Offer "Start training" only for a run file that validates; say why not."""
+        self.valid = ok
+        self.start_button.set_enabled(ok)
+        self.start_why.text = "" if ok else why
 
     def show_error(self, message: str | None) -> None:
         """Show the CLI's message (or clear it)."""
@@ -307,13 +321,34 @@ class Prepare:
             if job.state != "succeeded" and job.error:
                 self.show_error(job.error.removeprefix("error: "))
 
-    def start(self) -> None:
-        """Save, submit `difftune train`, and go to the run's page."""
+    async def start(self) -> None:
+        """Validate, save, submit `difftune train`, and go to the run's page. Refused with
+        the message shown while the file does not validate, and when the queue refuses (the
+        run folder holds a run's results, or another training uses it: a second Start)."""
+        self.start_button.disable()  # one submission per press: a double click is not two
+        try:
+            job = await self._train()
+        except (ValueError, OSError) as err:  # (JobStateError, PathOutsideRoots)
+            self.show_error(str(err))
+            job = None
+        if job is None:
+            self.startable(self.valid)
+            return
+        ui.navigate.to(f"/run?job={job.id}")
+
+    async def _train(self) -> Job | None:
+        """The train job of the file as the form holds it, or None (the reason shown)."""
+        result = await run.io_bound(self.service.validate, self.text, self.path.value or None)
+        if result is None:
+            return None  # the page was closed
+        if not result.ok:
+            self.show_error(result.message)
+            self.valid = False
+            return None
         path = self.save()
         if path is None:
-            return
-        job = self.ctx.queue.submit("train", path)
-        ui.navigate.to(f"/run?job={job.id}")
+            return None
+        return await run.io_bound(self.ctx.queue.submit, "train", path)
 
 
 def register(ctx: UiContext) -> None:

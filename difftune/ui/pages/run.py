@@ -19,6 +19,7 @@ from difftune.ui import run_outputs as outputs
 from difftune.ui import runs
 from difftune.ui.pages.charts import loss_chart_options
 from difftune.ui.pages.layout import error_box, frame
+from difftune.ui.pages.states import state_color
 from difftune.ui.security import PathOutsideRoots
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ class RunView:
         """State badge, step/total, it/s, ETA, GPU memory, the error and the actions."""
         state = self.job.state if self.job else ("finished" if summary.finished else "—")
         self.state.text = state
+        self.state.set_background_color(state_color(state))
         total = summary.total_steps or "?"
         self.progress.text = f"step {summary.step}/{total}"
         bits = []
