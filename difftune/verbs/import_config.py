@@ -1,0 +1,115 @@
+"""`difftune import kohya|ai-toolkit|onetrainer FILE`: another trainer's config as a difftune
+run file, with a report of what maps, what was guessed and what has no equivalent.
+
+Nothing a user made is overwritten: the run file and its prompt file are created new (an
+existing one is refused unless --force), and the source file is never written.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from pydantic import ValidationError
+
+from difftune.config.errors import format_validation_error
+from difftune.config.run import RunConfig
+from difftune.errors import ConfigError
+from difftune.importers import TRAINERS, reader
+from difftune.importers.notes import Translation
+from difftune.importers.write import report, run_toml
+
+
+def _read(source: Path) -> str:
+    """The source file's text, or a clear refusal."""
+    if not source.is_file():
+        raise ConfigError(f"{source} does not exist or is not a file; pass the other trainer's "
+                          "config file")
+    try:
+        return source.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source} is not a text file (not UTF-8); pass the config file") \
+            from None
+    except OSError as err:
+        raise ConfigError(f"{source} cannot be read ({err.strerror}); check its permissions") \
+            from None
+
+
+def _targets(source: Path, out: Path | None, force: bool) -> tuple[Path, Path]:
+    """The run file and its prompt file; refused when either exists (unless `force`) or
+    either is the source file itself."""
+    out = out or Path(f"{source.stem}.difftune.toml")
+    prompts = out.with_name(f"{out.stem}.prompts.txt")
+    for path in (out, prompts):
+        if path.resolve() == source.resolve():
+            raise ConfigError(f"{path} is the file being imported; choose another --out")
+        if path.exists() and not force:
+            raise ConfigError(f"{path} exists; choose another --out, or pass --force to "
+                              "replace it")
+        if path.is_dir():
+            raise ConfigError(f"{path} is a folder; choose a file name with --out")
+    return out, prompts
+
+
+def _write(path: Path, text: str) -> None:
+    """Write `text` atomically (a temporary file beside it, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _validate(t: Translation, source: Path, say: Callable[[str], None]) -> None:
+    """The translation must be a valid difftune run (schema and cross-field rules); when not,
+    the report is shown and nothing is written."""
+    try:
+        RunConfig.model_validate(t.data)
+    except ValidationError as err:
+        for line in report(t.notes):
+            say(line)
+        raise ConfigError(format_validation_error(err, f"the run imported from {source}")
+                          + "\nnothing was written; fix the source file (or finish the "
+                          "run file by hand from the report above)") from None
+
+
+def translate(trainer: str, source: Path, family: str | None, prompt_file: str) -> Translation:
+    """The difftune run `source` (a `trainer` config) means, with its notes."""
+    module = reader(trainer)
+    try:
+        data = module.parse(_read(source))
+    except ValueError as err:
+        raise ConfigError(f"{source}: {err}; pass {TRAINERS[trainer][1]}") from None
+    t = Translation(trainer, base=source.resolve().parent, prompt_file=prompt_file)
+    if family:
+        t.put("model.family", family, f"--family {family}")
+    module.translate(data, source, t)
+    if t.get("save.dir") is None:
+        t.put("save.dir", f"runs/{source.stem}", "(no output folder in the source)",
+              "a folder beside the run file")
+    return t
+
+
+def run_import(trainer: str, source: Path, out: Path | None, force: bool = False,
+               family: str | None = None, command: str = "difftune import",
+               say: Callable[[str], None] = print) -> Path:
+    """Import `source`, write the run file (and its prompt file), print the report; return
+    the run file's path."""
+    out, prompts = _targets(source, out, force)
+    t = translate(trainer, source, family, prompts.name)
+    _validate(t, source, say)
+    if t.prompts:
+        _write(prompts, "\n".join(t.prompts) + "\n")
+    _write(out, run_toml(t, source, command))
+    say(f"imported {TRAINERS[trainer][1]} {source} -> {out}"
+        + (f" (prompts: {prompts})" if t.prompts else ""))
+    for line in report(t.notes):
+        say(line)
+    say(f"next: difftune check {out}")
+    return out
