@@ -217,3 +217,18 @@ def _scalar(text: str) -> Any:
         except ValueError:
             pass
     return text.strip("\"'")
+
+
+def fit_sides(t: Translation) -> None:
+    """A dataset resolution outside difftune's default bucket sides (256 to 2048), where the
+    source set no bounds: the bounds widened to hold it (guessed), so the run validates."""
+    for d, dataset in enumerate(t.get("datasets", [])):
+        res = dataset.get("resolution")
+        if res is None:
+            continue
+        sides = res if isinstance(res, list) else [res]
+        low, high = min(256, max(16, min(sides) // 2)), max(2048, max(sides))
+        for key, value, default in (("min_side", low, 256), ("max_side", high, 2048)):
+            if key not in dataset and value != default:
+                t.put(f"datasets.{d}.{key}", value, f"resolution = {res}",
+                      f"difftune's default {key} ({default}) would refuse that resolution")

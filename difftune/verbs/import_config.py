@@ -19,6 +19,7 @@ from difftune.config.run import RunConfig
 from difftune.errors import ConfigError
 from difftune.importers import TRAINERS, reader
 from difftune.importers.notes import Translation
+from difftune.importers.values import fit_sides
 from difftune.importers.write import report, run_toml
 
 
@@ -90,6 +91,7 @@ def translate(trainer: str, source: Path, family: str | None, prompt_file: str) 
     if family:
         t.put("model.family", family, f"--family {family}")
     module.translate(data, source, t)
+    fit_sides(t)
     if t.get("save.dir") is None:
         t.put("save.dir", f"runs/{source.stem}", "(no output folder in the source)",
               "a folder beside the run file")
