@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from difftune.config.base import QUANT_BACKENDS
 from difftune.config.full import warn_ignored_full
@@ -235,10 +235,16 @@ _DDPM_ONLY = {"prediction": "auto", "zero_terminal_snr": False, "noise_offset": 
 _FLOW_ONLY = {"timesteps": "sigmoid", "sigmoid_mean": 0.0, "sigmoid_std": 1.0, "shift": 3.0}
 
 
+def other_objective(family: str) -> dict[str, Any]:
+    """The train options (with their defaults) of the objective `family` does not train with."""
+    kind = registry.spec(family).objective
+    return dict(_DDPM_ONLY if kind == "flow" else _FLOW_ONLY if kind == "ddpm" else {})
+
+
 def objective_problems(family: str, train: TrainConfig) -> list[str]:
     """Options set for the objective this family does not train with (never silently ignored)."""
     kind = registry.spec(family).objective
-    ignored = _DDPM_ONLY if kind == "flow" else _FLOW_ONLY if kind == "ddpm" else {}
+    ignored = other_objective(family)
     set_here = [k for k, default in ignored.items()
                 if k in train.model_fields_set and getattr(train, k) != default]
     return [f"train.{k} does not apply to model.family = \"{family}\" (trained with "

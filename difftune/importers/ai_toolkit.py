@@ -12,7 +12,7 @@ import yaml
 from difftune.errors import ConfigError
 from difftune.importers.notes import USED, Drop, NoEquivalent, Rule, To, Translation, src
 from difftune.importers.values import (dtype, family, model_source, number, optimizer,
-                                       optimizer_args, put_path, scheduler, sides)
+                                       optimizer_args, put_path, scheduler, sides, tables)
 from difftune.importers.prompts import write_prompts
 
 TRAINERS = ("sd_trainer", "ui_trainer")
@@ -201,7 +201,7 @@ def translate(data: dict[str, Any], path: Path, t: Translation) -> None:
             t.apply(TABLES[key], value, prefix=f"{key}.")
         elif key != "datasets":
             t.rule(PROCESS.get(key), key, value)
-    _datasets(t, process)
+    _datasets(t, process, path)
     _preservation(t, process)
     write_prompts(t, process.get("sample") or {}, str(process.get("trigger_word") or ""))
     for key in data:
@@ -231,11 +231,11 @@ def _save(t: Translation, process: dict[str, Any], name: str) -> None:
           None if stem == name else "characters a file name cannot hold became _")
 
 
-def _datasets(t: Translation, process: dict[str, Any]) -> None:
+def _datasets(t: Translation, process: dict[str, Any], path: Path) -> None:
     """Each ai-toolkit dataset is one difftune dataset of one folder; the trigger word, which
     ai-toolkit adds to captions lacking it, becomes each dataset's caption prefix."""
     trigger = process.get("trigger_word")
-    for d, dataset in enumerate(process.get("datasets") or []):
+    for d, dataset in enumerate(tables(process.get("datasets"), "datasets", path)):
         where = str(d)
         if "folder_path" in dataset:
             put_path(t, f"datasets.{d}.path", dataset["folder_path"],

@@ -245,7 +245,7 @@ def _datasets(t: Translation, args: dict[str, Any], path: Path) -> None:
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
             raise ConfigError(f"{path}: dataset_config {where} cannot be read as TOML ({err}); "
                               "fix that file or the path") from None
-        kohya_data.from_config(t, config, args)
+        kohya_data.from_config(t, config, args, where)
         return
     for key, reg in (("train_data_dir", False), ("reg_data_dir", True)):
         if key in args:

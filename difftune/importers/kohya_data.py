@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from difftune.importers.notes import Drop, Rule, To, Translation, src
-from difftune.importers.values import pair_side, put_path
+from difftune.errors import ConfigError
+from difftune.importers.values import pair_side, put_path, tables
 
 SUBSET = "datasets.{}"  # "{}" becomes "<dataset>.subsets.<subset>"
 
@@ -70,14 +71,18 @@ DATASET_RULES: dict[str, Rule] = {
 }
 
 
-def from_config(t: Translation, config: dict[str, Any], args: dict[str, Any]) -> None:
+def from_config(t: Translation, config: dict[str, Any], args: dict[str, Any],
+                path: Path) -> None:
     """A kohya dataset config: each subset with the options of its dataset, of [general] and of
     the training arguments under it (the nearest wins, as in kohya)."""
     general = config.get("general", {})
-    for d, dataset in enumerate(config.get("datasets", [])):
+    if not isinstance(general, dict):
+        raise ConfigError(f"{path}: [general] should be a table; fix it")
+    for d, dataset in enumerate(tables(config.get("datasets"), "[[datasets]]", path)):
         own = {k: v for k, v in dataset.items() if k != "subsets"}
         levels = [("", args), ("[general] ", general), (f"datasets[{d}].", own)]
-        for s, subset in enumerate(dataset.get("subsets", [])):
+        for s, subset in enumerate(tables(dataset.get("subsets"), f"datasets[{d}].subsets",
+                                          path)):
             merged: dict[str, tuple[str, Any]] = {}
             for prefix, values in levels + [(f"datasets[{d}].subsets[{s}].", subset)]:
                 merged.update({k: (prefix + k, v) for k, v in values.items()

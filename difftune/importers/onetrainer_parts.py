@@ -11,7 +11,7 @@ from difftune.errors import ConfigError
 from difftune.families import registry
 from difftune.importers.notes import USED, Drop, NoEquivalent, Rule, To, Translation, src
 from difftune.importers.prompts import line, prompts_file
-from difftune.importers.values import local, put_path
+from difftune.importers.values import local, put_path, tables
 
 STORAGE = {"FLOAT_8": "fp8", "BFLOAT_16": "bf16", "FLOAT_16": "fp16", "FLOAT_32": "fp32"}
 QUANTIZED = {"NFLOAT_4": "nf4", "INT_8": "int8", "INT_W8A8": "int8", "FLOAT_W8A8": "fp8"}
@@ -97,7 +97,7 @@ def _read_list(t: Translation, data: dict[str, Any], inline: str, file_key: str,
                path: Path) -> list[Any]:
     """A list given inline, else read from the JSON file its `file_key` names."""
     if data.get(inline):
-        return list(data[inline])
+        return tables(data[inline], inline, path)
     if not data.get(file_key):
         return []
     where = local(str(data[file_key]), t.base)
@@ -108,7 +108,7 @@ def _read_list(t: Translation, data: dict[str, Any], inline: str, file_key: str,
         return []
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"{path}: {file_key} {where} cannot be read as JSON ({err})") from None
-    return found if isinstance(found, list) else []
+    return tables(found, f"{file_key} {where}", path)
 
 
 def concepts(t: Translation, data: dict[str, Any], path: Path) -> None:

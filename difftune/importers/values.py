@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from difftune.config import checks
 from difftune.data.discover import IMAGE_EXTENSIONS
 from difftune.errors import ConfigError
 from difftune.families import registry
@@ -232,3 +233,30 @@ def fit_sides(t: Translation) -> None:
             if key not in dataset and value != default:
                 t.put(f"datasets.{d}.{key}", value, f"resolution = {res}",
                       f"difftune's default {key} ({default}) would refuse that resolution")
+
+
+def other_objective(t: Translation) -> None:
+    """Train options of the objective the family does not train with (a DDPM noise offset
+    for FLUX.1, a timestep distribution for SDXL) taken out again, with a note: difftune
+    refuses them rather than ignore them."""
+    name = t.get("model.family")
+    train = t.data.get("train", {})
+    why = f"does not apply to model.family = \"{name}\" (its objective does not use it)"
+    for key, default in checks.other_objective(name).items():
+        if key not in train or train[key] == default:
+            continue
+        del train[key]
+        t.comments.pop(f"train.{key}", None)
+        mapped = [n for n in t.notes if n.target.startswith(f"train.{key} =")]
+        t.notes = [n for n in t.notes if n not in mapped]
+        for note in mapped:
+            t.drop(note.source, why)
+
+
+def tables(value: Any, where: str, path: Path) -> list[dict[str, Any]]:
+    """A list of tables (datasets, subsets, concepts), or a refusal naming the place."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{path}: {where} should be a list of tables; fix it")
+    return value

@@ -7,8 +7,10 @@ existing one is refused unless --force), and the source file is never written.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -18,9 +20,11 @@ from difftune.config.errors import format_validation_error
 from difftune.config.run import RunConfig
 from difftune.errors import ConfigError
 from difftune.importers import TRAINERS, reader
-from difftune.importers.notes import Translation
-from difftune.importers.values import fit_sides
+from difftune.importers.notes import NoEquivalent, Translation
+from difftune.importers.values import fit_sides, other_objective
 from difftune.importers.write import report, run_toml
+
+log = logging.getLogger("difftune")
 
 
 def _read(source: Path) -> str:
@@ -90,8 +94,16 @@ def translate(trainer: str, source: Path, family: str | None, prompt_file: str) 
     t = Translation(trainer, base=source.resolve().parent, prompt_file=prompt_file)
     if family:
         t.put("model.family", family, f"--family {family}")
-    module.translate(data, source, t)
+    try:
+        module.translate(data, source, t)
+    except (AttributeError, TypeError, ValueError, KeyError, NoEquivalent) as err:
+        # A value of another shape than the trainer writes (a list where it writes a table,
+        # text where it writes a number): said as the file's problem, the detail in the log.
+        log.debug("import of %s failed:\n%s", source, traceback.format_exc())
+        raise ConfigError(f"{source}: a value has another shape than {TRAINERS[trainer][1]} "
+                          f"holds ({type(err).__name__}: {err}); fix that value") from None
     fit_sides(t)
+    other_objective(t)
     if t.get("save.dir") is None:
         t.put("save.dir", f"runs/{source.stem}", "(no output folder in the source)",
               "a folder beside the run file")

@@ -306,6 +306,14 @@ def test_nothing_is_overwritten(tmp_path: Path, images: Path,
      "difftune does not train this model"),
     ("ai-toolkit", "noarch.yaml", "config:\n  process:\n    - type: sd_trainer\n",
      "model.arch is not set"),
+    ("ai-toolkit", "j.yaml", "config:\n  process:\n    - type: sd_trainer\n      model: "
+     "{arch: flux, name_or_path: x}\n      datasets: {folder_path: x}\n",
+     "datasets should be a list of tables"),
+    ("onetrainer", "o.json", '{"model_type": "FLUX_DEV_1", "epochs": "many"}',
+     "a value has another shape"),
+    ("ai-toolkit", "k.yaml", "config:\n  process:\n    - type: sd_trainer\n      model: "
+     "{arch: flux, name_or_path: x}\n      train: {optimizer_params: 5}\n",
+     "a value has another shape"),
 ])
 def test_bad_input_exits_2_naming_the_file(trainer: str, name: str, text: str, problem: str,
                                            tmp_path: Path,
@@ -348,3 +356,46 @@ config:
     assert main(["check", str(out), "--set", 'train.device="cpu"']) == 0
     report = capsys.readouterr().out
     assert "check passed" in report and "sample works" in report
+
+
+def test_options_of_the_other_objective_are_left_out(tmp_path: Path, images: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A OneTrainer SDXL config names a timestep distribution (a flow-matching option difftune
+    refuses for SDXL): it is left out with the reason, and the run loads."""
+    (tmp_path / "sdxl").mkdir()
+    config = {"model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "LORA",
+              "base_model_name": "sdxl", "timestep_distribution": "UNIFORM",
+              "offset_noise_weight": 0.05, "output_model_destination": "out/x.safetensors",
+              "concepts": [{"path": images.as_posix()}]}
+    (tmp_path / "ot.json").write_text(json.dumps(config), encoding="utf-8")
+    code, report, _ = _import(capsys, "onetrainer", tmp_path / "ot.json", "--out",
+                              tmp_path / "run.toml")
+    assert code == 0
+    assert 'timestep_distribution = "UNIFORM": does not apply to model.family = "sdxl"' in report
+    cfg = load_config(tmp_path / "run.toml")
+    assert (cfg.model.family, cfg.train.noise_offset, cfg.train.timesteps) == ("sdxl", 0.05,
+                                                                               "sigmoid")
+
+
+def test_family_from_the_command_line(tmp_path: Path, images: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A LyCORIS config names no model: refused without --family, read with it (the kind
+    from network_args)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "c.toml").write_text(f"""\
+pretrained_model_name_or_path = "model"
+network_module = "lycoris.kohya"
+network_args = ["algo=lokr", "factor=8"]
+network_dim = 8
+output_dir = "out"
+train_data_dir = "{tmp_path.as_posix()}/train"
+""", encoding="utf-8")
+    shutil.copytree(images, tmp_path / "train" / "2_cat")
+    code, _, err = _import(capsys, "kohya", tmp_path / "c.toml", "--out", tmp_path / "r.toml")
+    assert code == 2 and "pass --family" in err and str(tmp_path / "c.toml") in err
+    code, report, _ = _import(capsys, "kohya", tmp_path / "c.toml", "--out",
+                              tmp_path / "r.toml", "--family", "sdxl")
+    assert code == 0 and "--family sdxl  ->  model.family" in report
+    cfg = load_config(tmp_path / "r.toml")
+    assert (cfg.model.family, cfg.adapter.type, cfg.adapter.factor) == ("sdxl", "lokr", 8)
+
