@@ -15,7 +15,7 @@ from difftune.importers.values import (dtype, family, model_source, number, opti
                                        optimizer_args, put_path, scheduler, sides, tables)
 from difftune.importers.prompts import write_prompts
 
-TRAINERS = ("sd_trainer", "ui_trainer")
+TRAINERS = ("sd_trainer", "ui_trainer", "diffusion_trainer")
 # Older configs name the architecture by a flag instead of model.arch.
 FLAGS = {"is_flux": "flux", "is_xl": "sdxl", "is_v3": "sd3", "is_v2": "sd2", "is_lumina2":
          "lumina2", "is_pixart": "pixart", "is_pixart_sigma": "pixart_sigma",
@@ -168,6 +168,10 @@ PROCESS: dict[str, Rule] = {
     "training_folder": USED,
     "trigger_word": USED,
 }
+# ai-toolkit's defaults where difftune's differ (an alpha of 1, not the rank).
+DEFAULTS = {"network": {"linear_alpha": 1.0},
+            "train": {"lr": 1e-6, "steps": 1000, "gradient_checkpointing": True},
+            "save": {"dtype": "float16", "save_every": 1000, "max_step_saves_to_keep": 5}}
 TABLES = {"network": NETWORK, "save": SAVE, "train": TRAIN, "model": MODEL, "sample": SAMPLE}
 
 
@@ -194,6 +198,7 @@ def translate(data: dict[str, Any], path: Path, t: Translation) -> None:
             raise ConfigError(f"{path}: model.arch is not set (nor an is_flux-style flag); "
                               "pass --family")
         family(t, str(arch).split(":")[0], source, path)
+    _defaults(t, process)
     name = str(data["config"].get("name", "lora"))
     _save(t, process, name)
     for key, value in process.items():
@@ -207,6 +212,16 @@ def translate(data: dict[str, Any], path: Path, t: Translation) -> None:
     for key in data:
         if key not in ("job", "config"):
             t.drop(f"{key} = ...", "ai-toolkit's own metadata")
+
+
+def _defaults(t: Translation, process: dict[str, Any]) -> None:
+    """ai-toolkit's defaults where difftune's differ, for the keys the job leaves out."""
+    for section, defaults in DEFAULTS.items():
+        table = process.setdefault(section, {})
+        if isinstance(table, dict):
+            given = {k: v for k, v in defaults.items()
+                     if not (k == "linear_alpha" and "alpha" in table)}
+            t.fill(table, given, f"{section}.")
 
 
 def _process(data: dict[str, Any], path: Path) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from difftune.importers.values import (dtype, family, model_source, optimizer,
 LOGGING = Drop("difftune writes metrics.jsonl and TensorBoard files into save.dir")
 LOADER = Drop("difftune loads data in the training process")
 ATTENTION = Drop("difftune uses PyTorch's scaled-dot-product attention", builtin=True)
+# sd-scripts' defaults where difftune's differ (a config leaving them out trains with these).
+DEFAULTS = {"network_dim": 4, "network_alpha": 1, "learning_rate": 2e-6}
 TIMESTEPS = {"uniform": "uniform", "sigmoid": "sigmoid", "shift": "shift",
              "flux_shift": "flux_shift"}
 LOSSES = {"l2": "l2", "huber": "huber", "smooth_l1": "smooth_l1"}
@@ -205,6 +207,8 @@ def translate(data: dict[str, Any], path: Path, t: Translation) -> None:
                           "keys (pretrained_model_name_or_path, network_module, ...) is there")
     if t.get("model.family") is None:
         _family(t, args, path)
+    t.fill(args, DEFAULTS if "max_train_epochs" in args else {**DEFAULTS,
+                                                               "max_train_steps": 1600})
     if str(args.get("network_module", "")).startswith("lycoris"):
         t.put("adapter.type", "lora", src("network_module", args["network_module"]),
               "LyCORIS's algo (network_args) picks the kind; lora when it names none")

@@ -101,9 +101,14 @@ class Translation:
     prompts: list[str] = field(default_factory=list)  # lines of a prompt file to write
     prompt_file: str = "prompts.txt"  # its name, beside the run file
     context: dict[str, Any] = field(default_factory=dict)  # a reader's own state
+    defaulted: set[str] = field(default_factory=set)  # keys filled from the trainer's defaults
 
     def put(self, dst: str, value: Any, source: str, guess: str | None = None) -> None:
-        """Set difftune key `dst` from `source` (the report's left side); a guess says why."""
+        """Set difftune key `dst` from `source` (the report's left side); a guess says why.
+        An unset value (None, as JSON's null) sets nothing."""
+        if value is None:
+            self.drop(source, "unset in the file", builtin=True)
+            return
         place(self.data, dst, value)
         kind: Kind = "guessed" if guess else "maps"
         self.notes.append(Note(kind, source, f"{dst} = {show(value)}", guess or ""))
@@ -126,6 +131,8 @@ class Translation:
 
     def rule(self, rule: Rule | None, key: str, value: Any, where: str = "") -> None:
         """Apply one rule to one source key."""
+        if key in self.defaulted:
+            key = f"{key} ({self.trainer}'s default, not in the file)"
         source = src(key, value)
         if rule is None:
             self.unknown(source)
@@ -142,6 +149,15 @@ class Translation:
             self.put(rule.dst.replace("{}", where), converted, source, rule.guess)
         else:
             rule(self, key, value, where)
+
+    def fill(self, mapping: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> None:
+        """Give `mapping` the trainer's own defaults for the keys it lacks, where they differ
+        from difftune's (a LoRA alpha of 1, a small learning rate), so the run trains as the
+        other trainer would have; each is marked in the report."""
+        for key, value in defaults.items():
+            if key not in mapping:
+                mapping[key] = value
+                self.defaulted.add(prefix + key)
 
     def get(self, dotted: str, default: Any = None) -> Any:
         """The value already set at `dotted`, or `default`."""

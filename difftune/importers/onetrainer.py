@@ -22,6 +22,13 @@ METHODS = {"LORA": "lora", "FINE_TUNE": "full"}
 PEFT = {"LORA": "lora", "LOHA": "loha", "LOKR": "lokr"}
 PRESETS = {"attn-only": "attention", "attn-mlp": "attention_mlp", "full": "all_linear"}
 TIMESTEPS = {"UNIFORM": "uniform", "LOGIT_NORMAL": "sigmoid"}
+# OneTrainer's defaults (TrainConfig.default_values) where difftune's differ: a saved preset
+# leaves out what it does not change, and OneTrainer then trains with these.
+DEFAULTS = {"training_method": "FINE_TUNE", "learning_rate": 3e-6, "epochs": 100,
+            "batch_size": 1, "resolution": "512", "lora_rank": 16, "lora_alpha": 1.0,
+            "learning_rate_warmup_steps": 200.0, "train_dtype": "FLOAT_16",
+            "timestep_distribution": "UNIFORM", "output_model_destination":
+            "models/model.safetensors", "output_dtype": "FLOAT_32"}
 # OneTrainer's model parts -> difftune's precision part (text encoders by their order).
 PARTS = {"transformer": "denoiser", "unet": "denoiser", "prior": "denoiser", "vae": "vae",
          "text_encoder": "text_encoders:0", "text_encoder_2": "text_encoders:1",
@@ -160,6 +167,7 @@ def translate(data: dict[str, Any], path: Path, t: Translation) -> None:
     if not {"model_type", "training_method", "base_model_name"} & set(data):
         raise ConfigError(f"{path} is not a OneTrainer training config: it has none of "
                           "model_type, training_method, base_model_name")
+    t.fill(data, DEFAULTS)
     t.context["source"] = data
     if t.get("model.family") is None:
         name = str(data.get("model_type", "STABLE_DIFFUSION_15"))
@@ -187,4 +195,5 @@ def translate(data: dict[str, Any], path: Path, t: Translation) -> None:
                   src("aspect_ratio_bucketing", data["aspect_ratio_bucketing"]))
     samples(t, data, path)
     if "epochs" in data:
-        steps_from_epochs(t, int(data["epochs"]), f"epochs = {data['epochs']}")
+        label = "epochs" + (" (OneTrainer's default)" if "epochs" in t.defaulted else "")
+        steps_from_epochs(t, int(data["epochs"]), src(label, data["epochs"]))

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlparse
 
 from difftune.config import checks
 from difftune.data.discover import IMAGE_EXTENSIONS
@@ -32,6 +33,8 @@ SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "linea
 DTYPES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "float_16": "fp16",
           "bf16": "bf16", "bfloat16": "bf16", "bfloat_16": "bf16",
           "fp32": "fp32", "float": "fp32", "float32": "fp32", "float_32": "fp32"}
+# Suffixes of single-file checkpoints (a pickle one is refused, with how to convert it, at load).
+SINGLE_FILES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin")
 # A Hugging Face repository name ("owner/name"), which difftune does not download.
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -85,7 +88,13 @@ def local(value: str, base: Path) -> Path:
 
 
 def put_path(t: Translation, dst: str, value: Any, source: str, base: Path) -> None:
-    """Set a path field, saying when a relative path was resolved (a guess)."""
+    """Set a path field, saying when a relative path was resolved (a guess); a download
+    address becomes its file name beside the run file, to be downloaded there."""
+    if "://" in str(value):
+        name = PurePosixPath(urlparse(str(value)).path).name or "model.safetensors"
+        t.put(dst, name, source, f"a download address: download it to {name} beside the run "
+              "file (difftune reads local files only), or set the path")
+        return
     path = local(str(value), base)
     guess = (None if Path(str(value)).expanduser().is_absolute() else
              "relative to the imported file's folder")
@@ -97,14 +106,18 @@ def model_source(t: Translation, value: Any, source: str, base: Path) -> None:
     a Hugging Face repository name -> model.path to be replaced by the downloaded folder."""
     text = str(value)
     path = local(text, base)
-    if path.is_dir() or (path.suffix == "" and not HUB_NAME.fullmatch(text)):
-        put_path(t, "model.path", text, source, base)
-    elif path.suffix:
+    if "://" in text:
         put_path(t, "model.transformer", text, source, base)
-    else:
+    elif path.is_dir():
+        put_path(t, "model.path", text, source, base)
+    elif path.is_file() or path.suffix.lower() in SINGLE_FILES:
+        put_path(t, "model.transformer", text, source, base)
+    elif HUB_NAME.fullmatch(text):
         t.put("model.path", text, source, f"{text!r} is a Hugging Face repository name and "
               "difftune reads local files only: download it (hf download "
               f"{text} --local-dir DIR) and set model.path to that folder")
+    else:
+        put_path(t, "model.path", text, source, base)
 
 
 def area_side(width: int, height: int) -> int:
@@ -260,3 +273,19 @@ def tables(value: Any, where: str, path: Path) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise ConfigError(f"{path}: {where} should be a list of tables; fix it")
     return value
+
+
+def fit_schedule(t: Translation) -> None:
+    """What difftune refuses as longer than the run (a default 1000-step save interval on a
+    short run, OneTrainer's 200 warm-up steps): a warm-up shortened to a tenth of the steps,
+    a save interval left out (the end of the run is saved anyway)."""
+    steps, warmup = int(t.get("train.steps", 1000)), t.get("train.warmup_steps")
+    if isinstance(warmup, int) and warmup >= steps:
+        t.put("train.warmup_steps", steps // 10, f"warmup {warmup} >= train.steps {steps}",
+              "difftune's warm-up must be shorter than the run: a tenth of it")
+    every = t.get("save.every_n_steps")
+    if isinstance(every, int) and every > steps:
+        del t.data["save"]["every_n_steps"]
+        t.comments.pop("save.every_n_steps", None)
+        t.drop(f"save.every_n_steps = {every} (imported)", f"longer than the run ({steps} "
+               "steps); the end of the run is saved anyway")

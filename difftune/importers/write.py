@@ -45,8 +45,8 @@ def _aot(t: Translation, items: list[dict[str, Any]], where: str) -> AoT:
     return aot
 
 
-def run_toml(t: Translation, source: Path, command: str) -> str:
-    """The run file's text."""
+def run_toml(t: Translation, source: Path, command: str, todo: list[str]) -> str:
+    """The run file's text; `todo` lists what difftune's checks still refuse."""
     doc = tomlkit.document()
     doc.add(tomlkit.comment(f"difftune run file imported from {source} ({t.trainer})"))
     doc.add(tomlkit.comment(f"by `{command}`. Check it with `difftune check <this file>`."))
@@ -55,6 +55,10 @@ def run_toml(t: Translation, source: Path, command: str) -> str:
         doc.add(tomlkit.comment("Left out (no equivalent in difftune, or unknown here):"))
         for note in left:
             doc.add(tomlkit.comment(f"  {note.source}: {note.why}"))
+    if todo:
+        doc.add(tomlkit.comment("To fix before it trains (difftune's own checks):"))
+        for line in todo:
+            doc.add(tomlkit.comment(line))
     doc.add(tomlkit.nl())
     for name in SECTIONS:
         value = t.data.get(name)

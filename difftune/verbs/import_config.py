@@ -1,6 +1,8 @@
 """`difftune import kohya|ai-toolkit|onetrainer FILE`: another trainer's config as a difftune
 run file, with a report of what maps, what was guessed and what has no equivalent.
 
+A run that difftune's own checks still refuse (a value out of range, a 4-bit base on a
+machine without CUDA) is written all the same, with what to fix listed in it and printed.
 Nothing a user made is overwritten: the run file and its prompt file are created new (an
 existing one is refused unless --force), and the source file is never written.
 """
@@ -21,7 +23,7 @@ from difftune.config.run import RunConfig
 from difftune.errors import ConfigError
 from difftune.importers import TRAINERS, reader
 from difftune.importers.notes import NoEquivalent, Translation
-from difftune.importers.values import fit_sides, other_objective
+from difftune.importers.values import fit_schedule, fit_sides, other_objective
 from difftune.importers.write import report, run_toml
 
 log = logging.getLogger("difftune")
@@ -71,17 +73,14 @@ def _write(path: Path, text: str) -> None:
         raise
 
 
-def _validate(t: Translation, source: Path, say: Callable[[str], None]) -> None:
-    """The translation must be a valid difftune run (schema and cross-field rules); when not,
-    the report is shown and nothing is written."""
+def problems(t: Translation) -> list[str]:
+    """What difftune's own validation (schema and cross-field rules, the family's and this
+    machine's included) still finds in the translated run: one line each, empty when none."""
     try:
         RunConfig.model_validate(t.data)
     except ValidationError as err:
-        for line in report(t.notes):
-            say(line)
-        raise ConfigError(format_validation_error(err, f"the run imported from {source}")
-                          + "\nnothing was written; fix the source file (or finish the "
-                          "run file by hand from the report above)") from None
+        return format_validation_error(err, "run").splitlines()[1:]
+    return []
 
 
 def translate(trainer: str, source: Path, family: str | None, prompt_file: str) -> Translation:
@@ -103,7 +102,11 @@ def translate(trainer: str, source: Path, family: str | None, prompt_file: str) 
         raise ConfigError(f"{source}: a value has another shape than {TRAINERS[trainer][1]} "
                           f"holds ({type(err).__name__}: {err}); fix that value") from None
     fit_sides(t)
+    fit_schedule(t)
     other_objective(t)
+    if not t.get("datasets"):
+        t.put("datasets.0.path", "images", "(no dataset in the source)", "put your images "
+              "(and .txt captions) in this folder beside the run file, or set the path")
     if t.get("save.dir") is None:
         t.put("save.dir", f"runs/{source.stem}", "(no output folder in the source)",
               "a folder beside the run file")
@@ -117,13 +120,17 @@ def run_import(trainer: str, source: Path, out: Path | None, force: bool = False
     the run file's path."""
     out, prompts = _targets(source, out, force)
     t = translate(trainer, source, family, prompts.name)
-    _validate(t, source, say)
+    todo = problems(t)
     if t.prompts:
         _write(prompts, "\n".join(t.prompts) + "\n")
-    _write(out, run_toml(t, source, command))
+    _write(out, run_toml(t, source, command, todo))
     say(f"imported {TRAINERS[trainer][1]} {source} -> {out}"
         + (f" (prompts: {prompts})" if t.prompts else ""))
     for line in report(t.notes):
         say(line)
+    if todo:
+        say(f"to fix in {out} before it trains (difftune's own checks):")
+        for line in todo:
+            say(line)
     say(f"next: difftune check {out}")
     return out

@@ -141,6 +141,10 @@ prior_loss_weight = 0.5
                                                                        tmp_path / "model", 2)
     assert cfg.datasets[0].resolution == 880  # the side of 1024 x 768's area
     assert "difftune trains SDXL" in report.split("guessed")[1]
+    # What the file leaves out trains as sd-scripts would: its defaults, said as such.
+    assert (cfg.adapter.rank, cfg.adapter.alpha, cfg.train.lr, cfg.train.steps) == \
+        (4, 1, 2e-6, 1600)
+    assert "network_alpha (kohya's default, not in the file) = 1  ->  adapter.alpha = 1" in report
 
 
 AI_TOOLKIT = """\
@@ -399,3 +403,24 @@ train_data_dir = "{tmp_path.as_posix()}/train"
     cfg = load_config(tmp_path / "r.toml")
     assert (cfg.model.family, cfg.adapter.type, cfg.adapter.factor) == ("sdxl", "lokr", 8)
 
+
+
+def test_a_run_difftune_still_refuses_is_written_with_what_to_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A preset naming no dataset, a rank above difftune's limit and a transformer by its
+    download address: the run file is written, the fixes listed in it and printed."""
+    (tmp_path / "flux").mkdir()
+    preset = {"model_type": "FLUX_DEV_1", "training_method": "LORA", "base_model_name": "flux",
+              "lora_rank": 5000, "train_dtype": "BFLOAT_16", "transformer": {
+                  "model_name": "https://example.org/files/flux-dedistilled.safetensors"}}
+    (tmp_path / "p.json").write_text(json.dumps(preset), encoding="utf-8")
+    out = tmp_path / "run.toml"
+    code, report, _ = _import(capsys, "onetrainer", tmp_path / "p.json", "--out", out)
+    assert code == 0
+    fix = report.split(f"to fix in {out} before it trains")[1]
+    assert "adapter.rank" in fix and "1024" in fix
+    text = out.read_text(encoding="utf-8")
+    assert "# To fix before it trains" in text and "adapter.rank" in text.split("[model]")[0]
+    assert 'path = "images"' in text and "put your images" in text
+    assert 'transformer = "flux-dedistilled.safetensors"' in text and "download it" in text
+    assert "lora_alpha (onetrainer's default, not in the file) = 1.0" in report
