@@ -43,6 +43,11 @@ BASE = FamilySpec(
     encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
                    ("t5", "text_encoder_2", "tokenizer_2")),
     pipeline_class="FluxPipeline",
+    distilled_note=(
+        "this is FLUX.1 schnell, timestep-distilled to sample in 1-4 steps without guidance: "
+        "training a LoRA on it directly erodes the distillation (its few-step samples turn "
+        "blurry and need more steps), so train on FLUX.1-dev or a de-distilled schnell and "
+        "apply the LoRA to schnell, or keep runs short and check the samples at 4 steps"),
 )
 
 # FLUX.1 Kontext: the conditioning image's packed latents follow the target's tokens
