@@ -70,10 +70,36 @@ def _parser() -> argparse.ArgumentParser:
     request = verbs.add_parser("request", help=text, description=text)
     request.add_argument("kind", choices=["sample", "save"], help="what to do now")
     request.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's save.dir")
+    _import_parser(verbs)
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
     return parser
+
+
+def _import_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """`difftune import TRAINER FILE`: the verb's arguments."""
+    from difftune.families.registry import names
+    from difftune.importers import TRAINERS
+
+    text = "turn another trainer's config into a difftune run file, saying what maps"
+    p = verbs.add_parser("import", help=text, description=text)
+    p.add_argument("trainer", choices=list(TRAINERS), help="the trainer that wrote FILE")
+    p.add_argument("file", type=Path, metavar="FILE", help="its config file")
+    p.add_argument("--out", type=Path, help="the run file to write (default: "
+                   "FILE's name with .difftune.toml, in the current folder)")
+    p.add_argument("--family", choices=names(), help="the model family, where FILE does not "
+                   "say it")
+    p.add_argument("--force", action="store_true", help="replace an existing run file")
+
+
+def _import(args: argparse.Namespace) -> int:
+    from difftune.verbs.import_config import run_import
+
+    command = " ".join(["difftune", "import", args.trainer, str(args.file)]
+                       + (["--out", str(args.out)] if args.out else []))
+    run_import(args.trainer, args.file, args.out, args.force, args.family, command)
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -235,7 +261,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
-    "ui": _ui, "request": _request,
+    "ui": _ui, "request": _request, "import": _import,
 }
 
 

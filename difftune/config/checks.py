@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from difftune.config.base import QUANT_BACKENDS
 from difftune.config.full import warn_ignored_full
@@ -238,22 +238,6 @@ def unload_problems(cfg: "RunConfig") -> list[str]:
                 " would reload the encoders every step; set cache.caption_variants = K to "
                 "pre-encode K variants per caption"]
     return []
-
-
-# Options of one objective ("flow" or "ddpm", from the family's spec) refused for the other.
-_DDPM_ONLY = {"prediction": "auto", "zero_terminal_snr": False, "noise_offset": 0.0,
-              "min_snr_gamma": None}
-_FLOW_ONLY = {"timesteps": "sigmoid", "sigmoid_mean": 0.0, "sigmoid_std": 1.0, "shift": 3.0}
-
-
-def objective_problems(family: str, train: TrainConfig) -> list[str]:
-    """Options set for the objective this family does not train with (never silently ignored)."""
-    kind = registry.spec(family).objective
-    ignored = _DDPM_ONLY if kind == "flow" else _FLOW_ONLY if kind == "ddpm" else {}
-    set_here = [k for k, default in ignored.items()
-                if k in train.model_fields_set and getattr(train, k) != default]
-    return [f"train.{k} does not apply to model.family = \"{family}\" (trained with "
-            f"{'flow matching' if kind == 'flow' else 'DDPM'}); remove it" for k in set_here]
 
 
 def model_file_problems(model: ModelConfig) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from difftune.config import checks
+from difftune.config import checks, objectives
 from difftune.config.base import Section as _Section
 from difftune.config.full import full_problems
 from difftune.config.sharding import sharding_problems
@@ -41,7 +41,7 @@ class RunConfig(_Section):
                 "on low-precision weights fails); set precision.mixed or keep those at fp32"
             )
         problems += checks.quantize_problems(p, self.train.device)
-        problems += checks.objective_problems(self.model.family, self.train)
+        problems += objectives.objective_problems(self.model.family, self.train)
         problems += checks.text_encoder_problems(self.model, self.adapter, self.save.format, p)
         problems += checks.unload_problems(self)
         problems += checks.embedding_problems(self)

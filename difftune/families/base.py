@@ -276,6 +276,12 @@ class Family(Protocol):
         """The names other tools give the loaded base model (variant read from its config)."""
         ...
 
+    def distilled(self, c: Components) -> bool:
+        """Whether the loaded model is the family's step-distilled checkpoint (read from its
+        weights or config, never from file names); the spec's `distilled_note` says why that
+        matters for training."""
+        ...
+
     def single_file_layout(self, c: Components) -> Any:
         """The denoiser's single-file layout (`files.single.Layout`: file name -> the diffusers
         tensors it is made of) as ComfyUI and Forge load it, or None where there is none."""

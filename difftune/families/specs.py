@@ -173,6 +173,10 @@ family's files would load, with the reason.
     conv_targets: tuple[str, ...] = ()
     variants: tuple[tuple[str, "FamilySpec"], ...] = ()
     variant: str | None = None
+    # What training a step-distilled checkpoint of this family does, and what to train on
+    # instead (None: the family has none). `Family.distilled` tells a loaded model apart;
+    # check, cache and train warn with this text when it is one.
+    distilled_note: str | None = None
     # The folder and single files a user points `model` at (messages and help name them).
     files: ModelFiles = field(kw_only=True)
 

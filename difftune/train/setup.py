@@ -103,6 +103,14 @@ def load_data(cfg: RunConfig, family: Family) -> DataSet:
     return holdout.split(cfg, found, family.bucket_step, family.control_size)
 
 
+def warn_distilled(cfg: RunConfig, family: Family, comps: Components) -> None:
+    """Say, before any training, that the loaded base is a step-distilled checkpoint and what
+    training it does (the family spec's note); a full fine-tune or a LoRA alike."""
+    note = families.spec(cfg.model.family, cfg.model.variant).distilled_note
+    if note and family.distilled(comps):
+        log.warning("distilled base: %s", note)
+
+
 def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool = True,
             class_images_too: bool = True) -> Run:
     """Load the model, make missing class images (unless `class_images_too` is False: `check`
@@ -115,6 +123,7 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
                      denoiser_device=savers.denoiser_home(cfg, current().world))
     log.info("loading %s model (%s)", family.name, cfg.model.flavor or cfg.model.path or "files")
     comps = family.load(cfg.model, policy)
+    warn_distilled(cfg, family, comps)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
     if class_images_too and any(n.missing for n in class_images.needs(cfg)):
         if current().main:  # one process writes them, the others wait and read them

@@ -52,3 +52,11 @@ SPEC = FamilySpec(
     text_encoder_lora_refused=(("t5", "ChromaPipeline.load_lora_weights cannot read a T5 "
                                       "LoRA; train the transformer only"),),
 )
+
+# What other trainers call this family (trainer -> their name -> variant, None: difftune
+# picks it), read by `difftune import` (importers/families.py).
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    "kohya": {"chroma": None},
+    "ai-toolkit": {"chroma": None},
+    "onetrainer": {"CHROMA_1": None},
+}

@@ -255,6 +255,11 @@ class FamilyBase:
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
+    def distilled(self, c: Components) -> bool:
+        """Whether the loaded model is the family's step-distilled checkpoint (its spec's
+        `distilled_note` says what that means for training); none by default."""
+        return False
+
     def model_spec(self, c: Components) -> ModelSpec:
         """The names other tools give the base model: the constants of the family's `keys.py`
         (`ARCHITECTURE`, `IMPLEMENTATION`, `BASE_VERSION`, `NETWORK_MODULE`); a family whose

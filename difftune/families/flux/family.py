@@ -94,6 +94,10 @@ class FluxFamily(BlockTableFamily):
             return {}
         return kontext.pipeline_images(images, width, height)
 
+    def distilled(self, c: Components) -> bool:
+        """schnell: the transformer without a guidance embedding (dev has one)."""
+        return not c.denoiser.config.guidance_embeds
+
     def model_spec(self, c: Components) -> ModelSpec:
         """FLUX.1 dev (guidance-distilled) or schnell, as kohya and model sites name them."""
         from difftune.families.flux import keys

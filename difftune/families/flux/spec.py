@@ -43,6 +43,11 @@ BASE = FamilySpec(
     encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
                    ("t5", "text_encoder_2", "tokenizer_2")),
     pipeline_class="FluxPipeline",
+    distilled_note=(
+        "this is FLUX.1 schnell, timestep-distilled to sample in 1-4 steps without guidance: "
+        "training a LoRA on it directly erodes the distillation (its few-step samples turn "
+        "blurry and need more steps), so train on FLUX.1-dev or a de-distilled schnell and "
+        "apply the LoRA to schnell, or keep runs short and check the samples at 4 steps"),
     # The tokenizers come from model.path, else from the local Hugging Face cache.
     files=ModelFiles(
         folder="black-forest-labs/FLUX.1-dev (or FLUX.1-schnell)",
@@ -61,3 +66,11 @@ KONTEXT = replace(BASE, variant="kontext", pipeline_class="FluxKontextPipeline",
                                *BASE.files.singles[1:])))
 
 SPEC = replace(BASE, variants=(("base", BASE), ("kontext", KONTEXT)))
+
+# What other trainers call this family (trainer -> their name -> variant, None: difftune
+# picks it), read by `difftune import` (importers/families.py).
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    "kohya": {"networks.lora_flux": None, "networks.oft_flux": None, "flux": None},
+    "ai-toolkit": {"flux": None, "flex1": None, "flux_kontext": "kontext", "is_flux": None},
+    "onetrainer": {"FLUX_DEV_1": None},
+}

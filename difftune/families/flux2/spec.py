@@ -138,3 +138,10 @@ DEV = replace(
 
 # The family's spec: klein's facts (the default variant), with both variants declared.
 SPEC = replace(KLEIN, variant=None, variants=(("klein", KLEIN), ("dev", DEV)))
+
+# What other trainers call this family (trainer -> their name -> variant, None: difftune
+# picks it), read by `difftune import` (importers/families.py).
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    "ai-toolkit": {"flux2": "dev", "flux2_klein_4b": "klein", "flux2_klein_9b": "klein"},
+    "onetrainer": {"FLUX_2": None},
+}

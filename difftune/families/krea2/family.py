@@ -100,6 +100,10 @@ class Krea2Family(FamilyBase):
                          encoder_attention_mask=mask, return_dict=False)[0]
         return unpack(out, h, w)
 
+    def distilled(self, c: Components) -> bool:
+        """Turbo: the folder's model_index.json declares is_distilled (Raw does not)."""
+        return bool(c.extras.get("pipeline_options", {}).get("is_distilled"))
+
     def pipeline(self, c: Components) -> "DiffusionPipeline":
         """Krea2Pipeline over the components, with the loaded model's `is_distilled` (its
         timestep shift) and layer taps."""

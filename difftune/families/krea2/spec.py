@@ -23,6 +23,11 @@ SUFFIX_TOKENS = 5
 LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
 
 SPEC = FamilySpec(
+    distilled_note=(
+        "this is Krea 2 Turbo (model_index.json is_distilled), step-distilled for few-step "
+        "sampling: training a LoRA on it directly erodes the distillation (few-step samples "
+        "degrade), so train on Krea 2 Raw, the base it was distilled from, and apply the LoRA "
+        "to Turbo"),
     name="krea2",
     text_encoders=(
         # Krea2Pipeline.get_text_hidden_states: PREFIX + caption padded to 512 + 34 - 5 tokens,
@@ -79,3 +84,10 @@ SPEC = FamilySpec(
     embeddings_refused=("Krea 2's Qwen3-VL encoder reads captions through a fixed prompt "
                         "template; textual inversion is not supported for it"),
 )
+
+# What other trainers call this family (trainer -> their name -> variant, None: difftune
+# picks it), read by `difftune import` (importers/families.py).
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    "ai-toolkit": {"krea2": None},
+    "onetrainer": {"KREA_2": None},
+}

@@ -121,3 +121,11 @@ EDIT = _edit("edit", "QwenImageEditPipeline", VISION, 1, "Qwen-Image-Edit")
 EDIT_PLUS = _edit("edit-plus", "QwenImageEditPlusPipeline", "Picture {}: " + VISION, PLUS_IMAGES,
                   "Qwen-Image-Edit-2509")
 SPEC = replace(BASE, variants=(("base", BASE), ("edit", EDIT), ("edit-plus", EDIT_PLUS)))
+
+# What other trainers call this family (trainer -> their name -> variant, None: difftune
+# picks it), read by `difftune import` (importers/families.py).
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    "ai-toolkit": {"qwen_image": "base", "qwen_image_edit": "edit",
+                   "qwen_image_edit_plus": "edit-plus"},
+    "onetrainer": {"QWEN": None},
+}

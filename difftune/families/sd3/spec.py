@@ -49,3 +49,11 @@ SPEC = FamilySpec(
         folder_holds="tokenizer/, tokenizer_2/ and tokenizer_3/ (no single file holds them), "
                      "and text_encoder_2/ (CLIP-G) unless the checkpoint bundles it"),
 )
+
+# What other trainers call this family (trainer -> their name -> variant, None: difftune
+# picks it), read by `difftune import` (importers/families.py).
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    "kohya": {"networks.lora_sd3": None},
+    "ai-toolkit": {"sd3": None, "is_v3": None},
+    "onetrainer": {"STABLE_DIFFUSION_3": None, "STABLE_DIFFUSION_35": None},
+}

@@ -51,3 +51,13 @@ SPEC = FamilySpec(
                  ("vae", "sdxl_vae.safetensors, replacing the checkpoint's")),
         folder_holds="tokenizer/ and tokenizer_2/ (no checkpoint holds them)"),
 )
+
+# What other trainers call this family (trainer -> their name -> variant, None: difftune
+# picks it), read by `difftune import` (importers/families.py).
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    # train_network.py / sdxl_train_network.py share networks.lora (read as SDXL: a guess the
+    # import report says, see importers/families.py GUESSED).
+    "kohya": {"networks.lora": None, "networks.dylora": None, "networks.lora_fa": None},
+    "ai-toolkit": {"sdxl": None, "is_xl": None},
+    "onetrainer": {"STABLE_DIFFUSION_XL_10_BASE": None},
+}

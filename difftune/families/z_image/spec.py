@@ -53,3 +53,10 @@ SPEC = FamilySpec(
     embeddings_refused=("Z-Image's Qwen3 encoder reads captions through a chat template; "
                         "textual inversion is not supported for it"),
 )
+
+# What other trainers call this family (trainer -> their name -> variant, None: difftune
+# picks it), read by `difftune import` (importers/families.py).
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    "ai-toolkit": {"zimage": None},
+    "onetrainer": {"Z_IMAGE": None},
+}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from difftune.config.adapter import PEFT_KINDS
-from difftune.config.checks import _DDPM_ONLY, _FLOW_ONLY
+from difftune.config.objectives import DDPM_ONLY, FLOW_ONLY
 from difftune.config.full import LORA_ONLY
 from difftune.families import registry
 from difftune.families.specs import FamilySpec
@@ -150,9 +150,9 @@ RULES: tuple[Rule, ...] = (
          lambda f: (f"{_family(f)} cannot train embeddings ({f.spec.embeddings_refused})"
                     if f.spec and f.spec.embeddings_refused else
                     "a full fine-tune trains embeddings in a run of their own")),
-    Rule(tuple(f"train.{k}" for k in _DDPM_ONLY), lambda f: _objective(f) != "flow",
+    Rule(tuple(f"train.{k}" for k in DDPM_ONLY), lambda f: _objective(f) != "flow",
          lambda f: f"{_family(f)} trains with flow matching (DDPM options)"),
-    Rule(tuple(f"train.{k}" for k in _FLOW_ONLY), lambda f: _objective(f) != "ddpm",
+    Rule(tuple(f"train.{k}" for k in FLOW_ONLY), lambda f: _objective(f) != "ddpm",
          lambda f: f"{_family(f)} trains with DDPM (flow-matching options)"),
     Rule(("train.sigmoid_mean", "train.sigmoid_std"),
          lambda f: f.get("train.timesteps") in ("sigmoid", "shift"),
