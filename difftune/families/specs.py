@@ -113,6 +113,22 @@ class ModelFiles:
 
 
 @dataclass(frozen=True)
+class ModelSize:
+    """A released model's size, what the memory estimate (memory/estimate.py) reads: its name
+    (the repository it is released as), the denoiser's and the text encoders' parameters
+    (billions), its transformer layers (the blocks block swap moves, where the family swaps)
+    and their hidden width, and the pixels per image token on a side (`patch`: the VAE's
+    downscale times the patch size)."""
+
+    name: str
+    denoiser: float
+    encoders: float
+    layers: int
+    width: int
+    patch: int = 16
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """Everything about a family that is plain data (see `families.base.Family` for meanings).
 
@@ -175,6 +191,9 @@ family's files would load, with the reason.
     variant: str | None = None
     # The folder and single files a user points `model` at (messages and help name them).
     files: ModelFiles = field(kw_only=True)
+    # The released models' sizes (the memory estimate's parameter counts), the first the one
+    # the family's example uses.
+    sizes: tuple[ModelSize, ...] = field(default=(), kw_only=True)
 
     def pick(self, variant: str | None) -> "FamilySpec":
         """The spec of `variant` (the default variant's for None; this spec for a family

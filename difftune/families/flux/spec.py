@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
+from difftune.families.specs import (T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles,
+                                     ModelSize, TextEncoderSpec)
 
 # The base variant keeps `variant` None so its tiny flavor's fingerprint, and with it every
 # cache key written before variants existed, stays as it was.
@@ -44,6 +45,7 @@ BASE = FamilySpec(
                    ("t5", "text_encoder_2", "tokenizer_2")),
     pipeline_class="FluxPipeline",
     # The tokenizers come from model.path, else from the local Hugging Face cache.
+    sizes=(ModelSize("black-forest-labs/FLUX.1-dev", 11.90, 4.88, 57, 3072),),  # 19 + 38 blocks
     files=ModelFiles(
         folder="black-forest-labs/FLUX.1-dev (or FLUX.1-schnell)",
         singles=(("transformer", "flux1-dev.safetensors, BFL or diffusers layout"),
@@ -58,6 +60,8 @@ KONTEXT = replace(BASE, variant="kontext", pipeline_class="FluxKontextPipeline",
                   control_images=1, files=replace(
                       BASE.files, folder="black-forest-labs/FLUX.1-Kontext-dev",
                       singles=(("transformer", "flux1-kontext-dev.safetensors"),
-                               *BASE.files.singles[1:])))
+                               *BASE.files.singles[1:])),
+                  sizes=tuple(replace(z, name="black-forest-labs/FLUX.1-Kontext-dev")
+                              for z in BASE.sizes))
 
 SPEC = replace(BASE, variants=(("base", BASE), ("kontext", KONTEXT)))
