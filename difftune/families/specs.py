@@ -95,12 +95,15 @@ class ModelFiles:
     single files it reads over that folder (`singles`: (model key, the released file), in the
     order a run file lists them), and what the folder must still hold when single files are
     given (`folder_holds`: the tokenizers, which no single file stores; None where the single
-    files alone are enough when all of them are given). Config messages and help are written
-    from these, so each family's name its own files."""
+    files alone are enough when all of them are given; `tokenizer_repos` then names the Hub
+    repositories whose tokenizers are read from the local Hugging Face cache). Config messages,
+    help and docs/getting-started.md are written from these, so each family's name its own
+    files."""
 
     folder: str
     singles: tuple[tuple[str, str], ...]
     folder_holds: str | None
+    tokenizer_repos: tuple[str, ...] = ()
 
     def describe_singles(self) -> str:
         """`model.transformer (flux1-dev.safetensors), model.vae (ae.safetensors), ...`."""

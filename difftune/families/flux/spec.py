@@ -44,14 +44,16 @@ BASE = FamilySpec(
     encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
                    ("t5", "text_encoder_2", "tokenizer_2")),
     pipeline_class="FluxPipeline",
-    # The tokenizers come from model.path, else from the local Hugging Face cache.
     sizes=(ModelSize("black-forest-labs/FLUX.1-dev", 11.90, 4.88, 57, 3072),),  # 19 + 38 blocks
+    # The tokenizers come from model.path, else from the local Hugging Face cache.
     files=ModelFiles(
         folder="black-forest-labs/FLUX.1-dev (or FLUX.1-schnell)",
         singles=(("transformer", "flux1-dev.safetensors, BFL or diffusers layout"),
                  ("vae", "ae.safetensors"), ("clip_l", "clip_l.safetensors"),
                  ("t5", "t5xxl_fp16.safetensors")),
-        folder_holds=None),
+        folder_holds=None,
+        # the tokenizers of single-file text encoders, from the local Hugging Face cache
+        tokenizer_repos=("openai/clip-vit-large-patch14", "google/t5-v1_1-xxl")),
 )
 
 # FLUX.1 Kontext: the conditioning image's packed latents follow the target's tokens
