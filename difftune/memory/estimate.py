@@ -8,9 +8,10 @@ blocks aside, the VAE and the text encoders), then moves the VAE and text encode
 
 - caching: the denoiser's resident weights, the text encoders and VAE, and the encoders' own
   activations (`ENCODE_GIB`);
-- training: the resident weights, what is trained (fp32 weight and gradient, plus the
-  optimizer's state as `train.optimizer.specs.state_bytes` counts it), the activations, and the
-  text encoders too when their outputs are not cached or not offloaded.
+- training: the resident weights, what is trained (fp32 weight and gradient, the gradient
+  left out with `train.fused_backward`, an EMA on the GPU, plus the optimizer's state as
+  `train.optimizer.specs.state_bytes` counts it), the activations, and the text encoders too
+  when their outputs are not cached or not offloaded.
 
 Resident weights: parameters times the bytes of their storage (4 fp32, 2 bf16/fp16, 1 fp8 or
 int8, 0.5 nf4); with block swap, the swapped blocks leave the GPU and two are in flight (blocks
@@ -60,6 +61,9 @@ class Setup:
     trained: float | None = None  # trained parameters (B) when counted, else the LoRA share
     references: int = 0  # reference images an edit pair adds to the denoiser's tokens
     text_resident: bool = False  # text encoders stay on the GPU while training
+    full: bool = False  # a full fine-tune: the trained weights are the denoiser's own
+    fused: bool = False  # train.fused_backward: no gradient kept
+    ema: bool = False  # an EMA of the trained weights on the GPU
 
     @classmethod
     def from_values(cls, v: Mapping[str, Any], trained: float | None = None) -> "Setup":
@@ -81,7 +85,9 @@ class Setup:
             trained=trained, references=sum(1 for k, x in v.items()
                                             if k.endswith("control_path") and x),
             text_resident=v.get("cache.text", "memory") == "none" or
-            not v.get("cache.offload", True))
+            not v.get("cache.offload", True),
+            full=v.get("adapter.type") == "full", fused=bool(v.get("train.fused_backward")),
+            ema=bool(v.get("train.ema.enabled")) and not v.get("train.ema.cpu", False))
 
 
 def _stored(quant: str, dtype: str) -> str:
@@ -138,7 +144,10 @@ def estimate(size: ModelSize, spec: FamilySpec, s: Setup) -> Estimate:
     swapped = min(s.swap, size.layers - 2) if spec.swap_blocks else 0
     weights = whole - swapped * block + (2 * block if swapped else 0)
     trained_b = s.trained if s.trained is not None else size.denoiser * LORA_SHARE * s.rank / 16
-    trained = _gib(trained_b, 8 + _state_per_parameter(s.optimizer))
+    if s.full:  # those weights are held as trained (fp32) rather than in the base's storage
+        weights -= _gib(trained_b, BYTES[s.denoiser])
+    per_trained = 4 + (0 if s.fused else 4) + (4 if s.ema else 0)  # weight, gradient, EMA
+    trained = _gib(trained_b, per_trained + _state_per_parameter(s.optimizer))
     per = 34 * (2 if s.mixed == "no" else 1)  # bytes per token and hidden unit, one layer
     layer = tokens(size, spec, s) * size.width * s.batch / GIB
     activations = layer * (2 * size.layers + per) if s.checkpointing else layer * per * \

@@ -145,3 +145,19 @@ def test_flatten_reads_a_config_as_form_paths() -> None:
                     "datasets[0].resolution": [512, 768], "train.steps": 3}
     assert estimate.Setup.from_values(flat).resolution == 768
     assert estimate.Setup.from_values(flat).denoiser == "int8"
+
+
+def test_full_fine_tune_fused_backward_and_ema_by_hand() -> None:
+    """A full fine-tune's trained weights leave the frozen base's storage for fp32; fused
+    backward keeps no gradient; an EMA on the GPU adds an fp32 copy (none in host memory)."""
+    base = dict(denoiser="bf16", mixed="bf16", trained=1.42)
+    lora = estimate.estimate(FLUX_DEV, FLUX, estimate.Setup(**base))
+    full = estimate.estimate(FLUX_DEV, FLUX, estimate.Setup(**base, full=True))
+    assert lora.weights - full.weights == pytest.approx(1.42e9 * 2 / 2 ** 30)
+    assert full.trained == pytest.approx(1.42e9 * 16 / 2 ** 30, rel=0.01)
+    fused = estimate.estimate(FLUX_DEV, FLUX, estimate.Setup(**base, full=True, fused=True))
+    assert full.trained - fused.trained == pytest.approx(1.42e9 * 4 / 2 ** 30)
+    values = {"adapter.type": "full", "train.fused_backward": True, "train.ema.enabled": True}
+    assert estimate.Setup.from_values(values) == estimate.Setup(full=True, fused=True, ema=True)
+    on_host = estimate.Setup.from_values({**values, "train.ema.cpu": True})
+    assert not on_host.ema
