@@ -70,7 +70,8 @@ class Setup:
         """The settings a run file sets, by form path (`precision.denoiser`, ...); `trained`:
         the trained parameters (B) where they were counted."""
         te = v.get("precision.text_encoders", "fp32")
-        sides = [s for k, r in v.items() if k.endswith(".resolution")
+        sides = [s for k, r in v.items() if k.startswith("datasets[") and
+                 k.endswith(".resolution")
                  for s in (r if isinstance(r, list) else [r])]
         return cls(
             denoiser=_stored(v.get("precision.quantize.denoiser", "none"),
