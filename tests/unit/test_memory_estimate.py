@@ -40,7 +40,8 @@ def test_example_header_quotes_the_estimate(example: Path) -> None:
     if example.name == presets.TINY:
         assert line is None
         return
-    assert line is not None and line in example.read_text(encoding="utf-8").splitlines()
+    assert line is not None and line in example.read_text(encoding="utf-8").splitlines(), \
+        f"the example's '# Memory:' line should read: {line}"
 
 
 def test_presets_fit_their_card_and_differ_where_the_estimate_says() -> None:
