@@ -2,10 +2,13 @@
 check`, the web app's presets, the README's table and the examples' headers all quote.
 
 It is arithmetic, not a measurement (nothing here imports torch), and says so wherever it is
-shown. The run loads every part onto the GPU before it caches (the denoiser, its swapped
-blocks aside, the VAE and the text encoders), then moves the VAE and text encoders off
-(`cache.offload`) and trains, so the peak is the larger of two phases:
+shown. The run loads every part onto the GPU in its load dtype (train/setup.py: the denoiser
+goes to the host instead when blocks are swapped), then quantizes or stores in fp8 what the
+config asks, caches, moves the VAE and text encoders off (`cache.offload`) and trains, so the
+peak is the largest of three phases:
 
+- loading: the denoiser (unless it loads on the host) and the text encoders in their load
+  dtype (bf16 before an int8 quantization; the mixed dtype before fp8 storage);
 - caching: the denoiser's resident weights, the text encoders and VAE, and the encoders' own
   activations (`ENCODE_GIB`);
 - training: the resident weights, what is trained (fp32 weight and gradient, the gradient
@@ -51,6 +54,8 @@ class Setup:
 
     denoiser: str = "fp32"  # storage dtype, or the quantization when there is one
     encoders: str = "fp32"
+    denoiser_load: str = "fp32"  # the dtype it reaches the GPU in, before quantization
+    encoders_load: str = "fp32"
     mixed: str = "no"
     optimizer: str = "adamw"
     checkpointing: bool = False
@@ -70,16 +75,16 @@ class Setup:
         """The settings a run file sets, by form path (`precision.denoiser`, ...); `trained`:
         the trained parameters (B) where they were counted."""
         te = v.get("precision.text_encoders", "fp32")
+        te = max(te.values(), key=BYTES.__getitem__) if isinstance(te, dict) else te
+        dn, mixed = v.get("precision.denoiser", "fp32"), v.get("precision.mixed", "no")
         sides = [s for k, r in v.items() if k.startswith("datasets[") and
                  k.endswith(".resolution")
                  for s in (r if isinstance(r, list) else [r])]
         return cls(
-            denoiser=_stored(v.get("precision.quantize.denoiser", "none"),
-                             v.get("precision.denoiser", "fp32")),
-            encoders=_stored(v.get("precision.quantize.text_encoders", "none"),
-                             max(te.values(), key=BYTES.__getitem__) if isinstance(te, dict)
-                             else te),
-            mixed=v.get("precision.mixed", "no"), optimizer=v.get("train.optimizer", "adamw"),
+            denoiser=_stored(v.get("precision.quantize.denoiser", "none"), dn),
+            encoders=_stored(v.get("precision.quantize.text_encoders", "none"), te),
+            denoiser_load=_loaded(dn, mixed), encoders_load=_loaded(te, mixed),
+            mixed=mixed, optimizer=v.get("train.optimizer", "adamw"),
             checkpointing=bool(v.get("train.gradient_checkpointing", False)),
             swap=int(v.get("train.blocks_to_swap", 0)), batch=int(v.get("train.batch_size", 1)),
             resolution=max(sides, default=1024), rank=int(v.get("adapter.rank", 16)),
@@ -96,26 +101,42 @@ def _stored(quant: str, dtype: str) -> str:
     return quant if quant != "none" else dtype
 
 
+def _loaded(dtype: str, mixed: str) -> str:
+    """The dtype a part is loaded in: fp8 storage loads in the mixed dtype (PrecisionPolicy)."""
+    return ("fp32" if mixed == "no" else mixed) if dtype == "fp8" else dtype
+
+
 @dataclass(frozen=True)
 class Estimate:
-    """GiB per part, and the peak of the two phases."""
+    """GiB per part, and the peak of the three phases."""
 
     weights: float
     trained: float
     activations: float
     encoders: float
+    loading: float
     caching: float
     training: float
 
     @property
+    def phases(self) -> tuple[float, float, float]:
+        """Loading, caching, training."""
+        return self.loading, self.caching, self.training
+
+    @property
     def peak(self) -> float:
-        """The larger phase: what the GPU must hold."""
-        return max(self.caching, self.training)
+        """The largest phase: what the GPU must hold."""
+        return max(self.phases)
+
+    @property
+    def phase(self) -> str:
+        """The phase that holds the peak, in words."""
+        return ("loading (before quantization)", "caching captions",
+                "training")[self.phases.index(self.peak)]
 
     def describe(self, s: Setup) -> str:
         """`estimated peak: 14.2 GiB on the GPU (...)` with the parts, labelled an estimate."""
-        phase = "caching captions" if self.caching > self.training else "training"
-        return (f"estimated peak: {self.peak:.1f} GiB on the GPU, while {phase} (denoiser "
+        return (f"estimated peak: {self.peak:.1f} GiB on the GPU, while {self.phase} (denoiser "
                 f"weights {self.weights:.1f}, trained weights with gradients and optimizer state "
                 f"{self.trained:.1f}, activations {self.activations:.1f} at {s.resolution}x"
                 f"{s.resolution} batch {s.batch}, text encoders {self.encoders:.1f} GiB; {LABEL})")
@@ -154,10 +175,12 @@ def estimate(size: ModelSize, spec: FamilySpec, s: Setup) -> Estimate:
     activations = layer * (2 * size.layers + per) if s.checkpointing else layer * per * \
         size.layers
     encoders = _gib(size.encoders, BYTES[s.encoders])
+    loading = (0 if swapped else _gib(size.denoiser, BYTES[s.denoiser_load])) + \
+        _gib(size.encoders, BYTES[s.encoders_load]) + CONTEXT_GIB
     caching = weights + encoders + ENCODE_GIB + CONTEXT_GIB
     training = weights + trained + activations + CONTEXT_GIB + (encoders if s.text_resident
                                                                 else 0)
-    return Estimate(weights, trained, activations, encoders, caching, training)
+    return Estimate(weights, trained, activations, encoders, loading, caching, training)
 
 
 @dataclass
@@ -183,28 +206,35 @@ SAVER_PATHS = frozenset([p for p, _, _ in SAVERS] + ["train.blocks_to_swap"])
 
 def fit(values: Mapping[str, Any], size: ModelSize, spec: FamilySpec, gib: float,
         trained: float | None = None) -> Fit:
-    """Add savers, in order, while the estimate exceeds `gib` (each only where it lowers the
-    peak), then swap the fewest blocks that fit where the family can swap blocks."""
+    """Add savers, in order, while the estimate exceeds `gib` (each only where it lowers a
+    phase that exceeds it), then swap the fewest blocks that fit where the family can swap
+    blocks (which also loads the denoiser on the host, where it is quantized)."""
     v = dict(values)
     changes: dict[str, Any] = {}
     savers: list[str] = []
 
+    def phases(extra: Mapping[str, Any]) -> tuple[float, ...]:
+        return estimate(size, spec, Setup.from_values({**v, **changes, **extra},
+                                                      trained)).phases
+
     def peak(extra: Mapping[str, Any]) -> float:
-        return estimate(size, spec, Setup.from_values({**v, **changes, **extra}, trained)).peak
+        return max(phases(extra))
 
     for path, value, name in SAVERS:
-        now = peak({})
-        if now > gib and peak({path: value}) < now and \
+        now, then = phases({}), phases({path: value})
+        if max(now) > gib and any(b < a and a > gib for a, b in zip(now, then)) and \
                 (path != "train.optimizer" or v.get(path, "adamw") == "adamw"):
             changes[path] = value
             savers.append(name)
     if peak({}) > gib and spec.swap_blocks:
         start = max(1, int(v.get("train.blocks_to_swap", 0)))
-        for n in range(start, size.layers - 1):
-            if peak({"train.blocks_to_swap": n}) <= gib:
-                changes["train.blocks_to_swap"] = n
-                savers.append(f"block swap ({n} of {size.layers} blocks in host memory)")
-                break
+        tried = range(start, size.layers - 1)
+        # the fewest blocks that fit, else (refused) the count that comes closest
+        n = next((n for n in tried if peak({"train.blocks_to_swap": n}) <= gib),
+                 min(tried, key=lambda n: peak({"train.blocks_to_swap": n}), default=0))
+        if n:
+            changes["train.blocks_to_swap"] = n
+            savers.append(f"block swap ({n} of {size.layers} blocks in host memory)")
     final = estimate(size, spec, Setup.from_values({**v, **changes}, trained))
     return Fit(changes, savers, final, final.peak <= gib)
 

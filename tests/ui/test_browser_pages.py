@@ -105,6 +105,6 @@ def test_the_preset_shows_its_savers_and_estimate(served: UiProcess, browser: An
             wait_for("the preset's memory note", lambda: note.inner_text() == want)
         assert "as written" in want and "estimated peak" in want
         flux = presets.get("flux-dev-lora-12gib").note()
-        assert "adds int8 text encoders, block swap" in flux and "not measured" in flux
+        assert "adds int8 text encoders, 8-bit AdamW, block swap" in flux and "not measured" in flux
     finally:
         page.close()

@@ -73,7 +73,8 @@ def test_tiny_preset_and_savers_shown() -> None:
     assert by_name["tiny-flux"].note() == "CPU demo: no GPU memory needed"
     small = by_name["flux-dev-lora-12gib"]
     assert small.note().startswith(f"estimated peak {small.estimate_gib:.1f} GiB on the GPU "
-                                   f"({estimate.LABEL}); adds int8 text encoders, block swap (")
+                                   f"({estimate.LABEL}); adds int8 text encoders, 8-bit AdamW, "
+                                   "block swap (")
     values = _values(small)
     assert values["precision.quantize.text_encoders"] == "int8"
     assert 0 < values["train.blocks_to_swap"] < FLUX_DEV.layers
@@ -127,7 +128,10 @@ def test_fit_adds_only_savers_that_lower_the_peak() -> None:
     values = {"precision.mixed": "bf16", "precision.denoiser": "bf16",
               "precision.text_encoders": "bf16", "train.gradient_checkpointing": True}
     on24 = estimate.fit(values, FLUX_DEV, FLUX, 24)
-    assert on24.fits and on24.savers == ["int8 denoiser"]
+    # int8 shrinks the resident weights, but the bf16 copy reaches the GPU first unless the
+    # denoiser loads on the host, which block swap does: one swapped block is enough
+    assert on24.fits and on24.savers == ["int8 denoiser",
+                                         "block swap (1 of 57 blocks in host memory)"]
     assert estimate.fit(values, FLUX_DEV, FLUX, 80).savers == []
     sdxl = registry.spec("sdxl")
     tight = estimate.fit({}, sdxl.sizes[0], sdxl, 1)
@@ -164,3 +168,21 @@ def test_full_fine_tune_fused_backward_and_ema_by_hand() -> None:
     assert estimate.Setup.from_values(values) == estimate.Setup(full=True, fused=True, ema=True)
     on_host = estimate.Setup.from_values({**values, "train.ema.cpu": True})
     assert not on_host.ema
+
+
+def test_loading_holds_the_load_dtype_until_quantized() -> None:
+    """Every part reaches the GPU in its load dtype and is quantized there (train/setup.py):
+    bf16 before int8, the mixed dtype before fp8 storage; block swap loads the denoiser on
+    the host, leaving only the text encoders to load on the GPU."""
+    den, te = 11.90e9 * 2 / 2 ** 30, 4.88e9 * 2 / 2 ** 30
+    values = {"precision.mixed": "bf16", "precision.denoiser": "bf16",
+              "precision.text_encoders": "bf16", "precision.quantize.denoiser": "int8",
+              "precision.quantize.text_encoders": "int8"}
+    s = estimate.Setup.from_values(values)
+    assert (s.denoiser, s.denoiser_load, s.encoders, s.encoders_load) == \
+        ("int8", "bf16", "int8", "bf16")
+    assert estimate.estimate(FLUX_DEV, FLUX, s).loading == pytest.approx(den + te + 1.0)
+    fp8 = estimate.Setup.from_values({"precision.mixed": "fp16", "precision.denoiser": "fp8"})
+    assert (fp8.denoiser, fp8.denoiser_load) == ("fp8", "fp16")
+    swapped = estimate.Setup.from_values({**values, "train.blocks_to_swap": 1})
+    assert estimate.estimate(FLUX_DEV, FLUX, swapped).loading == pytest.approx(te + 1.0)

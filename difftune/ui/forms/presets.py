@@ -142,7 +142,8 @@ def _example_preset(path: Path, gib: int) -> Preset | Refusal | None:
         return Refusal(path.name, gib, reason)
     made = None if full else estimate.fit(values, size, spec, gib)
     if made is not None and not made.fits:
-        return Refusal(path.name, gib, f"needs about {made.estimate.peak:.1f} GiB even with "
+        return Refusal(path.name, gib, f"needs about {made.estimate.peak:.1f} GiB while "
+                       f"{made.estimate.phase} even with "
                        f"{', '.join(made.savers) or 'the example as it is'} (an estimate)")
     text = path.read_text(encoding="utf-8")
     doc = toml_io.parse(text, path.name)
