@@ -95,12 +95,15 @@ class ModelFiles:
     single files it reads over that folder (`singles`: (model key, the released file), in the
     order a run file lists them), and what the folder must still hold when single files are
     given (`folder_holds`: the tokenizers, which no single file stores; None where the single
-    files alone are enough when all of them are given). Config messages and help are written
-    from these, so each family's name its own files."""
+    files alone are enough when all of them are given; `tokenizer_repos` then names the Hub
+    repositories whose tokenizers are read from the local Hugging Face cache). Config messages,
+    help and docs/getting-started.md are written from these, so each family's name its own
+    files."""
 
     folder: str
     singles: tuple[tuple[str, str], ...]
     folder_holds: str | None
+    tokenizer_repos: tuple[str, ...] = ()
 
     def describe_singles(self) -> str:
         """`model.transformer (flux1-dev.safetensors), model.vae (ae.safetensors), ...`."""
@@ -110,6 +113,22 @@ class ModelFiles:
     def keys(self) -> tuple[str, ...]:
         """The single-file keys of `model` this family reads."""
         return tuple(key for key, _ in self.singles)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A released model's size, what the memory estimate (memory/estimate.py) reads: its name
+    (the repository it is released as), the denoiser's and the text encoders' parameters
+    (billions), its transformer layers (the blocks block swap moves, where the family swaps)
+    and their hidden width, and the pixels per image token on a side (`patch`: the VAE's
+    downscale times the patch size)."""
+
+    name: str
+    denoiser: float
+    encoders: float
+    layers: int
+    width: int
+    patch: int = 16
 
 
 @dataclass(frozen=True)
@@ -179,6 +198,9 @@ family's files would load, with the reason.
     distilled_note: str | None = None
     # The folder and single files a user points `model` at (messages and help name them).
     files: ModelFiles = field(kw_only=True)
+    # The released models' sizes (the memory estimate's parameter counts), the first the one
+    # the family's example uses.
+    sizes: tuple[ModelSize, ...] = field(default=(), kw_only=True)
 
     def pick(self, variant: str | None) -> "FamilySpec":
         """The spec of `variant` (the default variant's for None; this spec for a family

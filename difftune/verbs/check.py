@@ -22,7 +22,8 @@ from difftune.data import masks
 from difftune.data.discover import DataSet
 from difftune.errors import ConfigError, DataError
 from difftune.files.names import COMFYUI_DORA
-from difftune.memory import savers
+from difftune.families.base import blocks_of
+from difftune.memory import estimate, savers
 from difftune.train.checkpoint.lora import lora_format
 from difftune.train.loop import param_groups, set_training
 from difftune.train.optimizers.specs import OPTIMIZERS, parse_args, state_bytes
@@ -116,6 +117,7 @@ def run_check(cfg: RunConfig) -> list[str]:
     report.append(_parameter_line(run))
     report.append(optimizer_line(run))
     report.append(savers.describe(cfg, run.family, run.comps.denoiser))
+    report.append(memory_line(run))
     if cfg.adapter.peft_kind is not None:
         report.append(_format_line(run))
     areas = [it.bucket[0] * it.bucket[1] for it in data.items]
@@ -165,6 +167,22 @@ def _parameter_line(run: Run) -> str:
     trained = sum(p.numel() for m in [run.comps.denoiser, *run.trained_encoders.values()]
                   for p in m.parameters() if p.requires_grad)
     return f"parameters: {', '.join(parts)}; {_amount(trained)} trained"
+
+
+def memory_line(run: Run) -> str:
+    """The estimated GPU peak of this run and what it needs on 24/16/12 GiB cards: the same
+    estimate the web app's presets and the README's table use, from the loaded model's
+    parameter counts (memory/estimate.py)."""
+    spec = run.family.spec
+    counts = [sum(p.numel() for n, p in m.named_parameters() if not is_adapter_parameter(n))
+              for m in (run.comps.denoiser, *run.comps.text_encoders.values()) if m is not None]
+    layers = len(blocks_of(run.comps.denoiser, spec.swap_blocks)) if spec.swap_blocks else None
+    size = estimate.counted(spec, counts[0] / 1e9, sum(counts[1:]) / 1e9, layers)
+    trained = sum(p.numel() for g in param_groups(run) for p in g["params"]) / 1e9
+    values = estimate.flatten(run.cfg.model_dump(mode="json"))
+    setup = estimate.Setup.from_values(values, trained)
+    return (f"{estimate.estimate(size, spec, setup).describe(setup)}; "
+            f"{estimate.advice(size, spec, values, trained)} (sizes: {size.name})")
 
 
 def _adapter_line(run: Run) -> str:

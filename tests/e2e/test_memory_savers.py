@@ -7,6 +7,7 @@ the device are one memory, so these tests hold the arithmetic and the plumbing."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from difftune.cli import main
 from difftune.config import load_config
 from difftune.errors import ConfigError
 from difftune.families import get
-from difftune.memory import savers
+from difftune.memory import estimate, savers
 
 from .conftest import run_toml, train_cli
 
@@ -131,3 +132,8 @@ def test_check_names_the_savers_in_use(tmp_path: Path, images: Path,
     out = capsys.readouterr().out
     assert ("memory savers: gradient checkpointing, block swap (2 of 4 blocks in host memory), "
             "fused backward") in out
+    # The estimate for the loaded (tiny) model, labelled as one, with what each card needs.
+    line = next(ln for ln in out.splitlines() if "estimated peak:" in ln)
+    assert re.search(r"estimated peak: [\d.]+ GiB on the GPU, while .*at 64x64 batch 2", line)
+    assert estimate.LABEL in line and "fits 24 GiB as it is; 16 GiB as it is" in line
+    assert line.endswith("(sizes: the loaded model)")

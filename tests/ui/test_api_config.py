@@ -79,7 +79,7 @@ def test_presets_listed_and_served(forms_client: TestClient) -> None:
     listed = forms_client.get("/api/config/presets").json()
     names = [p["name"] for p in listed["presets"]]
     assert names[0] == "tiny-flux" and "sdxl-lora-12gib" in names
-    assert any(r["example"] == "krea2-lora.toml" for r in listed["refused"])
+    assert any(r["example"] == "flux-dev-full.toml" for r in listed["refused"])
     assert 'flavor = "tiny"' in _tiny(forms_client)
     assert forms_client.get("/api/config/presets/nope").status_code == 404
 

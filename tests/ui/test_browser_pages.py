@@ -90,3 +90,21 @@ def test_off_loopback_the_printed_token_opens_the_app(tmp_path: Path, browser: A
         page.close()
     finally:
         ui.stop()
+
+
+def test_the_preset_shows_its_savers_and_estimate(served: UiProcess, browser: Any) -> None:
+    """Under the preset choice: what the preset adds to its example and its estimated peak,
+    the figures `check` and the README's table give (memory/estimate.py)."""
+    from difftune.ui.forms import presets
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        for name in ("flux-dev-lora-12gib", "sdxl-lora-16gib"):
+            page.goto(f"{served.url}/prepare?preset={name}")
+            note = page.get_by_test_id("preset-memory")
+            want = presets.get(name).note()
+            wait_for("the preset's memory note", lambda: note.inner_text() == want)
+        assert "as written" in want and "estimated peak" in want
+        flux = presets.get("flux-dev-lora-12gib").note()
+        assert "adds int8 text encoders, 8-bit AdamW, block swap" in flux and "not measured" in flux
+    finally:
+        page.close()

@@ -110,7 +110,7 @@ def test_presets_scale_from_the_examples() -> None:
     made, refused = presets.build()
     by_name = {p.name: p for p in made}
     assert made[0].title == "tiny FLUX.1 (CPU demo)"
-    for stem in ("sdxl-lora", "qwen-image-lora", "flux-dev-lora"):
+    for stem in ("sdxl-lora", "chroma-lora", "flux-dev-lora"):
         assert {f"{stem}-{g}gib" for g in (24, 16, 12)} <= set(by_name)
     # 24 GiB: the example as written (its outputs next to the run file).
     sd = (ROOT / "examples" / "sd35-lora.toml").read_text()
@@ -118,10 +118,12 @@ def test_presets_scale_from_the_examples() -> None:
                                           .splitlines()) if ln[:1] in "+-"]
     assert changed == ['- dir = "/runs/my-subject-sd35"', '+ dir = "."']
     small = toml_io.values(toml_io.parse(by_name["flux-dev-lora-12gib"].toml))
-    assert small["train.blocks_to_swap"] > 0 and small["train.optimizer"] == "adamw8bit"
-    assert small["precision.quantize.denoiser"] == "int8"
+    assert small["train.blocks_to_swap"] > 0 and small["precision.quantize.denoiser"] == "int8"
     assert by_name["flux-dev-lora-12gib"].estimate_gib <= 12
-    assert any(r.example == "krea2-lora.toml" and r.gib == 12 for r in refused)
+    assert any(r.example == "flux-dev-full.toml" and r.gib == 24 for r in refused)
+    # Qwen2.5-VL reaches the GPU in bf16 (16.6 GB) before it is quantized: no 16 GiB preset
+    qwen = next(r for r in refused if r.example == "qwen-image-lora.toml" and r.gib == 16)
+    assert "while loading (before quantization)" in qwen.reason
     for preset in made:  # each one is a config the CLI accepts (model files aside)
         RunConfig.model_validate(toml_io.plain(toml_io.parse(preset.toml)))
 

@@ -5,7 +5,8 @@ Read by config validation before anything heavy is imported, and by `ChromaFamil
 
 from __future__ import annotations
 
-from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
+from difftune.families.specs import (T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles,
+                                     ModelSize, TextEncoderSpec)
 
 SPEC = FamilySpec(
     name="chroma",
@@ -41,6 +42,7 @@ SPEC = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("t5", "text_encoder", "tokenizer"),),
     pipeline_class="ChromaPipeline",
+    sizes=(ModelSize("lodestones/Chroma1-HD", 8.90, 4.76, 57, 3072),),  # 19 + 38 blocks
     files=ModelFiles(
         folder="lodestones/Chroma1-HD",
         singles=(("transformer", "Chroma1-HD.safetensors, Chroma's or the diffusers layout"),

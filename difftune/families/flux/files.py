@@ -25,6 +25,7 @@ from difftune.families.common.folders import check_folder, folder_files, from_fo
 from difftune.families.common.bfl import (DYNAMIC_SHIFT_SCHEDULER, bfl_blocks_layout,
                                           transformer_config, transformer_from_file)
 from difftune.families.common.single_file import count_blocks, fingerprint
+from difftune.families.flux.spec import SPEC
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -34,8 +35,7 @@ SUBFOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer
               "scheduler")
 # Where tokenizers are looked up when only single files are given: the local Hugging Face
 # cache (never the network), as populated by any earlier download of these repositories.
-CLIP_TOKENIZER_REPO = "openai/clip-vit-large-patch14"
-T5_TOKENIZER_REPO = "google/t5-v1_1-xxl"
+CLIP_TOKENIZER_REPO, T5_TOKENIZER_REPO = SPEC.files.tokenizer_repos
 # FLUX.1-dev's and schnell's sampling schedules (their scheduler_config.json).
 DEV_SCHEDULER_CONFIG: dict[str, Any] = DYNAMIC_SHIFT_SCHEDULER
 SCHNELL_SCHEDULER_CONFIG: dict[str, Any] = {

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
+from difftune.families.specs import (T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles,
+                                     ModelSize, TextEncoderSpec)
 
 # The base variant keeps `variant` None so its tiny flavor's fingerprint, and with it every
 # cache key written before variants existed, stays as it was.
@@ -48,13 +49,16 @@ BASE = FamilySpec(
         "training a LoRA on it directly erodes the distillation (its few-step samples turn "
         "blurry and need more steps), so train on FLUX.1-dev or a de-distilled schnell and "
         "apply the LoRA to schnell, or keep runs short and check the samples at 4 steps"),
+    sizes=(ModelSize("black-forest-labs/FLUX.1-dev", 11.90, 4.88, 57, 3072),),  # 19 + 38 blocks
     # The tokenizers come from model.path, else from the local Hugging Face cache.
     files=ModelFiles(
         folder="black-forest-labs/FLUX.1-dev (or FLUX.1-schnell)",
         singles=(("transformer", "flux1-dev.safetensors, BFL or diffusers layout"),
                  ("vae", "ae.safetensors"), ("clip_l", "clip_l.safetensors"),
                  ("t5", "t5xxl_fp16.safetensors")),
-        folder_holds=None),
+        folder_holds=None,
+        # the tokenizers of single-file text encoders, from the local Hugging Face cache
+        tokenizer_repos=("openai/clip-vit-large-patch14", "google/t5-v1_1-xxl")),
 )
 
 # FLUX.1 Kontext: the conditioning image's packed latents follow the target's tokens
@@ -63,7 +67,9 @@ KONTEXT = replace(BASE, variant="kontext", pipeline_class="FluxKontextPipeline",
                   control_images=1, files=replace(
                       BASE.files, folder="black-forest-labs/FLUX.1-Kontext-dev",
                       singles=(("transformer", "flux1-kontext-dev.safetensors"),
-                               *BASE.files.singles[1:])))
+                               *BASE.files.singles[1:])),
+                  sizes=tuple(replace(z, name="black-forest-labs/FLUX.1-Kontext-dev")
+                              for z in BASE.sizes))
 
 SPEC = replace(BASE, variants=(("base", BASE), ("kontext", KONTEXT)))
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
+from difftune.families.specs import (VAE_KEEP_HIGH, FamilySpec, ModelFiles, ModelSize,
+                                     TextEncoderSpec)
 
 # diffusers' pipelines/flux2/system_messages.py SYSTEM_MESSAGE (from BFL's flux2 repository):
 # the system turn Flux2Pipeline puts before every prompt for Mistral.
@@ -89,6 +90,8 @@ KLEIN = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen3", "text_encoder", "tokenizer"),),
     pipeline_class="Flux2KleinPipeline",
+    sizes=(ModelSize("black-forest-labs/FLUX.2-klein-base-4B", 3.88, 4.02, 25, 3072),  # 5 + 20
+           ModelSize("black-forest-labs/FLUX.2-klein-base-9B", 9.08, 8.19, 32, 4096)),  # 8 + 24
     files=ModelFiles(
         folder="black-forest-labs/FLUX.2-klein-4B (or the 9B)",
         singles=(("transformer", "BFL's klein file, BFL or diffusers layout"),
@@ -125,6 +128,7 @@ DEV = replace(
     text_encoder_prefixes={"mistral3": "text_encoder"},
     encoder_parts=(("mistral3", "text_encoder", "tokenizer"),),
     pipeline_class="Flux2Pipeline",
+    sizes=(ModelSize("black-forest-labs/FLUX.2-dev", 32.2, 24.0, 56, 6144),),  # 8 + 48 blocks
     files=ModelFiles(
         folder="black-forest-labs/FLUX.2-dev",
         singles=(("transformer", "flux2-dev.safetensors, BFL or diffusers layout"),

@@ -7,7 +7,8 @@ pipeline's `is_distilled` flag (its timestep shift), read from the loaded model.
 
 from __future__ import annotations
 
-from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
+from difftune.families.specs import (VAE_KEEP_HIGH, FamilySpec, ModelFiles, ModelSize,
+                                     TextEncoderSpec)
 
 # Krea2Pipeline's prompt layout (the Qwen-Image system prompt): the prefix before the caption
 # (34 tokens with Qwen's tokenizer, dropped from the outputs) and the assistant suffix (5 tokens)
@@ -72,6 +73,7 @@ SPEC = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen3vl", "text_encoder", "tokenizer"),),
     pipeline_class="Krea2Pipeline",
+    sizes=(ModelSize("Krea 2 Raw", 12.82, 4.44, 28, 6144),),  # released.py: 28 blocks, 48 x 128
     files=ModelFiles(
         folder="the one Krea2Pipeline.save_pretrained writes",
         singles=(("transformer", "the original-layout Krea 2 transformer"),

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
+from difftune.families.specs import (VAE_KEEP_HIGH, FamilySpec, ModelFiles, ModelSize,
+                                     TextEncoderSpec)
 
 # QwenImagePipeline.prompt_template_encode and prompt_template_encode_start_idx (the system
 # turn and "<|im_start|>user\n" are 34 tokens of Qwen2's tokenizer).
@@ -81,6 +82,7 @@ BASE = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen2_5_vl", "text_encoder", "tokenizer"),),
     pipeline_class="QwenImagePipeline",
+    sizes=(ModelSize("Qwen/Qwen-Image", 20.43, 8.29, 60, 3072),),  # 60 blocks, 24 heads of 128
     files=ModelFiles(
         folder="Qwen/Qwen-Image",
         singles=(("transformer", "qwen_image_bf16.safetensors"),
@@ -114,7 +116,8 @@ def _edit(variant: str, pipeline: str, image_prompt: str, images: int,
                                  "single file holds it)")
     return replace(BASE, variant=variant, pipeline_class=pipeline, control_images=images,
                    text_encoders=(encoder,),
-                   encoder_parts=(("qwen2_5_vl", "text_encoder", "processor"),), files=files)
+                   encoder_parts=(("qwen2_5_vl", "text_encoder", "processor"),), files=files,
+                   sizes=tuple(replace(z, name=f"Qwen/{release}") for z in BASE.sizes))
 
 
 EDIT = _edit("edit", "QwenImageEditPipeline", VISION, 1, "Qwen-Image-Edit")

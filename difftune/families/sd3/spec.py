@@ -5,7 +5,8 @@ Read by config validation before anything heavy is imported, and by `SD3Family`.
 
 from __future__ import annotations
 
-from difftune.families.specs import T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
+from difftune.families.specs import (T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles,
+                                     ModelSize, TextEncoderSpec)
 
 SPEC = FamilySpec(
     name="sd3",
@@ -41,6 +42,7 @@ SPEC = FamilySpec(
                    ("clip_g", "text_encoder_2", "tokenizer_2"),
                    ("t5", "text_encoder_3", "tokenizer_3")),
     pipeline_class="StableDiffusion3Pipeline",
+    sizes=(ModelSize("stabilityai/stable-diffusion-3.5-medium", 2.47, 5.57, 24, 1536),),
     files=ModelFiles(
         folder="stabilityai/stable-diffusion-3.5-medium",
         singles=(("transformer", "sd3.5_medium.safetensors, with or without its text encoders"),

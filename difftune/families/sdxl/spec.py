@@ -5,7 +5,8 @@ Read by config validation before anything heavy is imported, and by `SDXLFamily`
 
 from __future__ import annotations
 
-from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
+from difftune.families.specs import (VAE_KEEP_HIGH, FamilySpec, ModelFiles, ModelSize,
+                                     TextEncoderSpec)
 
 SPEC = FamilySpec(
     name="sdxl",
@@ -45,6 +46,9 @@ SPEC = FamilySpec(
     encoder_parts=(("clip_l", "text_encoder", "tokenizer"),
                    ("clip_g", "text_encoder_2", "tokenizer_2")),
     pipeline_class="StableDiffusionXLPipeline",
+    # The UNet's 70 transformer layers, most at 1280 wide on a 1/32 grid (the 10 at 640 on the
+    # 1/16 grid taken alike).
+    sizes=(ModelSize("stabilityai/stable-diffusion-xl-base-1.0", 2.57, 0.82, 70, 1280, 32),),
     files=ModelFiles(
         folder="stabilityai/stable-diffusion-xl-base-1.0",
         singles=(("transformer", "sd_xl_base_1.0.safetensors, the whole checkpoint"),

@@ -6,7 +6,8 @@ Base share the architecture, so one spec serves both.
 
 from __future__ import annotations
 
-from difftune.families.specs import VAE_KEEP_HIGH, FamilySpec, ModelFiles, TextEncoderSpec
+from difftune.families.specs import (VAE_KEEP_HIGH, FamilySpec, ModelFiles, ModelSize,
+                                     TextEncoderSpec)
 
 SPEC = FamilySpec(
     name="z_image",
@@ -42,6 +43,7 @@ SPEC = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen3", "text_encoder", "tokenizer"),),
     pipeline_class="ZImagePipeline",
+    sizes=(ModelSize("Tongyi-MAI/Z-Image-Turbo", 6.15, 4.02, 30, 3840),),  # 30 layers of 3840
     files=ModelFiles(
         folder="Tongyi-MAI/Z-Image-Turbo",
         singles=(("transformer", "z_image_turbo_bf16.safetensors"), ("vae", "ae.safetensors"),

@@ -1,24 +1,13 @@
 """Presets per example and GPU memory (24, 16 and 12 GiB), made from the example configs.
 
-Each example in `examples/` states its sizes in its header (`# Sizes ...: denoiser 11.90 B (57
-blocks), text encoders 4.88 B, on a 24 GB GPU.`). The preset for that GPU is the example; a
-smaller card gets the example plus the memory savers the project offers, chosen by arithmetic
-on those parameter counts (an estimate, not a measurement), in this order until it fits:
-
-- training holds the denoiser's resident weights (2 bytes a parameter in bf16/fp16, 1 in fp8
-  or int8, 0.5 in nf4, 4 in fp32), the LoRA (about 0.5% of the denoiser's parameters, as the
-  README counts for Qwen-Image's rank-16 `attention_mlp`; fp32 weight and gradient plus 8 bytes
-  of AdamW state, 2 with `adamw8bit`) and a 3 GiB reserve for activations with gradient
-  checkpointing and the CUDA context; the text encoders are cached first and offloaded
-  (`cache.offload`), so they need to fit alone, with 1 GiB to spare, while captions are encoded;
-- savers, in order: `train.gradient_checkpointing`; an int8 denoiser
-  (`precision.quantize.denoiser`); `train.optimizer = "adamw8bit"`; `train.blocks_to_swap` =
-  the fewest blocks that fit (blocks taken as equal in size, two in flight), where the family
-  can swap blocks and the header gives their count; for the caching phase, int8 text encoders
-  (`precision.quantize.text_encoders`) and `cache.unload_text_encoders`.
-
-Where even all of them do not fit, there is no preset (`refused` says why). A full fine-tune's
-example gets its own GPU size only: its trained weights are not what these savers shrink.
+Each example in `examples/` names the released model it is sized for and its GPU in its header
+(`# Memory: black-forest-labs/FLUX.1-dev on a 24 GB GPU: estimated peak ...`); the model's
+parameter counts come from its family's spec (`ModelSize`). Every preset is the example plus
+the memory savers `difftune.memory.estimate.fit` says that card needs (the same estimate
+`difftune check` prints and the README's table shows): gradient checkpointing, an int8
+denoiser, int8 text encoders, 8-bit AdamW, then the fewest swapped blocks that fit. Where even
+all of them do not fit, there is no preset (`refused` says why). A full fine-tune's example
+gets its own GPU size only: its trained weights are not what these savers shrink.
 Every preset writes its outputs next to the run file (`save.dir = "."`), where the app saves
 it. The tiny FLUX.1 preset (`tiny-lora.toml`, CPU) points its dataset and prompts at the demo
 images bundled with the package.
@@ -27,6 +16,7 @@ images bundled with the package.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from importlib import resources
 from dataclasses import dataclass, field, replace
@@ -34,32 +24,27 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config.sections import ModelConfig
-from difftune.families import registry
+from difftune.families.specs import FamilySpec, ModelSize
+from difftune.memory import estimate
 from difftune.ui.forms import toml_io
 
 # The family a run file without `model.family` gets (the config model's default).
 DEFAULT_FAMILY: str = ModelConfig.model_fields["family"].default
 
-GIB = 2 ** 30
-SIZES = (24, 16, 12)
-RESERVE_GIB = 3.0  # activations with gradient checkpointing, CUDA context, fragmentation
-ENCODE_RESERVE_GIB = 1.0  # encoding captions: the encoders' own activations
-LORA_SHARE = 0.005  # LoRA parameters per denoiser parameter (rank 16, attention_mlp)
-_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "qint8": 1, "qfloat8": 1,
-          "nf4": 0.5}
-_SIZES = re.compile(r"^# Sizes[^:]*: denoiser ([\d.]+) B(?: \((\d+) blocks\))?, text encoders "
-                    r"([\d.]+) B, on an? (\d+) GB GPU", re.MULTILINE)
+SIZES = estimate.CARDS
+_HEADER = re.compile(r"^# Memory: (.+?) on an? (\d+) GB GPU(?:: estimated peak ([\d.]+) GiB)?",
+                     re.MULTILINE)
 TINY = "tiny-lora.toml"
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """What an example's header says: parameters (billions), block count, its GPU (GB)."""
+class Header:
+    """What an example's header says: the released model it is sized for, its GPU (GB) and
+    the estimated peak it quotes (None where it quotes none)."""
 
-    denoiser: float
-    blocks: int | None
-    encoders: float
+    model: str
     gpu: int
+    quoted: float | None
 
 
 @dataclass
@@ -74,6 +59,17 @@ class Preset:
     savers: list[str] = field(default_factory=list)
     estimate_gib: float | None = None
     toml: str = ""
+
+    def note(self) -> str:
+        """What the preset adds to its example and its estimated peak, as the form shows it."""
+        if self.gib is None:
+            return "CPU demo: no GPU memory needed"
+        if self.estimate_gib is None:
+            return f"the example as written, made for {self.gib} GB (a full fine-tune)"
+        adds = (f"adds {', '.join(self.savers)} to {self.example}" if self.savers
+                else f"{self.example} as written")
+        return (f"estimated peak {self.estimate_gib:.1f} GiB on the GPU ({estimate.LABEL}); "
+                f"{adds}")
 
 
 @dataclass
@@ -97,119 +93,67 @@ def demo_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "assets" / "demo"
 
 
-def sizes(text: str) -> Sizes | None:
-    """The sizes an example's header states, or None."""
-    m = _SIZES.search(text)
+def header(text: str) -> Header | None:
+    """The model and GPU an example's header names, or None."""
+    m = _HEADER.search(text)
     if m is None:
         return None
-    return Sizes(float(m[1]), int(m[2]) if m[2] else None, float(m[3]), int(m[4]))
+    return Header(m[1], int(m[2]), float(m[3]) if m[3] else None)
 
 
-def _gib(params_b: float, bytes_per: float) -> float:
-    return params_b * 1e9 * bytes_per / GIB
+def sized(path: Path) -> tuple[dict[str, Any], FamilySpec, ModelSize, Header] | None:
+    """An example's form values, its family's spec (of the variant sized), released size and
+    header (None: no header)."""
+    text = path.read_text(encoding="utf-8")
+    head = header(text)
+    if head is None:
+        return None
+    values = toml_io.values(toml_io.parse(text, path.name))
+    spec, size = estimate.released(str(values.get("model.family", DEFAULT_FAMILY)), head.model)
+    return values, spec, size, head
 
 
-class _Plan:
-    """The memory arithmetic of one config (its form values) on a card of `gib` GiB."""
-
-    def __init__(self, values: dict[str, Any], size: Sizes, gib: int) -> None:
-        self.v, self.size, self.gib = dict(values), size, gib
-        self.changes: dict[str, Any] = {}
-        self.savers: list[str] = []
-
-    def get(self, path: str, default: Any) -> Any:
-        return self.changes.get(path, self.v.get(path, default))
-
-    def set(self, path: str, value: Any, saver: str) -> None:
-        self.changes[path] = value
-        self.savers.append(saver)
-
-    def denoiser_gib(self) -> float:
-        quant = self.get("precision.quantize.denoiser", "none")
-        stored = _BYTES[quant] if quant != "none" else _BYTES[self.get("precision.denoiser",
-                                                                       "fp32")]
-        whole = _gib(self.size.denoiser, stored)
-        swap = self.get("train.blocks_to_swap", 0)
-        if swap and self.size.blocks:
-            block = whole / self.size.blocks
-            return whole - swap * block + 2 * block
-        return whole
-
-    def training_gib(self) -> float:
-        state = 2 if self.get("train.optimizer", "adamw").endswith("8bit") else 8
-        lora = _gib(self.size.denoiser * LORA_SHARE, 8 + state)
-        return self.denoiser_gib() + lora + RESERVE_GIB
-
-    def encoding_gib(self) -> float:
-        quant = self.get("precision.quantize.text_encoders", "none")
-        te = self.get("precision.text_encoders", "fp32")
-        stored = _BYTES[quant] if quant != "none" else _BYTES[te if isinstance(te, str) else "bf16"]
-        return _gib(self.size.encoders, stored) + ENCODE_RESERVE_GIB
-
-
-def _fit_training(plan: _Plan, family: str) -> None:
-    """Add savers until training fits (or none is left)."""
-    steps: list[tuple[bool, str, Any, str]] = [
-        (not plan.get("train.gradient_checkpointing", False), "train.gradient_checkpointing",
-         True, "gradient checkpointing"),
-        (plan.get("precision.quantize.denoiser", "none") == "none" and
-         _BYTES[plan.get("precision.denoiser", "fp32")] > 1, "precision.quantize.denoiser",
-         "int8", "int8 denoiser"),
-        (plan.get("train.optimizer", "adamw") == "adamw", "train.optimizer", "adamw8bit",
-         "8-bit AdamW"),
-    ]
-    for usable, path, value, saver in steps:
-        if plan.training_gib() <= plan.gib:
-            return
-        if usable:
-            plan.set(path, value, saver)
-    blocks = plan.size.blocks
-    if plan.training_gib() <= plan.gib or not blocks or not registry.spec(family).swap_blocks:
-        return
-    for n in range(max(1, plan.get("train.blocks_to_swap", 0)), blocks - 1):
-        plan.changes["train.blocks_to_swap"] = n
-        if plan.training_gib() <= plan.gib:
-            plan.savers.append(f"block swap ({n} of {blocks} blocks in host memory)")
-            return
-
-
-def _fit_encoding(plan: _Plan) -> None:
-    """Quantize the text encoders when they do not fit alone while captions are encoded."""
-    if plan.encoding_gib() > plan.gib and \
-            plan.get("precision.quantize.text_encoders", "none") == "none":
-        plan.set("precision.quantize.text_encoders", "int8", "int8 text encoders")
-        if not plan.get("cache.unload_text_encoders", False):
-            plan.set("cache.unload_text_encoders", True, "text encoders unloaded once cached")
+def header_line(path: Path) -> str | None:
+    """The `# Memory:` line example `path` should have: its model and GPU, and (a LoRA's) the
+    estimated peak of the example as written, so its comment quotes the estimate's figure."""
+    found = sized(path)
+    if found is None:
+        return None
+    values, spec, size, head = found
+    line = f"# Memory: {size.name} on a {head.gpu} GB GPU"
+    if values.get("adapter.type") == "full":
+        return line
+    setup = estimate.Setup.from_values(values)
+    peak = estimate.estimate(size, spec, setup).peak
+    return (f"{line}: estimated peak {peak:.1f} GiB ({setup.resolution}x{setup.resolution}, "
+            f"batch {setup.batch}; {estimate.LABEL}).")
 
 
 def _example_preset(path: Path, gib: int) -> Preset | Refusal | None:
     """The preset of example `path` on `gib` GiB, a refusal, or None (no sizes in its header)."""
-    text = path.read_text(encoding="utf-8")
-    size = sizes(text)
-    if size is None:
+    found = sized(path)
+    if found is None:
         return None
-    doc = toml_io.parse(text, path.name)
-    values = toml_io.values(doc)
-    family = str(values.get("model.family", DEFAULT_FAMILY))
+    values, spec, size, head = found
     full = values.get("adapter.type") == "full"
-    if gib > size.gpu or (full and gib != size.gpu):
-        reason = (f"a full fine-tune's trained weights need the example's {size.gpu} GB GPU"
-                  if full else f"the example is made for {size.gpu} GB")
+    if gib > head.gpu or (full and gib != head.gpu):
+        reason = (f"a full fine-tune's trained weights need the example's {head.gpu} GB GPU"
+                  if full else f"the example is made for {head.gpu} GB")
         return Refusal(path.name, gib, reason)
-    plan = _Plan(values, size, gib)
-    if not full:
-        _fit_training(plan, family)
-        _fit_encoding(plan)
-    if not full and (plan.training_gib() > gib or plan.encoding_gib() > gib):
-        return Refusal(path.name, gib, f"needs about {plan.training_gib():.1f} GiB to train "
-                       f"even with {', '.join(plan.savers) or 'the example as it is'}")
-    changes = {**plan.changes, "save.dir": "."}
-    for key, value in changes.items():
+    made = None if full else estimate.fit(values, size, spec, gib)
+    if made is not None and not made.fits:
+        return Refusal(path.name, gib, f"needs about {made.estimate.peak:.1f} GiB while "
+                       f"{made.estimate.phase} even with "
+                       f"{', '.join(made.savers) or 'the example as it is'} (an estimate)")
+    text = path.read_text(encoding="utf-8")
+    doc = toml_io.parse(text, path.name)
+    for key, value in {**(made.changes if made else {}), "save.dir": "."}.items():
         toml_io.set_value(doc, key, value)
     stem = path.name.removesuffix(".toml")
     return Preset(name=f"{stem}-{gib}gib", title=f"{_title(text, stem)} · {gib} GiB",
-                  family=family, gib=gib, example=path.name, savers=plan.savers,
-                  estimate_gib=None if full else round(plan.training_gib(), 1),
+                  family=spec.name, gib=gib, example=path.name,
+                  savers=made.savers if made else [],
+                  estimate_gib=round(made.estimate.peak, 1) if made else None,
                   toml=toml_io.dumps(doc))
 
 
@@ -256,10 +200,10 @@ def _build(folder: Path, stamp: tuple[tuple[str, int], ...]) -> tuple[list[Prese
     if tiny is not None:
         presets.append(tiny)
     for path in sorted(folder.glob("*.toml")) if folder.is_dir() else []:
-        size = sizes(path.read_text(encoding="utf-8"))
-        if size is None:
+        head = header(path.read_text(encoding="utf-8"))
+        if head is None:
             continue
-        for gib in sorted({*SIZES, size.gpu}, reverse=True):
+        for gib in sorted({*SIZES, head.gpu}, reverse=True):
             made = _example_preset(path, gib)
             if isinstance(made, Preset):
                 presets.append(made)
@@ -274,3 +218,36 @@ def get(name: str, folder: Path | None = None) -> Preset:
         if preset.name == name:
             return preset
     raise KeyError(name)
+
+
+def memory_table(folder: Path | None = None) -> str:
+    """The README's table of what each example needs per card, from the presets themselves
+    (so the README, the app and `check` give one answer; a test keeps it equal)."""
+    made, refused = build(folder)
+    rows = ["| example | sized for | the example sets | "
+            + " | ".join(f"{g} GiB" for g in SIZES) + " |", "|---|---|---|" + "---|" * len(SIZES)]
+    for path in sorted((folder or examples_dir()).glob("*.toml")):
+        found = sized(path)
+        if found is None or found[0].get("adapter.type") == "full":
+            continue
+        cells = []
+        for gib in SIZES:
+            preset = next((p for p in made if p.example == path.name and p.gib == gib), None)
+            why = next((r.reason for r in refused if r.example == path.name and r.gib == gib),
+                       "no preset")
+            cells.append(f"{preset.estimate_gib:.1f} GiB: "
+                         f"{', '.join(preset.savers) or 'as written'}" if preset else why)
+        rows.append(f"| `{path.name}` | {found[2].name} | {_set_savers(found[0])} | "
+                    + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _set_savers(values: dict[str, Any]) -> str:
+    """The memory savers an example already sets, as `path = value`."""
+    on = [f"`{k} = {json.dumps(v)}`" for k, v in sorted(values.items())
+          if k in estimate.SAVER_PATHS and v not in (False, 0, "none", "adamw")]
+    return ", ".join(on) or "none"
+
+
+if __name__ == "__main__":  # python -m difftune.ui.forms.presets: the README's memory table
+    print(memory_table(), end="")

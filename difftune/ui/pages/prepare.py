@@ -133,6 +133,8 @@ class Prepare:
                 .classes("min-w-[22rem]").props('data-testid="preset"')
             self.path = ui.input("Save to (under the roots)").classes("grow") \
                 .props('data-testid="save-path"')
+        self.memory = ui.label("").classes("text-sm text-gray-600") \
+            .props('data-testid="preset-memory"')
         self.errors = ui.column().classes("w-full")
         self.warnings = ui.column().classes("w-full")
         with ui.row().classes("w-full no-wrap items-start gap-4"):
@@ -262,7 +264,9 @@ class Prepare:
         """Load preset `name` into the form, and propose its default save path."""
         if not name:
             return
-        text = presets.get(name).toml
+        preset = presets.get(name)
+        text = preset.toml
+        self.memory.text = preset.note()
         self.path.value = str(self.service.default_path(text))
         self.owned = None
         self.set_text(text)
