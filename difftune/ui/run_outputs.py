@@ -83,7 +83,7 @@ def _parse_prompts(path: Path, default_seed: int) -> list[Prompt]:
     return [Prompt(s.prompt, slug(s.prompt), s.seed) for s in specs]
 
 
-def _run_prompts(run_dir: Path, roots: Roots | None) -> list[Prompt]:
+def run_prompts(run_dir: Path, roots: Roots | None) -> list[Prompt]:
     """The prompts of the run's sample prompt file as it is now (empty when it has none, or
     it lies outside `roots`), with the run's default seed."""
     config = run_dir / CONFIG
@@ -173,7 +173,7 @@ def samples(run_dir: Path, roots: Roots | None = None) -> list[SampleImage]:
     """The run's sample images (grids and images leading outside `roots` left out), by step
     then prompt index; the same list object while nothing changed (do not modify it)."""
     run_dir = Path(run_dir)
-    return sample_images(run_dir / "samples", run_dir, roots, _run_prompts(run_dir, roots))
+    return sample_images(run_dir / "samples", run_dir, roots, run_prompts(run_dir, roots))
 
 
 # --- checkpoints and weight files ------------------------------------------------------------
