@@ -100,11 +100,20 @@ def lora_of(ctx: "UiContext", path: str) -> tuple[Path, Path]:
 
 
 def _run_file(run_dir: Path, roots: Roots) -> str:
-    """The run's resolved config as TOML (TOML has no null: unset fields are left out)."""
+    """The run's resolved config as TOML (TOML has no null: unset fields are left out), its
+    `save.dir` the folder the run is in now (a run folder may have been moved or copied since
+    it trained), and a `cache.dir` that lay inside the old folder moved along with it."""
     cfg = resolved_config(run_dir, roots)
-    if not cfg:
+    save = cfg.get("save")
+    if not isinstance(save, dict):
         raise ValueError(f"{run_dir} has no readable {CONFIG}; sampling needs the run's "
                          "config (the run writes it before its first step)")
+    old = Path(str(save.get("dir") or run_dir))
+    save["dir"] = str(run_dir)
+    cache = cfg.get("cache")
+    if isinstance(cache, dict) and isinstance(cache.get("dir"), str) \
+            and Path(cache["dir"]).is_relative_to(old):
+        cache["dir"] = str(run_dir / Path(cache["dir"]).relative_to(old))
     return tomlkit.dumps(_without_nulls(cfg))
 
 
