@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from difftune.sample.runner import slug
 from difftune.ui.runs import metrics
-from tests.ui.browser import DEMO, UiProcess, shoot, wait_for
+from tests.ui.browser import DEMO, UiProcess, editable, shoot, wait_for
 from tests.ui.jobs_helpers import kill_jobs
 from tests.ui.test_browser_restart import api, make_root
 
@@ -210,11 +210,13 @@ def _sample_with_the_lora(page: Any, run_dir: Path) -> None:
     page.goto(page.url.replace(re.search(r"job=\d+", page.url).group(0), "job=1"))
     page.get_by_test_id("files-more").click()
     page.get_by_test_id(f"sample-lora-{lora}").click()
-    prompts = page.get_by_test_id("lora-prompts").locator("textarea")
+    prompts = editable(page, "lora-prompts")
     wait_for("the run's prompts", lambda: PROMPTS[0] in prompts.input_value())
     prompts.fill("a red circle\na blue square")
-    page.get_by_test_id("lora-seeds").locator("input").fill("3, 4")
-    page.get_by_test_id("lora-strength").locator("input").fill("0.7")
+    editable(page, "lora-seeds").fill("3, 4")
+    strength = editable(page, "lora-strength")
+    strength.fill("0.7")
+    strength.press("Tab")
     page.get_by_test_id("lora-sample-ok").click()
     wait_for("the job's note", lambda: page.get_by_text("sample job").count())
     name = f"{Path(lora).stem}-1"

@@ -58,7 +58,9 @@ class Viewer:
             with ui.row().classes("w-full items-center justify-between"):
                 self.where = ui.label().classes("font-bold").props('data-testid="viewer-step"')
                 ui.button(icon="close", on_click=self.dialog.close).props("flat round")
-            self.image = ui.element("img").style("max-width: 95vw; max-height: 72vh") \
+            self.image = ui.element("img").style(  # at its own size, unless that is larger
+                "width: auto; height: auto; max-width: 95vw; max-height: 72vh; "
+                "align-self: center; flex: none; image-rendering: pixelated") \
                 .props('data-testid="viewer-image"')
             self.prompt = ui.label().classes("text-lg").props('data-testid="viewer-prompt"')
             self.seed = ui.label().classes("text-sm text-gray-600") \
