@@ -6,7 +6,6 @@ folder); one leading elsewhere is left out."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -16,7 +15,7 @@ from typing import Any
 
 from difftune.files.names import COMFYUI_DORA
 from difftune.ui.file_cache import Entry, StampCache, entries
-from difftune.ui.runs import CONFIG, readable, resolved_config
+from difftune.ui.runs import readable, resolved_config
 from difftune.ui.security import Roots
 
 log = logging.getLogger("difftune")
@@ -56,7 +55,6 @@ class Prompt:
 
 
 _prompt_files: StampCache[list[Prompt]] = StampCache()
-_prompt_names: StampCache[str | None] = StampCache()
 
 
 def read_prompt_file(path: Path, default_seed: int = 0) -> list[Prompt]:
@@ -86,10 +84,7 @@ def _parse_prompts(path: Path, default_seed: int) -> list[Prompt]:
 def run_prompts(run_dir: Path, roots: Roots | None) -> list[Prompt]:
     """The prompts of the run's sample prompt file as it is now (empty when it has none, or
     it lies outside `roots`), with the run's default seed."""
-    config = run_dir / CONFIG
-    sample = _prompt_names.get((config, roots), config, lambda: json.dumps(
-        resolved_config(run_dir, roots).get("sample", {}))) or "{}"
-    settings = json.loads(sample)
+    settings = resolved_config(run_dir, roots).get("sample", {})
     name, seed = settings.get("prompts"), settings.get("seed", 0)
     path = readable(Path(name), run_dir, roots) if isinstance(name, str) and name else None
     if path is None:

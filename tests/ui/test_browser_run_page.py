@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 

@@ -89,7 +89,8 @@ def test_a_refresh_with_nothing_changed_reads_no_sample_or_checkpoint(tmp_path: 
     finally:
         _watching.clear()
     assert again is first and files_again == files
-    assert _touching(_events, run / "samples", run / "checkpoints", run / "prompts.txt") == []
+    assert _touching(_events, run / "samples", run / "checkpoints", run / "prompts.txt",
+                     run / "config.resolved.json") == []
     # A new sample event: one listing of the samples folder finds it; no sample file opened.
     (run / "samples" / "step-999999_00_prompt-number-0.png").write_bytes(PNG)
     settle(run)
@@ -100,8 +101,7 @@ def test_a_refresh_with_nothing_changed_reads_no_sample_or_checkpoint(tmp_path: 
     finally:
         _watching.clear()
     assert len(newer) == 3001 and newer[-1].step == 999999
-    assert [e for e in _touching(_events, run / "samples")] == [("os.scandir",
-                                                                 str(run / "samples"))]
+    assert _touching(_events, run / "samples") == [("os.scandir", str(run / "samples"))]
 
 
 def test_a_checkpoint_rewritten_in_place_is_read_again(tmp_path: Path) -> None:
