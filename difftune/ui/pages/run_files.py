@@ -16,6 +16,7 @@ from urllib.parse import urlencode
 
 from nicegui import ui
 
+from difftune.files.names import COMFYUI_DORA
 from difftune.ui import lora_samples
 from difftune.ui.pages.keyed import Keyed
 from difftune.ui.resume_from import replaced_by_resume
@@ -82,7 +83,7 @@ class FilesPanel:
         if item.kind != "checkpoint":
             ui.link("download", f"/api/runs/file?{urlencode({'path': item.path})}") \
                 .props(f'download data-testid="download-{path.name}"')
-        if item.kind == "lora":
+        if item.kind == "lora" and not path.stem.endswith(COMFYUI_DORA):  # (ComfyUI's alone)
             ui.button("sample with this LoRA", on_click=lambda: self.sampler.open(path)) \
                 .props(f'flat dense data-testid="sample-lora-{path.name}"')
         elif item.kind == "checkpoint" and item.complete and self.can_resume:
