@@ -226,8 +226,9 @@ def _sample_with_the_lora(page: Any, run_dir: Path) -> None:
     wait_for("its images", lambda: group.get_by_test_id("lora-sample").count() == 4,
              timeout=180)
     assert "strength 0.7, seeds 3, 4" in group.inner_text()
+    group.scroll_into_view_if_needed()
+    shoot(page, "run-lora-samples")
     group.get_by_test_id("lora-sample").nth(1).click()
     wait_for("the viewer", lambda: page.get_by_test_id("viewer-seed").inner_text() == "seed 4")
     assert page.get_by_test_id("viewer-prompt").inner_text() == "a red circle"
-    shoot(page, "run-lora-samples")
     assert sorted(p.name for p in (run_dir / "samples").iterdir()) == before
