@@ -128,7 +128,9 @@ def sample_images(folder: Path, run_dir: Path, roots: Roots | None,
     only when the folder's listing or the prompts changed: an unchanged folder is not even
     listed (see file_cache). Grids and links leading outside `roots` are left out."""
     real = readable(folder, run_dir, roots)
-    listing = entries(real) if real is not None else {}
+    if real is None:
+        return []
+    listing = entries(real)
     key = (Path(run_dir), Path(folder), roots)
     with _galleries_lock:
         known = _galleries.get(key)
@@ -138,7 +140,7 @@ def sample_images(folder: Path, run_dir: Path, roots: Roots | None,
         and known.prompts is prompts else {}
     out = []
     for name, entry in listing.items():
-        image = before.get(name) or _sample(real, entry, run_dir, roots, prompts)  # type: ignore[arg-type]
+        image = before.get(name) or _sample(real, entry, run_dir, roots, prompts)
         if image is not None:
             out.append(image)
     out.sort(key=lambda s: (s.step is None, s.step or 0, s.label, s.index))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from urllib.parse import urlencode
 
 from nicegui import ui
@@ -74,8 +74,8 @@ class FilesPanel:
                 ui.label(f"{item.size / 2**20:.1f} MiB" if item.size else "")
                 self._actions(item, path)
             if item.metadata:
-                with ui.expansion("metadata").classes("w-full text-sm") as more:
-                    more.on_value_change(lambda e, m=more, i=item: _fill(m, i) if e.value else None)
+                more = ui.expansion("metadata").classes("w-full text-sm")
+                more.on_value_change(_filler(more, item))
         return box
 
     def _actions(self, item: RunFile, path: Path) -> None:
@@ -91,13 +91,18 @@ class FilesPanel:
                 .props(f'flat dense data-testid="resume-from-{path.name}"')
 
 
-def _fill(box: ui.expansion, item: RunFile) -> None:
-    """The metadata of a file, drawn the first time its expansion opens."""
-    if getattr(box, "filled", False):
-        return
-    box.filled = True  # type: ignore[attr-defined]
-    with box:
-        ui.code(json.dumps(item.metadata, indent=1), language="json").classes("w-full")
+def _filler(box: ui.expansion, item: RunFile) -> Callable[[Any], None]:
+    """What draws a file's metadata into its expansion the first time it opens (hundreds of
+    rows must not each hold a JSON view until asked)."""
+    filled: list[bool] = []
+
+    def fill(event: Any) -> None:
+        if event.value and not filled:
+            filled.append(True)
+            with box:
+                ui.code(json.dumps(item.metadata, indent=1), language="json").classes("w-full")
+
+    return fill
 
 
 class ResumeConfirm:
