@@ -180,6 +180,9 @@ def _resume_asks_first(ui: UiProcess, page: Any, run_dir: Path) -> None:
     and the 3,000 later samples; Cancel starts nothing, OK starts the resume."""
     real = min(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     page.get_by_test_id("files-more").click()
+    metadata = page.get_by_test_id(f"metadata-{real}")
+    metadata.click()  # drawn when opened: the checkpoint's LoRA file's header
+    wait_for("its metadata", lambda: '"difftune.rank"' in metadata.inner_text())
     before = len(_jobs(ui))
     page.get_by_test_id(f"resume-from-{real}").click()
     text = page.get_by_test_id("resume-confirm-text")

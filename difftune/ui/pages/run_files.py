@@ -74,7 +74,8 @@ class FilesPanel:
                 ui.label(f"{item.size / 2**20:.1f} MiB" if item.size else "")
                 self._actions(item, path)
             if item.metadata:
-                more = ui.expansion("metadata").classes("w-full text-sm")
+                more = ui.expansion("metadata").classes("w-full text-sm") \
+                    .props(f'data-testid="metadata-{path.name}"')
                 more.on_value_change(_filler(more, item))
         return box
 
