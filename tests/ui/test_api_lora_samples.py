@@ -19,7 +19,8 @@ from difftune.config import load_config
 from difftune.ui.api import runs as runs_api
 from difftune.ui.context import UiContext
 from difftune.ui.jobs.queue import JobQueue
-from difftune.ui.security import Roots
+from difftune.ui.limits import MAX_BODY_BYTES, BodyLimit
+from difftune.ui.security import Guard, Roots
 from tests.ui import tiny_run
 
 RUN = "runs/tiny"
@@ -126,3 +127,20 @@ def test_refusals(served: tuple[TestClient, UiContext, Path], tmp_path: Path) ->
     outside_png.parent.mkdir(parents=True)
     outside_png.write_bytes(b"\x89PNG")
     assert client.get("/api/runs/image", params={"path": str(outside_png)}).status_code == 403
+
+
+def test_a_request_from_another_site_or_too_large_writes_nothing(
+        served: tuple[TestClient, UiContext, Path]) -> None:
+    _, ctx, root = served
+    app = FastAPI()  # the router behind the middleware `difftune ui` puts in front of it
+    app.include_router(runs_api.router(ctx), prefix="/api")
+    app.add_middleware(BodyLimit)
+    app.add_middleware(Guard, token=None, origin_token="t")
+    client = TestClient(app, base_url="http://127.0.0.1:8765")
+    body = {"lora": str(root / RUN / "demo-lora.safetensors"), "prompts": ["x"]}
+    refused = client.post("/api/runs/lora-samples", json=body,
+                          headers={"Origin": "http://evil.example"})
+    assert refused.status_code == 403 and "another web site" in refused.text
+    big = client.post("/api/runs/lora-samples", json=body | {"prompts": ["x" * MAX_BODY_BYTES]})
+    assert big.status_code == 413
+    assert not (root / RUN / "lora-samples").exists() and ctx.queue.list() == []
