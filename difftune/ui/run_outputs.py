@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from difftune.files.names import COMFYUI_DORA
+from difftune.ui.file_cache import Entry, StampCache, entries
 from difftune.ui.runs import readable, resolved_config
 from difftune.ui.security import Roots
 
@@ -20,79 +22,155 @@ log = logging.getLogger("difftune")
 SAMPLE_NAME = re.compile(r"^(?P<label>.+?)_(?P<index>\d{2,})_(?P<slug>.+)\.png$")
 STEP_LABEL = re.compile(r"^step-(\d+)$")
 FILE_STEP = re.compile(r"-step(\d+)$")
+WEIGHT_NAME = re.compile(r"^[^.].*\.safetensors$")  # (not a hidden temporary file)
+CHECKPOINT_NAME = re.compile(r"^step-")
 
 # --- samples -----------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(frozen=True)
 class SampleImage:
     """One sample image: the step it was drawn at (None for a non-step label), the prompt's
-    index in the prompt file at that event, its text, and the file."""
+    index in the prompt file at that event, its text, the file, and its seed when the prompt
+    file still holds that prompt (None otherwise: the file was edited since)."""
 
     step: int | None
     index: int
     prompt: str
     label: str
     path: str
+    seed: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return asdict(self)
 
 
-def _prompt_texts(run_dir: Path, roots: Roots | None) -> list[str]:
-    """The prompts of the run's sample prompt file as it is now (empty when it has none, or
-    it lies outside `roots`)."""
-    from difftune.sample.prompts import PromptSpec, read_prompts
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt of a prompt file as sample file names show it: its text, slug and seed."""
 
-    name = resolved_config(run_dir, roots).get("sample", {}).get("prompts")
-    path = readable(Path(name), run_dir, roots) if isinstance(name, str) and name else None
-    if path is None or not path.is_file():
-        return []
-    default = PromptSpec("", "", 64, 64, 1, 0, 1.0, 1.0)
+    text: str
+    slug: str
+    seed: int | None
+
+
+_prompt_files: StampCache[list[Prompt]] = StampCache()
+
+
+def read_prompt_file(path: Path, default_seed: int = 0) -> list[Prompt]:
+    """The prompts of a prompt file (`sample.prompts`'s format), read again only when the
+    file changed; [] when it holds none. A bad line was warned about by the run that read it,
+    so it is skipped here without a warning at every poll."""
+    return _prompt_files.get((path, default_seed), path,
+                             lambda: _parse_prompts(path, default_seed)) or []
+
+
+def _parse_prompts(path: Path, default_seed: int) -> list[Prompt]:
+    """Every usable prompt of `path` with its slug and seed."""
+    from difftune.sample.prompts import PromptSpec, read_prompts
+    from difftune.sample.runner import slug
+
+    default = PromptSpec("", "", 64, 64, 1, default_seed, 1.0, 1.0)
     logger = logging.getLogger("difftune")
     level = logger.level
-    logger.setLevel(logging.ERROR)  # a bad line was warned about by the run; not again per poll
+    logger.setLevel(logging.ERROR)
     try:
-        return [s.prompt for s in read_prompts(path, default)]
+        specs = read_prompts(path, default) if path.is_file() else []
     finally:
         logger.setLevel(level)
+    return [Prompt(s.prompt, slug(s.prompt), s.seed) for s in specs]
 
 
-def _prompt_of(index: int, slug_text: str, prompts: list[str]) -> str:
-    """The text of sample `index` whose file name carries `slug_text`.
+def run_prompts(run_dir: Path, roots: Roots | None) -> list[Prompt]:
+    """The prompts of the run's sample prompt file as it is now (empty when it has none, or
+    it lies outside `roots`), with the run's default seed."""
+    settings = resolved_config(run_dir, roots).get("sample", {})
+    name, seed = settings.get("prompts"), settings.get("seed", 0)
+    path = readable(Path(name), run_dir, roots) if isinstance(name, str) and name else None
+    if path is None:
+        return []
+    return read_prompt_file(path, seed if isinstance(seed, int) else 0)
+
+
+def match_prompt(index: int, slug_text: str, prompts: list[Prompt]) -> tuple[str, int | None]:
+    """The text and seed of sample `index` whose file name carries `slug_text`.
 
     File names hold only a slug of the prompt; the prompt file holds the text. The file may
     have been edited since the sample was drawn, so a prompt is taken only when its slug
-    matches (at the same index first, then anywhere); otherwise the slug itself, in words.
+    matches (at the same index first, then anywhere); otherwise the slug itself, in words,
+    and no seed.
     """
-    from difftune.sample.runner import slug
+    if index < len(prompts) and prompts[index].slug == slug_text:
+        return prompts[index].text, prompts[index].seed
+    for prompt in prompts:
+        if prompt.slug == slug_text:
+            return prompt.text, prompt.seed
+    return slug_text.replace("-", " "), None
 
-    if index < len(prompts) and slug(prompts[index]) == slug_text:
-        return prompts[index]
-    for text in prompts:
-        if slug(text) == slug_text:
-            return text
-    return slug_text.replace("-", " ")
+
+@dataclass
+class _Gallery:
+    """The samples of one folder as last made: from which listing and prompts."""
+
+    listing: dict[str, Entry]
+    prompts: list[Prompt]
+    images: list[SampleImage]
+
+
+_galleries: dict[tuple[Path, Path, Roots | None], _Gallery] = {}
+_galleries_lock = threading.Lock()
+
+
+def sample_images(folder: Path, run_dir: Path, roots: Roots | None,
+                  prompts: list[Prompt]) -> list[SampleImage]:
+    """The sample images of `folder` (a run's samples folder, or one `difftune sample`
+    wrote), by step then prompt index, each with its prompt's text and seed. Made again
+    only when the folder's listing or the prompts changed: an unchanged folder is not even
+    listed (see file_cache). Grids and links leading outside `roots` are left out."""
+    real = readable(folder, run_dir, roots)
+    if real is None:
+        return []
+    listing = entries(real)
+    key = (Path(run_dir), Path(folder), roots)
+    with _galleries_lock:
+        known = _galleries.get(key)
+    if known is not None and known.listing is listing and known.prompts is prompts:
+        return known.images
+    before = {Path(s.path).name: s for s in known.images} if known is not None \
+        and known.prompts is prompts else {}
+    out = []
+    for name, entry in listing.items():
+        image = before.get(name) or _sample(real, entry, run_dir, roots, prompts)
+        if image is not None:
+            out.append(image)
+    out.sort(key=lambda s: (s.step is None, s.step or 0, s.label, s.index))
+    with _galleries_lock:
+        _galleries[key] = _Gallery(listing, prompts, out)
+    return out
+
+
+def _sample(folder: Path, entry: Entry, run_dir: Path, roots: Roots | None,
+            prompts: list[Prompt]) -> SampleImage | None:
+    """The SampleImage of one listed file, or None for a grid (`<label>_grid.png`), a file
+    someone put there, or a link leading outside `roots` (a plain file of a folder under
+    the roots is under them: only links are resolved)."""
+    match = SAMPLE_NAME.match(entry.name)
+    if match is None or entry.is_dir:
+        return None
+    path = folder / entry.name
+    if entry.is_link and readable(path, run_dir, roots) is None:
+        return None
+    label, index = match["label"], int(match["index"])
+    step = STEP_LABEL.match(label)
+    text, seed = match_prompt(index, match["slug"], prompts)
+    return SampleImage(int(step[1]) if step else None, index, text, label, str(path), seed)
 
 
 def samples(run_dir: Path, roots: Roots | None = None) -> list[SampleImage]:
     """The run's sample images (grids and images leading outside `roots` left out), by step
-    then prompt index."""
+    then prompt index; the same list object while nothing changed (do not modify it)."""
     run_dir = Path(run_dir)
-    folder = readable(run_dir / "samples", run_dir, roots)
-    if folder is None or not folder.is_dir():
-        return []
-    prompts = _prompt_texts(run_dir, roots)
-    out = []
-    for path in folder.glob("*.png"):
-        match = SAMPLE_NAME.match(path.name)
-        if match is None or readable(path, run_dir, roots) is None:
-            continue  # a grid (`<label>_grid.png`), a file someone put there, or a link
-        label, index = match["label"], int(match["index"])
-        step = STEP_LABEL.match(label)
-        out.append(SampleImage(int(step[1]) if step else None, index,
-                               _prompt_of(index, match["slug"], prompts), label, str(path)))
-    return sorted(out, key=lambda s: (s.step is None, s.step or 0, s.label, s.index))
+    return sample_images(run_dir / "samples", run_dir, roots, run_prompts(run_dir, roots))
 
 
 # --- checkpoints and weight files ------------------------------------------------------------
@@ -165,17 +243,41 @@ def _checkpoint(folder: Path, run_dir: Path, roots: Roots | None) -> RunFile:
                    complete=(folder / "state.json").is_file())
 
 
+# Each file or checkpoint folder is read again only when its stamp changed (a checkpoint is
+# written aside and renamed into place: a new folder); see file_cache.
+_weights: StampCache[RunFile] = StampCache()
+_checkpoints: StampCache[RunFile] = StampCache()
+
+
+def _listed(folder: Path, pattern: re.Pattern[str], dirs: bool, run_dir: Path,
+            roots: Roots | None) -> list[tuple[Path, Path]]:
+    """(path, real path) of the entries of `folder` whose name matches `pattern` (folders
+    when `dirs`, else files), leaving out those that lead outside `roots`."""
+    real = readable(folder, run_dir, roots)
+    if real is None:
+        return []
+    out = []
+    for name, entry in entries(real).items():
+        if entry.is_dir != dirs or not pattern.match(name):
+            continue
+        held = readable(folder / name, run_dir, roots) if entry.is_link else real / name
+        if held is not None:
+            out.append((folder / name, held))
+    return out
+
+
 def files(run_dir: Path, roots: Roots | None = None) -> list[RunFile]:
     """The run's LoRA / embedding / model files and its checkpoint folders, by step (final
     files last). Interrupted saves (`.tmp-*` folders) and files or folders leading outside
-    `roots` are left out."""
+    `roots` are left out. Only what changed since the last call is read again."""
     run_dir = Path(run_dir)
-    found = [*run_dir.glob("*.safetensors"), *(run_dir / "embeddings").glob("*.safetensors")]
-    weights = [(p, real) for p in found if (real := readable(p, run_dir, roots))]
-    out = [_weight_file(p, real) for p, real in weights if real.is_file()]
-    ckpts = readable(run_dir / "checkpoints", run_dir, roots)
-    if ckpts is not None and ckpts.is_dir():
-        out += [_checkpoint(p, run_dir, roots) for p in (run_dir / "checkpoints").glob("step-*")
-                if readable(p, run_dir, roots) and p.is_dir()]
+    found = [*_listed(run_dir, WEIGHT_NAME, False, run_dir, roots),
+             *_listed(run_dir / "embeddings", WEIGHT_NAME, False, run_dir, roots)]
+    out = [f for p, real in found
+           if (f := _weights.get((p, real), real, lambda: _weight_file(p, real))) is not None]
+    for p, real in _listed(run_dir / "checkpoints", CHECKPOINT_NAME, True, run_dir, roots):
+        ckpt = _checkpoints.get((p, real, roots), real, lambda: _checkpoint(p, run_dir, roots))
+        if ckpt is not None:
+            out.append(ckpt)
     return sorted(out, key=lambda f: (f.final, f.step if f.step is not None else -1,
                                       f.kind, f.path))

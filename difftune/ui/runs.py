@@ -14,6 +14,7 @@ file from elsewhere.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from difftune.ui.file_cache import StampCache
 from difftune.ui.security import PathOutsideRoots, Roots
 
 log = logging.getLogger("difftune")
@@ -188,11 +190,20 @@ class RunSummary:
 
 def resolved_config(run_dir: Path, roots: Roots | None = None) -> dict[str, Any]:
     """The run's config.resolved.json as a dict ({} when absent, unreadable or leading
-    outside `roots`)."""
+    outside `roots`); parsed again only when the file changed (a copy: change it freely)."""
     path = readable(Path(run_dir) / CONFIG, run_dir, roots)
+    if path is None:
+        return {}
+    doc = _configs.get(path, path, lambda: _parse_config(path))
+    return copy.deepcopy(doc) if doc else {}
+
+
+_configs: StampCache[dict[str, Any]] = StampCache()
+
+
+def _parse_config(path: Path) -> dict[str, Any]:
+    """A config.resolved.json parsed ({} when unreadable or not an object)."""
     try:
-        if path is None:
-            return {}
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}

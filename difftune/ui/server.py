@@ -17,6 +17,11 @@ from difftune.ui.security import Guard, Roots, is_loopback, new_token
 
 log = logging.getLogger("difftune")
 
+# How long a page waits for its browser to reconnect; NiceGUI derives its websocket pings from
+# it (a ping every 0.8x, answered within 0.4x). Its default (3 s: pings answered within 2 s)
+# drops the connection of a page whose app shares a loaded machine with a training job.
+RECONNECT_S = 20.0
+
 # Page and API modules, each with `register(ctx)` (pages) or `router(ctx)` (API).
 PAGE_MODULES = ("jobs", "run", "prepare", "datasets", "compare")
 API_MODULES = ("jobs", "runs", "config", "datasets")
@@ -157,6 +162,7 @@ def serve(host: str, port: int, roots: list[Path]) -> int:
               f"Bearer {ctx.origin_token}'", flush=True)
     ui.run(host=host, port=port, reload=False, show=False, title="difftune",
            fastapi_docs={"title": "difftune ui API"}, show_welcome_message=False,
-           uvicorn_logging_level="warning", favicon="🎛️", dark=None)
+           uvicorn_logging_level="warning", favicon="🎛️", dark=None,
+           reconnect_timeout=RECONNECT_S)
     sys.stdout.flush()
     return 0

@@ -12,8 +12,9 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import FileResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
+from difftune.ui import lora_samples
 from difftune.ui import run_outputs as outputs
 from difftune.ui import runs
 from difftune.ui.context import UiContext
@@ -48,6 +49,36 @@ class SampleModel(BaseModel):
     prompt: str
     label: str
     path: str
+    seed: int | None = Field(None, description="the seed it was drawn with, when the prompt "
+                             "file still holds its prompt")
+
+
+class SampleSetModel(BaseModel):
+    """A "sample with this LoRA" folder and its images (see `lora_samples.SampleSet`)."""
+
+    folder: str
+    lora: str | None
+    strength: float | None
+    seeds: list[int]
+    job: int | None
+    images: list[SampleModel]
+
+
+class LoraSamplesIn(BaseModel):
+    """What to sample with a LoRA file of a run: one image per prompt and seed."""
+
+    lora: str = Field(description="a .safetensors LoRA file of a run folder, under the roots")
+    prompts: list[str] = Field(description="the prompts (a prompt file's options allowed)")
+    seeds: list[int] = Field(default=[0], description="the seeds, each prompt drawn with each")
+    strength: float = Field(default=1.0, description="the LoRA's weight (1 = as trained)")
+    device: str = Field(default="default", description="default, cpu or cuda:N")
+
+
+class LoraSamplesOut(BaseModel):
+    """The queued `difftune sample` job and the folder its images go to."""
+
+    job: int
+    folder: str
 
 
 class RunFileModel(BaseModel):
@@ -128,10 +159,35 @@ def router(ctx: UiContext) -> APIRouter:
 
     @api.get("/image", response_class=FileResponse, summary="A sample image")
     def image(path: str) -> FileResponse:
-        """A PNG of a run's samples folder, shown inline."""
+        """A PNG of a run's samples folder or of a "sample with this LoRA" folder, shown
+        inline."""
         target = run_file(ctx, path)
-        if target.parent.name != "samples" or target.suffix.lower() != ".png":
+        folder = target.parent
+        if target.suffix.lower() != ".png" or not (
+                folder.name == "samples" or folder.parent.name == lora_samples.FOLDER):
             raise HTTPException(status_code=404, detail=f"{path} is not a sample image")
         return FileResponse(target, media_type="image/png")
+
+    @api.get("/lora-samples", response_model=list[SampleSetModel],
+             summary="A run's samples made with one of its LoRA files")
+    def sample_sets(path: str) -> list[dict[str, Any]]:
+        """The run's `lora-samples/` folders, newest first: the LoRA, strength, seeds and
+        job of each, and its images with their prompts and seeds."""
+        return [s.to_dict() for s in lora_samples.sample_sets(run_folder(ctx, path),
+                                                              ctx.roots)]
+
+    @api.post("/lora-samples", response_model=LoraSamplesOut, status_code=201,
+              summary="Sample with a LoRA file of a run")
+    def sample_with(body: LoraSamplesIn) -> LoraSamplesOut:
+        """Queue `difftune sample` with the LoRA at the given strength, every prompt drawn
+        with every seed; the images go to `<run>/lora-samples/<lora stem>-<n>/`, never among
+        the run's own samples. 403 for a path outside the roots, 404 for a file that is not
+        a LoRA of a run folder, 400 for a bad field."""
+        try:
+            request = lora_samples.Request.checked(body.prompts, body.seeds, body.strength)
+            job, folder = lora_samples.submit(ctx, body.lora, request, body.device)
+        except (ValueError, OSError) as err:
+            raise HTTPException(lora_samples.refusal_status(err), str(err)) from None
+        return LoraSamplesOut(job=job.id, folder=str(folder))
 
     return api

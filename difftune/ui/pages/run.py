@@ -4,21 +4,32 @@ Status, step/total, it/s, ETA and GPU memory come from metrics.jsonl; the log fr
 log file; the chart, gallery and file list from the run folder. "Sample now" and "Save now"
 write request files the training loop honours after its current step (`difftune request`
 does the same from a shell).
+
+The page reads the folder once a second in a worker thread (one hop per refresh), and only
+what changed is read (see file_cache) and drawn (see keyed): a long run with thousands of
+samples and hundreds of checkpoints must not keep the app's event loop busy, or the browser's
+connection times out and the page reloads, losing clicks. The page also waits longer than
+NiceGUI's default for a browser to reconnect (`RECONNECT_S`), so a machine loaded by a
+training job does not make it reload.
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode
 
-from nicegui import run, ui
+from nicegui import ui
 
 from difftune.train.requests import make_request
+from difftune.ui import lora_samples
 from difftune.ui import run_outputs as outputs
 from difftune.ui import runs
 from difftune.ui.pages.charts import loss_chart_options
 from difftune.ui.pages.layout import error_box, frame
+from difftune.ui.pages.run_files import FilesPanel
+from difftune.ui.pages.run_samples import Gallery, SampleSets, Viewer
 from difftune.ui.pages.states import state_color
 from difftune.ui.security import PathOutsideRoots
 
@@ -28,12 +39,13 @@ if TYPE_CHECKING:
 
 # States a train job can be resumed from (a finished run has nothing left to train).
 RESUMABLE = {"stopped", "failed", "died"}
+RECONNECT_S = 60.0  # how long the page outlives a lost connection (NiceGUI's default: 3 s)
 
 
 def register(ctx: "UiContext") -> None:
     """Define the "/run" page."""
 
-    @ui.page("/run")
+    @ui.page("/run", reconnect_timeout=RECONNECT_S)
     def run_page(job: int | None = None, path: str | None = None) -> None:
         with frame("Run"):
             try:
@@ -43,6 +55,20 @@ def register(ctx: "UiContext") -> None:
                 return
             view.build()
             ui.timer(1.0, view.refresh)
+
+
+@dataclass
+class Snapshot:
+    """What one refresh read from disk (in a worker thread)."""
+
+    job: "Job | None"
+    summary: runs.RunSummary
+    rows: list[dict[str, Any]]
+    log: str
+    log_offset: int
+    samples: list[outputs.SampleImage]
+    files: list[outputs.RunFile]
+    sets: list[lora_samples.SampleSet] = field(default_factory=list)
 
 
 class RunView:
@@ -61,8 +87,8 @@ class RunView:
         self.rows: list[dict[str, Any]] = []
         self.busy = False
         self.log_offset = 0
-        self.shown_samples = -1
-        self.shown_files: list[str] = []
+        self.shown: dict[str, object] = {}  # what each part last drew (by identity)
+        self._actions_for: str | None = None
 
     def build(self) -> None:
         """Lay out the page's parts (filled by `refresh`)."""
@@ -77,45 +103,81 @@ class RunView:
             .props('data-testid="loss-chart"')
         with ui.expansion("Log", value=True).classes("w-full"):
             self.log = ui.log(max_lines=2000).classes("w-full h-64").props('data-testid="log"')
+        self.viewer = Viewer()
         ui.label("Samples").classes("text-xl")
-        self.gallery = ui.column().classes("w-full gap-2").props('data-testid="gallery"')
+        self.gallery = Gallery(self.viewer)
+        self.sets = SampleSets(self.viewer)
         ui.label("Checkpoints and files").classes("text-xl")
-        self.files = ui.column().classes("w-full gap-1").props('data-testid="files"')
+        self.files = FilesPanel(self.ctx, self.run_dir, self._resume)
         ui.timer(0, self.refresh, once=True)
 
     async def refresh(self) -> None:
         """Read what changed on disk and update the parts that show it (one refresh at a
-        time: a slow read must not let the next tick append the same rows twice)."""
+        time: a slow read must not let the next tick append the same rows twice). A refresh
+        cancelled because the page went away ends quietly."""
         if self.busy:
             return
         self.busy = True
         try:
-            await self._refresh()
+            snap = await asyncio.to_thread(self._read, self.job.id if self.job else None,
+                                           self._last_step(), self.log_offset)
+            self._show(snap)
         finally:
             self.busy = False
 
-    async def _refresh(self) -> None:
-        if self.job is not None:
-            self.job = await run.io_bound(self.ctx.queue.get, self.job.id)
-        summary = await run.io_bound(runs.summary, self.run_dir, self.ctx.roots)
-        last = self._last_step()
-        new = [r for r in await run.io_bound(runs.metrics, self.run_dir, last, self.ctx.roots)
-               if r.get("step", 0) > last]
-        self._status(summary)
-        if new:
-            self.rows.extend(new)
+    def _read(self, job_id: int | None, last: int, log_offset: int) -> Snapshot:
+        """Everything a refresh shows, read from disk (runs in a worker thread: it must not
+        touch the page's elements). Unchanged files and folders cost a `stat` each."""
+        job = self.ctx.queue.get(job_id) if job_id is not None else None
+        roots = self.ctx.roots
+        log, offset = self._log_from(job, log_offset)
+        return Snapshot(job, runs.summary(self.run_dir, roots),
+                        [r for r in runs.metrics(self.run_dir, last, roots) if r["step"] > last],
+                        log, offset, outputs.samples(self.run_dir, roots),
+                        outputs.files(self.run_dir, roots),
+                        lora_samples.sample_sets(self.run_dir, roots))
+
+    def _log_from(self, job: "Job | None", offset: int) -> tuple[str, int]:
+        """The log's new whole lines from `offset` (the job's own log, or the run's
+        difftune.log when the run was opened by its folder), not one that is a link leading
+        outside the roots; and the offset to read from next."""
+        log = Path(job.log) if job is not None else self.run_dir / "difftune.log"
+        real = runs.readable(log, self.run_dir, self.ctx.roots)
+        return _read_from(real, offset) if real is not None else ("", offset)
+
+    def _show(self, snap: Snapshot) -> None:
+        """Update the parts whose data changed (lists are compared by identity: the readers
+        hand back the same list while nothing changed)."""
+        if snap.job is not None:
+            self.job = snap.job
+        state = self._status(snap.summary)
+        if snap.rows:
+            self.rows.extend(snap.rows)
             self.chart.options.clear()
             self.chart.options.update(loss_chart_options(self.rows))
             self.chart.update()
-        await self._follow_log()
-        await self._gallery()
-        await self._files()
+        self.log_offset = snap.log_offset
+        for line in snap.log.splitlines():
+            self.log.push(line)
+        if self.shown.get("samples") is not snap.samples:
+            self.shown["samples"] = snap.samples
+            self.gallery.update(snap.samples)
+        can_resume = (self.job is not None and self.job.verb == "train"
+                      and state not in ("queued", "running", "stopping"))
+        if self.shown.get("files") is not snap.files or self.files.can_resume != can_resume:
+            self.shown["files"] = snap.files
+            self.files.update(snap.files, can_resume)
+        sets = [(s.folder, id(s.images), s.job) for s in snap.sets]
+        if self.shown.get("sets") != sets:
+            self.shown["sets"] = sets
+            self.sets.update(snap.sets)
 
     def _last_step(self) -> int:
         return int(self.rows[-1]["step"]) if self.rows else 0
 
-    def _status(self, summary: "runs.RunSummary") -> None:
-        """State badge, step/total, it/s, ETA, GPU memory, the error and the actions."""
+    def _status(self, summary: "runs.RunSummary") -> str:
+        """State badge, step/total, it/s, ETA, GPU memory, the error and the actions; returns
+        the state shown."""
         state = self.job.state if self.job else ("finished" if summary.finished else "—")
         self.state.text = state
         self.state.set_background_color(state_color(state))
@@ -129,15 +191,19 @@ class RunView:
         if summary.gpu_mem:
             bits.append(f"GPU {summary.gpu_mem:.1f} GiB")
         self.speed.text = " · ".join(bits)
-        self.error.clear()
-        if self.job is not None and self.job.error:
-            with self.error:
-                error_box(self.job.error)
+        error = self.job.error if self.job is not None else None
+        if self.shown.get("error", "") != error:
+            self.shown["error"] = error
+            self.error.clear()
+            if error:
+                with self.error:
+                    error_box(error)
         self._actions(state)
+        return state
 
     def _actions(self, state: str) -> None:
         """Buttons for the current state (rebuilt only when the state changes)."""
-        if getattr(self, "_actions_for", None) == state:
+        if self._actions_for == state:
             return
         self._actions_for = state
         self.actions.clear()
@@ -152,16 +218,17 @@ class RunView:
                 ui.button("Kill", color="negative", on_click=self._stop).props('data-testid="kill"')
             if self.job is not None and state in RESUMABLE and self.job.verb == "train" \
                     and self.job.checkpoints:
-                ui.button("Resume", on_click=self._resume).props('data-testid="resume"')
+                ui.button("Resume", on_click=lambda: self._resume()) \
+                    .props('data-testid="resume"')
 
     async def _request(self, kind: str) -> None:
-        path = await run.io_bound(make_request, self.run_dir, kind)
+        path = await asyncio.to_thread(make_request, self.run_dir, kind)
         ui.notify(f"{kind} requested ({path.name}): the run does it after its current step")
 
     async def _stop(self) -> None:
         assert self.job is not None
         killing = self.job.state == "stopping"
-        self.job = await run.io_bound(self.ctx.queue.stop, self.job.id)
+        self.job = await asyncio.to_thread(self.ctx.queue.stop, self.job.id)
         ui.notify("killed: resume from its last checkpoint" if killing else
                   "stop sent: the run saves a checkpoint and exits")
 
@@ -169,82 +236,15 @@ class RunView:
         assert self.job is not None
         try:
             if checkpoint is None:
-                new = await run.io_bound(self.ctx.queue.resume, self.job.id)
+                new = await asyncio.to_thread(self.ctx.queue.resume, self.job.id)
             else:
-                new = await run.io_bound(self.ctx.queue.submit, "train", Path(self.job.config),
-                                         ["--resume", str(checkpoint)])
+                new = await asyncio.to_thread(self.ctx.queue.submit, "train",
+                                              Path(self.job.config),
+                                              ["--resume", str(checkpoint)])
         except (ValueError, KeyError) as err:
             ui.notify(str(err), type="negative", multi_line=True)
             return
         ui.navigate.to(f"/run?job={new.id}")
-
-    async def _follow_log(self) -> None:
-        """Append the log's new lines (the job's own log file, or the run's difftune.log when
-        the run was opened by its folder), read from where we stopped; not one that is a
-        link leading outside the roots."""
-        log = Path(self.job.log) if self.job is not None else self.run_dir / "difftune.log"
-        real = runs.readable(log, self.run_dir, self.ctx.roots)
-        if real is None:
-            return
-        text, self.log_offset = await run.io_bound(_read_from, real, self.log_offset)
-        for line in text.splitlines():
-            self.log.push(line)
-
-    async def _gallery(self) -> None:
-        """Samples by step (newest first), each with its prompt; redrawn when new ones land."""
-        images = await run.io_bound(outputs.samples, self.run_dir, self.ctx.roots)
-        if len(images) == self.shown_samples:
-            return
-        self.shown_samples = len(images)
-        self.gallery.clear()
-        by_step: dict[int, list[outputs.SampleImage]] = {}
-        for image in images:
-            by_step.setdefault(image.step if image.step is not None else -1, []).append(image)
-        with self.gallery:
-            for step in sorted(by_step, reverse=True):
-                ui.label(f"step {step}" if step >= 0 else "other").classes("font-bold")
-                with ui.row().classes("gap-2").props(f'data-testid="samples-step-{step}"'):
-                    for image in sorted(by_step[step], key=lambda i: i.index):
-                        _thumb(image)
-
-    async def _files(self) -> None:
-        """Checkpoints and model files with their metadata, download and resume-from."""
-        found = await run.io_bound(outputs.files, self.run_dir, self.ctx.roots)
-        names = [f"{f.path}:{f.size}" for f in found]
-        if names == self.shown_files:
-            return
-        self.shown_files = names
-        self.files.clear()
-        with self.files:
-            for item in found:
-                _file_row(self, item)
-
-
-def _thumb(image: "outputs.SampleImage") -> None:
-    """One sample with its prompt under it."""
-    with ui.column().classes("w-40 gap-0"):
-        ui.image(f"/api/runs/image?{urlencode({'path': image.path})}").classes("w-40 h-40") \
-            .props('fit="contain" data-testid="sample"')
-        ui.label(image.prompt).classes("text-xs")
-
-
-def _file_row(view: RunView, item: "outputs.RunFile") -> None:
-    """A checkpoint or model file: kind, step, size; metadata in an expansion."""
-    path = Path(item.path)
-    with ui.row().classes("w-full items-center gap-3"):
-        ui.label(item.kind).classes("w-24")
-        ui.label(path.name + ("" if item.complete else " (incomplete)")).classes("font-mono grow")
-        ui.label(f"step {item.step}" if item.step is not None else "")
-        ui.label(f"{item.size / 2**20:.1f} MiB" if item.size else "")
-        if item.kind != "checkpoint":
-            ui.link("download", f"/api/runs/file?{urlencode({'path': item.path})}") \
-                .props(f'download data-testid="download-{path.name}"')
-        elif item.complete and view.job is not None and view.job.verb == "train":
-            ui.button("resume from here", on_click=lambda p=path: view._resume(p)) \
-                .props(f'flat dense data-testid="resume-from-{path.name}"')
-    if item.metadata:
-        with ui.expansion("metadata").classes("w-full text-sm"):
-            ui.json_editor({"content": {"json": item.metadata}}).props("read-only")
 
 
 def _read_from(path: Path, offset: int) -> tuple[str, int]:
