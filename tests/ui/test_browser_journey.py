@@ -57,13 +57,12 @@ def test_a_user_trains_the_tiny_preset_end_to_end(tmp_path: Path, browser: Any) 
         wait_for("the preset's TOML", lambda: "flavor" in page.get_by_test_id("toml").inner_text())
         fill(page, "field-datasets[0].subsets[0].path", str(tmp_path / "demo"))
         fill(page, "field-train.lr", "-1")
-        error = page.get_by_test_id("error")
-        wait_for("the CLI's message for the bad field",
-                 lambda: error.count() and "train.lr" in error.first.inner_text())
-        error.first.scroll_into_view_if_needed()
+        error = page.get_by_test_id("problem-train.lr")  # the CLI's line, beside its field
+        wait_for("the CLI's message for the bad field", lambda: "train.lr" in error.inner_text())
+        error.scroll_into_view_if_needed()
         shoot(page, "prepare-error")
         fill(page, "field-train.lr", "0.001")
-        wait_for("the message to go", lambda: error.count() == 0)
+        wait_for("the message to go", lambda: error.inner_text() == "")
         for field, value in (("train.steps", "120"), ("sample.every_n_steps", "100"),
                              ("save.every_n_steps", "100")):
             fill(page, f"field-{field}", value)

@@ -193,3 +193,52 @@ def test_bad_field_message_equals_the_cli(tmp_path: Path,
 def test_bad_toml_is_reported_as_the_cli_words_it(tmp_path: Path) -> None:
     result = validate("[train\nsteps = 1", tmp_path, "run.toml")
     assert not result.ok and result.message.startswith("run.toml is not valid TOML:")
+
+
+def test_fields_have_human_labels() -> None:
+    fields = schema.fields_by_path()
+    assert fields["train.lr"].label == "Learning rate"
+    assert fields["train.min_snr_gamma"].label == "Min. SNR gamma"
+    assert fields["datasets[0].subsets[0].caption_dropout_rate"].label == "Caption dropout rate"
+    assert schema.inner_lists("datasets") == ["datasets[0].subsets"]
+
+
+def test_problems_go_beside_their_fields(tmp_path: Path) -> None:
+    """Each line of the CLI's message naming a field the form shows goes to that field (a
+    dataset's shorthand key to its subset 0's field); the rest stays at the top."""
+    from difftune.ui.forms import field_errors
+
+    text = presets.get("tiny-flux").toml.replace("lr = 1e-3", "lr = -1\nlearning_rate = 2")
+    message = validate(text, tmp_path).message
+    places = {"train.lr", "datasets[0].subsets[0].path", "datasets[0]"}
+    by_place, top = field_errors.split(message, places)
+    assert [line.split(":")[0] for line in by_place["train.lr"]] == ["train.lr"]
+    assert "train.learning_rate" in top and "train.lr:" not in top
+    only, top = field_errors.split("run.toml: 1 problem(s) in the configuration:\n"
+                                   "  - datasets[1].path: Field required", {
+                                       "datasets[1].subsets[0].path"})
+    assert only == {"datasets[1].subsets[0].path": ["datasets[1].path: Field required"]}
+    assert top == ""
+
+
+def test_list_items_are_added_and_removed_in_place() -> None:
+    """A second dataset, a second subset of a shorthand dataset, and removals: the rest of the
+    file is the same bytes."""
+    text = presets.get("tiny-flux").toml
+    doc = toml_io.parse(text)
+    assert (toml_io.count(doc, "datasets"), toml_io.count(doc, "datasets[0].subsets")) == (1, 1)
+    toml_io.add_item(doc, "datasets[0].subsets")  # the shorthand becomes [[datasets.subsets]]
+    toml_io.set_value(doc, "datasets[0].subsets[1].path", "more")
+    toml_io.add_item(doc, "datasets")
+    toml_io.add_item(doc, "datasets[1].subsets")
+    toml_io.set_value(doc, "datasets[1].subsets[0].path", "other")
+    values = toml_io.values(doc)
+    assert values["datasets[0].subsets[0].path"] == values["datasets[0].subsets[0].path"]
+    assert (values["datasets[0].subsets[1].path"], values["datasets[1].subsets[0].path"]) == (
+        "more", "other")
+    toml_io.remove_item(doc, "datasets", 1)
+    toml_io.remove_item(doc, "datasets[0].subsets", 1)
+    assert toml_io.count(doc, "datasets") == 1
+    after = toml_io.dumps(doc)
+    head = text.split("[[datasets]]")[0]
+    assert after.startswith(head) and after.split("[train]")[1] == text.split("[train]")[1]

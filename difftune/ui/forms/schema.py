@@ -4,8 +4,9 @@ Every field of `RunConfig` and of its sections becomes one `FieldSpec`: its dott
 CLI names it in messages (`train.lr`, `datasets[0].subsets[0].path`), its kind (which input
 the form shows), default, choices (a `Literal`), bounds (`ge`/`gt`/`le`/`lt`, lengths) and help
 text (the field's `description`). Nothing is listed by hand: a field added to a model appears
-in the form by itself. Lists of tables (`[[datasets]]`, `[[adapter.embeddings]]`) are described
-by their first item (index 0); more items are written in the TOML view.
+in the form by itself. Lists of tables (`[[datasets]]`, `[[datasets.subsets]]`,
+`[[adapter.embeddings]]`) are described by their first item (index 0, `repeated` naming the
+list); the form repeats those fields for every item the file holds.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class FieldSpec(BaseModel):
 
     path: str
     name: str
+    label: str = ""  # the human label (the dotted key is shown beside it, small)
     kind: Kind
     default: Any = None
     required: bool = False
@@ -158,6 +160,25 @@ def _sub_model(annotation: Any) -> type[BaseModel] | None:
         else None
 
 
+# Words of field names written differently in a label (abbreviations read aloud as a user says
+# them); any other word is kept as it is.
+_WORDS = {"lr": "learning rate", "ema": "EMA", "vae": "VAE", "t5": "T5", "te": "text encoder",
+          "snr": "SNR", "ti": "textual inversion", "dir": "folder", "sd": "SD", "cfg": "CFG",
+          "clip": "CLIP", "clip_l": "CLIP-L", "clip_g": "CLIP-G", "dtype": "data type",
+          "llm": "LLM", "nf4": "NF4", "fp8": "FP8", "lycoris": "LyCORIS", "lora": "LoRA",
+          "id": "ID", "dora": "DoRA", "comfyui": "ComfyUI", "max": "max.", "min": "min.", "num": "number of", "gc": "GC"}
+
+
+def label(name: str, info: FieldInfo | None = None) -> str:
+    """A field's human label: its pydantic `title` when it declares one, else its key's words
+    (`min_snr_gamma` -> "Min. SNR gamma", `lr` -> "Learning rate")."""
+    if info is not None and info.title:
+        return info.title
+    words = [_WORDS.get(w, w) for w in name.split("_")]
+    text = " ".join(words)
+    return text[0].upper() + text[1:] if text else name
+
+
 def walk(model: type[BaseModel], prefix: str, repeated: str | None = None) -> list[FieldSpec]:
     """Every leaf field of `model` (nested tables and lists of tables included) under `prefix`."""
     out: list[FieldSpec] = []
@@ -172,7 +193,7 @@ def walk(model: type[BaseModel], prefix: str, repeated: str | None = None) -> li
             kind, nullable, choices, item = _kind(info.annotation)
             dynamic = DYNAMIC_CHOICES.get(path)
             out.append(FieldSpec(
-                path=path, name=name, kind="choice" if dynamic else kind,
+                path=path, name=name, label=label(name, info), kind="choice" if dynamic else kind,
                 default=_default(info), required=info.is_required(), nullable=nullable,
                 choices=list(dynamic()) if dynamic else choices, bounds=_bounds(info),
                 help=info.description or "", item=item, repeated=repeated))
@@ -205,3 +226,11 @@ def template(path: str) -> str:
     import re
 
     return re.sub(r"\[\d+\]", "[0]", path)
+
+
+def inner_lists(path: str) -> list[str]:
+    """The lists of tables directly inside the items of list `path` (template paths:
+    `datasets` -> [`datasets[0].subsets`])."""
+    inner = {f.repeated for f in fields_by_path().values()
+             if f.repeated and f.repeated.startswith(path + "[0].")}
+    return sorted(r for r in inner if not any(r.startswith(o + "[0].") for o in inner))

@@ -188,3 +188,63 @@ def apply(text: str, changes: dict[str, Any], source: str = "run.toml") -> str:
     return dumps(doc)
 
 
+def _subset_keys() -> set[str]:
+    """The keys a dataset's one-folder shorthand holds for its subset 0."""
+    return {p.removeprefix(f"datasets[0].{_SUBSET}") for p in fields_by_path()
+            if p.startswith(f"datasets[0].{_SUBSET}")} | set(_ALIASES)
+
+
+def _is_shorthand(node: Any, parts: list[str | int]) -> bool:
+    """Whether `parts` names the `subsets` of a dataset written in the shorthand."""
+    return parts[-1] == "subsets" and "subsets" not in node and "path" in node
+
+
+def count(doc: TOMLDocument, path: str) -> int:
+    """How many items the list of tables at `path` holds (a shorthand dataset: one subset)."""
+    parts = _split(path)
+    node = _container(doc, parts, create=False)
+    if node is None:
+        return 0
+    if _is_shorthand(node, parts):
+        return 1
+    items = node.get(parts[-1]) if hasattr(node, "get") else None
+    return len(items) if isinstance(items, (AoT, list)) else 0
+
+
+def _expand_shorthand(node: Any) -> None:
+    """Move a shorthand dataset's subset keys into an explicit `[[datasets.subsets]]` item."""
+    keys = _subset_keys()
+    first = tomlkit.table()
+    for key in [k for k in node if k in keys]:
+        first[key] = node[key]
+        del node[key]
+    node["subsets"] = AoT([first])
+
+
+def add_item(doc: TOMLDocument, path: str) -> None:
+    """Append an empty table to the list of tables at `path` (made when absent)."""
+    parts = _split(path)
+    node = _container(doc, parts, create=True)
+    if _is_shorthand(node, parts):
+        _expand_shorthand(node)
+    key = parts[-1]
+    if key not in node:
+        node[key] = AoT([])
+    node[key].append(tomlkit.table())
+
+
+def remove_item(doc: TOMLDocument, path: str, index: int) -> None:
+    """Remove item `index` of the list of tables at `path` (the list too when it empties)."""
+    parts = _split(path)
+    node = _container(doc, parts, create=False)
+    if node is None:
+        return
+    if _is_shorthand(node, parts):
+        for key in [k for k in node if k in _subset_keys()]:
+            del node[key]
+        return
+    items = node.get(parts[-1])
+    if isinstance(items, (AoT, list)) and index < len(items):
+        del items[index]
+        if not len(items):
+            del node[parts[-1]]

@@ -9,7 +9,6 @@ training" save the file and submit `difftune check` / `difftune train` jobs to t
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -19,96 +18,12 @@ from difftune.errors import ConfigError
 from difftune.ui.api.config import FileExists, Service
 from difftune.ui.context import UiContext
 from difftune.ui.forms import presets, schema, toml_io
-from difftune.ui.forms.schema import FieldSpec
 from difftune.ui.jobs.store import Job
 from difftune.ui.pages.layout import error_box, frame
+from difftune.ui.pages.run_form import Form
 from difftune.ui.security import PathOutsideRoots
 
 FINISHED = ("succeeded", "failed", "stopped", "cancelled", "died")
-
-
-def _literal(text: str) -> Any:
-    """A TOML literal typed in a text field (an array, a table, a number), else the text."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _shown(value: Any) -> str:
-    """A value as TOML writes it (for list, table and free-value inputs)."""
-    if value is None:
-        return ""
-    import tomlkit
-
-    return tomlkit.item(value).as_string()
-
-
-def _attr(text: str) -> str:
-    """Text safe inside a double-quoted prop."""
-    return text.replace('"', "'")
-
-
-class FieldInput:
-    """One form input bound to a field path: the widget, its row, and value conversions."""
-
-    def __init__(self, spec: FieldSpec, on_change: Any) -> None:
-        self.spec = spec
-        with ui.row().classes("w-full items-center gap-2 no-wrap") as self.row:
-            self.widget = self._make(on_change)
-            self.widget.classes("grow").props(f'data-testid="field-{spec.path}"')
-            if spec.help:
-                self.widget.tooltip(spec.help)
-
-    def _make(self, on_change: Any) -> ui.element:
-        s, label = self.spec, self.spec.path.split("].")[-1]
-        hint = f"default: {_shown(s.default)}" if s.default is not None else \
-            ("required" if s.required else "unset")
-        handler = lambda e: on_change(s.path, self.read(e.value))  # noqa: E731
-        if s.kind == "bool":
-            return ui.switch(label, value=bool(s.default), on_change=handler)
-        if s.kind in ("int", "float"):
-            bounds = {k: v for k, v in (("min", s.bounds.get("ge")), ("max", s.bounds.get("le")))
-                      if v is not None}
-            return ui.number(label, on_change=handler, step=1 if s.kind == "int" else None,
-                             **bounds).props(f'clearable hint="{hint}"')
-        if s.kind == "choice" and s.choices is not None:
-            options = {c: _shown(c).strip('"') for c in s.choices}
-            return ui.select(options, label=label, value=None, on_change=handler,
-                             clearable=True).props(f'hint="{_attr(hint)}"')
-        if s.kind == "list" and s.choices:
-            return ui.select({c: str(c) for c in s.choices}, label=label, multiple=True,
-                             value=[], on_change=handler).props(f'hint="{_attr(hint)}"')
-        return ui.input(label, on_change=handler).props(f'clearable hint="{_attr(hint)}"')
-
-    def read(self, value: Any) -> Any:
-        """The widget's value as the TOML value to write (None: unset the field)."""
-        kind = self.spec.kind
-        if value in (None, "") or (kind == "list" and value == [] and self.spec.choices):
-            return None
-        if kind == "int":
-            return int(value)
-        if kind == "float":
-            return float(value)
-        if kind in ("list", "table", "value") and isinstance(value, str):
-            return _literal(value)
-        return value
-
-    def show(self, value: Any) -> None:
-        """Put `value` (None: the default) into the widget, without reporting a change."""
-        s, w = self.spec, self.widget
-        if s.kind == "bool":
-            w.value = bool(s.default if value is None else value)
-        elif s.kind in ("int", "float"):
-            w.value = value if isinstance(value, (int, float)) else None
-        elif s.kind == "choice" and s.choices is not None:
-            w.value = value if value in s.choices else None
-        elif s.kind == "list" and s.choices:
-            w.value = [v for v in value or [] if v in s.choices]
-        elif s.kind in ("list", "table", "value"):
-            w.value = _shown(value) if value is not None else ""
-        else:
-            w.value = "" if value is None else str(value)
 
 
 class Prepare:
@@ -117,7 +32,7 @@ class Prepare:
     def __init__(self, ctx: UiContext) -> None:
         self.ctx, self.service = ctx, Service(ctx)
         self.text = ""
-        self.inputs: dict[str, FieldInput] = {}
+        self.form = Form(self.changed, self.add_item, self.remove_item)
         self.syncing = False
         self.owned: Path | None = None  # a file this page loaded or saved (may be replaced)
         self.timer: ui.timer | None = None
@@ -139,21 +54,12 @@ class Prepare:
         self.warnings = ui.column().classes("w-full")
         with ui.row().classes("w-full no-wrap items-start gap-4"):
             with ui.column().classes("w-1/2 gap-1"):
-                self._sections()
+                self.form.build()
             with ui.column().classes("w-1/2 gap-2 sticky top-16 self-start"):
                 self.editor = ui.codemirror("", language="TOML", on_change=self.edited) \
                     .classes("w-full h-[36rem] border").props('data-testid="toml"')
                 self._files()
         self._actions()
-
-    def _sections(self) -> None:
-        for section in schema.sections():
-            with ui.expansion(section.title, value=section.name in ("model", "datasets")) \
-                    .classes("w-full").props(f'data-testid="section-{section.name}"'):
-                if section.help:
-                    ui.label(section.help).classes("text-sm text-gray-600")
-                for spec in section.fields:
-                    self.inputs[spec.path] = FieldInput(spec, self.changed)
 
     def _files(self) -> None:
         with ui.row().classes("w-full items-center gap-2"):
@@ -190,38 +96,54 @@ class Prepare:
             self.syncing = False
         try:
             form = self.service.form(text)
+            doc = toml_io.parse(text)
         except ConfigError as err:
             self.show_error(str(err))
             self.startable(False)
             return
         self.syncing = True
         try:
-            for path, field in self.inputs.items():
-                field.show(form.values.get(path))
+            self.form.sync(doc)
+            self.form.show(form.values, form.hidden)
         finally:
             self.syncing = False
-        self.apply_visibility(form.hidden, form.choices)
+        self.apply_choices(form.choices)
         ui.timer(0.01, self.validate, once=True)
 
-    def apply_visibility(self, hidden: dict[str, str], choices: dict[str, list[Any]]) -> None:
-        """Hide the fields that do not apply; refresh family-dependent choices."""
-        for path, field in self.inputs.items():
-            field.row.set_visibility(path not in hidden)
-        variant = self.inputs.get("model.variant")
+    def apply_choices(self, choices: dict[str, list[Any]]) -> None:
+        """Refresh family-dependent choices."""
+        variant = self.form.inputs.get("model.variant")
         if variant is not None and "model.variant" in choices:
             variant.widget.props(f'hint="one of: {", ".join(choices["model.variant"])}"')
 
     def changed(self, path: str, value: Any) -> None:
         """A form input changed: write that one value into the TOML."""
-        if self.syncing:
-            return
+        if not self.syncing:
+            self._edit(lambda doc: toml_io.set_value(doc, path, value))
+
+    def _edit(self, change: Any) -> None:
+        """Apply `change` (a function of the parsed document) to the TOML; the form follows."""
         try:
             doc = toml_io.parse(self.text)
         except ConfigError as err:
             self.show_error(str(err))
             return
-        toml_io.set_value(doc, path, value)
+        change(doc)
         self.set_text(toml_io.dumps(doc))
+
+    def add_item(self, path: str) -> None:
+        """Add an item to the list of tables at `path`, with one item of each list inside it
+        (a dataset comes with a subset, whose folder the form then asks for)."""
+        def add(doc: Any) -> None:
+            toml_io.add_item(doc, path)
+            item = f"{path}[{toml_io.count(doc, path) - 1}]"
+            for inner in schema.inner_lists(schema.template(path)):
+                toml_io.add_item(doc, item + inner.removeprefix(schema.template(path) + "[0]"))
+        self._edit(add)
+
+    def remove_item(self, path: str, index: int) -> None:
+        """Remove item `index` of the list of tables at `path`."""
+        self._edit(lambda doc: toml_io.remove_item(doc, path, index))
 
     def edited(self, e: events.ValueChangeEventArguments) -> None:
         """The TOML view changed: the form follows."""
@@ -239,14 +161,14 @@ class Prepare:
             return
         if text != self.text:
             return  # a newer edit validates itself
-        self.show_error(result.message)
+        self.show_error(self.form.show_problems(result.message))
         self.startable(result.ok)
         self.warnings.clear()
         with self.warnings:
             for line in result.warnings:
                 ui.label(f"warning: {line}").classes("text-amber-700 text-sm")
 
-    def startable(self, ok: bool, why: str = "fix the error above to start training") -> None:
+    def startable(self, ok: bool, why: str = "fix the errors shown to start training") -> None:
         """Offer "Start training" only for a run file that validates; say why not."""
         self.valid = ok
         self.start_button.set_enabled(ok)
@@ -346,7 +268,7 @@ class Prepare:
         if result is None:
             return None  # the page was closed
         if not result.ok:
-            self.show_error(result.message)
+            self.show_error(self.form.show_problems(result.message))
             self.valid = False
             return None
         path = self.save()
