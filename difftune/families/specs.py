@@ -104,6 +104,13 @@ class ModelFiles:
     singles: tuple[tuple[str, str], ...]
     folder_holds: str | None
     tokenizer_repos: tuple[str, ...] = ()
+    # What tells this family's (variant's) denoiser apart by its tensors' names, never by a
+    # file's name (the web app's model picker, ui/models.py): alternatives, one per layout the
+    # family reads (diffusers, the original/ComfyUI one), each the dotted module paths that
+    # some tensor of the file must lie under; `unmarked`: paths no tensor may lie under (what a
+    # sibling variant has). The first of `singles` is the denoiser's key.
+    markers: tuple[tuple[str, ...], ...] = ()
+    unmarked: tuple[str, ...] = ()
 
     def describe_singles(self) -> str:
         """`model.transformer (flux1-dev.safetensors), model.vae (ae.safetensors), ...`."""

@@ -47,7 +47,9 @@ SPEC = FamilySpec(
         folder="lodestones/Chroma1-HD",
         singles=(("transformer", "Chroma1-HD.safetensors, Chroma's or the diffusers layout"),
                  ("vae", "ae.safetensors, FLUX.1's"), ("t5", "t5xxl_fp16.safetensors")),
-        folder_holds="tokenizer/ (T5's; no single file holds it)"),
+        folder_holds="tokenizer/ (T5's; no single file holds it)",
+        markers=(("single_transformer_blocks.0.proj_mlp", "distilled_guidance_layer.in_proj"),
+                 ("double_blocks.0.img_attn.qkv", "distilled_guidance_layer.in_proj"))),
     # diffusers' text-encoder LoRA reader (lora_base._load_lora_into_text_encoder) converts only
     # CLIP module names (q_proj, k_proj, ...): ChromaPipeline.load_lora_weights fails on any T5
     # LoRA ("Could not automatically infer state dict type").

@@ -56,6 +56,8 @@ BASE = FamilySpec(
         singles=(("transformer", "flux1-dev.safetensors, BFL or diffusers layout"),
                  ("vae", "ae.safetensors"), ("clip_l", "clip_l.safetensors"),
                  ("t5", "t5xxl_fp16.safetensors")),
+        markers=(("single_transformer_blocks.0.proj_mlp", "time_text_embed.text_embedder"),
+                 ("double_blocks.0.img_attn.qkv", "vector_in.in_layer")),
         folder_holds=None,
         # the tokenizers of single-file text encoders, from the local Hugging Face cache
         tokenizer_repos=("openai/clip-vit-large-patch14", "google/t5-v1_1-xxl")),

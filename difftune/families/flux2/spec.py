@@ -32,6 +32,10 @@ _BFL_ONLY = (("double_stream_modulation_img.linear", "double_stream_modulation_i
              ("time_guidance_embed.guidance_embedder.linear_2", "guidance_in_out_layer"))
 _MODULATION = r"double_stream_modulation_(?:img|txt)\.linear|single_stream_modulation\.linear"
 
+# The FLUX.2 transformer's tensors (diffusers layout, BFL's); dev adds the guidance embedder.
+MARKERS = (("single_transformer_blocks.0.attn.to_qkv_mlp_proj", "double_stream_modulation_img"),
+           ("single_blocks.0.linear1", "double_stream_modulation_img.lin"))
+
 KLEIN = FamilySpec(
     name="flux2",
     variant="klein",
@@ -97,7 +101,8 @@ KLEIN = FamilySpec(
         singles=(("transformer", "BFL's klein file, BFL or diffusers layout"),
                  ("vae", "flux2-vae.safetensors"),
                  ("text_encoder", "qwen_3_4b.safetensors, or qwen_3_8b for the 9B")),
-        folder_holds="tokenizer/ (Qwen3's; no single file holds it) and model_index.json"),
+        folder_holds="tokenizer/ (Qwen3's; no single file holds it) and model_index.json",
+        markers=MARKERS, unmarked=("time_guidance_embed.guidance_embedder", "guidance_in")),
     # Reference images (flux2/reference.py): both pipelines take `image=` a list of any length,
     # each reference's tokens following the target's. Each adds all of its tokens to every
     # attention call (4096 at 1024 x 1024: four add 16384 to the target's 4096), so memory and
@@ -134,7 +139,9 @@ DEV = replace(
         singles=(("transformer", "flux2-dev.safetensors, BFL or diffusers layout"),
                  ("vae", "flux2-vae.safetensors"),
                  ("text_encoder", "the Mistral Small 3.1 encoder file")),
-        folder_holds="tokenizer/ (Mistral's; no single file holds it) and model_index.json"),
+        folder_holds="tokenizer/ (Mistral's; no single file holds it) and model_index.json",
+        markers=tuple(m + (g,) for m, g in zip(MARKERS, ("time_guidance_embed.guidance_embedder",
+                                                          "guidance_in.in_layer")))),
     text_encoder_lora_refused=(("mistral3", "Flux2Pipeline.load_lora_weights reads "
                                             "transformer LoRAs only; train the transformer "
                                             "only"),),

@@ -79,7 +79,8 @@ SPEC = FamilySpec(
         singles=(("transformer", "the original-layout Krea 2 transformer"),
                  ("vae", "qwen_image_vae.safetensors"),
                  ("text_encoder", "qwen3vl_4b.safetensors")),
-        folder_holds="tokenizer/ (Qwen3-VL's; no single file holds it) and model_index.json"),
+        folder_holds="tokenizer/ (Qwen3-VL's; no single file holds it) and model_index.json",
+        markers=(("text_fusion.projector", "time_mod_proj"), ("txtfusion.projector", "tproj.1"))),
     # Krea2LoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
     text_encoder_lora_refused=(("qwen3vl", "Krea2Pipeline.load_lora_weights reads transformer "
                                            "LoRAs only; train the transformer only"),),

@@ -88,7 +88,8 @@ BASE = FamilySpec(
         singles=(("transformer", "qwen_image_bf16.safetensors"),
                  ("vae", "qwen_image_vae.safetensors"),
                  ("text_encoder", "qwen_2.5_vl_7b.safetensors")),
-        folder_holds="tokenizer/ (Qwen2.5-VL's; no single file holds it)"),
+        folder_holds="tokenizer/ (Qwen2.5-VL's; no single file holds it)",
+        markers=(("txt_norm", "img_in", "transformer_blocks.0.img_mlp"),)),
     # QwenImageLoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
     text_encoder_lora_refused=(("qwen2_5_vl", "QwenImagePipeline.load_lora_weights reads "
                                               "transformer LoRAs only; train the transformer "

@@ -44,6 +44,8 @@ SPEC = FamilySpec(
     pipeline_class="StableDiffusion3Pipeline",
     sizes=(ModelSize("stabilityai/stable-diffusion-3.5-medium", 2.47, 5.57, 24, 1536),),
     files=ModelFiles(
+        markers=(("pos_embed.proj", "transformer_blocks.0.attn.add_k_proj",
+                  "time_text_embed.text_embedder"), ("joint_blocks.0.x_block.attn.qkv",)),
         folder="stabilityai/stable-diffusion-3.5-medium",
         singles=(("transformer", "sd3.5_medium.safetensors, with or without its text encoders"),
                  ("vae", "an SD3 autoencoder, if the checkpoint has none"),

@@ -53,7 +53,9 @@ SPEC = FamilySpec(
         folder="stabilityai/stable-diffusion-xl-base-1.0",
         singles=(("transformer", "sd_xl_base_1.0.safetensors, the whole checkpoint"),
                  ("vae", "sdxl_vae.safetensors, replacing the checkpoint's")),
-        folder_holds="tokenizer/ and tokenizer_2/ (no checkpoint holds them)"),
+        folder_holds="tokenizer/ and tokenizer_2/ (no checkpoint holds them)",
+        markers=(("add_embedding.linear_1", "down_blocks.0.resnets.0.conv1"),
+                 ("input_blocks.0.0", "label_emb.0.0"))),
 )
 
 # What other trainers call this family (trainer -> their name -> variant, None: difftune

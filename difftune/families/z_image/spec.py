@@ -45,6 +45,7 @@ SPEC = FamilySpec(
     pipeline_class="ZImagePipeline",
     sizes=(ModelSize("Tongyi-MAI/Z-Image-Turbo", 6.15, 4.02, 30, 3840),),  # 30 layers of 3840
     files=ModelFiles(
+        markers=(("cap_embedder.0", "noise_refiner.0", "context_refiner.0"),),
         folder="Tongyi-MAI/Z-Image-Turbo",
         singles=(("transformer", "z_image_turbo_bf16.safetensors"), ("vae", "ae.safetensors"),
                  ("text_encoder", "qwen_3_4b.safetensors")),

@@ -1,0 +1,177 @@
+"""The model picker's scan: model folders and files under the app's roots, each recognised as a
+family (and variant) from what the files hold, never from their names.
+
+A diffusers folder (one holding `model_index.json`) is recognised by the pipeline class it names
+(`_class_name`, the family's `pipeline_class`, a variant's through `variant_of_pipeline`); a
+single `.safetensors` file by its tensors' names, read from the file's JSON header alone (no
+tensor is loaded; the header is bounded) and matched against each family's `files.markers`
+(families/*/spec.py). A file no family's markers fit, a text encoder or an autoencoder
+included, is "unknown". The walk is bounded in depth and in entries, follows no links out of
+the roots, and runs off the event loop (the page calls it through `run.io_bound`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from difftune.families import registry
+from difftune.families.specs import ModelFiles
+from difftune.ui.security import Roots
+
+MAX_HEADER = 64 << 20  # a safetensors header larger than this is not read (real ones: < 10 MiB)
+MAX_INDEX = 1 << 20  # model_index.json larger than this is not read
+MAX_DEPTH = 4  # folders below a root
+MAX_ENTRIES = 20_000  # directory entries looked at, all roots together
+UNKNOWN = "unknown"
+
+
+@dataclass
+class Found:
+    """A model folder or file: what it is (`family` UNKNOWN when nothing fits), and the run
+    file's `model` lines that pick it (`fields`, by form path)."""
+
+    path: str
+    kind: str  # "folder" or "file"
+    family: str = UNKNOWN
+    variant: str | None = None
+    why: str = ""
+    fields: dict[str, str | None] = field(default_factory=dict)
+
+
+def safetensors_names(path: Path) -> list[str]:
+    """The tensor names of a .safetensors file, from its header alone (ValueError when the
+    file is not one, or its header is larger than MAX_HEADER)."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (size,) = struct.unpack("<Q", head)
+        if size > MAX_HEADER:
+            raise ValueError(f"header of {size} bytes, more than the {MAX_HEADER} read")
+        data = f.read(size)
+    if len(data) < size:
+        raise ValueError("header cut short")
+    header = json.loads(data)
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return [k for k in header if k != "__metadata__"]
+
+
+def _pattern(module: str) -> re.Pattern[str]:
+    """Tensor names lying under dotted module path `module` (after any prefix)."""
+    return re.compile(r"(?:^|\.)" + re.escape(module) + r"(?:\.|$)")
+
+
+@cache
+def _compiled(files: ModelFiles) -> tuple[tuple[tuple[re.Pattern[str], ...], ...],
+                                          tuple[re.Pattern[str], ...]]:
+    return (tuple(tuple(_pattern(m) for m in alt) for alt in files.markers),
+            tuple(_pattern(m) for m in files.unmarked))
+
+
+def _fits(files: ModelFiles, names: list[str]) -> bool:
+    """Whether tensor `names` are those of a denoiser `files` describes."""
+    markers, unmarked = _compiled(files)
+    held = lambda p: any(p.search(n) for n in names)  # noqa: E731
+    return any(all(held(p) for p in alt) for alt in markers) and \
+        not any(held(p) for p in unmarked)
+
+
+def recognise_names(names: list[str]) -> tuple[str, str | None] | None:
+    """(family, variant) of a denoiser with tensor `names`; the variant is None where the
+    weights do not tell the family's variants apart. None: no family's markers fit."""
+    for family in registry.names():
+        fitting = [v for v, spec in registry.variant_specs(family) if _fits(spec.files, names)]
+        if fitting:
+            return family, fitting[0] if len(fitting) == 1 else None
+    return None
+
+
+def recognise_pipeline(pipeline: str) -> tuple[str, str | None] | None:
+    """(family, variant) of a diffusers folder whose model_index.json names `pipeline`."""
+    for family in registry.names():
+        for variant, spec in registry.variant_specs(family):
+            if spec.pipeline_class == pipeline:
+                return family, variant
+    return None
+
+
+def recognise_folder(folder: Path) -> Found:
+    """A diffusers folder, recognised by its model_index.json."""
+    found = Found(str(folder), "folder")
+    index = folder / "model_index.json"
+    try:
+        if index.stat().st_size > MAX_INDEX:
+            raise ValueError("too large to be a model_index.json")
+        pipeline = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
+    except (OSError, ValueError, AttributeError) as err:
+        found.why = f"model_index.json cannot be read ({err})"
+        return found
+    known = recognise_pipeline(str(pipeline))
+    if known is None:
+        found.why = f"its pipeline {pipeline!r} is no family's"
+        return found
+    found.family, found.variant = known
+    found.why = f"model_index.json names {pipeline}"
+    found.fields = {"model.family": found.family, "model.variant": found.variant,
+                    "model.path": str(folder)}
+    return found
+
+
+def recognise_file(path: Path) -> Found:
+    """A single .safetensors file, recognised by its tensors' names."""
+    found = Found(str(path), "file")
+    try:
+        names = safetensors_names(path)
+    except (OSError, ValueError, struct.error) as err:
+        found.why = f"not a readable safetensors file ({err})"
+        return found
+    known = recognise_names(names)
+    if known is None:
+        found.why = f"its {len(names)} tensors are no family's denoiser"
+        return found
+    found.family, found.variant = known
+    key = registry.spec(found.family, found.variant).files.singles[0][0]
+    found.why = f"its tensors are a {found.family} denoiser's"
+    found.fields = {"model.family": found.family, "model.variant": found.variant,
+                    f"model.{key}": str(path)}
+    return found
+
+
+def scan(roots: Roots, depth: int = MAX_DEPTH, entries: int = MAX_ENTRIES) -> list[Found]:
+    """Every model folder and .safetensors file under `roots` (at most `depth` folders down,
+    `entries` directory entries looked at), each recognised. Hidden folders, the app's own
+    folder and links leading out of the roots are skipped; a model folder is not entered."""
+    out: list[Found] = []
+    budget = [entries]
+    for root in roots.folders:
+        _walk(roots, root, depth, budget, out)
+    return out
+
+
+def _walk(roots: Roots, folder: Path, depth: int, budget: list[int], out: list[Found]) -> None:
+    """Scan `folder` into `out`, spending `budget[0]` entries."""
+    if (folder / "model_index.json").is_file():
+        out.append(recognise_folder(folder))
+        return
+    try:
+        listing = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in listing:
+        if budget[0] <= 0:
+            return
+        budget[0] -= 1
+        path = Path(entry.path)
+        if entry.name.startswith(".") or not roots.holds(path):
+            continue
+        if entry.is_dir() and depth > 0:
+            _walk(roots, path, depth - 1, budget, out)
+        elif entry.is_file() and entry.name.endswith(".safetensors"):
+            out.append(recognise_file(path))
