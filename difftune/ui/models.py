@@ -16,9 +16,10 @@ import json
 import os
 import re
 import struct
-from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+
+from pydantic import BaseModel, Field
 
 from difftune.families import registry
 from difftune.families.specs import ModelFiles
@@ -31,17 +32,17 @@ MAX_ENTRIES = 20_000  # directory entries looked at, all roots together
 UNKNOWN = "unknown"
 
 
-@dataclass
-class Found:
+class Found(BaseModel):
     """A model folder or file: what it is (`family` UNKNOWN when nothing fits), and the run
     file's `model` lines that pick it (`fields`, by form path)."""
 
     path: str
-    kind: str  # "folder" or "file"
-    family: str = UNKNOWN
-    variant: str | None = None
-    why: str = ""
-    fields: dict[str, str | None] = field(default_factory=dict)
+    kind: str = Field(description='"folder" (a diffusers folder) or "file" (.safetensors)')
+    family: str = Field(UNKNOWN, description='the family, or "unknown"')
+    variant: str | None = Field(None, description="the variant, where the files tell it")
+    why: str = Field("", description="what told the family (or why none fits)")
+    fields: dict[str, str | None] = Field(
+        default_factory=dict, description="the run file's model lines that pick it")
 
 
 def safetensors_names(path: Path) -> list[str]:
@@ -102,9 +103,17 @@ def recognise_pipeline(pipeline: str) -> tuple[str, str | None] | None:
     return None
 
 
+@cache
+def _single_keys() -> tuple[str, ...]:
+    """Every family's single-file keys of `model` (a picked folder replaces them all)."""
+    return tuple(sorted({k for family in registry.names()
+                         for _, spec in registry.variant_specs(family) for k in spec.files.keys}))
+
+
 def recognise_folder(folder: Path) -> Found:
-    """A diffusers folder, recognised by its model_index.json."""
-    found = Found(str(folder), "folder")
+    """A diffusers folder, recognised by its model_index.json (its fields unset the single
+    files a run file may name, which would be read over the folder)."""
+    found = Found(path=str(folder), kind="folder")
     index = folder / "model_index.json"
     try:
         if index.stat().st_size > MAX_INDEX:
@@ -120,13 +129,13 @@ def recognise_folder(folder: Path) -> Found:
     found.family, found.variant = known
     found.why = f"model_index.json names {pipeline}"
     found.fields = {"model.family": found.family, "model.variant": found.variant,
-                    "model.path": str(folder)}
+                    "model.path": str(folder), **{f"model.{k}": None for k in _single_keys()}}
     return found
 
 
 def recognise_file(path: Path) -> Found:
     """A single .safetensors file, recognised by its tensors' names."""
-    found = Found(str(path), "file")
+    found = Found(path=str(path), kind="file")
     try:
         names = safetensors_names(path)
     except (OSError, ValueError, struct.error) as err:

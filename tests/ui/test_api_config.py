@@ -211,3 +211,25 @@ def test_the_default_save_path_never_lands_in_a_used_folder(tmp_path: Path) -> N
         assert third == str(root / "runs" / "run-4" / "run.toml")
     finally:
         queue.close()
+
+
+def test_models_lists_what_the_roots_hold(forms_client: TestClient, tmp_path: Path) -> None:
+    """GET /api/config/models: a file holding each family's marker tensors (under a name that
+    says nothing) is that family's, with the model lines that pick it; other files unknown."""
+    import torch
+    from safetensors.torch import save_file
+
+    from difftune.families import registry
+
+    root = tmp_path / "root"
+    for i, family in enumerate(registry.names()):
+        spec = registry.variant_specs(family)[-1][1]
+        names = [f"model.diffusion_model.{m}.weight" for m in spec.files.markers[0]]
+        save_file({n: torch.zeros(1) for n in names}, str(root / f"m{i}.safetensors"))
+    save_file({"encoder.conv_in.weight": torch.zeros(1)}, str(root / "vae.safetensors"))
+    found = {Path(f["path"]).name: f for f in forms_client.get("/api/config/models").json()}
+    for i, family in enumerate(registry.names()):
+        key = registry.spec(family).files.singles[0][0]
+        assert found[f"m{i}.safetensors"]["family"] == family
+        assert found[f"m{i}.safetensors"]["fields"][f"model.{key}"] == str(root / f"m{i}.safetensors")
+    assert found["vae.safetensors"]["family"] == "unknown"

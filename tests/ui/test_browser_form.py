@@ -32,13 +32,19 @@ def _below(page: Any, upper: str, lower: str) -> bool:
     return b["y"] >= a["y"] + a["height"] - 1 and abs(b["x"] - a["x"]) < 40
 
 
-def test_labels_help_problems_and_a_second_dataset(served: UiProcess, browser: Any) -> None:
+def _prepare(served: UiProcess, browser: Any) -> tuple[Any, Any]:
+    """A new page on /prepare with the tiny preset loaded, and its TOML view."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(20_000)
     toml = page.get_by_test_id("toml")
+    page.goto(f"{served.url}/prepare?preset=tiny-flux")
+    wait_for("the preset's TOML", lambda: "flavor" in toml.inner_text())
+    return page, toml
+
+
+def test_labels_help_problems_and_a_second_dataset(served: UiProcess, browser: Any) -> None:
+    page, toml = _prepare(served, browser)
     try:
-        page.goto(f"{served.url}/prepare?preset=tiny-flux")
-        wait_for("the preset's TOML", lambda: "flavor" in toml.inner_text())
         fill(page, "field-datasets[0].subsets[0].path", str(served.root / "demo"))
         fill(page, "field-train.lr", "-1")
         problem = page.get_by_test_id("problem-train.lr")
@@ -75,5 +81,42 @@ def test_labels_help_problems_and_a_second_dataset(served: UiProcess, browser: A
         wait_for("the second dataset gone", lambda: page.get_by_test_id(second).count() == 0)
         text = toml.inner_text()
         assert "256" not in text and text.count("[[datasets.subsets]]") == 2
+    finally:
+        page.close()
+
+
+def test_a_model_picked_fills_the_model_lines(served: UiProcess, browser: Any) -> None:
+    """"Find models" lists a renamed single file and a diffusers folder with the family (and
+    variant) their files tell; "Use" writes the model lines, a folder replacing a file."""
+    from safetensors.torch import save_file
+
+    from tests.ui.test_models import _denoiser, _save_folder, _tiny
+
+    models = served.root / "models"
+    models.mkdir(exist_ok=True)
+    save_file(_denoiser(_tiny("flux2", "klein")), str(models / "mystery.safetensors"))
+    _save_folder("qwen_image", "edit", _tiny("qwen_image", "edit"), models / "my-model")
+    page, toml = _prepare(served, browser)
+    try:
+        page.get_by_test_id("find-models").click()
+        rows = page.locator('[data-testid$="-path"][data-testid^="model-"]')
+        wait_for("the scan", lambda: rows.count() >= 2)
+        listed = {rows.nth(i).inner_text(): i for i in range(rows.count())}
+        file_row, folder_row = listed["models/mystery.safetensors"], listed["models/my-model"]
+        assert page.get_by_test_id(f"model-{file_row}-family").inner_text() == \
+            "file · flux2 (klein)"
+        assert page.get_by_test_id(f"model-{folder_row}-family").inner_text() == \
+            "folder · qwen_image (edit)"
+        page.get_by_test_id(f"model-{file_row}-use").click()
+        wait_for("the file's lines", lambda: 'family = "flux2"' in toml.inner_text())
+        text = toml.inner_text()
+        assert 'variant = "klein"' in text and str(models / "mystery.safetensors") in text
+        page.get_by_test_id("find-models").click()
+        wait_for("the scan", lambda: rows.count() >= 2)
+        page.get_by_test_id(f"model-{folder_row}-use").click()
+        wait_for("the folder's lines", lambda: 'family = "qwen_image"' in toml.inner_text())
+        text = toml.inner_text()
+        assert 'variant = "edit"' in text and str(models / "my-model") in text
+        assert "mystery.safetensors" not in text  # the folder replaced the single file
     finally:
         page.close()

@@ -57,8 +57,10 @@ def test_each_family_is_recognised_from_its_files(tmp_path: Path, family: str,
     found = {Path(f.path).name: f for f in models.scan(Roots.of([tmp_path]))}
     folder, single = found["some folder"], found["renamed.safetensors"]
     assert (folder.kind, folder.family, folder.variant) == ("folder", family, by_folder)
-    assert folder.fields == {"model.family": family, "model.variant": by_folder,
-                             "model.path": str(tmp_path / "some folder")}
+    assert {k: v for k, v in folder.fields.items() if v is not None} == {
+        "model.family": family, **({"model.variant": by_folder} if by_folder else {}),
+        "model.path": str(tmp_path / "some folder")}
+    assert folder.fields["model.transformer"] is None  # a single file named before is unset
     assert (single.kind, single.family, single.variant) == ("file", family, by_weights)
     assert single.fields["model.transformer"] == str(tmp_path / "renamed.safetensors")
     assert not any(Path(f.path).is_relative_to(tmp_path / "some folder") for f in found.values()

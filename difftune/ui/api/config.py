@@ -16,6 +16,7 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel
 
 from difftune.errors import ConfigError
+from difftune.ui import models
 from difftune.ui.context import UiContext
 from difftune.ui.forms import applies, presets, schema, toml_io
 from difftune.ui.forms.validate import validate
@@ -261,6 +262,13 @@ def router(ctx: UiContext) -> APIRouter:
             raise HTTPException(404, f"no preset {name!r}; GET /api/config/presets lists them") \
                 from None
         return PresetOut(name=preset.name, title=preset.title, toml=preset.toml)
+
+    @api.get("/models", response_model=list[models.Found],
+             summary="Model folders and files under the roots, each's family")
+    def get_models() -> list[models.Found]:
+        """Diffusers folders and .safetensors files under the roots (bounded scan), each
+        recognised from its model_index.json or its tensors' names, never its file name."""
+        return models.scan(ctx.roots)
 
     @api.post("/validate", response_model=ValidationOut, summary="Validate a run file")
     def post_validate(body: TomlIn) -> ValidationOut:

@@ -20,6 +20,7 @@ from difftune.ui.context import UiContext
 from difftune.ui.forms import presets, schema, toml_io
 from difftune.ui.jobs.store import Job
 from difftune.ui.pages.layout import error_box, frame
+from difftune.ui.pages.model_picker import ModelPicker
 from difftune.ui.pages.run_form import Form
 from difftune.ui.security import PathOutsideRoots
 
@@ -48,6 +49,7 @@ class Prepare:
                 .classes("min-w-[22rem]").props('data-testid="preset"')
             self.path = ui.input("Save to (under the roots)").classes("grow") \
                 .props('data-testid="save-path"')
+            ModelPicker(self.ctx, self.use_model)
         self.memory = ui.label("").classes("text-sm text-gray-600") \
             .props('data-testid="preset-memory"')
         self.errors = ui.column().classes("w-full")
@@ -144,6 +146,13 @@ class Prepare:
     def remove_item(self, path: str, index: int) -> None:
         """Remove item `index` of the list of tables at `path`."""
         self._edit(lambda doc: toml_io.remove_item(doc, path, index))
+
+    def use_model(self, fields: dict[str, Any]) -> None:
+        """Write a picked model's lines (family, variant, its folder or single file)."""
+        def write(doc: Any) -> None:
+            for path, value in fields.items():
+                toml_io.set_value(doc, path, value)
+        self._edit(write)
 
     def edited(self, e: events.ValueChangeEventArguments) -> None:
         """The TOML view changed: the form follows."""
