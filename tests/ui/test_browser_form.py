@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.ui.browser import DEMO, UiProcess, wait_for
+from tests.ui.browser import DEMO, UiProcess, shoot, wait_for
 from tests.ui.test_browser_journey import fill
 
 
@@ -66,6 +66,8 @@ def test_labels_help_problems_and_a_second_dataset(served: UiProcess, browser: A
         required = page.get_by_test_id("problem-datasets[1].subsets[0].path")
         wait_for("its folder asked for", lambda: "datasets[1].subsets[0].path" in
                  required.inner_text())
+        page.get_by_test_id("item-datasets[1]").scroll_into_view_if_needed()
+        shoot(page, "prepare-datasets")
         fill(page, second, str(served.root / "demo"))
         fill(page, "field-datasets[1].resolution", "256")
         wait_for("the second dataset in the TOML",
@@ -103,6 +105,7 @@ def test_a_model_picked_fills_the_model_lines(served: UiProcess, browser: Any) -
         wait_for("the scan", lambda: rows.count() >= 2)
         listed = {rows.nth(i).inner_text(): i for i in range(rows.count())}
         file_row, folder_row = listed["models/mystery.safetensors"], listed["models/my-model"]
+        shoot(page, "model-picker")
         assert page.get_by_test_id(f"model-{file_row}-family").inner_text() == \
             "file · flux2 (klein)"
         assert page.get_by_test_id(f"model-{folder_row}-family").inner_text() == \

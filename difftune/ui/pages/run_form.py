@@ -44,6 +44,7 @@ class Form:
         self.inputs: dict[str, FieldInput] = {}
         self.items: dict[str, ui.label] = {}  # an item's concrete path -> its problems
         self.lists: list[ItemList] = []
+        self.hidden: set[str] = set()  # inputs hidden (their problems then stay at the top)
 
     def build(self) -> None:
         """One expansion per section, the model and datasets open."""
@@ -85,13 +86,16 @@ class Form:
 
     def show(self, values: dict[str, Any], hidden: dict[str, str]) -> None:
         """Put `values` into the inputs; hide the fields that do not apply."""
+        self.hidden = {p for p in self.inputs if schema.template(p) in hidden}
         for path, field in self.inputs.items():
             field.show(values.get(path))
-            field.row.set_visibility(schema.template(path) not in hidden)
+            field.row.set_visibility(path not in self.hidden)
 
     def show_problems(self, message: str | None) -> str:
-        """Put each problem of `message` beside its input or item; the rest is returned."""
-        by_place, rest = field_errors.split(message, set(self.inputs) | set(self.items))
+        """Put each problem of `message` beside its input or item (a hidden input's stays in
+        the rest); the rest is returned."""
+        places = (set(self.inputs) - self.hidden) | set(self.items)
+        by_place, rest = field_errors.split(message, places)
         for path, field in self.inputs.items():
             field.show_problems(by_place.get(path, []))
         for path, place in self.items.items():
