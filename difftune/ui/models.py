@@ -72,6 +72,7 @@ def _pattern(module: str) -> re.Pattern[str]:
 @cache
 def _compiled(files: ModelFiles) -> tuple[tuple[tuple[re.Pattern[str], ...], ...],
                                           tuple[re.Pattern[str], ...]]:
+    """`files`' markers and unmarked paths as patterns (compiled once per spec)."""
     return (tuple(tuple(_pattern(m) for m in alt) for alt in files.markers),
             tuple(_pattern(m) for m in files.unmarked))
 

@@ -64,6 +64,7 @@ class FieldInput:
             self.problems = problems_label(f"problem-{path}")
 
     def _make(self, on_change: Changed) -> ui.element:
+        """The widget of the field's kind (the default, or "required"/"unset", as its hint)."""
         s = self.spec
         hint = f"default: {_shown(s.default)}" if s.default is not None else \
             ("required" if s.required else "unset")

@@ -44,6 +44,7 @@ class ModelPicker:
                 self._row(i, item)
 
     def _row(self, i: int, item: models.Found) -> None:
+        """One model's row: its path under its root, what it is, why, and "Use" if known."""
         what = item.family if item.variant is None else f"{item.family} ({item.variant})"
         with ui.row().classes("w-full items-center no-wrap gap-2") \
                 .props(f'data-testid="model-{i}"'):

@@ -126,6 +126,7 @@ class ItemList:
                 .props(f'flat dense data-testid="add-{self.conc}"')
 
     def _item(self, i: int) -> None:
+        """Item `i`'s card: its title and path, remove button, problems and fields."""
         item = f"{self.conc}[{i}]"
         with ui.card().classes("w-full p-2 gap-1").props(f'data-testid="item-{item}"'):
             with ui.row().classes("w-full items-center"):
