@@ -112,7 +112,8 @@ def _targets(roots: Roots, folder: Path, images: list[str] | None, caption_ext: 
 def bulk_edit(roots: Roots, folder: str | Path, edit: BulkEdit, images: list[str] | None = None,
               caption_ext: str = DEFAULT_CAPTION_EXT) -> list[Path]:
     """Apply `edit` to the captions of `images` (all the folder's when None) and journal it
-    for undo; returns the caption files changed. ValueError for a caption that is not UTF-8
+    for undo (an edit that changes nothing keeps the last one's journal); returns the caption
+    files changed. ValueError for a caption that is not UTF-8
     (nothing changed), PathOutsideRoots for a path outside the roots."""
     where = roots.resolve(folder, write=True)
     if not where.is_dir():
@@ -130,6 +131,8 @@ def bulk_edit(roots: Roots, folder: str | Path, edit: BulkEdit, images: list[str
         after = edit.apply(text).encode("utf-8")
         if after != before:
             changes.append((cap, before, after))
+    if not changes:  # the last edit's journal stays: it is still the one to undo
+        return []
     entries = [{"file": str(c), "before": None if b is None else base64.b64encode(b).decode(),
                 "mode": (c.stat().st_mode & 0o777) if b is not None else None,
                 "after": _hash(a)} for c, b, a in changes]

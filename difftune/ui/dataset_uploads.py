@@ -48,11 +48,17 @@ class Incoming:
     stream: BinaryIO
 
 
-def allowed_extensions() -> tuple[str, ...]:
-    """The extensions an upload may have: the data loader's images, then captions."""
+def kinds() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The extensions of the images the data loader reads, and of caption files."""
     from difftune.data.discover import IMAGE_EXTENSIONS
 
-    return (*sorted(IMAGE_EXTENSIONS), *CAPTION_EXTENSIONS)
+    return tuple(sorted(IMAGE_EXTENSIONS)), CAPTION_EXTENSIONS
+
+
+def allowed_extensions() -> tuple[str, ...]:
+    """The extensions an upload may have: the data loader's images, then captions."""
+    images, captions = kinds()
+    return (*images, *captions)
 
 
 def check_name(name: str) -> str:
@@ -123,12 +129,10 @@ def save_one(roots: Roots, folder: Path, incoming: Incoming) -> Path:
     """Write one upload into `folder` (already resolved under the roots) and return its
     path; UploadRefused (or PathOutsideRoots) when it may not land there."""
     name = check_name(incoming.name)
+    if os.path.lexists(folder / name):
+        raise UploadRefused(name, f"{folder / name} exists; the app never replaces a file: "
+                                  "rename the upload or delete the old file first", 409)
     target = roots.resolve(folder / name, write=True)
-    if target.parent != folder:
-        raise UploadRefused(name, f"would land outside {folder}", 403)
-    if os.path.lexists(target):
-        raise UploadRefused(name, f"{target} exists; the app never replaces a file: rename "
-                                  "the upload or delete the old file first", 409)
     fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".upload")
     os.close(fd)
     tmp = Path(tmp_name)

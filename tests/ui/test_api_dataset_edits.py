@@ -5,6 +5,7 @@ for byte from its journal on disk; tags are counted only over tag-style captions
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from pathlib import Path
@@ -119,6 +120,28 @@ def test_only_the_upload_route_takes_bodies_over_the_request_limit(
     assert not (folder / "larger.png").exists()
 
 
+def test_an_upload_without_a_length_is_411_unread() -> None:
+    taken: list[dict] = []
+
+    async def receive() -> dict:
+        taken.append({})
+        return {"type": "http.request", "body": b"x" * 1024, "more_body": True}
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        raise AssertionError("the app is not called")
+
+    scope = {"type": "http", "method": "POST", "path": "/_nicegui/client/c1/upload/5",
+             "headers": [(b"transfer-encoding", b"chunked")], "query_string": b""}
+    asyncio.run(BodyLimit(app)(scope, receive, send))
+    assert sent[0]["status"] == 411 and taken == []
+    assert b"Content-Length" in sent[1]["body"]
+
+
 # --- bulk caption edits ------------------------------------------------------------------------
 
 def _bulk(client: TestClient, **body: object) -> object:  # noqa: F811
@@ -144,6 +167,17 @@ def test_a_bulk_edit_is_undone_byte_for_byte(client: TestClient,  # noqa: F811
     assert (folder / "cyan_cross.txt").stat().st_mode & 0o777 == 0o600
     again = client.post("/api/datasets/undo-caption", json={"folder": "data"})
     assert again.status_code == 409 and "no bulk caption edit" in again.json()["detail"]
+
+
+def test_an_edit_that_changes_nothing_keeps_the_last_undo(client: TestClient,  # noqa: F811
+                                                          folder: Path) -> None:
+    before = _snapshot(folder)
+    _bulk(client, op="add", text="ohwx")
+    again = _bulk(client, op="add", text="ohwx")  # every caption has it already
+    assert again.status_code == 200 and again.json()["files"] == []
+    assert client.post("/api/datasets/undo-caption", json={"folder": "data"}).status_code == 200
+    assert {n: b for n, (b, _) in _snapshot(folder).items()} == \
+        {n: b for n, (b, _) in before.items()}
 
 
 def test_bulk_edits_remove_replace_and_selected_images(client: TestClient,  # noqa: F811

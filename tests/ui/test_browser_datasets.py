@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from difftune.ui.limits import MAX_BODY_BYTES
-from tests.ui.browser import DEMO, UiProcess, editable, wait_for
+from tests.ui.browser import DEMO, UiProcess, editable, shoot, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,7 @@ def test_upload_then_a_bulk_trigger_word_undone(served: UiProcess, browser: Any,
         assert (folder / "large.txt").read_text() == "ohwx"
         wait_for("the grid's captions", lambda: editable(page, "caption-0")
                  .input_value().startswith("ohwx, "))
+        shoot(page, "dataset-tools")
 
         page.reload()  # the undo survives a reload: it is journaled in the folder
         wait_for("the grid", lambda: editable(page, "caption-0").input_value())

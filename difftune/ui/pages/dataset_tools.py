@@ -19,7 +19,7 @@ from nicegui import run, ui
 
 from difftune.ui import caption_bulk, dataset_uploads
 from difftune.ui.context import UiContext
-from difftune.ui.limits import MAX_UPLOAD_BYTES
+from difftune.ui.limits import MAX_TEXT_BYTES, MAX_UPLOAD_BYTES
 from difftune.ui.security import PathOutsideRoots
 
 OPS = {"add": "Add trigger word", "remove": "Remove trigger word", "replace": "Find and replace"}
@@ -46,9 +46,11 @@ class DatasetTools:
             self._bulk_row()
 
     def _upload_row(self) -> None:
-        ui.label(f"Upload images ({', '.join(dataset_uploads.allowed_extensions())}; at most "
-                 f"{MAX_UPLOAD_BYTES >> 20} MiB each) and caption files into the open folder. "
-                 "A file whose name is taken is refused, never replaced.").classes("text-sm")
+        images, captions = dataset_uploads.kinds()
+        ui.label(f"Upload images ({', '.join(images)}; at most {MAX_UPLOAD_BYTES >> 20} MiB "
+                 f"each) and caption files ({', '.join(captions)}; UTF-8, at most "
+                 f"{MAX_TEXT_BYTES >> 20} MiB) into the open folder. A file whose name is taken "
+                 "is refused, never replaced.").classes("text-sm")
         ui.upload(multiple=True, auto_upload=True, max_file_size=MAX_UPLOAD_BYTES,
                   on_upload=self._uploaded, label="Upload into this folder",
                   on_rejected=lambda: _note(self.upload_note, "refused by the browser: larger "
