@@ -73,6 +73,8 @@ def test_upload_then_a_bulk_trigger_word_undone(served: UiProcess, browser: Any,
         page.reload()  # the undo survives a reload: it is journaled in the folder
         wait_for("the grid", lambda: editable(page, "caption-0").input_value())
         page.get_by_test_id("dataset-tools").get_by_text("Add images and edit captions").click()
+        wait_for("the undo offered", lambda: "add trigger word 'ohwx', 8 caption files"
+                 in page.get_by_test_id("undo-info").inner_text())
         page.get_by_test_id("bulk-undo").click()
         wait_for("the undo", lambda: "undone" in page.get_by_test_id("bulk-status").inner_text())
         assert _bytes(folder) == before  # the journal gone with the edit

@@ -74,6 +74,8 @@ class DatasetTools:
             ui.button("Apply", on_click=self.apply).props('data-testid="bulk-apply"')
             self.undo_button = ui.button("Undo last bulk edit", on_click=self.undo) \
                 .props('flat data-testid="bulk-undo"')
+            self.undo_info = ui.label("").classes("text-xs text-gray-600") \
+                .props('data-testid="undo-info"')
         self.bulk_note = ui.label("").props('data-testid="bulk-status"')
         self._shown()
 
@@ -94,10 +96,9 @@ class DatasetTools:
             except REFUSED:
                 last = None
         self.undo_button.set_enabled(last is not None)
-        if last is not None:
-            e = last["edit"]
-            self.undo_button.tooltip(f"{OPS[e['op']].lower()} {e['text']!r}: "
-                                     f"{len(last['files'])} caption files")
+        e = last["edit"] if last is not None else None
+        self.undo_info.set_text("" if e is None else f"(last: {OPS[e['op']].lower()} "
+                                f"{e['text']!r}, {len(last['files'])} caption files)")
 
     async def _uploaded(self, event: Any) -> None:
         """Write one uploaded file into the folder (or say why not), then redraw the grid."""
