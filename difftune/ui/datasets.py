@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -29,6 +30,10 @@ CAPTION_EXTENSIONS = (".txt", ".caption", ".cap", ".tags", ".text")
 # The side granularity of most families' buckets; a report of a bare folder uses it unless a
 # family is named (a run file always uses its own family's).
 DEFAULT_BUCKET_STEP = 16
+# The tag-style rule: a caption is a list of tags when every piece between separators is a
+# short phrase (at most TAG_WORDS words) that ends no sentence; otherwise it is prose, and its
+# commas are punctuation, not tag boundaries.
+TAG_WORDS = 4
 
 
 def _ext(caption_ext: str) -> str:
@@ -186,18 +191,24 @@ def write_caption(image: Path, text: str, caption_ext: str = DEFAULT_CAPTION_EXT
         mode = target.stat().st_mode & 0o777
     except FileNotFoundError:
         mode = 0o644
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    write_atomic(target, text.strip().encode("utf-8"), mode)
+    return target
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace `path` by `data` with permission bits `mode`: written to a hidden temporary
+    file beside it and renamed over it, so a reader sees the old bytes or the new, never half."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text.strip())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, target)
+        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return target
 
 
 def under(roots: Roots) -> Callable[[Path], bool]:
@@ -241,7 +252,9 @@ class DatasetReport:
     `buckets`: one row per (resolution, bucket "WxH") with its image count; `skipped`: the
     images left out and the reason `check` prints; `missing_captions`: images trained with the
     default caption; `tags`: (tag, count) most frequent first, split on each subset's
-    `caption_separator`; `lengths`: caption length in words -> images; `summary`: the counts
+    `caption_separator`, counted over tag-style captions only (`is_tag_style`);
+    `caption_styles`: how many captions are tag-style and how many prose; `lengths`: caption
+    length in words -> images; `summary`: the counts
     `DataSet.summary()` gives; `error`: the message `check` would stop with (then the rest
     is empty).
     """
@@ -252,6 +265,7 @@ class DatasetReport:
     missing_captions: list[str] = field(default_factory=list)
     tags: list[dict[str, Any]] = field(default_factory=list)
     lengths: list[dict[str, int]] = field(default_factory=list)
+    caption_styles: dict[str, int] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
@@ -340,6 +354,17 @@ def check_sources(datasets: list[Any], roots: Roots) -> None:
                     roots.resolve(path)
 
 
+def is_tag_style(caption: str, separator: str = ",") -> bool:
+    """Whether `caption` is a list of tags ("1girl, red hair, smiling"), not prose ("A woman
+    with red hair, smiling at the camera."): every non-empty piece between separators is at
+    most `TAG_WORDS` words and ends no sentence (no '.', '!' or '?' at its end or followed by
+    a space inside it). An empty caption is neither."""
+    pieces = [p.strip() for p in caption.split(separator) if p.strip()]
+    return bool(pieces) and all(
+        len(p.split()) <= TAG_WORDS and p[-1] not in ".!?" and not re.search(r"[.!?]\s", p)
+        for p in pieces)
+
+
 def _fill(out: DatasetReport, data: Any) -> None:
     """The report's tables from a built `DataSet`."""
     per_side = Counter((it.resolution, f"{it.bucket[0]}x{it.bucket[1]}") for it in data.items)
@@ -355,9 +380,15 @@ def _fill(out: DatasetReport, data: Any) -> None:
             seen.setdefault(it.path, it)
     tags: Counter[str] = Counter()
     lengths: Counter[int] = Counter()
+    styles: Counter[str] = Counter({"tags": 0, "prose": 0})
     for it in seen.values():
-        tags.update(t.strip() for t in it.caption.split(it.augment.separator) if t.strip())
+        if is_tag_style(it.caption, it.augment.separator):
+            styles["tags"] += 1
+            tags.update(t.strip() for t in it.caption.split(it.augment.separator) if t.strip())
+        elif it.caption.strip():
+            styles["prose"] += 1
         lengths[len(it.caption.split())] += 1
+    out.caption_styles = dict(styles)
     ranked = sorted(tags.items(), key=lambda kv: (-kv[1], kv[0]))
     out.tags = [{"tag": t, "count": n} for t, n in ranked]
     out.lengths = [{"words": w, "images": n} for w, n in sorted(lengths.items())]

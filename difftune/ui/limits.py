@@ -6,10 +6,17 @@ either, and `MAX_BODY_BYTES` (4 MiB) for one sent as JSON with escapes. A larger
 answered 413 before the app reads it: at once from its Content-Length, else as soon as the
 bytes counted while it streams pass the limit; it is never held in memory whole. A larger file
 named as a run file is refused from its size, before it is read.
+
+The upload routes (`UPLOAD_PATHS`: the dataset page's and /api/datasets/upload) take one
+image of up to `MAX_UPLOAD_BYTES` per file: there a body must announce its Content-Length
+(411 otherwise), one over `MAX_UPLOAD_BODY` is refused 413 from it before any byte is read,
+and the rest is passed on unbuffered (the server reads no more than announced), so the route
+streams it to disk in chunks instead of holding it in memory.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +24,10 @@ from difftune.errors import ConfigError
 
 MAX_TEXT_BYTES = 1 << 20
 MAX_BODY_BYTES = 4 << 20
+MAX_UPLOAD_BYTES = 64 << 20
+# One file and its multipart framing (boundaries, part headers, the form's other fields).
+MAX_UPLOAD_BODY = MAX_UPLOAD_BYTES + (1 << 20)
+UPLOAD_PATHS = re.compile(r"^(/api/datasets/upload|/_nicegui/client/[^/]+/upload/[^/]+)$")
 
 
 class TooLarge(ConfigError, ValueError):
@@ -69,9 +80,11 @@ def encode(text: str, name: str) -> bytes:
 class BodyLimit:
     """ASGI middleware: HTTP request bodies over `limit` bytes are answered 413 unread."""
 
-    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES,
+                 upload_limit: int = MAX_UPLOAD_BODY) -> None:
         self.app = app
         self.limit = limit
+        self.upload_limit = upload_limit
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -79,6 +92,9 @@ class BodyLimit:
             return
         headers = dict(scope.get("headers", []))
         length = headers.get(b"content-length", b"").decode("latin-1").strip()
+        if UPLOAD_PATHS.match(scope.get("path", "")) and scope.get("method") == "POST":
+            await self._upload(scope, receive, send, length)
+            return
         if length.isdigit() and int(length) > self.limit:
             await self._refuse(send, int(length))
             return
@@ -90,6 +106,18 @@ class BodyLimit:
             await self._refuse(send, None)
             return
         await self.app(scope, _replay(body, first, receive), send)
+
+    async def _upload(self, scope: dict, receive: Any, send: Any, length: str) -> None:
+        """An upload: passed on unbuffered when it announces a length within the upload
+        limit; refused (411 without a length, 413 over the limit) otherwise."""
+        if not length.isdigit():
+            await _answer(send, 411, "an upload must send its Content-Length")
+        elif int(length) > self.upload_limit:
+            await _answer(send, 413, f"the upload ({_mib(int(length))}) is larger than this app "
+                                     f"takes (at most {_mib(MAX_UPLOAD_BYTES)} a file, one file "
+                                     "a request)")
+        else:
+            await self.app(scope, receive, send)
 
     async def _read(self, receive: Any) -> tuple[bytes | None, dict | None]:
         """The whole body (None once it passes the limit), and a disconnect message that came
@@ -110,14 +138,19 @@ class BodyLimit:
     async def _refuse(self, send: Any, size: int | None) -> None:
         """Answer 413 naming the limit (and the body's size when it was announced)."""
         told = f" ({_mib(size)})" if size is not None else ""
-        text = (f"the request body{told} is larger than this app reads (at most "
-                f"{_mib(self.limit)}): run files and captions are far smaller")
-        body = text.encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await _answer(send, 413, f"the request body{told} is larger than this app reads (at "
+                                 f"most {_mib(self.limit)}): run files and captions are far "
+                                 "smaller")
+
+
+async def _answer(send: Any, status: int, text: str) -> None:
+    """Answer `status` with `text`, closing the connection (its body is left unread)."""
+    body = text.encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _replay(body: bytes, first: dict | None, receive: Any) -> Any:

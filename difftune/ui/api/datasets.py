@@ -3,6 +3,8 @@ would make of a folder or run file, and serve images and thumbnails. Every path 
 file a write would replace, each file a report reads) is checked against the app's roots: 403
 outside them or, for a write, in the app's own folder. A caption write only ever creates or
 replaces a caption file (`caption_ext` one of `datasets.CAPTION_EXTENSIONS`, else 422).
+Uploads follow `dataset_uploads`' rules (never replacing a file); bulk caption edits and their
+undo follow `caption_bulk`'s.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from difftune.errors import DifftuneError
-from difftune.ui import datasets
+from difftune.ui import caption_bulk, dataset_uploads, datasets
 from difftune.ui.context import UiContext
 from difftune.ui.security import PathOutsideRoots
 
@@ -81,7 +84,33 @@ class ReportModel(BaseModel):
     tags: list[dict[str, Any]]
     lengths: list[dict[str, int]]
     summary: dict[str, Any]
+    caption_styles: dict[str, int]
     error: str | None
+
+
+class BulkEditModel(BaseModel):
+    """A bulk caption edit of a folder (see `difftune.ui.caption_bulk`): over `images` when
+    given, else over every image of `folder`."""
+
+    folder: str
+    op: caption_bulk.Op
+    text: str = Field(min_length=1, max_length=1000)
+    where: caption_bulk.Where = "start"
+    replacement: str = Field("", max_length=1000)
+    images: list[str] | None = None
+    caption_ext: str = Field(datasets.DEFAULT_CAPTION_EXT, **CAPTION_EXT)
+
+
+class FolderOnly(BaseModel):
+    """A dataset folder."""
+
+    folder: str
+
+
+class ChangedFiles(BaseModel):
+    """The files a request wrote (or, for an undo, restored)."""
+
+    files: list[str]
 
 
 def _resolve(ctx: UiContext, path: str) -> Path:
@@ -156,4 +185,62 @@ def router(ctx: UiContext) -> APIRouter:
         except ValueError as err:
             raise HTTPException(status_code=422, detail=f"{target}: {err}") from None
 
+    edit_routes(api, ctx)
     return api
+
+
+def edit_routes(api: APIRouter, ctx: UiContext) -> None:
+    """The routes that add files to a dataset folder or edit its captions in bulk."""
+
+    @api.post("/upload", response_model=ChangedFiles, summary="Upload images and captions")
+    async def upload(request: Request, folder: str) -> dict[str, list[str]]:
+        """Multipart files into `folder`; each refused file (bad name 422, existing 409, too
+        large 413, outside the roots 403) is named with its reason, the others are kept."""
+        from starlette.datastructures import UploadFile
+
+        async with request.form(max_files=1000) as form:
+            files = [dataset_uploads.Incoming(f.filename or "", f.file)
+                     for _, f in form.multi_items() if isinstance(f, UploadFile)]
+            try:
+                saved, refused = await run_in_threadpool(dataset_uploads.save_all, ctx.roots,
+                                                         folder, files)
+            except PathOutsideRoots as err:
+                raise HTTPException(status_code=403, detail=str(err)) from None
+            except ValueError as err:
+                raise HTTPException(status_code=422, detail=str(err)) from None
+        if refused:
+            kept = f"; kept: {', '.join(p.name for p in saved)}" if saved else ""
+            raise HTTPException(status_code=max(r.status for r in refused),
+                                detail="refused " + "; ".join(map(str, refused)) + kept)
+        if not saved:
+            raise HTTPException(status_code=422, detail="no file in the request; send files "
+                                                        "as multipart form parts")
+        return {"files": [str(p) for p in saved]}
+
+    @api.post("/bulk-caption", response_model=ChangedFiles, summary="Edit captions in bulk")
+    def bulk(body: BulkEditModel) -> dict[str, list[str]]:
+        """Add/remove a trigger word or find and replace, over all or the chosen images;
+        journaled so `/undo-caption` puts the captions back exactly."""
+        edit = caption_bulk.BulkEdit(body.op, body.text, body.where, body.replacement)
+        return {"files": [str(p) for p in _edited(caption_bulk.bulk_edit, ctx.roots,
+                                                  body.folder, edit, body.images,
+                                                  body.caption_ext)]}
+
+    @api.post("/undo-caption", response_model=ChangedFiles, summary="Undo the last bulk edit")
+    def undo(body: FolderOnly) -> dict[str, list[str]]:
+        """Restore the captions the folder's last bulk edit changed (409 when there is none,
+        or a caption changed since)."""
+        return {"files": [str(p) for p in _edited(caption_bulk.undo, ctx.roots, body.folder)]}
+
+
+def _edited(action: Any, *args: Any) -> list[Path]:
+    """`action(*args)`, its refusals as HTTP errors (403 outside the roots, 409 nothing to
+    undo, 422 bad input)."""
+    try:
+        return action(*args)
+    except PathOutsideRoots as err:
+        raise HTTPException(status_code=403, detail=str(err)) from None
+    except caption_bulk.NothingToUndo as err:
+        raise HTTPException(status_code=409, detail=str(err)) from None
+    except (ValueError, OSError) as err:
+        raise HTTPException(status_code=422, detail=str(err)) from None

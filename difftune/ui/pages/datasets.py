@@ -17,6 +17,7 @@ from nicegui import run, ui
 from difftune.errors import DifftuneError
 from difftune.ui import datasets
 from difftune.ui.context import UiContext
+from difftune.ui.pages.dataset_tools import DatasetTools
 from difftune.ui.pages.layout import error_box, frame
 from difftune.ui.security import PathOutsideRoots
 
@@ -36,8 +37,8 @@ def register(ctx: UiContext) -> None:
     async def datasets_page(path: str = "", resolution: int = 1024, offset: int = 0) -> None:
         with frame("Datasets"):
             view = DatasetView(ctx, path, resolution)
-            if path:
-                await view.open(offset)
+            if path:  # after the page is sent: the first browse imports the data code (slow)
+                ui.timer(0.05, lambda: view.open(offset), once=True)
 
 
 class DatasetView:
@@ -45,6 +46,7 @@ class DatasetView:
 
     def __init__(self, ctx: UiContext, path: str, resolution: int) -> None:
         self.ctx, self.offset = ctx, 0
+        self.folder: Path | None = None  # the folder open (None: none, or a run file)
         with ui.row().classes("w-full items-end gap-4"):
             self.picker = ui.select({}, label="Folders with images", with_input=True,
                                     on_change=self._picked).classes("w-96") \
@@ -55,6 +57,7 @@ class DatasetView:
                                         precision=0).classes("w-32") \
                 .props('data-testid="resolution"')
             ui.button("Open", on_click=lambda: self.open(0)).props('data-testid="open-folder"')
+        self.tools = DatasetTools(ctx, lambda: self.folder, lambda: self.open(self.offset))
         self.errors = ui.column().classes("w-full")
         self.status = ui.label("").props('data-testid="dataset-status"')
         self.grid = ui.grid(columns=4).classes("w-full gap-3").props('data-testid="image-grid"')
@@ -102,6 +105,10 @@ class DatasetView:
         self.report.clear()
         if source is None:
             return
+        if source != self.folder:
+            self.tools.selected.clear()
+        self.folder = source if source.is_dir() else None
+        await self.tools.refresh_undo()
         if source.is_dir():
             self.offset = max(0, offset)
             await self._show_page(source)
@@ -133,7 +140,11 @@ class DatasetView:
         with ui.card().classes("p-2 gap-1").props(f'data-testid="image-{n}"'):
             ui.image(image_url(item.image)).classes("w-full").props("fit=contain")
             size = f" · {item.width}x{item.height}" if item.width else ""
-            ui.label(f"{Path(item.image).name}{size}").classes("text-xs text-gray-600")
+            with ui.row().classes("items-center gap-1"):
+                ui.checkbox(value=item.image in self.tools.selected,
+                            on_change=lambda e, p=item.image: self._tick(p, e.value)) \
+                    .props(f'dense data-testid="select-{n}"')
+                ui.label(f"{Path(item.image).name}{size}").classes("text-xs text-gray-600")
             area = ui.textarea(value=item.caption or "",
                                placeholder="no caption file (the default caption is used)") \
                 .classes("w-full").props(f'dense outlined autogrow data-testid="caption-{n}"')
@@ -158,6 +169,10 @@ class DatasetView:
 
                 area.on("blur", save)
                 ui.button(icon="save", on_click=save).props(f'flat dense data-testid="save-{n}"')
+
+    def _tick(self, image: str, ticked: bool) -> None:
+        """Add or drop `image` from the images a bulk edit over the ticked ones covers."""
+        (self.tools.selected.add if ticked else self.tools.selected.discard)(image)
 
     async def show_report(self) -> None:
         """Compute and show the report (probing every image: off the event loop)."""
@@ -186,9 +201,11 @@ def render_report(found: datasets.DatasetReport, ctx: UiContext) -> None:
         error_box(found.error)
         return
     s = found.summary
+    styles = found.caption_styles
     ui.label(f"{s.get('images', 0)} images, {s.get('skipped', 0)} skipped, "
-             f"{s.get('captions_missing', 0)} without caption, {s.get('upscaled', 0)} upscaled") \
-        .props('data-testid="report-summary"')
+             f"{s.get('captions_missing', 0)} without caption, {s.get('upscaled', 0)} upscaled; "
+             f"captions: {styles.get('tags', 0)} tag lists, {styles.get('prose', 0)} prose "
+             "(tags are counted in tag lists only)").props('data-testid="report-summary"')
     with ui.row().classes("w-full gap-4 items-start"):
         ui.table(title="Buckets", columns=_columns(("resolution", "Resolution"),
                                                    ("bucket", "Bucket"), ("images", "Images")),
