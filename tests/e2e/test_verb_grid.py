@@ -7,8 +7,9 @@ LyCORIS kinds where the family has them). Each cell trains once through the real
 a 2-step sample before and after it, fp32 files so the file holds exactly what was trained),
 and its file is shared by the verbs (a module-scoped fixture):
 - `sample --lora FILE` writes the image the run itself sampled after its step (same prompt,
-  seed and size), which differs from the base model's (the run's sample before its step): the
-  file's weights were applied, not just loaded;
+  seed and size; exactly, or for the LyCORIS layout, applied by the LyCORIS library, to 1 of
+  255 on under 0.1% of the values), which differs clearly (by over 8 of 255) from the base
+  model's (the run's sample before its step): the file's weights were applied, not just loaded;
 - `train --init-lora FILE` starts a new run from the trained weights: its sample before its
   first step is that same image;
 - `check` passes on the cell's run file.
@@ -72,7 +73,7 @@ PARAMS = [pytest.param(c, id="-".join(c), marks=() if c in DEFAULT else pytest.m
 def run_file(folder: Path, data: Path, prompts: Path, cell: tuple[str, str, str, str],
              out: Path, steps: int = 1, at_end: bool = True) -> Path:
     """The cell's run file in `folder`: a rank-2 adapter of the cell's kind, targets and
-    layout on the family's tiny flavor, one step at lr 1e-2, samples before (and after) it,
+    layout on the family's tiny flavor, one step at lr 5e-2 (alpha 8: a step that shows), samples before (and after) it,
     fp32 files written to `out`."""
     family, kind, layout, preset = cell
     adapter = {"dora": 'type = "lora"\ndora = true', "lora": 'type = "lora"'}.get(
@@ -88,6 +89,7 @@ def run_file(folder: Path, data: Path, prompts: Path, cell: tuple[str, str, str,
         [adapter]
         {{adapter}}
         rank = 2
+        alpha = 8
         targets = "{preset}"
 
         [[datasets]]
@@ -100,7 +102,7 @@ def run_file(folder: Path, data: Path, prompts: Path, cell: tuple[str, str, str,
         [train]
         steps = {steps}
         batch_size = 1
-        lr = 1e-2
+        lr = 5e-2
         seed = 5
         device = "cpu"
 
@@ -156,11 +158,20 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def test_sample_applies_the_file(trained: dict[str, Any], tmp_path: Path) -> None:
     out = trained["out"]
     before, after = pixels(sample_at(out, 0)), pixels(sample_at(out, 1))
-    assert np.abs(before - after).max() > 0, "one step changed nothing: the check is void"
+    change = np.abs(before - after).max()
+    assert change > 8, f"the step changed the image by {change} at most: the check is void"
     assert main(["sample", str(trained["cfg"]), "--lora", str(trained["lora"]),
                  "--out", str(tmp_path)]) == 0
     [written] = sorted(tmp_path.glob("*_00_*.png"))
-    assert np.array_equal(pixels(written), after)
+    diff = np.abs(pixels(written) - after)
+    # LyCORIS's modules (the LyCORIS-layout files) compute the update in another order of
+    # float operations than peft did in training: 1 of 255 on a few values, against the
+    # step's change of `change`. peft applies a plain LoRA as in training: exactly.
+    lycoris = trained["cell"][2] == LYCORIS
+    most, count = (1, diff.size // 1000) if lycoris else (0, 0)
+    assert diff.max() <= most and (diff > 0).sum() <= count, (
+        f"off by up to {diff.max()} on {(diff > 0).sum()} values; the step changed up to "
+        f"{change}")
 
 
 def test_init_lora_restores_the_weights(trained: dict[str, Any], images: Path,

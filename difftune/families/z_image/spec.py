@@ -42,6 +42,9 @@ SPEC = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("qwen3", "text_encoder", "tokenizer"),),
     pipeline_class="ZImagePipeline",
+    # diffusers' loader and ComfyUI both read the diffusers layout; no kohya one is written,
+    # so the config, `check` and the web app's form offer only it.
+    formats=("diffusers",),
     files=ModelFiles(
         folder="Tongyi-MAI/Z-Image-Turbo",
         singles=(("transformer", "z_image_turbo_bf16.safetensors"), ("vae", "ae.safetensors"),
