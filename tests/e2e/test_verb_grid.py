@@ -33,6 +33,8 @@ from PIL import Image
 
 from difftune import families
 from difftune.cli import main
+from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
+from difftune.families.common.family import FamilyBase
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LYCORIS = "lycoris"
@@ -210,3 +212,37 @@ def test_shipped_runs_are_cells() -> None:
     outside = {name: cell for name, cell in shipped.items()
                if cell is not None and cell not in CELLS}
     assert not outside
+
+
+
+def written(family: str, fmt: str) -> bool:
+    """Whether the family's code writes `fmt` (its class overrides the writer that refuses)."""
+    cls = type(families.get(family))
+    if fmt == "kohya":
+        return cls.to_kohya is not DiffusersLayoutFamily.to_kohya
+    return fmt == "diffusers" or cls.to_original is not FamilyBase.to_original
+
+
+LAYOUTS = [(family, fmt) for family in families.names()
+           for fmt in ("diffusers", "kohya", "original")]
+
+
+def test_the_declared_layouts_are_those_written() -> None:
+    """`spec.formats` (what the config, `check` and the web app's form accept, and the grid's
+    layouts) is what the family writes: Z-Image and Qwen-Image accepted kohya, then refused
+    to write it once the model had loaded."""
+    assert [c for c in LAYOUTS if written(*c)] == [
+        (family, fmt) for family, fmt in LAYOUTS if fmt in families.spec(family).formats]
+
+
+@pytest.mark.parametrize(("family", "fmt"), [c for c in LAYOUTS if not written(*c)])
+def test_check_refuses_a_layout_the_family_does_not_write(
+        family: str, fmt: str, tmp_path: Path, images: Path, cell_prompts: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused when the config loads, before the model does."""
+    cfg = run_file(tmp_path, images, cell_prompts, (family, "lora", fmt, "attention"),
+                   tmp_path / "out")
+    assert main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f'save.format = "{fmt}" is not written for model.family = "{family}"' in err
+    assert "loading" not in err
