@@ -8,7 +8,7 @@ a 2-step sample before and after it, fp32 files so the file holds exactly what w
 and its file is shared by the verbs (a module-scoped fixture):
 - `sample --lora FILE` writes the image the run itself sampled after its step (same prompt,
   seed and size; exactly, or for the LyCORIS layout, applied by the LyCORIS library, to 1 of
-  255 on under 0.1% of the values), which differs clearly (by over 8 of 255) from the base
+  255 on under 0.1% of the values), which differs clearly (by 4 of 255 or more) from the base
   model's (the run's sample before its step): the file's weights were applied, not just loaded;
 - `train --init-lora FILE` starts a new run from the trained weights: its sample before its
   first step is that same image;
@@ -75,7 +75,7 @@ PARAMS = [pytest.param(c, id="-".join(c), marks=() if c in DEFAULT else pytest.m
 def run_file(folder: Path, data: Path, prompts: Path, cell: tuple[str, str, str, str],
              out: Path, steps: int = 1, at_end: bool = True) -> Path:
     """The cell's run file in `folder`: a rank-2 adapter of the cell's kind, targets and
-    layout on the family's tiny flavor, one step at lr 5e-2 (alpha 8: a step that shows), samples before (and after) it,
+    layout on the family's tiny flavor, one step at lr 5e-2 (alpha 32: a step that shows), samples before (and after) it,
     fp32 files written to `out`."""
     family, kind, layout, preset = cell
     adapter = {"dora": 'type = "lora"\ndora = true', "lora": 'type = "lora"'}.get(
@@ -91,7 +91,7 @@ def run_file(folder: Path, data: Path, prompts: Path, cell: tuple[str, str, str,
         [adapter]
         {{adapter}}
         rank = 2
-        alpha = 8
+        alpha = 32
         targets = "{preset}"
 
         [[datasets]]
@@ -161,7 +161,7 @@ def test_sample_applies_the_file(trained: dict[str, Any], tmp_path: Path) -> Non
     out = trained["out"]
     before, after = pixels(sample_at(out, 0)), pixels(sample_at(out, 1))
     change = np.abs(before - after).max()
-    assert change > 8, f"the step changed the image by {change} at most: the check is void"
+    assert change >= 4, f"the step changed the image by {change} at most: the check is void"
     assert main(["sample", str(trained["cfg"]), "--lora", str(trained["lora"]),
                  "--out", str(tmp_path)]) == 0
     [written] = sorted(tmp_path.glob("*_00_*.png"))
