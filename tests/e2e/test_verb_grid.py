@@ -75,8 +75,8 @@ PARAMS = [pytest.param(c, id="-".join(c), marks=() if c in DEFAULT else pytest.m
 def run_file(folder: Path, data: Path, prompts: Path, cell: tuple[str, str, str, str],
              out: Path, steps: int = 1, at_end: bool = True) -> Path:
     """The cell's run file in `folder`: a rank-2 adapter of the cell's kind, targets and
-    layout on the family's tiny flavor, one step at lr 5e-2 (alpha 32: a step that shows), samples before (and after) it,
-    fp32 files written to `out`."""
+    layout on the family's tiny flavor, one step at lr 5e-2 with alpha 32 (a step that shows
+    in the image), samples before (and after) it, fp32 files written to `out`."""
     family, kind, layout, preset = cell
     adapter = {"dora": 'type = "lora"\ndora = true', "lora": 'type = "lora"'}.get(
         kind, f'type = "{kind}"')
