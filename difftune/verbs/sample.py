@@ -1,11 +1,16 @@
 """`difftune sample`: images from the base model and zero or more LoRAs, without training.
 
-LoRA files are read by diffusers' own loader on the family's pipeline (diffusers/PEFT or kohya
-/ComfyUI layouts, denoiser and text encoders), each as a named adapter with its weight, so a
-file samples here exactly as it will in diffusers. LoHa, LoKr, DoRA and `lycoris_`-named files,
-which diffusers does not read, are applied through the LyCORIS library's own modules. Prompt embeddings are encoded with the
-LoRA'd text encoders into a fresh in-memory cache: a disk cache keyed by the base model must
-never hold outputs of a LoRA'd encoder.
+LoRA files are loaded by diffusers' own loader on the family's pipeline (denoiser and text
+encoders), each as a named adapter with its weight. A file in a layout the family converts
+(kohya/ComfyUI, FLUX.2's original names) is first read into diffusers names by the family's own
+reader, the exact inverse of what difftune writes (`Family.lora_from_format`): diffusers'
+converters assume the full-size models' shapes and skip or refuse some modules (its FLUX kohya
+converter asserts on a fused `linear1` of another width and drops the non-block layers), so a
+file would sample otherwise than it trained. Files in diffusers names, and layouts only
+diffusers' converters read, go to diffusers as they are. LoHa, LoKr, DoRA and `lycoris_`-named
+files, which diffusers does not read, are applied through the LyCORIS library's own modules.
+Prompt embeddings are encoded with the LoRA'd text encoders into a fresh in-memory cache: a
+disk cache keyed by the base model must never hold outputs of a LoRA'd encoder.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from difftune import families
 from difftune.adapters.dora_comfyui import refuse_comfyui_file
 from difftune.adapters.fit import check_fit, component_modules
-from difftune.adapters.formats import describe_non_finite, load_lora_file, non_finite
+from difftune.adapters.formats import (LORA_B, describe_non_finite, load_lora_file, non_finite,
+                                       split_lora_key)
 from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
 from difftune.config import RunConfig
@@ -92,8 +100,9 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
                           (res, res), policy)
     lycoris = [lora for lora in loras if needs_lycoris(load_lora_file(lora.path)[0])]
     networks = [net for lora in lycoris for net in _apply_lycoris(family, comps, lora)]
-    runner.use_pipeline(_pipeline_with(family.pipeline(comps),
-                                       [lora for lora in loras if lora not in lycoris]))
+    plain = [(lora, _converted(family, comps, lora.path)) for lora in loras
+             if lora not in lycoris]
+    runner.use_pipeline(_pipeline_with(family.pipeline(comps), plain))
     log.debug("%d LyCORIS network(s) applied", len(networks))
     specs = runner.prompts()
     label = time.strftime("sample-%Y%m%d-%H%M%S")
@@ -118,19 +127,43 @@ def _apply_lycoris(family: Family, comps: Components, lora: LoraArg) -> list[obj
     return networks
 
 
-def _pipeline_with(pipe: object, loras: list[LoraArg]) -> object:
-    """The pipeline with each LoRA loaded by diffusers as an adapter, at its weight."""
+def _converted(family: Family, comps: Components, path: Path) -> dict[str, torch.Tensor] | None:
+    """A file in a layout the family reads into diffusers names (kohya, original) as those
+    tensors, each module's alpha / rank folded into its up factor (diffusers then takes alpha
+    = rank, the same update); None for a file already in diffusers names (diffusers reads it
+    and its metadata) or in a layout the family's reader does not know."""
+    tensors = load_lora_file(path)[0]
+    try:
+        state, alphas = family.lora_from_format(comps, tensors)
+    except CheckpointError:
+        return None
+    if state.keys() == tensors.keys():
+        return None
+    out = {}
+    for key, value in state.items():
+        module, suffix = split_lora_key(key)
+        scale = alphas[module] / value.shape[1] if suffix == LORA_B and module in alphas else 1.0
+        out[key] = value * scale if scale != 1.0 else value
+    return out
+
+
+def _pipeline_with(pipe: object, loras: list[tuple[LoraArg, dict[str, torch.Tensor] | None]]
+                   ) -> object:
+    """The pipeline with each LoRA loaded by diffusers as an adapter, at its weight: from the
+    tensors our reader made of it where there are some (`_converted`), else from its file."""
     names = []
-    for i, lora in enumerate(loras):
+    for i, (lora, tensors) in enumerate(loras):
         name = f"lora{i}"
+        source = tensors if tensors is not None else str(lora.path)
         try:
-            pipe.load_lora_weights(str(lora.path), adapter_name=name)  # type: ignore[attr-defined]
-        except (ValueError, KeyError, RuntimeError, OSError) as err:
+            pipe.load_lora_weights(source, adapter_name=name)  # type: ignore[attr-defined]
+        except (ValueError, KeyError, RuntimeError, OSError, AssertionError) as err:
+            # AssertionError: diffusers' converters assert on shapes they do not expect
             raise CheckpointError(
                 f"--lora {lora.path} could not be loaded for this model ({type(err).__name__}: "
                 f"{err}); check that it was trained for this family and base model") from None
         names.append(name)
         log.info("loaded LoRA %s at weight %g", lora.path, lora.weight)
     if names:
-        pipe.set_adapters(names, [lora.weight for lora in loras])  # type: ignore[attr-defined]
+        pipe.set_adapters(names, [lora.weight for lora, _ in loras])  # type: ignore[attr-defined]
     return pipe

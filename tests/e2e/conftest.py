@@ -200,14 +200,16 @@ def finished(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
     return cfg
 
 
-def pairwise(cells: list[tuple]) -> list[tuple]:
+def pairwise(cells: list[tuple], skip: tuple[tuple[int, int], ...] = ()) -> list[tuple]:
     """A covering subset of `cells`: every pair of values of any two axes in some chosen cell
-    (so every value of every axis too).
+    (so every value of every axis too), but the pairs of the axes `skip` names ((0, 1): the
+    first and second axes' pairs need not all appear; each axis must keep a pair of axes).
 
     Greedy and deterministic: repeatedly the first cell (in `cells` order) that covers the most
     pairs not yet covered; the same cells on every run."""
     def pairs(cell: tuple) -> set[tuple]:
-        return {(i, cell[i], j, cell[j]) for i, j in itertools.combinations(range(len(cell)), 2)}
+        axes = [a for a in itertools.combinations(range(len(cell)), 2) if a not in skip]
+        return {(i, cell[i], j, cell[j]) for i, j in axes}
     todo = set().union(*(pairs(c) for c in cells))
     chosen: list[tuple] = []
     while todo:

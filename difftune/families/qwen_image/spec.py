@@ -55,6 +55,9 @@ BASE = FamilySpec(
     ),
     objective="flow",
     kohya_text_encoders_refused="difftune trains Qwen-Image's transformer only",
+    # diffusers' loader and ComfyUI both read the diffusers layout; no kohya one is written,
+    # so the config, `check` and the web app's form offer only it.
+    formats=("diffusers",),
     # VAE downscale 8 x 2x2 patches: bucket sides must be multiples of 16.
     bucket_step=16,
     denoiser_prefix="transformer",

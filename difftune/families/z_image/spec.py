@@ -44,6 +44,9 @@ SPEC = FamilySpec(
     encoder_parts=(("qwen3", "text_encoder", "tokenizer"),),
     pipeline_class="ZImagePipeline",
     sizes=(ModelSize("Tongyi-MAI/Z-Image-Turbo", 6.15, 4.02, 30, 3840),),  # 30 layers of 3840
+    # diffusers' loader and ComfyUI both read the diffusers layout; no kohya one is written,
+    # so the config, `check` and the web app's form offer only it.
+    formats=("diffusers",),
     files=ModelFiles(
         markers=(("cap_embedder.0", "noise_refiner.0", "context_refiner.0"),),
         folder="Tongyi-MAI/Z-Image-Turbo",
