@@ -4,8 +4,9 @@ Its blocks are found by their `<!-- walkthrough:NAME -->` comments and run throu
 with the same verbs and the same config keys. What changes: the model source (the tiny flavor
 instead of the downloaded folder, which is the one step not run), the folder (`/runs` becomes a
 temporary one) and the sizes (steps, resolution, sample sizes), each changed line asserted to be
-there, so a walkthrough edited out of shape fails here instead of drifting. The table of
-contents is checked too: each of its links names a heading of the README.
+there, so a walkthrough edited out of shape fails here instead of drifting. Its run file
+keeps the settings of the example it says it has, and the table of contents is checked too:
+each of its links names a heading of the README.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -30,7 +32,8 @@ from difftune.cli import main
 from ..comfy_keymap import unmapped
 from ..ui.browser import _user_env, free_port
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
 BLOCK = re.compile(r"<!-- walkthrough:([\w-]+) -->\n```\w+\n(.*?)```", re.S)
 STEPS = 2
 # The run file's lines made small (exact lines: each must be in the README's block once).
@@ -133,7 +136,8 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path, images: Path, capsys) -
     (run_dir / "prompts.txt").write_text(_prompts(blocks["prompts"]), encoding="utf-8")
     (run_dir / "run.toml").write_text(_run_file(blocks["run-file"]), encoding="utf-8")
     # 3. check, 4. train.
-    assert "check passed" in _difftune(_command(blocks["check"], runs), capsys)
+    checked = _difftune(_command(blocks["check"], runs), capsys)
+    assert "check passed" in checked and "estimated peak" in checked
     _difftune(_command(blocks["train"], runs), capsys)
     lora = run_dir / "my-subject.safetensors"
     assert lora.is_file() and (run_dir / "my-subject-step000001.safetensors").is_file()
@@ -150,6 +154,31 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path, images: Path, capsys) -
     assert copied.read_bytes() == lora.read_bytes()
     with safe_open(str(copied), "pt") as f:
         assert unmapped("flux", list(f.keys())) == []
+
+
+def _flat(table: dict, prefix: str = "") -> dict[str, object]:
+    """A TOML document's values by dotted key (array items by index)."""
+    items = table.items() if isinstance(table, dict) else enumerate(table)
+    flat: dict[str, object] = {}
+    for key, value in items:
+        if isinstance(value, (dict, list)) and value and isinstance(
+                value if isinstance(value, dict) else value[0], dict):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def test_the_walkthrough_has_the_examples_settings() -> None:
+    """The README says its run file has examples/flux-dev-lora.toml's settings: every key it
+    sets has the example's value, paths and the file name's layout aside."""
+    ours = _flat(tomllib.loads(_blocks()["run-file"]))
+    example = _flat(tomllib.loads((ROOT / "examples" / "flux-dev-lora.toml").read_text(
+        encoding="utf-8")))
+    paths = {"model.path", "datasets.0.subsets.0.path", "sample.prompts", "save.dir"}
+    differ = {k: (v, example.get(k)) for k, v in ours.items()
+              if k not in paths and example.get(k) != v}
+    assert not differ, f"walkthrough vs example (ours, example's): {differ}"
 
 
 def _slug(heading: str) -> str:
