@@ -25,7 +25,7 @@ def layouts_table() -> str:
             "takes |", "|---|---|---|"]
     for name in registry.names():
         spec = registry.spec(name)
-        others = ", ".join(f'`"{f}"`' for f in spec.formats if f != spec.default_format)
+        others = ", ".join(f'`"{f}"`' for f in spec.formats if f != spec.default_format) or "none"
         words = _FORMAT_WORDS[spec.default_format].format(part=spec.denoiser_part)
         rows.append(f'| `{name}` | `"{spec.default_format}"`: {words} | {others} |')
     return "\n".join(rows) + "\n"
