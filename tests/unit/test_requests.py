@@ -103,7 +103,7 @@ def loop_parts(out: Path, dist: Dist = Dist(), step: int = 3, every: int | None 
                stop: bool = False, sampler: bool = True) -> tuple[Any, Hooks, Any, list[int]]:
     """A run, hooks (recording saves and samples) and a state after `step`."""
     cfg = SimpleNamespace(save=SimpleNamespace(every_n_steps=every),
-                          sample=SimpleNamespace(every_n_steps=None))
+                          sample=SimpleNamespace(every_n_steps=None, prompts=None))
     run = SimpleNamespace(cfg=cfg, out=out, dist=dist)
     sampled: list[int] = []
     runner = SimpleNamespace(run=lambda s: sampled.append(s)) if sampler else None

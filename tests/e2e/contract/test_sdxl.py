@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from difftune.cli import main
 from difftune.config import ModelConfig
-from difftune.errors import ModelFileError
 from difftune.families.sdxl.family import SDXLFamily
 from difftune.precision.policy import PrecisionPolicy
 
@@ -72,14 +71,12 @@ def test_flow_matching_option_refused(images: Path, tmp_path: Path,
 
 
 def test_single_file_without_a_tokenizer_folder_is_refused(tmp_path: Path) -> None:
-    """A single-file checkpoint (`model.transformer`) with no `model.path` is refused: tokenizers
-    are never in checkpoints, and the message says what to set."""
-    files = {k: tmp_path / f"{k}.safetensors" for k in ("transformer", "vae", "clip_l", "t5")}
-    policy = PrecisionPolicy(torch.device("cpu"), None, torch.float32, torch.float32,
-                             torch.float32)
-    with pytest.raises(ModelFileError, match=r"single-file SDXL checkpoint needs its tokenizers"
-                       r".*set model\.path to a folder .*diffusers-format SDXL folder"):
-        SDXLFamily().load(ModelConfig(family="sdxl", **files), policy)
+    """A single-file checkpoint (`model.transformer`) with no `model.path` is refused when the
+    config loads: tokenizers are never in checkpoints, and the message says what to set."""
+    files = {k: tmp_path / f"{k}.safetensors" for k in ("transformer", "vae")}
+    with pytest.raises(ValueError, match=r"model\.path is not set: .*\"sdxl\" needs a diffusers "
+                       r"folder .* for its tokenizer/ and tokenizer_2/"):
+        ModelConfig(family="sdxl", **files)
 
 
 def test_fp16_vae_encodes_in_fp32_and_keeps_its_weights() -> None:
