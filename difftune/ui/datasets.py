@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from difftune.files.atomic import write_atomically
 from difftune.ui.runs import searched
 from difftune.ui.security import PathOutsideRoots, Roots
 
@@ -196,19 +195,9 @@ def write_caption(image: Path, text: str, caption_ext: str = DEFAULT_CAPTION_EXT
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Replace `path` by `data` with permission bits `mode`: written to a hidden temporary
-    file beside it and renamed over it, so a reader sees the old bytes or the new, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Replace `path` by `data` with permission bits `mode`: a reader sees the old bytes or the
+    new, never half (files/atomic.py)."""
+    write_atomically(path, data, mode)
 
 
 def under(roots: Roots) -> Callable[[Path], bool]:

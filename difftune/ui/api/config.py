@@ -6,8 +6,6 @@ Validation answers with the message `difftune check` prints; paths go through th
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel
 
 from difftune.errors import ConfigError
+from difftune.files.atomic import write_atomically
 from difftune.ui import models
 from difftune.ui.context import UiContext
 from difftune.ui.forms import applies, presets, schema, toml_io
@@ -120,20 +119,12 @@ def _write_atomic(target: Path, data: bytes, shown: str) -> None:
     if folder is not None and not folder.is_dir():
         raise ConfigError(f"cannot save {shown}: {folder} is a file, not a folder; choose "
                           "another path")
-    tmp: str | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".run-", suffix=".toml")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-        tmp = None
+        write_atomically(target, data)
     except OSError as err:
         raise ConfigError(f"cannot save {shown}: {err.strerror or err} "
                           f"({err.filename or target}); choose another path") from None
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
