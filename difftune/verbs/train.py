@@ -82,17 +82,21 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
                  len(validator.items), cfg.validation.every_n_steps, cfg.validation.timesteps)
     fill_caches(run, dist.broadcast(extra), show_progress)
     start = checkpoint.step if checkpoint else 0
-    reporter = (Reporter(cfg.save.dir, cfg.train.steps, start_step=start, bar=show_progress,
-                         append=checkpoint is not None, every=cfg.train.log_every)
-                if dist.main else SilentReporter())
-    if sampler:
-        sampler.reporter = reporter
-    try:
-        with stop_signals() as stop:  # a sample event polls it too (train.sample_events)
+    # The signals are taken before the reporter starts metrics.jsonl (and TensorBoard, which
+    # takes a while): a Ctrl-C from then on is a stop request the loop honours after its step,
+    # never a KeyboardInterrupt half-way through setting up.
+    with stop_signals() as stop:  # a sample event polls it too (train.sample_events)
+        reporter = (Reporter(cfg.save.dir, cfg.train.steps, start_step=start,
+                             bar=show_progress, append=checkpoint is not None,
+                             every=cfg.train.log_every)
+                    if dist.main else SilentReporter())
+        if sampler:
+            sampler.reporter = reporter
+        try:
             result = train(run, Hooks(reporter, ckpt, sampler, stop, validator), checkpoint)
-    finally:
-        reporter.close()
-        report_bad_entries(run)
+        finally:
+            reporter.close()
+            report_bad_entries(run)
     log.info("done in %.1f s: %s", time.perf_counter() - started, result.lora)
     return result
 
