@@ -15,7 +15,6 @@ is listed with the prompt and seed of every image (read back from its prompts.tx
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,7 @@ import tomlkit
 from difftune.ui import run_outputs as outputs
 from difftune.ui.file_cache import StampCache, entries
 from difftune.ui.jobs.launch import write_json
-from difftune.ui.runs import CONFIG, readable, resolved_config, run_of
+from difftune.ui.runs import CONFIG, json_object, readable, resolved_config, run_of
 from difftune.ui.security import PathOutsideRoots, Roots
 
 if TYPE_CHECKING:
@@ -185,15 +184,6 @@ class SampleSet:
 _infos: StampCache[dict[str, Any]] = StampCache()
 
 
-def _info(path: Path) -> dict[str, Any]:
-    """A folder's lora.json ({} when absent or unreadable)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def sample_sets(run_dir: Path, roots: Roots | None = None) -> list[SampleSet]:
     """The run's "sample with this LoRA" folders, newest first, each with its images (their
     prompts and seeds read from its prompts.txt). Folders leading outside `roots` are left
@@ -213,7 +203,7 @@ def sample_sets(run_dir: Path, roots: Roots | None = None) -> list[SampleSet]:
 
 def _sample_set(folder: Path, real: Path, run_dir: Path, roots: Roots | None) -> SampleSet:
     """One folder's SampleSet (`real`: the folder with its links followed)."""
-    info = _infos.get(real / INFO, real / INFO, lambda: _info(real / INFO)) or {}
+    info = _infos.get(real / INFO, real / INFO, lambda: json_object(real / INFO)) or {}
     images = outputs.sample_images(folder, run_dir, roots,
                                    outputs.read_prompt_file(real / PROMPTS))
     strength, job = info.get("strength"), info.get("job")

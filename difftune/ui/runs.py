@@ -194,15 +194,16 @@ def resolved_config(run_dir: Path, roots: Roots | None = None) -> dict[str, Any]
     path = readable(Path(run_dir) / CONFIG, run_dir, roots)
     if path is None:
         return {}
-    doc = _configs.get(path, path, lambda: _parse_config(path))
+    doc = _configs.get(path, path, lambda: json_object(path))
     return copy.deepcopy(doc) if doc else {}
 
 
 _configs: StampCache[dict[str, Any]] = StampCache()
 
 
-def _parse_config(path: Path) -> dict[str, Any]:
-    """A config.resolved.json parsed ({} when unreadable or not an object)."""
+def json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object, parsed ({} when absent, unreadable or not an object):
+    config.resolved.json, a LoRA sample set's lora.json."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
