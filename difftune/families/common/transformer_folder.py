@@ -11,6 +11,7 @@ read, so caches follow the files.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -23,6 +24,8 @@ from difftune.families.common.single_file import fingerprint
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 FileLoader = Callable[[Path, torch.dtype], Any]
 
 
@@ -30,7 +33,8 @@ FileLoader = Callable[[Path, torch.dtype], Any]
 class FolderLayout:
     """One family's classes and loaders: `what` names it in errors, `transformer`/`vae` are the
     diffusers classes of those subfolders, `transformer_file`/`vae_file` read single files,
-    `scheduler_config` is the released scheduler's config (used when the folder has none)."""
+    `scheduler_config` is the released scheduler's config (used when the folder has none),
+    `scheduler_unknown` what to warn then, where releases differ only in their scheduler."""
 
     what: str
     transformer: Any
@@ -38,6 +42,7 @@ class FolderLayout:
     transformer_file: FileLoader
     vae_file: FileLoader
     scheduler_config: dict[str, Any]
+    scheduler_unknown: str | None = None
 
 
 def _component(folder: Path, file: Path | None, sub: str, cls: Any, load_file: FileLoader,
@@ -72,6 +77,8 @@ def load_components(cfg: "ModelConfig", dtypes: dict[str, torch.dtype], folder: 
         subs.append("scheduler")
     else:
         scheduler = FlowMatchEulerDiscreteScheduler(**layout.scheduler_config)
+        if layout.scheduler_unknown:
+            log.warning("%s", layout.scheduler_unknown)
     return {
         "transformer": transformer, "vae": vae, "scheduler": scheduler,
         "tokenizer": from_folder(AutoTokenizer, folder, "tokenizer", None, layout.what),

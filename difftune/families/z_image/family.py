@@ -16,6 +16,7 @@ import torch
 from difftune.families.base import Conditioning, Components, TextEmbeds
 from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
 from difftune.families.common.family import Loaders
+from difftune.families.z_image.files import is_turbo
 from difftune.families.z_image.spec import SPEC
 
 _LAYER = r"(?:noise_refiner|context_refiner|layers)\.\d+\."
@@ -59,6 +60,11 @@ class ZImageFamily(DiffusersLayoutFamily):
         out = c.denoiser(list(noisy.unsqueeze(2).unbind(0)), (1.0 - t).to(dtype),
                          [e.to(dtype) for e in caption_list(embeds)], return_dict=False)[0]
         return -torch.stack(out).squeeze(2)
+
+    def distilled(self, c: Components) -> bool:
+        """Z-Image-Turbo: its scheduler's shift is Turbo's (3), Base's is 6 (the weights share
+        the architecture and cannot tell)."""
+        return is_turbo(c.scheduler.config)
 
     def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
                         guidance: float, cfg: float) -> dict[str, Any]:

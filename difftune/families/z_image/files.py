@@ -39,12 +39,28 @@ if TYPE_CHECKING:
 
 SUBFOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 WHAT = "Z-Image"
-# Z-Image-Turbo's scheduler_config.json: a fixed shift of 3, no resolution-dependent shift.
-SCHEDULER_CONFIG: dict[str, Any] = {
+# The two releases share the architecture and differ in their scheduler_config.json: a fixed
+# shift of 6 for Z-Image (Base), of 3 for the step-distilled Z-Image-Turbo; neither shifts by
+# resolution. The shift is how a loaded model is told apart (its weights cannot tell).
+BASE_SHIFT, TURBO_SHIFT = 6.0, 3.0
+BASE_SCHEDULER_CONFIG: dict[str, Any] = {
     "num_train_timesteps": 1000,
-    "shift": 3.0,
+    "shift": BASE_SHIFT,
     "use_dynamic_shifting": False,
 }
+TURBO_SCHEDULER_CONFIG: dict[str, Any] = {**BASE_SCHEDULER_CONFIG, "shift": TURBO_SHIFT}
+# Said when model.path has no scheduler/ (single files over a tokenizer-only folder): the
+# release is then unknown and Turbo's settings, what ComfyUI users most often keep, are used.
+SCHEDULER_UNKNOWN = (
+    "model.path has no scheduler/scheduler_config.json, which is how Z-Image (Base, shift 6) "
+    "and Z-Image-Turbo (shift 3) are told apart (their weights cannot tell); Turbo's settings "
+    "are assumed. For Base, copy the scheduler/ folder of Tongyi-MAI/Z-Image into model.path")
+
+
+def is_turbo(scheduler_config: Any) -> bool:
+    """Whether a loaded scheduler's config is Turbo's (its shift nearer 3 than Base's 6)."""
+    shift = float(scheduler_config.get("shift", TURBO_SHIFT))
+    return abs(shift - TURBO_SHIFT) < abs(shift - BASE_SHIFT)
 # The released transformer's config (ZImageTransformer2DModel's defaults are the 6B model's).
 TRANSFORMER_CONFIG: dict[str, Any] = {
     "all_patch_size": (2,), "all_f_patch_size": (1,), "in_channels": 16, "dim": 3840,
@@ -129,7 +145,7 @@ def _layout() -> FolderLayout:
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
 
     return FolderLayout(WHAT, ZImageTransformer2DModel, AutoencoderKL, load_transformer_file,
-                        load_vae_file, SCHEDULER_CONFIG)
+                        load_vae_file, TURBO_SCHEDULER_CONFIG, SCHEDULER_UNKNOWN)
 
 def load_z_image_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
     """Every component in `dtypes` (single files over the folder's), plus "name" and

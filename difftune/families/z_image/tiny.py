@@ -3,7 +3,8 @@
 ZImageTransformer2DModel, the FLUX.1-style AutoencoderKL (the shared tiny one), a Qwen3Model
 text encoder and a Qwen2 byte-level BPE tokenizer built here from a tiny vocabulary (the 256
 byte symbols) with Qwen3's real special tokens and a chat template producing Qwen3's prompt
-format, and FlowMatchEulerDiscreteScheduler with Z-Image-Turbo's settings. Nothing is
+format, and FlowMatchEulerDiscreteScheduler with Z-Image (Base)'s settings (the model one trains; Turbo
+is step-distilled). Nothing is
 downloaded; weights are random from a fixed seed inside a forked RNG.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from difftune.families.common.tiny import TEXT_WIDTH, load_tiny_vae
-from difftune.families.z_image.files import SCHEDULER_CONFIG, TEXT_ENCODER_CONFIG
+from difftune.families.z_image.files import BASE_SCHEDULER_CONFIG, TEXT_ENCODER_CONFIG
 
 SEED = 1234
 # Qwen3's special tokens (added tokens of its tokenizer), in its id order.
@@ -97,4 +98,4 @@ def build_tiny_z_image() -> dict[str, Any]:
         encoder = Qwen3Model(tiny_qwen3_config(len(tok), tok.pad_token_id))
     return {"transformer": transformer.eval(), "text_encoder": encoder.eval(),
             "tokenizer": tok, "vae": load_tiny_vae(),
-            "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)}
+            "scheduler": FlowMatchEulerDiscreteScheduler(**BASE_SCHEDULER_CONFIG)}
