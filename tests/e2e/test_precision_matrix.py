@@ -4,8 +4,8 @@ whose LoRA can be saved; where none can, the refusal is asserted). Each supporte
 LoRA and reads it back (only LoRA tensors, equal to the trained ones: no quantizer names leak);
 each unsupported cell is refused when the config loads, with the message asserted.
 
-Tiers: the default run executes a fixed all-pairs covering subset of the 144 cells (15 cells,
-`conftest.pairwise`: every value of every axis, and every pair of values of any two axes,
+Tiers: the default run executes a fixed all-pairs covering subset of the cells (their number
+grows with the registry: families x 3 x 4 x 2 x 2; `conftest.pairwise`: every value of every axis, and every pair of values of any two axes,
 appears in at least one cell; chosen greedily in `CELLS` order, so it never changes between
 runs). The other cells are `full_only` and run with `pytest --full`."""
 

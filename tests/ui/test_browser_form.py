@@ -123,3 +123,26 @@ def test_a_model_picked_fills_the_model_lines(served: UiProcess, browser: Any) -
         assert "mystery.safetensors" not in text  # the folder replaced the single file
     finally:
         page.close()
+
+
+def test_an_imported_toml_that_is_not_utf8_is_refused_in_place(
+        served: UiProcess, browser: Any, tmp_path: Path) -> None:
+    """A .toml in another encoding, imported through the page's upload: its error on the page
+    naming the file and the first bad byte; the editor keeps the preset; a good file then loads."""
+    page, toml = _prepare(served, browser)
+    try:
+        bad = tmp_path / "latin1.toml"
+        bad.write_bytes('[train]\nlr = 1e-4 # caf\u00e9\n'.encode("latin-1"))
+        files = page.get_by_test_id("import").locator("input[type=file]")
+        files.set_input_files(str(bad))
+        error = page.get_by_test_id("error")
+        wait_for("the import's error", lambda: error.count() and "latin1.toml" in
+                 error.first.inner_text())
+        assert "is not UTF-8 text (byte 0xe9" in error.first.inner_text()
+        assert "flavor" in toml.inner_text()  # the preset is still there
+        good = tmp_path / "good.toml"
+        good.write_text('[model]\nflavor = "tiny"\n\n[train]\nlr = 0.0042\n', encoding="utf-8")
+        files.set_input_files(str(good))
+        wait_for("the good file in the editor", lambda: "0.0042" in toml.inner_text())
+    finally:
+        page.close()

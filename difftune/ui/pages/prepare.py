@@ -16,6 +16,7 @@ from nicegui import events, run, ui
 
 from difftune.errors import ConfigError
 from difftune.ui.api.config import FileExists, Service
+from difftune.ui import limits
 from difftune.ui.context import UiContext
 from difftune.ui.forms import presets, schema, toml_io
 from difftune.ui.jobs.store import Job
@@ -203,7 +204,17 @@ class Prepare:
         self.set_text(text)
 
     async def uploaded(self, e: events.UploadEventArguments) -> None:
-        self.set_text(await e.file.text())
+        """An imported .toml into the editor: over 1 MiB or not UTF-8, its error shown instead
+        (the editor keeps what it had)."""
+        name = e.file.name or "the imported file"
+        try:
+            if e.file.size() > limits.MAX_TEXT_BYTES:
+                raise limits.TooLarge(f"{name} is over 1 MiB, too large for a run file")
+            text = limits.decode(await e.file.read(), name)
+        except ConfigError as err:
+            self.show_error(str(err))
+            return
+        self.set_text(text)
 
     def load(self) -> None:
         try:
