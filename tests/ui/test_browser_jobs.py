@@ -64,6 +64,13 @@ def test_the_jobs_list_and_the_actions_it_offers(tmp_path: Path, browser: Any) -
         assert "already holds a run's results" in page.get_by_test_id(
             f"{row}-why-requeue").inner_text()
         shoot(page, "jobs-actions")
+        page.goto(f"{ui.url}/run?job={job['id']}")  # the run page says the same
+        wait_for("the run page's greyed Resume", lambda: page.get_by_test_id("resume").count())
+        assert page.get_by_test_id("resume").is_disabled()
+        assert "run is complete (step 100 of 100)" in page.get_by_test_id(
+            "why-resume").inner_text()
+        page.goto(f"{ui.url}/")
+        wait_for("the jobs list again", lambda: page.get_by_test_id(f"{row}-duplicate").count())
         page.get_by_test_id(f"{row}-duplicate").click()
         page.wait_for_url(re.compile(r"/run\?job=\d+"))
         copy = api(ui, "GET", f"/jobs/{page.url.rsplit('=', 1)[1]}")

@@ -26,6 +26,7 @@ from difftune.train.requests import make_request
 from difftune.ui import lora_samples
 from difftune.ui import run_outputs as outputs
 from difftune.ui import runs
+from difftune.ui.jobs import rules
 from difftune.ui.pages.charts import loss_chart_options
 from difftune.ui.pages.layout import error_box, frame
 from difftune.ui.pages.run_files import FilesPanel
@@ -216,10 +217,19 @@ class RunView:
                 ui.button("Stop", color="negative", on_click=self._stop).props('data-testid="stop"')
             if state == "stopping":  # a run that hangs on SIGTERM: kill it
                 ui.button("Kill", color="negative", on_click=self._stop).props('data-testid="kill"')
-            if self.job is not None and state in RESUMABLE and self.job.verb == "train" \
-                    and self.job.checkpoints:
-                ui.button("Resume", on_click=lambda: self._resume()) \
-                    .props('data-testid="resume"')
+            if self.job is not None and state in RESUMABLE and self.job.verb == "train":
+                self._resume_button()
+
+    def _resume_button(self) -> None:
+        """Resume, or the same button greyed with the reason beside it (the jobs page's rule:
+        a complete run or one without a checkpoint has nothing to resume)."""
+        assert self.job is not None
+        why = rules.resume_refusal(self.job, self.ctx.roots)
+        button = ui.button("Resume", on_click=lambda: self._resume()) \
+            .props('data-testid="resume"')
+        if why:
+            button.disable()
+            ui.label(why).classes("text-sm text-grey-8").props('data-testid="why-resume"')
 
     async def _request(self, kind: str) -> None:
         path = await asyncio.to_thread(make_request, self.run_dir, kind)
