@@ -43,7 +43,9 @@ class TextEncoderSpec:
     for Qwen-VL's mRoPE). `image_prompt` (None: text only) makes a vision-language encoder
     read the item's control images with its caption, through the processor held as its
     tokenizer: this format string (`{}` the image's 1-based number) is written once per image
-    before the caption, and the processor expands its image tokens.
+    before the caption, and the processor expands its image tokens. `clean` tidies each
+    caption first as a pipeline's `prompt_clean` does (ftfy's fixes where ftfy is installed,
+    HTML entities unescaped twice, runs of whitespace made one space, ends stripped).
     """
 
     name: str
@@ -66,6 +68,7 @@ class TextEncoderSpec:
     pad: Literal["max_length", "longest"] = "max_length"
     valid_positions: int = 0
     image_prompt: str | None = None
+    clean: bool = False
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
@@ -245,7 +248,7 @@ family's files would load, with the reason.
 CLIP_KINDS = ("clip", "clip_projection")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
 DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "suffix",
-                  "drop", "layers", "stack", "pad", "valid_positions", "image_prompt")
+                  "drop", "layers", "stack", "pad", "valid_positions", "image_prompt", "clean")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

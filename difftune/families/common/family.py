@@ -236,6 +236,11 @@ class FamilyBase:
         encoded at, unless the family's pipeline sizes it otherwise (it then overrides this)."""
         return (control_size[0], control_size[1])
 
+    def pipeline_image(self, result: Any) -> Any:
+        """The first image of a pipeline call's output (`output_type="np"`: an (H, W, 3)
+        array); a family whose pipeline returns another field (video frames) overrides this."""
+        return result.images[0]
+
     def pipeline_text_images(self, images: list[Any]) -> list[Any]:
         """The images the pipeline's text encoder reads: none, unless an encoder reads them
         (families whose encoders do override this)."""
