@@ -231,8 +231,14 @@ family's files would load, with the reason.
 
     def variant_of_pipeline(self, pipeline_class: str) -> str | None:
         """The variant whose diffusers pipeline is `pipeline_class` (a folder's model_index.json
-        `_class_name`), or None when no variant declares it."""
-        return next((n for n, s in self.variants if s.pipeline_class == pipeline_class), None)
+        `_class_name`; the first where several share it), or None when no variant declares
+        it."""
+        return next(iter(self.variants_of_pipeline(pipeline_class)), None)
+
+    def variants_of_pipeline(self, pipeline_class: str) -> tuple[str, ...]:
+        """Every variant sampled by `pipeline_class` (several where they differ in size or in
+        which of the pipeline's transformers they train, not in the pipeline: Wan's)."""
+        return tuple(n for n, s in self.variants if s.pipeline_class == pipeline_class)
 
     @property
     def encoder_names(self) -> tuple[str, ...]:
