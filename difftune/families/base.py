@@ -198,6 +198,11 @@ class Family(Protocol):
         """The control rule as control-latent cache keys name it (see `control_rule`)."""
         ...
 
+    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
+        """Why a LoRA file is made for another kind of this family's model than the loaded
+        one (None: it is not, or the family cannot tell)."""
+        ...
+
     def text_image_size(self, image_size: tuple[int, int], control_size: tuple[int, int]
                         ) -> tuple[int, int]:
         """The (width, height) a text encoder that reads images (`TextEncoderSpec.image_prompt`)

@@ -190,7 +190,8 @@ family's files would load, with the reason.
     formats: tuple[str, ...] = ("diffusers", "kohya")
     # LyCORIS-kind files: (denoiser module, the file's module name) for the modules ComfyUI
     # maps by another name than `<lycoris_prefix>_<module>` (e.g. FLUX.2's shared modulation
-    # layers, which its generic `lora_unet_<original name>` map reads).
+    # layers, which its generic `lora_unet_<original name>` map reads); `{n}` in a pair stands
+    # for any block index, the same on both sides (Wan's blocks).
     lycoris_renames: tuple[tuple[str, str], ...] = ()
     # (layout, reader, module regex, why): modules a reader would not apply from a file in that
     # layout ("diffusers", "kohya", "original", "lycoris"), as read from the reader's source;

@@ -260,6 +260,13 @@ class FamilyBase:
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
+    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
+        """Why a LoRA file (its tensors as stored) is made for another kind of this family's
+        model than the loaded one, or None: where a family can tell (Wan's image-to-video
+        LoRAs on text-to-video models), `check_fit` refuses the file with the reason rather
+        than leaving readers to skip its modules ("lora key not loaded")."""
+        return None
+
     def distilled(self, c: Components) -> bool:
         """Whether the loaded model is the family's step-distilled checkpoint (its spec's
         `distilled_note` says what that means for training); none by default."""

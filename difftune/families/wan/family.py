@@ -22,7 +22,7 @@ from difftune.errors import ConfigError
 from difftune.families.base import Components, Conditioning, TextEmbeds
 from difftune.families.common import frame_vae
 from difftune.families.common.family import FamilyBase, Loaders
-from difftune.families.wan.spec import SPEC
+from difftune.families.wan.spec import I2V_MODULES, SPEC
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -106,6 +106,21 @@ class WanFamily(FamilyBase):
     def pipeline_image(self, result: Any) -> np.ndarray:
         """The first frame of the first video (WanPipeline returns `frames`)."""
         return np.asarray(result.frames[0][0])
+
+    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
+        """A Wan 2.1 image-to-video LoRA (its cross-attention image projections, `k_img` /
+        `v_img`, `add_k_proj` / `add_v_proj` in diffusers' names) on a text-to-video model,
+        which has no such layers: readers would drop them ("lora key not loaded") and apply
+        the rest to a model it was not trained with."""
+        if c.denoiser.config.image_dim is not None:
+            return None
+        found = sorted({m[0] for k in tensors if (m := I2V_MODULES.search(k))})
+        if not found:
+            return None
+        return (f"this is a Wan image-to-video LoRA (it adapts {', '.join(found)}, the image "
+                "cross-attention projections of Wan 2.1 I2V), and this model "
+                f"({self.spec.variant}) is text-to-video: it has no such layers, and the rest "
+                "of the file was trained with them. Use a LoRA trained on a T2V model")
 
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

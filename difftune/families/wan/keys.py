@@ -25,6 +25,7 @@ import torch
 
 from difftune.adapters.formats import group_modules
 from difftune.errors import CheckpointError
+from difftune.families.wan.spec import BLOCK_NAMES, TOP_NAMES
 
 # Model-spec architecture / implementation and kohya's (musubi-tuner's) base-model names.
 ARCHITECTURE = "wan-2.1-t2v"
@@ -32,20 +33,6 @@ IMPLEMENTATION = "https://github.com/Wan-Video/Wan2.1"
 BASE_VERSION = "wan"
 NETWORK_MODULE = "networks.lora_wan"
 
-# (diffusers name, Wan's name) of each module part, as regexes over a block's or the model's
-# module path; block parts follow `blocks.N.`.
-BLOCK_NAMES = (("attn1.to_q", "self_attn.q"), ("attn1.to_k", "self_attn.k"),
-               ("attn1.to_v", "self_attn.v"), ("attn1.to_out.0", "self_attn.o"),
-               ("attn2.to_q", "cross_attn.q"), ("attn2.to_k", "cross_attn.k"),
-               ("attn2.to_v", "cross_attn.v"), ("attn2.to_out.0", "cross_attn.o"),
-               ("attn2.add_k_proj", "cross_attn.k_img"), ("attn2.add_v_proj", "cross_attn.v_img"),
-               ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"))
-TOP_NAMES = (("condition_embedder.time_proj", "time_projection.1"),
-             ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
-             ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-             ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
-             ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-             ("proj_out", "head.head"))
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
 UNDERSCORED = ("lora_unet_", "lycoris_")
@@ -107,6 +94,16 @@ def _split(key: str) -> tuple[str, str]:
     return "", key
 
 
+def _underscored(name: str) -> str | None:
+    """The diffusers name of one of Wan's modules with underscores for dots (musubi-tuner's
+    `blocks_0_self_attn_q`), found through the name tables (no Wan name is ambiguous)."""
+    m = re.fullmatch(r"blocks_(\d+)_(.+)", name)
+    if m is None:
+        return next((ours for ours, wan in TOP_NAMES if wan.replace(".", "_") == name), None)
+    part = next((ours for ours, wan in BLOCK_NAMES if wan.replace(".", "_") == m[2]), None)
+    return f"blocks.{m[1]}.{part}" if part is not None else None
+
+
 def _names(modules: Iterable[str]) -> dict[str, str]:
     """{every name a file may give a module (diffusers', Wan's, both with underscores): its
     diffusers name}, over the denoiser's module names."""
@@ -135,7 +132,8 @@ def diffusers_names(tensors: dict[str, torch.Tensor], modules: Iterable[str],
             if module.startswith(head):
                 module = module[len(head):]
                 break
-        name = f"{prefix}.{known.get(module) or from_wan(module) or module}"
+        found = known.get(module) or from_wan(module) or _underscored(module)
+        name = f"{prefix}.{found or module}"
         if suffix == ".alpha":
             alphas[name] = float(value.item())
         else:

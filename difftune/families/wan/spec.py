@@ -17,6 +17,26 @@ from dataclasses import replace
 from difftune.families.specs import (T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles,
                                      ModelSize, TextEncoderSpec)
 
+# (diffusers name, Wan's name) of each linear layer: block parts (after `blocks.N.`) and whole
+# paths outside the blocks, one to one (diffusers' convert_wan_transformer_to_diffusers).
+BLOCK_NAMES = (("attn1.to_q", "self_attn.q"), ("attn1.to_k", "self_attn.k"),
+               ("attn1.to_v", "self_attn.v"), ("attn1.to_out.0", "self_attn.o"),
+               ("attn2.to_q", "cross_attn.q"), ("attn2.to_k", "cross_attn.k"),
+               ("attn2.to_v", "cross_attn.v"), ("attn2.to_out.0", "cross_attn.o"),
+               ("attn2.add_k_proj", "cross_attn.k_img"), ("attn2.add_v_proj", "cross_attn.v_img"),
+               ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"))
+TOP_NAMES = (("condition_embedder.time_proj", "time_projection.1"),
+             ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+             ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+             ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+             ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+             ("proj_out", "head.head"))
+# LyCORIS-kind files name every module `lora_unet_<Wan's name, dots as underscores>`: the
+# generic name ComfyUI maps for any model's weights (it has no diffusers-name table for Wan).
+LYCORIS_RENAMES = tuple((f"blocks.{{n}}.{ours}", f"lora_unet_blocks_{{n}}_{wan.replace('.', '_')}")
+                        for ours, wan in BLOCK_NAMES) + tuple(
+    (ours, f"lora_unet_{wan.replace('.', '_')}") for ours, wan in TOP_NAMES)
+
 # WanPipeline's max_sequence_length: every caption is padded back to 512 positions.
 MAX_TOKENS = 512
 UMT5_SIZE = 5.68  # billions: UMT5-XXL's encoder (24 layers of 4096), shared by all variants
@@ -52,6 +72,7 @@ T2V_13B = FamilySpec(
     # diffusers. The diffusers layout is written on request (diffusers reads it; ComfyUI not).
     default_format="original",
     formats=("original", "diffusers"),
+    lycoris_renames=LYCORIS_RENAMES,
     lora_unread=(
         ("diffusers", "ComfyUI", r".*", "ComfyUI maps Wan LoRAs by Wan's own module names only "
          "(comfy/lora.py has no diffusers-name table for WAN21)"),

@@ -1,0 +1,88 @@
+"""Wan-only behaviour through the real CLI on the tiny flavor: other trainers' LoRA names for
+--init-lora (musubi-tuner's, ai-toolkit's), and `check` refusing a Wan 2.1 image-to-video LoRA
+on a text-to-video model with the reason (the training paths every family takes are in
+test_training_paths)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from difftune.cli import main
+from difftune.families.wan.keys import to_wan
+
+from ..conftest import metrics_rows, run_toml, train_exit_code
+
+# The contract run's diffusers-layout file: rank 4, its trained scale folded into the up
+# factors (its metadata's alpha is the rank, scale 1); the copies below mean the same.
+ALPHA, RANK = 4.0, 4
+
+
+def _wan_name(key: str) -> tuple[str, str]:
+    """(Wan's module name, the factor) of one of our diffusers-named keys."""
+    module, factor, _ = key.removeprefix("transformer.").rsplit(".", 2)
+    return str(to_wan(module)), factor
+
+
+def _musubi(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """musubi-tuner's layout: `lora_unet_<Wan name, underscores>.lora_down/lora_up` + alpha."""
+    out = {}
+    for key, value in ours.items():
+        module, factor = _wan_name(key)
+        base = "lora_unet_" + module.replace(".", "_")
+        out[f"{base}.{'lora_down' if factor == 'lora_A' else 'lora_up'}.weight"] = value
+        out[f"{base}.alpha"] = torch.tensor(ALPHA)
+    return out
+
+
+def _ai_toolkit(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ai-toolkit's layout: `diffusion_model.<Wan name>.lora_A/B.weight`, no alpha (scale 1)."""
+    out = {}
+    for key, value in ours.items():
+        module, factor = _wan_name(key)
+        out[f"diffusion_model.{module}.{factor}.weight"] = value
+    return out
+
+
+def test_init_lora_from_other_trainers_names(trained: Callable[[str], Path], images: Path,
+                                            tmp_path: Path) -> None:
+    """Starting from musubi-tuner's or ai-toolkit's copy of our file is starting from ours."""
+    ours = trained("wan") / "lora.safetensors"
+    tensors = load_file(str(ours))
+    files = {"ours": ours}
+    for name, layout in (("musubi", _musubi), ("ai_toolkit", _ai_toolkit)):
+        files[name] = tmp_path / f"{name}.safetensors"
+        save_file(layout(tensors), str(files[name]))
+    losses = {}
+    for name, init in [*files.items(), ("fresh", None)]:
+        (tmp_path / name).mkdir()
+        cfg = run_toml(tmp_path / name, images, steps=1, family="wan")
+        extra = ["--init-lora", str(init)] if init is not None else []
+        assert train_exit_code(cfg, extra=extra) == 0
+        losses[name] = metrics_rows(tmp_path / name / "out")[0]["loss"]
+    assert losses["musubi"] == losses["ai_toolkit"] == losses["ours"] != losses["fresh"]
+
+
+def test_check_refuses_an_image_to_video_lora_with_the_reason(
+        trained: Callable[[str], Path], images: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A Wan 2.1 I2V LoRA (its `k_img`/`v_img` projections) on the 2.2 low-noise expert."""
+    i2v = _musubi(load_file(str(trained("wan") / "lora.safetensors")))
+    for part in ("k_img", "v_img"):
+        i2v[f"lora_unet_blocks_0_cross_attn_{part}.lora_down.weight"] = torch.zeros(RANK, 24)
+        i2v[f"lora_unet_blocks_0_cross_attn_{part}.lora_up.weight"] = torch.zeros(24, RANK)
+    path = tmp_path / "wan21_i2v_style.safetensors"
+    save_file(i2v, str(path))
+    cfg = run_toml(tmp_path, images, family="wan")
+    args = ["check", str(cfg), "--set", 'model.variant="2.2-t2v-a14b-low"']
+    assert main(args + ["--init-lora", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "image-to-video LoRA" in err and "cross_attn_k_img" in err
+    assert "2.2-t2v-a14b-low" in err and "Traceback" not in err
+    # The same file without them on the model it was trained on (the default variant) passes.
+    ours = trained("wan") / "lora.safetensors"
+    assert main(["check", str(cfg), "--init-lora", str(ours)]) == 0
