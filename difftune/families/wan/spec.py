@@ -76,6 +76,9 @@ T2V_13B = FamilySpec(
     lora_unread=(
         ("diffusers", "ComfyUI", r".*", "ComfyUI maps Wan LoRAs by Wan's own module names only "
          "(comfy/lora.py has no diffusers-name table for WAN21)"),
+        ("lycoris", "LyCORIS's create_lycoris_from_weights on the diffusers model", r".*",
+         "the file names them for ComfyUI, `lora_unet_<Wan name>`; difftune's --init-lora and "
+         "sample --lora read them"),
     ),
     text_encoder_prefixes={"umt5": "text_encoder"},
     # Kept out of fp8 storage and quantization: what diffusers keeps out of layerwise casting
