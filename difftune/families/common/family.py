@@ -267,6 +267,12 @@ class FamilyBase:
         than leaving readers to skip its modules ("lora key not loaded")."""
         return None
 
+    def load_pipeline_lora(self, pipe: Any, source: Any, name: str) -> None:
+        """Load a LoRA (a file path, or tensors in diffusers names) into the sampling pipeline
+        `pipe` as adapter `name`, with diffusers' own loader (a family whose pipeline holds
+        the trained transformer elsewhere overrides this)."""
+        pipe.load_lora_weights(source, adapter_name=name)
+
     def distilled(self, c: Components) -> bool:
         """Whether the loaded model is the family's step-distilled checkpoint (its spec's
         `distilled_note` says what that means for training); none by default."""

@@ -92,6 +92,18 @@ class WanFamily(FamilyBase):
             pipe.register_to_config(boundary_ratio=1.0)
         return pipe
 
+    def load_pipeline_lora(self, pipe: Any, source: Any, name: str) -> None:
+        """diffusers' loader, into `transformer_2` for the 2.2 low-noise expert: what
+        `load_lora_weights(..., load_into_transformer_2=True)` does, less its first step (it
+        widens a T2V LoRA for an I2V `transformer`, and reads that transformer's config, which
+        is None here)."""
+        if self.spec.denoiser_part != "transformer_2":
+            super().load_pipeline_lora(pipe, source, name)
+            return
+        state, metadata = pipe.lora_state_dict(source, return_lora_metadata=True)
+        pipe.load_lora_into_transformer(state, transformer=pipe.transformer_2, adapter_name=name,
+                                        metadata=metadata, _pipeline=pipe)
+
     def pipeline_inputs(self, embeds: TextEmbeds, negative: TextEmbeds | None,
                         guidance: float, cfg: float) -> dict[str, Any]:
         """WanPipeline arguments: one frame, the padded embeddings, and CFG at `cfg` with the

@@ -86,3 +86,29 @@ def test_check_refuses_an_image_to_video_lora_with_the_reason(
     # The same file without them on the model it was trained on (the default variant) passes.
     ours = trained("wan") / "lora.safetensors"
     assert main(["check", str(cfg), "--init-lora", str(ours)]) == 0
+
+
+def test_the_low_noise_expert_samples_its_lora_as_trained(images: Path, tmp_path: Path) -> None:
+    """Wan 2.2's low-noise expert is WanPipeline's `transformer_2` (`transformer` None):
+    `sample --lora` loads the run's file into it (diffusers' loader cannot through
+    `load_lora_weights` there) and writes the image the run sampled after its step."""
+    import numpy as np
+    from PIL import Image
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 32 --h 32 --s 2 --d 7\n", encoding="utf-8")
+    cfg = run_toml(tmp_path, images, steps=1, prompts=prompts, fmt=None, family="wan",
+                   model='flavor = "tiny"\nvariant = "2.2-t2v-a14b-low"')
+    assert train_exit_code(cfg, "train.lr=5e-2") == 0
+    out = tmp_path / "out"
+
+    def pixels(path: Path) -> np.ndarray:
+        return np.asarray(Image.open(path).convert("RGB")).astype(int)
+
+    before, after = (pixels(next((out / "samples").glob(f"step-{s:06d}_00_*.png")))
+                     for s in (0, 1))
+    assert np.abs(before - after).max() >= 4  # the step changed the image: the check is not void
+    written = tmp_path / "sampled"
+    assert main(["sample", str(cfg), "--lora", str(out / "lora.safetensors"),
+                 "--out", str(written)]) == 0
+    assert np.array_equal(pixels(next(written.glob("*_00_*.png"))), after)
