@@ -133,3 +133,11 @@ def test_released_configs_build_on_meta_with_the_declared_sizes(
     assert n_dit == pytest.approx(size.denoiser, abs=0.01)
     assert n_te == pytest.approx(size.encoders, abs=0.01)
     assert (size.layers, size.width) == (layers, dim) and transformer.config.num_layers == layers
+
+
+def test_model_spec_names_the_variant() -> None:
+    """LoRA files say which Wan they were trained on (model sites filter by it)."""
+    for variant, arch, base in (("2.1-t2v-14b", "wan-2.1-t2v-14b", "wan21"),
+                                ("2.2-t2v-a14b-low", "wan-2.2-t2v-a14b-low-noise", "wan22")):
+        spec = families.get("wan", variant).model_spec(None)
+        assert (spec.architecture, spec.base_version) == (arch, base)

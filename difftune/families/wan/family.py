@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from difftune.errors import ConfigError
-from difftune.families.base import Components, Conditioning, TextEmbeds
+from difftune.families.base import Components, Conditioning, ModelSpec, TextEmbeds
 from difftune.families.common import frame_vae
 from difftune.families.common.family import FamilyBase, Loaders
 from difftune.families.wan.spec import I2V_MODULES, SPEC
@@ -118,6 +118,14 @@ class WanFamily(FamilyBase):
     def pipeline_image(self, result: Any) -> np.ndarray:
         """The first frame of the first video (WanPipeline returns `frames`)."""
         return np.asarray(result.frames[0][0])
+
+    def model_spec(self, c: Components) -> ModelSpec:
+        """Wan 2.1 (1.3B or 14B) or Wan 2.2's low-noise expert, as model sites name them."""
+        from difftune.families.wan import keys
+
+        variant = str(self.spec.variant)
+        return ModelSpec(keys.ARCHITECTURE[variant], keys.IMPLEMENTATION[variant],
+                         keys.BASE_VERSION[variant], keys.NETWORK_MODULE)
 
     def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
         """A Wan 2.1 image-to-video LoRA (its cross-attention image projections, `k_img` /
