@@ -6,9 +6,10 @@ caption augmentations, two processes against one, and the refusals the family's 
 Parametrized over the registry. Families with a decoder-LLM text encoder (variable-length,
 templated or stacked text embeddings that the older suites' FLUX.1 runs never exercise) or a
 trimmed one (Wan's UMT5) run in the default tier; the others with `--full` (their paths are
-covered there by test_resume, test_memory_savers, test_distributed and test_disk_cache). Two processes run by default only
-for one family with variable-length captions (the batching two processes could split apart),
-Qwen-Image, whose padded batches reach the denoiser (see TWO_PROCESS_DEFAULT)."""
+covered there by test_resume, test_memory_savers, test_distributed and test_disk_cache). Two
+processes run by default only for one family with variable-length captions (the batching two
+processes could split apart), Qwen-Image, whose padded batches reach the denoiser (see
+TWO_PROCESS_DEFAULT)."""
 
 from __future__ import annotations
 
