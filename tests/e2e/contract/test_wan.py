@@ -91,7 +91,8 @@ def test_check_refuses_an_image_to_video_lora_with_the_reason(
 def test_the_low_noise_expert_samples_its_lora_as_trained(images: Path, tmp_path: Path) -> None:
     """Wan 2.2's low-noise expert is WanPipeline's `transformer_2` (`transformer` None):
     `sample --lora` loads the run's file into it (diffusers' loader cannot through
-    `load_lora_weights` there) and writes the image the run sampled after its step."""
+    `load_lora_weights` there) and writes the image the run sampled after its step; in a
+    whole A14B pipeline the file loads into the low-noise branch as users load it."""
     import numpy as np
     from PIL import Image
 
@@ -112,3 +113,31 @@ def test_the_low_noise_expert_samples_its_lora_as_trained(images: Path, tmp_path
     assert main(["sample", str(cfg), "--lora", str(out / "lora.safetensors"),
                  "--out", str(written)]) == 0
     assert np.array_equal(pixels(next(written.glob("*_00_*.png"))), after)
+    _loads_into_the_a14b_low_noise_branch(out / "lora.safetensors")
+
+
+def _loads_into_the_a14b_low_noise_branch(path: Path) -> None:
+    """The expert's file in a whole Wan 2.2 A14B pipeline (both experts): diffusers'
+    `load_lora_weights(..., load_into_transformer_2=True)` puts every module's trained change
+    into `transformer_2` and nothing into `transformer`."""
+    from diffusers import WanPipeline
+    from peft.utils import get_peft_model_state_dict
+
+    from difftune.adapters.formats import group_modules
+    from difftune.families.wan.keys import diffusers_names
+    from difftune.families.wan.tiny import build_tiny_wan
+
+    parts = build_tiny_wan("2.2-t2v-a14b-low")
+    high = build_tiny_wan("2.1-t2v-14b")["transformer"]
+    pipe = WanPipeline(**{**parts, "transformer": high}, boundary_ratio=0.875)
+    pipe.load_lora_weights(str(path), load_into_transformer_2=True)
+    assert not any("lora" in k for k in high.state_dict())
+    loaded = {f"transformer.{k}": v for k, v in
+              get_peft_model_state_dict(pipe.transformer_2, adapter_name="default_0").items()}
+    state, alphas = diffusers_names(load_file(str(path)), ())
+    ours = group_modules(state, {m: alphas.get(m, RANK) for m in {k.rsplit(".", 2)[0]
+                                                                   for k in state}})
+    theirs = group_modules(loaded, float(RANK))
+    assert ours.keys() == theirs.keys()
+    for module, pair in ours.items():
+        torch.testing.assert_close(theirs[module].delta(), pair.delta(), rtol=1e-5, atol=1e-6)
