@@ -277,6 +277,16 @@ class Family(Protocol):
         resized by the family's control rule, for an output of `width` x `height`."""
         ...
 
+    def pipeline_image(self, result: Any) -> Any:
+        """The first image of a pipeline call's output (`output_type="np"`: (H, W, 3)); a
+        video pipeline's first frame."""
+        ...
+
+    def load_pipeline_lora(self, pipe: Any, source: Any, name: str) -> None:
+        """Load a LoRA (file path or diffusers-named tensors) into the sampling pipeline as
+        adapter `name`, into the transformer the family trains."""
+        ...
+
     def model_spec(self, c: Components) -> ModelSpec:
         """The names other tools give the loaded base model (variant read from its config)."""
         ...
