@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             p.add_argument("--resume", metavar="latest|PATH",
                            help="continue exactly from a checkpoint (latest in save.dir)")
+        if name in ("train", "check"):
             p.add_argument("--init-lora", type=Path, metavar="PATH",
                            help="start a new run from this LoRA file's weights")
     text = "generate images from the base model and zero or more LoRAs"
@@ -180,7 +181,7 @@ def _check(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # before torch: a mistake shows at once
     from difftune.verbs.check import run_check
 
-    for line in run_check(cfg):
+    for line in run_check(cfg, args.init_lora):
         # Detail lines (indented) belong to the check above them.
         print(f"    {line.strip()}" if line.startswith(" ") else f"ok  {line}")
     print("check passed: this run should start and train")

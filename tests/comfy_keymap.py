@@ -19,6 +19,9 @@ read from its source: silveroxides/ComfyUI at commit 4f874c5e3a2fafb9938273c5f3f
   FLUX.2 with `global_modulation`: the shared `double_stream_modulation_img/txt.lin` and
   `single_stream_modulation.lin`, no `vector_in`), comfy/ldm/chroma, comfy/ldm/qwen_image
   (diffusers' names), comfy/ldm/lumina (Z-Image), comfy/ldm/krea2, comfy/ldm/modules/mmdit.py,
+  comfy/ldm/wan/model.py (Wan 2.1/2.2's WanModel: `blocks.N.self_attn.q`, `cross_attn`,
+  `ffn.0`/`ffn.2`, `time_projection.1`, `head.head`; model_base.WAN21 has no branch in
+  `model_lora_keys_unet`, so Wan's keys are the generic map's only),
   comfy/ldm/modules/diffusionmodules/openaimodel.py (SDXL's UNet), and for SDXL the UNet
   branch: `lora_unet_<d_>` and `lycoris_<d_>` over `unet_to_diffusers`.
 
@@ -165,9 +168,17 @@ SDXL = KeyMap("SDXL", (
     r"(?:class_embedding|add_embedding|time_embedding)\.linear_[12]|conv_in|conv_norm_out|"
     r"conv_out"), ("lora_unet_{_}", "lycoris_{_}"))
 
+# comfy/ldm/wan/model.py WanModel (T2V and I2V): its weights; comfy/lora.py has no WAN21
+# branch, so only the generic forms map them.
+WAN = KeyMap("WAN21", (
+    r"blocks\.\d+\.(?:self_attn\.(?:q|k|v|o|norm_q|norm_k)|cross_attn\.(?:q|k|v|o|norm_q|"
+    r"norm_k|k_img|v_img|norm_k_img)|norm3|ffn\.[02])",
+    r"patch_embedding|text_embedding\.[02]|time_embedding\.[02]|time_projection\.1|"
+    r"head\.head|img_emb\.proj\.[0134]"))
+
 # difftune family -> the ComfyUI model class that loads its denoiser (variants share it).
 MAPS = {"flux": FLUX, "chroma": CHROMA, "flux2": FLUX2, "sd3": SD3, "sdxl": SDXL,
-        "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2}
+        "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2, "wan": WAN}
 
 
 def split_key(key: str) -> tuple[str, str]:

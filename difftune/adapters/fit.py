@@ -54,7 +54,11 @@ def check_fit(label: str, tensors: dict[str, torch.Tensor], family: Family,
               comps: Components) -> None:
     """Refuse (CheckpointError) a file whose modules' factors do not fit the model's weights;
     `label` names the file in the message (`--lora PATH`). Modules the model lacks are left
-    to the reader's own report."""
+    to the reader's own report; a file the family refuses for another kind of its model
+    (`Family.lora_refusal`) is refused with the family's reason."""
+    why = family.lora_refusal(comps, tensors)
+    if why is not None:
+        raise CheckpointError(f"{label}: {why}")
     if needs_lycoris(tensors):
         grouped, live = _group(tensors, "."), _lycoris_modules(family, comps)
     else:

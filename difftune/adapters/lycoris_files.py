@@ -25,6 +25,8 @@ into `lokr_w1`: the file means exactly the update that was trained.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -58,14 +60,15 @@ def adapted_layers(family: Family, modules: dict[str, torch.nn.Module], roots: d
     """{file module name: the peft layer} of every adapted layer of `modules` (by prefix).
 
     `roots` is the file's CLIP naming (`families.common.text.file_clip_roots`)."""
-    names, renames = prefixes(family), dict(family.lycoris_renames)
+    names = prefixes(family)
     out: dict[str, BaseTunerLayer] = {}
     for prefix, model in modules.items():
         for name, layer in model.named_modules():
             if isinstance(layer, BaseTunerLayer) and ADAPTER in _factors(layer):
                 key = next(iter(with_clip_root({f"{prefix}.{name}": 0}, roots)))
                 module = key.partition(".")[2]
-                renamed = renames.get(module) if prefix == family.denoiser_prefix else None
+                renamed = (rename(module, family.lycoris_renames)
+                           if prefix == family.denoiser_prefix else None)
                 out[renamed or f"{names[prefix]}_{module.replace('.', '_')}"] = layer
     return out
 
@@ -74,13 +77,27 @@ def standard_names(family: Family, tensors: dict[str, torch.Tensor]
                    ) -> dict[str, torch.Tensor]:
     """A file's tensors with the family's renamed denoiser modules (`lycoris_renames`) back
     under `<lycoris_prefix>_<module>`, the names LyCORIS's wrapper looks modules up by."""
-    back = {new: f"{family.lycoris_prefix}_{module.replace('.', '_')}"
-            for module, new in family.lycoris_renames}
+    back = tuple((new, f"{family.lycoris_prefix}_{module.replace('.', '_')}")
+                 for module, new in family.lycoris_renames)
     out = {}
     for key, value in tensors.items():
         module, dot, suffix = key.partition(".")
-        out[f"{back.get(module, module)}{dot}{suffix}"] = value
+        out[f"{rename(module, back) or module}{dot}{suffix}"] = value
     return out
+
+
+def rename(name: str, pairs: tuple[tuple[str, str], ...]) -> str | None:
+    """`name` renamed by the first pair (old, new) whose `old` it is, or None: `{n}` in a pair
+    stands for any block index, the same in `new` (the file names each block's modules)."""
+    for old, new in pairs:
+        if "{n}" not in old:
+            if name == old:
+                return new
+            continue
+        found = re.fullmatch(r"(\d+)".join(re.escape(p) for p in old.split("{n}")), name)
+        if found:
+            return new.replace("{n}", found[1])
+    return None
 
 
 def _factors(layer: BaseTunerLayer) -> dict[str, dict[str, torch.Tensor]]:

@@ -198,6 +198,11 @@ class Family(Protocol):
         """The control rule as control-latent cache keys name it (see `control_rule`)."""
         ...
 
+    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
+        """Why a LoRA file is made for another kind of this family's model than the loaded
+        one (None: it is not, or the family cannot tell)."""
+        ...
+
     def text_image_size(self, image_size: tuple[int, int], control_size: tuple[int, int]
                         ) -> tuple[int, int]:
         """The (width, height) a text encoder that reads images (`TextEncoderSpec.image_prompt`)
@@ -270,6 +275,16 @@ class Family(Protocol):
     def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
         """Pipeline keyword arguments for a sample prompt's input images (PIL, upright RGB),
         resized by the family's control rule, for an output of `width` x `height`."""
+        ...
+
+    def pipeline_image(self, result: Any) -> Any:
+        """The first image of a pipeline call's output (`output_type="np"`: (H, W, 3)); a
+        video pipeline's first frame."""
+        ...
+
+    def load_pipeline_lora(self, pipe: Any, source: Any, name: str) -> None:
+        """Load a LoRA (file path or diffusers-named tensors) into the sampling pipeline as
+        adapter `name`, into the transformer the family trains."""
         ...
 
     def model_spec(self, c: Components) -> ModelSpec:

@@ -29,6 +29,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
                    "difftune.families.qwen_image.family.QwenImageFamily"),
     "flux2": ("difftune.families.flux2.spec", "difftune.families.flux2.family.Flux2Family"),
     "krea2": ("difftune.families.krea2.spec", "difftune.families.krea2.family.Krea2Family"),
+    "wan": ("difftune.families.wan.spec", "difftune.families.wan.family.WanFamily"),
 }
 
 
@@ -87,7 +88,9 @@ def resolve_variant(name: str, variant: str | None, folder: Path | None) -> str 
         except (OSError, ValueError, AttributeError) as err:
             raise ValueError(f"{index} cannot be read as JSON ({err}); it names the folder's "
                              "pipeline, which picks the variant") from None
-        declared = top.variant_of_pipeline(pipeline)
+        kinds = top.variants_of_pipeline(pipeline)
+        # Variants sharing the folder's pipeline: the config's, where it names one of them.
+        declared = variant if variant in kinds else next(iter(kinds), None)
         if declared is None:
             known = ", ".join(f"{s.pipeline_class} ({n})" for n, s in top.variants)
             raise ValueError(f"{index} names the pipeline {pipeline!r}, which is no variant of "

@@ -43,7 +43,9 @@ class TextEncoderSpec:
     for Qwen-VL's mRoPE). `image_prompt` (None: text only) makes a vision-language encoder
     read the item's control images with its caption, through the processor held as its
     tokenizer: this format string (`{}` the image's 1-based number) is written once per image
-    before the caption, and the processor expands its image tokens.
+    before the caption, and the processor expands its image tokens. `clean` tidies each
+    caption first as a pipeline's `prompt_clean` does (ftfy's fixes where ftfy is installed,
+    HTML entities unescaped twice, runs of whitespace made one space, ends stripped).
     """
 
     name: str
@@ -66,6 +68,7 @@ class TextEncoderSpec:
     pad: Literal["max_length", "longest"] = "max_length"
     valid_positions: int = 0
     image_prompt: str | None = None
+    clean: bool = False
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
@@ -187,7 +190,8 @@ family's files would load, with the reason.
     formats: tuple[str, ...] = ("diffusers", "kohya")
     # LyCORIS-kind files: (denoiser module, the file's module name) for the modules ComfyUI
     # maps by another name than `<lycoris_prefix>_<module>` (e.g. FLUX.2's shared modulation
-    # layers, which its generic `lora_unet_<original name>` map reads).
+    # layers, which its generic `lora_unet_<original name>` map reads); `{n}` in a pair stands
+    # for any block index, the same on both sides (Wan's blocks).
     lycoris_renames: tuple[tuple[str, str], ...] = ()
     # (layout, reader, module regex, why): modules a reader would not apply from a file in that
     # layout ("diffusers", "kohya", "original", "lycoris"), as read from the reader's source;
@@ -228,8 +232,14 @@ family's files would load, with the reason.
 
     def variant_of_pipeline(self, pipeline_class: str) -> str | None:
         """The variant whose diffusers pipeline is `pipeline_class` (a folder's model_index.json
-        `_class_name`), or None when no variant declares it."""
-        return next((n for n, s in self.variants if s.pipeline_class == pipeline_class), None)
+        `_class_name`; the first where several share it), or None when no variant declares
+        it."""
+        return next(iter(self.variants_of_pipeline(pipeline_class)), None)
+
+    def variants_of_pipeline(self, pipeline_class: str) -> tuple[str, ...]:
+        """Every variant sampled by `pipeline_class` (several where they differ in size or in
+        which of the pipeline's transformers they train, not in the pipeline: Wan's)."""
+        return tuple(n for n, s in self.variants if s.pipeline_class == pipeline_class)
 
     @property
     def encoder_names(self) -> tuple[str, ...]:
@@ -245,7 +255,7 @@ family's files would load, with the reason.
 CLIP_KINDS = ("clip", "clip_projection")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
 DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "suffix",
-                  "drop", "layers", "stack", "pad", "valid_positions", "image_prompt")
+                  "drop", "layers", "stack", "pad", "valid_positions", "image_prompt", "clean")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

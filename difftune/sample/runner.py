@@ -220,7 +220,7 @@ class SampleRunner:
         with self.policy.autocast(), one_step_safe(self._pipe, spec.steps):
             result = self._pipe(**kwargs, width=width, height=height, output_type="np",
                                 num_inference_steps=spec.steps, generator=generator)
-        image = result.images[0]
+        image = self.family.pipeline_image(result)
         if not np.isfinite(image).all():  # cast to 8 bits, NaN would turn into black pixels
             raise NonFiniteSample(f"{spec.prompt[:60]!r} ({spec.width}x{spec.height}, "
                                   f"{spec.steps} steps) came out not finite (NaN or inf)")

@@ -96,11 +96,14 @@ def recognise_names(names: list[str]) -> tuple[str, str | None] | None:
 
 
 def recognise_pipeline(pipeline: str) -> tuple[str, str | None] | None:
-    """(family, variant) of a diffusers folder whose model_index.json names `pipeline`."""
+    """(family, variant) of a diffusers folder whose model_index.json names `pipeline`; the
+    variant is None where several of the family's share the pipeline (Wan's sizes and
+    experts: the run file's variant, or the family's default, then picks)."""
     for family in registry.names():
-        for variant, spec in registry.variant_specs(family):
-            if spec.pipeline_class == pipeline:
-                return family, variant
+        fitting = [v for v, spec in registry.variant_specs(family)
+                   if spec.pipeline_class == pipeline]
+        if fitting:
+            return family, fitting[0] if len(fitting) == 1 else None
     return None
 
 

@@ -24,7 +24,9 @@ from difftune.errors import ConfigError, DataError
 from difftune.files.names import COMFYUI_DORA
 from difftune.families.base import blocks_of
 from difftune.memory import estimate, savers
+from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.lora import lora_format
+from difftune.train.init_lora import load_init_lora
 from difftune.train.loop import param_groups, set_training
 from difftune.train.optimizers.specs import OPTIMIZERS, parse_args, state_bytes
 from difftune.train.rundir import RunLock, refuse_overwrite
@@ -101,8 +103,9 @@ def _resolution_lines(sides: dict[str, dict]) -> list[str]:
     return lines
 
 
-def run_check(cfg: RunConfig) -> list[str]:
-    """`difftune check`: everything a run does, once, at the smallest size; returns the report."""
+def run_check(cfg: RunConfig, init_lora: Path | None = None) -> list[str]:
+    """`difftune check`: everything a run does, once, at the smallest size (from `init_lora`'s
+    weights, read as `train --init-lora` reads them, where given); returns the report."""
     report = ["config: valid"]
     refuse_overwrite(cfg)
     if cfg.save.dir.is_dir():
@@ -118,6 +121,10 @@ def run_check(cfg: RunConfig) -> list[str]:
     report.append(optimizer_line(run))
     report.append(savers.describe(cfg, run.family, run.comps.denoiser))
     report.append(memory_line(run))
+    if init_lora is not None:
+        load_init_lora(init_lora, CheckpointManager(cfg, run.family, run.comps, run.targets,
+                                                    {}, run.embeddings, writes=False))
+        report.append(f"--init-lora {init_lora}: read into the trained modules")
     if cfg.adapter.peft_kind is not None:
         report.append(_format_line(run))
     areas = [it.bucket[0] * it.bucket[1] for it in data.items]

@@ -102,7 +102,7 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     networks = [net for lora in lycoris for net in _apply_lycoris(family, comps, lora)]
     plain = [(lora, _converted(family, comps, lora.path)) for lora in loras
              if lora not in lycoris]
-    runner.use_pipeline(_pipeline_with(family.pipeline(comps), plain))
+    runner.use_pipeline(_pipeline_with(family, family.pipeline(comps), plain))
     log.debug("%d LyCORIS network(s) applied", len(networks))
     specs = runner.prompts()
     label = time.strftime("sample-%Y%m%d-%H%M%S")
@@ -147,8 +147,8 @@ def _converted(family: Family, comps: Components, path: Path) -> dict[str, torch
     return out
 
 
-def _pipeline_with(pipe: object, loras: list[tuple[LoraArg, dict[str, torch.Tensor] | None]]
-                   ) -> object:
+def _pipeline_with(family: Family, pipe: object,
+                   loras: list[tuple[LoraArg, dict[str, torch.Tensor] | None]]) -> object:
     """The pipeline with each LoRA loaded by diffusers as an adapter, at its weight: from the
     tensors our reader made of it where there are some (`_converted`), else from its file."""
     names = []
@@ -156,7 +156,7 @@ def _pipeline_with(pipe: object, loras: list[tuple[LoraArg, dict[str, torch.Tens
         name = f"lora{i}"
         source = tensors if tensors is not None else str(lora.path)
         try:
-            pipe.load_lora_weights(source, adapter_name=name)  # type: ignore[attr-defined]
+            family.load_pipeline_lora(pipe, source, name)
         except (ValueError, KeyError, RuntimeError, OSError, AssertionError) as err:
             # AssertionError: diffusers' converters assert on shapes they do not expect
             raise CheckpointError(

@@ -117,12 +117,16 @@ def tiny_pipeline(family: str) -> DiffusionPipeline:
 
 def pipeline_image(pipe: DiffusionPipeline, prompt: str = "a red circle", size: int = 32,
                    **kw: Any) -> torch.Tensor:
-    """A 2-step, seed-0 image from `pipe` (T5 prompts capped at 32 tokens where it has T5)."""
-    if "max_sequence_length" in inspect.signature(pipe.__call__).parameters:
+    """A 2-step, seed-0 image from `pipe` (T5 prompts capped at 32 tokens where it has T5; a
+    video pipeline's one-frame clip)."""
+    params = inspect.signature(pipe.__call__).parameters
+    if "max_sequence_length" in params:
         kw.setdefault("max_sequence_length", 32)
+    if "num_frames" in params:
+        kw.setdefault("num_frames", 1)
     out = pipe(prompt=prompt, height=size, width=size, num_inference_steps=2,
                generator=torch.Generator().manual_seed(0), output_type="pt", **kw)
-    return out.images
+    return out.images if hasattr(out, "images") else out.frames
 
 
 def train_exit_code(cfg: Path, *sets: str, extra: list[str] | None = None) -> int:

@@ -99,6 +99,8 @@ CASES = [
     ("flux", ["adapter.dora=true", 'adapter.text_encoders=["clip_l"]']),
     ("sdxl", ["adapter.type=locon", "adapter.conv_rank=2", "adapter.dora=true"]),
     pytest.param("z_image", ["adapter.dora=true"], marks=FULL),
+    # Wan's files name every module by Wan's own names (`lora_unet_blocks_0_self_attn_q`)
+    pytest.param("wan", ["adapter.dora=true"], marks=FULL),
 ]
 
 

@@ -16,7 +16,7 @@ import pytest
 from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxKontextPipeline, FluxPipeline,
                        Krea2Pipeline, QwenImageEditPipeline,
                        QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline,
-                       ZImagePipeline)
+                       WanPipeline, ZImagePipeline)
 
 from difftune.cli import main
 from difftune.verbs.demo import demo_dir
@@ -27,6 +27,7 @@ from difftune.families.krea2.tiny import build_tiny_krea2
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
 from difftune.families.sd3.tiny import build_tiny_sd3
 from difftune.families.sdxl.tiny import build_tiny_sdxl
+from difftune.families.wan.tiny import build_tiny_wan
 from difftune.families.z_image.tiny import build_tiny_z_image
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -43,6 +44,7 @@ PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
              "sdxl-lora.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
              "sdxl-pivotal.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
+             "wan21-image-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.1-t2v-14b")),
              "z-image-lora.toml": (ZImagePipeline, build_tiny_z_image)}
 # Single-file overrides of the folder (the FLUX.1 example's ComfyUI files) are dropped: the
 # folder then provides those components. Single files are checked in tests/unit/test_flux_files.py.

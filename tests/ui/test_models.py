@@ -23,7 +23,8 @@ from tests.unit.layouts import to_bfl
 FLAVORS = [("flux", None, None, "base"), ("sd3", None, None, None), ("sdxl", None, None, None),
            ("chroma", None, None, None), ("z_image", None, None, None),
            ("qwen_image", "edit", None, "edit"), ("flux2", "klein", "klein", "klein"),
-           ("flux2", "dev", "dev", "dev"), ("krea2", None, None, None)]
+           ("flux2", "dev", "dev", "dev"), ("krea2", None, None, None),
+           ("wan", "2.1-t2v-1.3b", None, None)]
 
 
 def _tiny(family: str, variant: str | None) -> dict[str, Any]:
@@ -87,6 +88,18 @@ def test_original_layout_and_unknown_files(tmp_path: Path) -> None:
         assert found[name].family == models.UNKNOWN and found[name].fields == {}, name
     assert "x.safetensors" not in found  # deeper than the scan goes
     assert len(models.scan(Roots.of([tmp_path]), entries=2)) <= 2
+
+
+def test_wan_in_its_original_names_is_wans(tmp_path: Path) -> None:
+    """A Wan transformer as ComfyUI keeps it (Wan's own names, prefixed) is Wan's."""
+    from difftune.families.wan.files import single_file_layout
+    from difftune.files.single import write_layout
+
+    model = _tiny("wan", None)["transformer"]
+    write_layout(tmp_path / "flux1-dev.safetensors", single_file_layout(model),
+                 model.state_dict(), torch.float32)
+    found = models.scan(Roots.of([tmp_path]))
+    assert [(f.family, f.variant) for f in found] == [("wan", None)]
 
 
 def test_a_huge_header_is_not_read(tmp_path: Path) -> None:

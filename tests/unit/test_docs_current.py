@@ -21,7 +21,8 @@ def test_config_reference_lists_every_family() -> None:
 
 def test_pyproject_description_is_not_a_subset_of_the_families() -> None:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    for title in ("FLUX.1", "FLUX.2", "Chroma", "SD3", "SDXL", "Z-Image", "Qwen-Image", "Krea 2"):
+    for title in ("FLUX.1", "FLUX.2", "Chroma", "SD3", "SDXL", "Z-Image", "Qwen-Image", "Krea 2",
+                  "Wan"):
         assert title in meta["description"], title
 
 

@@ -96,10 +96,15 @@ def load_t5_file(path: Path, dtype: torch.dtype) -> Any:
 
 
 def t5_from_state(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype,
-                  field: str | None = None) -> Any:
+                  field: str | None = None, umt5: bool = False) -> Any:
     """T5 encoder from transformers-layout tensors (prefix removed); `path` names the source,
-    `field` the config field that gave it (None: a part of a checkpoint)."""
-    from transformers import T5Config, T5EncoderModel
+    `field` the config field that gave it (None: a part of a checkpoint). `umt5` builds a
+    UMT5EncoderModel (UMT5's tensors have T5's names, with a relative attention bias in every
+    layer rather than the first only)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else \
+        (T5Config, T5EncoderModel)
 
     if "shared.weight" not in sd and "encoder.embed_tokens.weight" in sd:
         sd["shared.weight"] = sd["encoder.embed_tokens.weight"]
@@ -109,7 +114,7 @@ def t5_from_state(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype,
         heads = sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].shape
         gated = "encoder.block.0.layer.1.DenseReluDense.wi_0.weight" in sd
         wi = "wi_0" if gated else "wi"
-        config = T5Config(
+        config = config_class(
             vocab_size=vocab, d_model=d_model, num_heads=heads[1],
             relative_attention_num_buckets=heads[0],
             d_kv=sd["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0] // heads[1],
@@ -120,8 +125,8 @@ def t5_from_state(sd: dict[str, torch.Tensor], path: Path, dtype: torch.dtype,
         raise ModelFileError(f"{path} does not look like a T5 encoder: tensor {err} is "
                              "missing") from None
     sd.setdefault("encoder.embed_tokens.weight", sd["shared.weight"])
-    return pretrained_from_state(T5EncoderModel, config, cast_state(sd, dtype), dtype, path,
-                                 "T5", field)
+    return pretrained_from_state(model_class, config, cast_state(sd, dtype), dtype, path,
+                                 "UMT5" if umt5 else "T5", field)
 
 
 def pretrained_from_state(cls: Any, config: Any, sd: dict, dtype: torch.dtype, path: Path,

@@ -236,6 +236,11 @@ class FamilyBase:
         encoded at, unless the family's pipeline sizes it otherwise (it then overrides this)."""
         return (control_size[0], control_size[1])
 
+    def pipeline_image(self, result: Any) -> Any:
+        """The first image of a pipeline call's output (`output_type="np"`: an (H, W, 3)
+        array); a family whose pipeline returns another field (video frames) overrides this."""
+        return result.images[0]
+
     def pipeline_text_images(self, images: list[Any]) -> list[Any]:
         """The images the pipeline's text encoder reads: none, unless an encoder reads them
         (families whose encoders do override this)."""
@@ -254,6 +259,19 @@ class FamilyBase:
         pipe = getattr(diffusers, spec.pipeline_class)(**parts)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
+        """Why a LoRA file (its tensors as stored) is made for another kind of this family's
+        model than the loaded one, or None: where a family can tell (Wan's image-to-video
+        LoRAs on text-to-video models), `check_fit` refuses the file with the reason rather
+        than leaving readers to skip its modules ("lora key not loaded")."""
+        return None
+
+    def load_pipeline_lora(self, pipe: Any, source: Any, name: str) -> None:
+        """Load a LoRA (a file path, or tensors in diffusers names) into the sampling pipeline
+        `pipe` as adapter `name`, with diffusers' own loader (a family whose pipeline holds
+        the trained transformer elsewhere overrides this)."""
+        pipe.load_lora_weights(source, adapter_name=name)
 
     def distilled(self, c: Components) -> bool:
         """Whether the loaded model is the family's step-distilled checkpoint (its spec's

@@ -1,5 +1,6 @@
-"""The video-style autoencoder several families share (diffusers' AutoencoderKLQwenImage, the
-Wan-2.1 design): its per-channel latent normalization and loading it from a single file.
+"""The video-style autoencoder several families share (diffusers' AutoencoderKLQwenImage and
+AutoencoderKLWan, the Wan-2.1 design): its per-channel latent normalization and loading it
+from a single file.
 
 These VAEs encode (B, 3, frames, H, W) to (B, z, frames, h, w) and declare `latents_mean` and
 `latents_std` (one per channel) in their config; a pipeline decodes `latents * std + mean`, so
@@ -54,10 +55,12 @@ def decode(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
     return vae.decode((z * std + mean).unsqueeze(2), return_dict=False)[0][:, :, 0]
 
 
-def load_file(path: Path, dtype: torch.dtype, what: str) -> Any:
-    """The autoencoder from one file (`qwen_image_vae.safetensors` as ComfyUI keeps it): the
-    original Wan-2.1 layout (`encoder.conv1`, converted by diffusers' Wan VAE converter) or the
-    diffusers layout (`encoder.conv_in`). `what` names it in errors."""
+def load_file(path: Path, dtype: torch.dtype, what: str, cls: Any = None) -> Any:
+    """The autoencoder from one file (`qwen_image_vae.safetensors`, `wan_2.1_vae.safetensors`
+    as ComfyUI keeps them): the original Wan-2.1 layout (`encoder.conv1`, converted by
+    diffusers' Wan VAE converter) or the diffusers layout (`encoder.conv_in`), built as `cls`
+    (AutoencoderKLQwenImage unless given: AutoencoderKLWan has the same modules). `what` names
+    it in errors."""
     from diffusers import AutoencoderKLQwenImage
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
@@ -74,5 +77,5 @@ def load_file(path: Path, dtype: torch.dtype, what: str) -> Any:
     except KeyError as err:
         raise missing_error(path, f"a {what}", err) from None
     with torch.device("meta"):
-        model = AutoencoderKLQwenImage(**config)
+        model = (cls or AutoencoderKLQwenImage)(**config)
     return assign_state(model, cast_state(sd, dtype), path, what)

@@ -7,6 +7,8 @@ name, so CLIP, CLIP-with-projection and T5 go through the same two functions.
 
 from __future__ import annotations
 
+import html
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +55,24 @@ def model_clip_roots(family: Family, c: Components) -> dict[str, str]:
             if s.is_clip and c.text_encoders.get(s.name) is not None}
 
 
+def cleaned(text: str) -> str:
+    """A caption as diffusers' `prompt_clean` leaves it (Wan's pipelines): ftfy's fixes where
+    ftfy is installed, HTML entities unescaped twice, whitespace runs as one space, stripped."""
+    from diffusers.utils import is_ftfy_available
+
+    if is_ftfy_available():
+        import ftfy
+
+        text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
 def _stripped(spec: TextEncoderSpec, text: str) -> str:
-    """`text` without the spec's `strip` substrings."""
+    """`text` without the spec's `strip` substrings (tidied first where the spec says
+    `clean`)."""
+    if spec.clean:
+        text = cleaned(text)
     for part in spec.strip:
         text = text.replace(part, "")
     return text

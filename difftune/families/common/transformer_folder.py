@@ -34,7 +34,9 @@ class FolderLayout:
     """One family's classes and loaders: `what` names it in errors, `transformer`/`vae` are the
     diffusers classes of those subfolders, `transformer_file`/`vae_file` read single files,
     `scheduler_config` is the released scheduler's config (used when the folder has none),
-    `scheduler_unknown` what to warn then, where releases differ only in their scheduler."""
+    `scheduler` its class (None: FlowMatchEulerDiscreteScheduler), `denoiser` the pipeline's
+    name (and the folder's subfolder) of the transformer that is trained, `scheduler_unknown`
+    what to warn when the folder has no scheduler, where releases differ only in theirs."""
 
     what: str
     transformer: Any
@@ -42,6 +44,8 @@ class FolderLayout:
     transformer_file: FileLoader
     vae_file: FileLoader
     scheduler_config: dict[str, Any]
+    scheduler: Any = None
+    denoiser: str = "transformer"
     scheduler_unknown: str | None = None
 
 
@@ -66,21 +70,21 @@ def load_components(cfg: "ModelConfig", dtypes: dict[str, torch.dtype], folder: 
 
     used: list[Path] = [Path(cfg.text_encoder)] if cfg.text_encoder is not None else []
     subs = ["tokenizer"] + (["text_encoder"] if cfg.text_encoder is None else [])
-    transformer = _component(folder, cfg.transformer, "transformer", layout.transformer,
-                             layout.transformer_file, dtypes["transformer"], layout.what,
+    transformer = _component(folder, cfg.transformer, layout.denoiser, layout.transformer,
+                             layout.transformer_file, dtypes[layout.denoiser], layout.what,
                              used, subs)
     vae = _component(folder, cfg.vae, "vae", layout.vae, layout.vae_file, dtypes["vae"],
                      layout.what, used, subs)
+    scheduler_class = layout.scheduler or FlowMatchEulerDiscreteScheduler
     if (folder / "scheduler").is_dir():
-        scheduler = from_folder(FlowMatchEulerDiscreteScheduler, folder, "scheduler", None,
-                                layout.what)
+        scheduler = from_folder(scheduler_class, folder, "scheduler", None, layout.what)
         subs.append("scheduler")
     else:
-        scheduler = FlowMatchEulerDiscreteScheduler(**layout.scheduler_config)
+        scheduler = scheduler_class(**layout.scheduler_config)
         if layout.scheduler_unknown:
             log.warning("%s", layout.scheduler_unknown)
     return {
-        "transformer": transformer, "vae": vae, "scheduler": scheduler,
+        layout.denoiser: transformer, "vae": vae, "scheduler": scheduler,
         "tokenizer": from_folder(AutoTokenizer, folder, "tokenizer", None, layout.what),
         **text_encoders(cfg, dtypes["text_encoders"]),
         "name": Path(cfg.transformer).stem if cfg.transformer is not None else folder.name,

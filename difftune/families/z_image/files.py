@@ -145,7 +145,8 @@ def _layout() -> FolderLayout:
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
 
     return FolderLayout(WHAT, ZImageTransformer2DModel, AutoencoderKL, load_transformer_file,
-                        load_vae_file, TURBO_SCHEDULER_CONFIG, SCHEDULER_UNKNOWN)
+                        load_vae_file, TURBO_SCHEDULER_CONFIG,
+                        scheduler_unknown=SCHEDULER_UNKNOWN)
 
 def load_z_image_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
     """Every component in `dtypes` (single files over the folder's), plus "name" and

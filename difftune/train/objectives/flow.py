@@ -44,8 +44,13 @@ FLUX_SHIFT = DynamicShift()
 
 def scheduler_shift(config: Any) -> DynamicShift:
     """The resolution-dependent shift a dynamic-shifting scheduler config declares (its
-    `base_image_seq_len`, `max_image_seq_len`, `base_shift`, `max_shift`), FLUX.1's for a
-    scheduler without dynamic shifting, so `flux_shift` trains as the family's pipeline shifts."""
+    `base_image_seq_len`, `max_image_seq_len`, `base_shift`, `max_shift`), the fixed
+    `flow_shift` of a scheduler over flow sigmas (UniPC's, as Wan's pipeline samples with:
+    the same shift at every size), FLUX.1's for a scheduler without either, so `flux_shift`
+    trains as the family's pipeline shifts."""
+    if config.get("use_flow_sigmas", False) and config.get("flow_shift") is not None:
+        mu = math.log(float(config["flow_shift"]))
+        return DynamicShift(BASE_SEQ, MAX_SEQ, mu, mu)
     if not config.get("use_dynamic_shifting", False):
         return FLUX_SHIFT
     return DynamicShift(int(config.get("base_image_seq_len", BASE_SEQ)),

@@ -4,11 +4,12 @@ caption augmentations, two processes against one, and the refusals the family's 
 (test_precision_matrix covers every family's precision cells).
 
 Parametrized over the registry. Families with a decoder-LLM text encoder (variable-length,
-templated or stacked text embeddings that the older suites' FLUX.1 runs never exercise) run in
-the default tier; the others with `--full` (their paths are covered there by test_resume,
-test_memory_savers, test_distributed and test_disk_cache). Two processes run by default only
-for one family with variable-length captions (the batching two processes could split apart),
-Qwen-Image, whose padded batches reach the denoiser (see TWO_PROCESS_DEFAULT)."""
+templated or stacked text embeddings that the older suites' FLUX.1 runs never exercise) or a
+trimmed one (Wan's UMT5) run in the default tier; the others with `--full` (their paths are
+covered there by test_resume, test_memory_savers, test_distributed and test_disk_cache). Two
+processes run by default only for one family with variable-length captions (the batching two
+processes could split apart), Qwen-Image, whose padded batches reach the denoiser (see
+TWO_PROCESS_DEFAULT)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ AUGMENT = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_ra
 
 
 def _tier(name: str) -> object:
-    """The family as a parameter: default tier for decoder-LLM text encoders, else --full."""
-    decoder = any(s.kind == "decoder" for s in families.spec(name).text_encoders)
-    return pytest.param(name, marks=() if decoder else pytest.mark.full_only)
+    """The family as a parameter: default tier for decoder-LLM text encoders and for encoders
+    whose outputs are trimmed to each caption's tokens (Wan's UMT5, padded back by the
+    family), else --full."""
+    default = any(s.kind == "decoder" or s.trim for s in families.spec(name).text_encoders)
+    return pytest.param(name, marks=() if default else pytest.mark.full_only)
 
 
 FAMILIES = [_tier(n) for n in families.names()]

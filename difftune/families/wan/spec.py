@@ -1,0 +1,140 @@
+"""Wan's light facts (no torch): its UMT5 text encoder, objective, refusals, defaults, and the
+released kinds it trains from still images.
+
+Wan 2.1 T2V 1.3B and 14B, and Wan 2.2 A14B's low-noise expert, share the architecture
+(WanTransformer3DModel, AutoencoderKLWan, UMT5-XXL) and WanPipeline; they differ in size, and
+the 2.2 expert sits in the pipeline's `transformer_2` (run alone with `transformer=None,
+boundary_ratio=1.0`, so every step is the low-noise expert's). `model.variant` picks one (a
+folder's model_index.json names WanPipeline for all three, so the variant is the config's).
+Read by config validation before anything heavy is imported, and by `WanFamily`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from difftune.families.specs import (T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles,
+                                     ModelSize, TextEncoderSpec)
+
+# (diffusers name, Wan's name) of each linear layer: block parts (after `blocks.N.`) and whole
+# paths outside the blocks, one to one (diffusers' convert_wan_transformer_to_diffusers).
+BLOCK_NAMES = (("attn1.to_q", "self_attn.q"), ("attn1.to_k", "self_attn.k"),
+               ("attn1.to_v", "self_attn.v"), ("attn1.to_out.0", "self_attn.o"),
+               ("attn2.to_q", "cross_attn.q"), ("attn2.to_k", "cross_attn.k"),
+               ("attn2.to_v", "cross_attn.v"), ("attn2.to_out.0", "cross_attn.o"),
+               ("attn2.add_k_proj", "cross_attn.k_img"), ("attn2.add_v_proj", "cross_attn.v_img"),
+               ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"))
+TOP_NAMES = (("condition_embedder.time_proj", "time_projection.1"),
+             ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+             ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+             ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+             ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+             ("proj_out", "head.head"))
+# LyCORIS-kind files name every module `lora_unet_<Wan's name, dots as underscores>`: the
+# generic name ComfyUI maps for any model's weights (it has no diffusers-name table for Wan).
+LYCORIS_RENAMES = tuple((f"blocks.{{n}}.{ours}", f"lora_unet_blocks_{{n}}_{wan.replace('.', '_')}")
+                        for ours, wan in BLOCK_NAMES) + tuple(
+    (ours, f"lora_unet_{wan.replace('.', '_')}") for ours, wan in TOP_NAMES)
+
+# WanPipeline's max_sequence_length: every caption is padded back to 512 positions.
+MAX_TOKENS = 512
+UMT5_SIZE = 5.68  # billions: UMT5-XXL's encoder (24 layers of 4096), shared by all variants
+
+# The transformer's tensors in the diffusers layout and in Wan's original one (ComfyUI's files);
+# an I2V model adds the image embedder, which a T2V file must not have.
+MARKERS = (("condition_embedder.time_proj", "blocks.0.attn2.to_k"),
+           ("time_projection.1", "blocks.0.cross_attn.k"))
+UNMARKED = ("condition_embedder.image_embedder", "img_emb", "blocks.0.attn2.add_k_proj",
+            "blocks.0.cross_attn.k_img")
+
+T2V_13B = FamilySpec(
+    name="wan",
+    variant="2.1-t2v-1.3b",
+    text_encoders=(
+        # WanPipeline._get_t5_prompt_embeds: the caption (prompt_clean) padded to 512 tokens,
+        # UMT5's last hidden state under the attention mask, each cut to its own tokens and
+        # zero-padded back to 512 (the transformer takes no mask). Cache entries hold the
+        # caption's own tokens (`trim`); the family pads them back with zeros.
+        TextEncoderSpec("umt5", "t5", max_length=MAX_TOKENS, hidden="last", pooled=False,
+                        mask=True, trim=True, clean=True),
+    ),
+    objective="flow",
+    kohya_text_encoders_refused="difftune trains Wan's transformer only",
+    # AutoencoderKLWan downscales 8x and the transformer patches 2x2: sides multiple of 16.
+    bucket_step=16,
+    denoiser_prefix="transformer",
+    default_cfg=5.0,  # WanPipeline's guidance_scale default (CFG with a negative prompt)
+    # The original layout is the default (`diffusion_model.blocks.N.self_attn.q.lora_A.weight`,
+    # `.alpha` beside each module; keys.py): ComfyUI has no diffusers-name map for Wan (its
+    # comfy/lora.py model_lora_keys_unet maps WAN21 models by their own state-dict names only),
+    # and diffusers' WanLoraLoaderMixin reads it through _convert_non_diffusers_wan_lora_to_
+    # diffusers. The diffusers layout is written on request (diffusers reads it; ComfyUI not).
+    default_format="original",
+    formats=("original", "diffusers"),
+    lycoris_renames=LYCORIS_RENAMES,
+    lora_unread=(
+        ("diffusers", "ComfyUI", r".*", "ComfyUI maps Wan LoRAs by Wan's own module names only "
+         "(comfy/lora.py has no diffusers-name table for WAN21)"),
+        ("lycoris", "LyCORIS's create_lycoris_from_weights on the diffusers model", r".*",
+         "the file names them for ComfyUI, `lora_unet_<Wan name>`; difftune's --init-lora and "
+         "sample --lora read them"),
+    ),
+    text_encoder_prefixes={"umt5": "text_encoder"},
+    # Kept out of fp8 storage and quantization: what diffusers keeps out of layerwise casting
+    # (patch embedding, condition embedders, norms) and the output projection and table.
+    keep_high={
+        "denoiser": (r"^patch_embedding$", r"^condition_embedder\.", r"^proj_out$",
+                     r"norm", r"scale_shift_table"),
+        "text_encoders": T5_KEEP_HIGH,
+        "vae": VAE_KEEP_HIGH,
+    },
+    swap_blocks=("blocks",),
+    compile_blocks=("blocks",),
+    denoiser_part="transformer",
+    encoder_parts=(("umt5", "text_encoder", "tokenizer"),),
+    pipeline_class="WanPipeline",
+    # WanTransformer3DModel of 30 blocks of width 1536 (12 heads of 128, FFN 8960); the VAE
+    # downscales 8x and the transformer patches 2x2.
+    sizes=(ModelSize("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", 1.42, UMT5_SIZE, 30, 1536),),
+    files=ModelFiles(
+        folder="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        singles=(("transformer", "wan2.1_t2v_1.3B_bf16.safetensors"),
+                 ("vae", "wan_2.1_vae.safetensors"),
+                 ("text_encoder", "umt5_xxl_fp16.safetensors")),
+        folder_holds="tokenizer/ (UMT5's; no single file holds it)",
+        markers=MARKERS, unmarked=UNMARKED),
+    text_encoder_lora_refused=(("umt5", "WanPipeline.load_lora_weights reads transformer LoRAs "
+                                        "only; train the transformer only"),),
+    embeddings_refused=("Wan's UMT5 captions are cut to their own tokens and zero-padded; "
+                        "textual inversion is not supported for it"),
+)
+
+T2V_14B = replace(
+    T2V_13B, variant="2.1-t2v-14b",
+    # 40 blocks of width 5120 (40 heads of 128, FFN 13824)
+    sizes=(ModelSize("Wan-AI/Wan2.1-T2V-14B-Diffusers", 14.29, UMT5_SIZE, 40, 5120),),
+    files=replace(T2V_13B.files, folder="Wan-AI/Wan2.1-T2V-14B-Diffusers",
+                  singles=(("transformer", "wan2.1_t2v_14B_bf16.safetensors"),
+                           *T2V_13B.files.singles[1:])))
+
+# The low-noise expert of Wan 2.2 T2V A14B (the 14B architecture): the pipeline's
+# `transformer_2`, whose LoRA users load into ComfyUI's low-noise branch and into WanPipeline
+# with `load_into_transformer_2=True`.
+A14B_LOW = replace(
+    T2V_14B, variant="2.2-t2v-a14b-low", denoiser_part="transformer_2",
+    default_cfg=3.0,  # Wan 2.2 A14B's sample_guide_scale for its low-noise expert
+    sizes=(ModelSize("Wan-AI/Wan2.2-T2V-A14B-Diffusers", 14.29, UMT5_SIZE, 40, 5120),),
+    files=replace(T2V_14B.files, folder="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+                  singles=(("transformer", "wan2.2_t2v_low_noise_14B_fp16.safetensors"),
+                           *T2V_13B.files.singles[1:])))
+
+SPEC = replace(T2V_13B, variant=None, variants=(("2.1-t2v-1.3b", T2V_13B),
+                                                ("2.1-t2v-14b", T2V_14B),
+                                                ("2.2-t2v-a14b-low", A14B_LOW)))
+
+# An I2V LoRA's image cross-attention projections, which no T2V (2.1 or 2.2) model has.
+I2V_MODULES = re.compile(r"(?:cross_attn[._](?:k_img|v_img)|attn2[._]add_[kv]_proj|img_emb)")
+
+# No OTHER_TRAINERS yet: ai-toolkit's `wan21` configs train video clips, which difftune does
+# not read yet, so `difftune import` still stops on them (importers/families.py NOT_TRAINED).

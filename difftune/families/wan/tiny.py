@@ -1,0 +1,83 @@
+"""The built-in tiny Wan flavors: real diffusers/transformers classes with tiny configs.
+
+WanTransformer3DModel with diffusers' own test configuration for Wan (2 blocks, 2 heads of 12,
+patches (1, 2, 2), RMS q/k norms across heads, the cross-attention norm), AutoencoderKLWan at
+the released depth but 12x narrower, a UMT5EncoderModel (gated-GELU, untied, per-layer relative
+attention bias, as UMT5-XXL) over the shipped offline T5 tokenizer (a SentencePiece unigram
+T5TokenizerFast, the class UMT5's tokenizer is), and UniPCMultistepScheduler with Wan's released
+settings. Each variant has its own weights (the 14B kinds one head wider); the 2.2 low-noise
+expert comes as the pipeline's `transformer_2`. Nothing is downloaded; weights are random from a
+fixed seed inside a forked RNG.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from difftune.families.common.frame_vae import RELEASED_CONFIG as VAE_CONFIG
+from difftune.families.common.tiny import TEXT_WIDTH, load_tiny_tokenizers
+from difftune.families.wan.files import SCHEDULER_CONFIG, TEXT_ENCODER_CONFIG
+
+# Each variant's weights are its own (a LoRA of one does not fit another's tiny model alike).
+SEEDS = {"2.1-t2v-1.3b": 2468, "2.1-t2v-14b": 2469, "2.2-t2v-a14b-low": 2470}
+DEFAULT = "2.1-t2v-1.3b"
+# diffusers' tests/pipelines/wan/test_wan.py transformer (rope_max_seq_len raised from 32 so
+# that tiny runs at 512 pixels, 32 patches a side, still fit).
+TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 12,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": TEXT_WIDTH,
+    "freq_dim": 256,
+    "ffn_dim": 32,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 64,
+}
+# The 14B kinds are wider than the 1.3B, as released (40 heads against 12).
+WIDER = {"num_attention_heads": 3, "ffn_dim": 48}
+VARIANT_CONFIGS: dict[str, dict[str, Any]] = {
+    "2.1-t2v-1.3b": TINY_TRANSFORMER_CONFIG,
+    "2.1-t2v-14b": {**TINY_TRANSFORMER_CONFIG, **WIDER},
+    "2.2-t2v-a14b-low": {**TINY_TRANSFORMER_CONFIG, **WIDER},
+}
+TINY_VAE_CONFIG: dict[str, Any] = {**VAE_CONFIG, "base_dim": 8}  # released depth, 12x narrower
+
+
+def tiny_umt5_config(vocab_size: int, pad_id: int, eos_id: int) -> Any:
+    """UMT5 encoder config (UMT5-XXL's kind: gated-GELU, untied, relative attention bias in
+    every layer), tiny widths."""
+    from transformers import UMT5Config
+
+    return UMT5Config(**{**TEXT_ENCODER_CONFIG, "vocab_size": vocab_size, "d_model": TEXT_WIDTH,
+                         "d_kv": 16, "d_ff": 64, "num_layers": 2, "num_heads": 2,
+                         "pad_token_id": pad_id, "eos_token_id": eos_id,
+                         "decoder_start_token_id": pad_id})
+
+
+def build_tiny_wan(variant: str | None = None) -> dict[str, Any]:
+    """All components of a tiny Wan model of `variant`, keyed as WanPipeline names them (the
+    2.2 low-noise expert as `transformer_2`, `transformer` then None).
+
+    Deterministic: the same weights on every call, whatever the caller's RNG state."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    variant = variant or DEFAULT
+    _, tok = load_tiny_tokenizers()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEEDS[variant])
+        transformer = WanTransformer3DModel(**VARIANT_CONFIGS[variant]).eval()
+        encoder = UMT5EncoderModel(tiny_umt5_config(len(tok), tok.pad_token_id,
+                                                    tok.eos_token_id)).eval()
+        vae = AutoencoderKLWan(**TINY_VAE_CONFIG).eval()
+    expert = variant == "2.2-t2v-a14b-low"
+    return {"transformer": None if expert else transformer,
+            "transformer_2": transformer if expert else None,
+            "text_encoder": encoder, "tokenizer": tok, "vae": vae,
+            "scheduler": UniPCMultistepScheduler(**SCHEDULER_CONFIG)}

@@ -1,0 +1,127 @@
+"""Wan from local files: a diffusers folder in the released layout (the tiny pipeline saved with
+save_pretrained; Wan 2.2 A14B's with both experts), and the ComfyUI single files over it (the
+transformer in Wan's original names, the VAE in Wan's, UMT5 in transformers' names), each equal
+to the tiny model it was written from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from difftune.config import ModelConfig
+from difftune.errors import ModelFileError
+from difftune.families.wan.files import load_wan_files, single_file_layout
+from difftune.families.wan.tiny import build_tiny_wan
+from difftune.files.single import write_layout
+
+from .test_qwen_image_files import _equal, to_wan_vae
+
+FP32 = {"transformer": torch.float32, "transformer_2": torch.float32,
+        "text_encoders": torch.float32, "vae": torch.float32}
+LOW = "2.2-t2v-a14b-low"
+
+
+def _randomized(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every weight random (zero-initialized ones would hide a misplaced one)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    from diffusers import WanPipeline
+
+    tiny = build_tiny_wan()
+    _randomized(tiny["transformer"])
+    folder = tmp_path_factory.mktemp("wan") / "Wan2.1-T2V-1.3B-Diffusers"
+    WanPipeline(**tiny).save_pretrained(str(folder), safe_serialization=True)
+    files = folder.parent
+    write_layout(files / "wan2.1_t2v_1.3B_bf16.safetensors",
+                 single_file_layout(tiny["transformer"]), tiny["transformer"].state_dict(),
+                 torch.float32)
+    save_file({to_wan_vae(k): v.contiguous() for k, v in tiny["vae"].state_dict().items()},
+              str(files / "wan_2.1_vae.safetensors"))
+    save_file({k: v.contiguous() for k, v in tiny["text_encoder"].state_dict().items()
+               if k != "encoder.embed_tokens.weight"}, str(files / "umt5_xxl_fp16.safetensors"))
+    return tiny, folder
+
+
+def test_diffusers_folder(saved: tuple[dict, Path]) -> None:
+    tiny, folder = saved
+    parts = load_wan_files(ModelConfig(family="wan", path=folder), FP32)
+    for name in ("transformer", "vae", "text_encoder"):
+        _equal(parts[name], tiny[name])
+    assert type(parts["scheduler"]).__name__ == "UniPCMultistepScheduler"
+    assert parts["scheduler"].config.flow_shift == 3.0
+
+
+def test_single_files_over_the_folder(saved: tuple[dict, Path]) -> None:
+    tiny, folder = saved
+    keys = load_file(str(folder.parent / "wan2.1_t2v_1.3B_bf16.safetensors")).keys()
+    assert {"blocks.0.self_attn.q.weight", "blocks.1.cross_attn.norm_k.weight",
+            "blocks.0.norm3.weight", "blocks.0.modulation", "head.modulation",
+            "time_projection.1.weight", "text_embedding.2.weight"} <= set(keys)
+    cfg = ModelConfig(family="wan", path=folder,
+                      transformer=folder.parent / "wan2.1_t2v_1.3B_bf16.safetensors",
+                      vae=folder.parent / "wan_2.1_vae.safetensors",
+                      text_encoder=folder.parent / "umt5_xxl_fp16.safetensors")
+    parts = load_wan_files(cfg, FP32)
+    for name in ("transformer", "vae", "text_encoder"):
+        _equal(parts[name], tiny[name])
+    public = lambda c: {k: v for k, v in c.items() if not k.startswith("_")}  # noqa: E731
+    assert public(parts["transformer"].config) == public(tiny["transformer"].config)
+    assert type(parts["text_encoder"]).__name__ == "UMT5EncoderModel"
+
+
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """A Wan 2.2 A14B folder: the high-noise expert in transformer/, the low in transformer_2/."""
+    from diffusers import WanPipeline
+
+    tiny = build_tiny_wan(LOW)
+    high = build_tiny_wan("2.1-t2v-14b")["transformer"]
+    folder = tmp_path_factory.mktemp("a14b") / "Wan2.2-T2V-A14B-Diffusers"
+    WanPipeline(**{**tiny, "transformer": high}, boundary_ratio=0.875).save_pretrained(
+        str(folder), safe_serialization=True)
+    return {**tiny, "high": high}, folder
+
+
+def test_a14b_folder_trains_its_low_noise_expert(a14b: tuple[dict, Path]) -> None:
+    tiny, folder = a14b
+    parts = load_wan_files(ModelConfig(family="wan", variant=LOW, path=folder), FP32)
+    _equal(parts["transformer_2"], tiny["transformer_2"])
+    assert "transformer" not in parts
+
+
+def test_a14b_folder_as_wan21_is_refused_naming_the_variant(a14b: tuple[dict, Path]) -> None:
+    _, folder = a14b
+    with pytest.raises(ModelFileError, match=f'two experts.*model.variant = "{LOW}"'):
+        load_wan_files(ModelConfig(family="wan", path=folder), FP32)
+
+
+def test_an_image_to_video_transformer_is_refused(saved: tuple[dict, Path],
+                                                  tmp_path: Path) -> None:
+    from diffusers import WanTransformer3DModel
+
+    from difftune.families.wan.tiny import TINY_TRANSFORMER_CONFIG
+
+    _, folder = saved
+    i2v = WanTransformer3DModel(**{**TINY_TRANSFORMER_CONFIG, "image_dim": 8,
+                                   "added_kv_proj_dim": 24})
+    path = tmp_path / "wan2.1_i2v_480p_14B_bf16.safetensors"
+    save_file({k: v.contiguous() for k, v in i2v.state_dict().items()}, str(path))
+    with pytest.raises(ModelFileError, match="image-to-video transformer.*T2V file"):
+        load_wan_files(ModelConfig(family="wan", path=folder, transformer=path), FP32)
+
+
+def test_layout_places_every_tensor_once() -> None:
+    model = build_tiny_wan()["transformer"]
+    layout = single_file_layout(SimpleNamespace(**{"state_dict": model.state_dict}))
+    assert sorted(s for p in layout.values() for s in p.sources) == sorted(model.state_dict())
