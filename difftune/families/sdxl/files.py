@@ -20,8 +20,9 @@ import torch
 from difftune.errors import ModelFileError
 from difftune.families.common.components import (UNET_PREFIX, VAE_PREFIX, clip_from_state,
                                                  load_vae, open_clip_state)
-from difftune.families.common.folders import (check_folder, folder_files, from_folder,
-                                              from_folder_or_fail, model_folder, tokenizers)
+from difftune.families.common.folders import (from_folder_or_fail, load_folder,
+                                              load_folder_text_encoders, model_folder,
+                                              tokenizers)
 from difftune.families.common.ldm_unet import (check_ldm_layout, ldm_single_file_layout,
                                                ldm_unet_config, load_ldm_unet)
 from difftune.families.common.single_file import (fingerprint, missing_error, prefixed,
@@ -59,34 +60,18 @@ FOLDER_PARTS: tuple[tuple[str, str, bool], ...] = (
 )
 
 
-def _class(qualified: str) -> Any:
-    """The class named "module.Class" (imported lazily: diffusers/transformers are slow to load)."""
-    import importlib
-
-    module, name = qualified.rsplit(".", 1)
-    return getattr(importlib.import_module(module), name)
-
-
 def load_sdxl_folder(folder: Path, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
     """All components of a diffusers SDXL folder, keyed as StableDiffusionXLPipeline names them.
 
     `dtypes` maps "unet", "vae" and "text_encoders" to the dtype each is read in. Adds
     "fingerprint" (path/size/mtime of every component file, so caches follow the files).
     """
-    check_folder(folder, "SDXL")
-    parts: dict[str, Any] = {}
-    for sub, cls, weights in FOLDER_PARTS:
-        dtype = dtypes.get(sub, dtypes["text_encoders"]) if weights else None
-        parts[sub] = from_folder(_class(cls), folder, sub, dtype, "SDXL")
-    parts["fingerprint"] = fingerprint(folder_files(folder, [p[0] for p in FOLDER_PARTS]))
-    parts["name"] = folder.name
-    return parts
+    return load_folder(folder, FOLDER_PARTS, dtypes, "SDXL")
 
 
 def load_sdxl_folder_text_encoders(folder: Path, dtype: torch.dtype) -> dict[str, Any]:
     """Only the two CLIPs of a diffusers SDXL folder (a reload after unloading)."""
-    return {sub: from_folder(_class(cls), folder, sub, dtype, "SDXL")
-            for sub, cls, _ in FOLDER_PARTS if sub.startswith("text_encoder")}
+    return load_folder_text_encoders(folder, FOLDER_PARTS, dtype, "SDXL")
 
 # ---------------------------------------------------------------------------------------------
 # SDXL UNet
