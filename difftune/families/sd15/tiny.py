@@ -30,8 +30,9 @@ TINY_SD15_UNET_CONFIG: dict[str, Any] = {
     "mid_block_type": "UNetMidBlock2DCrossAttn",
     "block_out_channels": (32, 32, 64),
     "layers_per_block": 2,  # as SD 1.5, so kohya/LDM block numbering keeps its shape
-    # diffusers' misnomer: the number of heads per level (8 in SD 1.5).
-    "attention_head_dim": 2,
+    # diffusers' misnomer: the number of heads per level, 8 as in SD 1.5 (which shapes do not
+    # record: the single-file reader assumes it).
+    "attention_head_dim": 8,
     "norm_num_groups": 8,
     "cross_attention_dim": CLIP_L_WIDTH,
     "use_linear_projection": False,  # SD 1.5's proj_in/proj_out are 1x1 convolutions
