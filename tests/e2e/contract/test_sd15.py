@@ -1,6 +1,6 @@
 """SD 1.5-only behaviour through the real CLI on the tiny flavor: the kohya layout (its
 default) read by StableDiffusionPipeline.load_lora_weights, the DDPM options users rely on
-(v-prediction, min-SNR, noise offset), the 512 px example buckets, clip_skip in a run, and a
+(v-prediction, min-SNR, noise offset) with clip_skip in a run, and a
 full fine-tune written as the original single file that diffusers' from_single_file reads."""
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ def _image(pipe: StableDiffusionPipeline) -> torch.Tensor:
 
 
 def test_kohya_file_loads_through_diffusers_and_matches(
-        trained: Callable[[str], Path], family_prompts: Callable[[str], Path],
-        images: Path, tmp_path: Path) -> None:
+        trained: Callable[[str], Path], images: Path, tmp_path: Path) -> None:
     """The default layout: kohya names (`lora_unet_`), read by diffusers' kohya converter into
-    the same UNet as the contract run's diffusers-layout file (same seed and data)."""
-    kohya_run = train(tmp_path, images, "save.every_n_steps=2", prompts=family_prompts("sd15"),
-                      fmt=None)
+    the same UNet as the contract run's diffusers-layout file (same seed and data; samples
+    do not touch the training's random streams, so this run draws none)."""
+    kohya_run = train(tmp_path, images, "save.every_n_steps=2", fmt=None)
     kohya = load_file(str(kohya_run / "lora.safetensors"))
     assert kohya and all(k.startswith("lora_unet_") for k in kohya)
     via_kohya, via_diffusers = tiny_pipeline("sd15"), tiny_pipeline("sd15")
@@ -73,11 +72,3 @@ def test_full_fine_tune_writes_the_original_single_file(images: Path, tmp_path: 
     base = tiny_pipeline("sd15").unet.state_dict()
     changed = [k for k in base if not torch.equal(single[k], base[k])]
     assert changed and all(k.startswith("up_blocks.") for k in changed)
-
-
-def test_locon_with_dora_and_conv_layers_trains(images: Path, tmp_path: Path) -> None:
-    out = train(tmp_path, images, "adapter.type=locon", "adapter.conv_rank=2",
-                "adapter.dora=true", steps=2, fmt=None)
-    keys = load_file(str(out / "lora.safetensors"))
-    assert any(k.endswith(".dora_scale") for k in keys)
-    assert any("_resnets_" in k and "_conv1." in k for k in keys)  # conv layers adapted
