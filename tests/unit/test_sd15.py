@@ -115,6 +115,17 @@ def test_released_sizes_on_the_meta_device() -> None:
     assert abs(size.encoders * 1e9 / clip_params - 1) < 0.01
 
 
+def _per_level(config: Any) -> dict[str, Any]:
+    """A UNet config with lists for tuples and per-level lists for the per-level fields given
+    as one int (as diffusers broadcasts them), so equal configs compare equal."""
+    out = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()
+           if not k.startswith("_")}
+    for key in ("attention_head_dim", "transformer_layers_per_block"):
+        if isinstance(out[key], int):
+            out[key] = [out[key]] * len(out["block_out_channels"])
+    return out
+
+
 def test_config_from_the_released_shapes_is_the_released_config() -> None:
     """The single-file reader's UNet config, derived from the real UNet's LDM tensor shapes
     (meta tensors, no weights), is the released one: 8 heads a level, conv projections."""
@@ -124,13 +135,7 @@ def test_config_from_the_released_shapes_is_the_released_config() -> None:
     derived = ldm_unet_config(shapes, SD15_SAMPLE_SIZE, SD15_HEADS)
     with torch.device("meta"):
         rebuilt = UNet2DConditionModel(**derived)
-    def levels(value: Any) -> Any:  # an int for every level, as diffusers broadcasts it
-        return [value] * 4 if isinstance(value, int) and not isinstance(value, bool) else value
-
-    for key, value in rebuilt.config.items():
-        if not key.startswith("_"):
-            assert levels(unet.config[key]) in (value, levels(value)) or \
-                list(levels(unet.config[key])) == list(levels(value)), key
+    assert _per_level(rebuilt.config) == _per_level(unet.config)
     assert {k: v.shape for k, v in rebuilt.state_dict().items()} == \
         {k: v.shape for k, v in unet.state_dict().items()}
     assert not derived["use_linear_projection"] and derived["attention_head_dim"] == [8] * 4
