@@ -176,9 +176,14 @@ WAN = KeyMap("WAN21", (
     r"patch_embedding|text_embedding\.[02]|time_embedding\.[02]|time_projection\.1|"
     r"head\.head|img_emb\.proj\.[0134]"))
 
+# SD 1.5 (comfy/supported_models.py SD15, a model_base.BaseModel): the same UNet branch over
+# `unet_to_diffusers`, which builds its table from the loaded UNet's config (same commit), on
+# openaimodel.py's UNet without SDXL's label_emb.
+SD15 = KeyMap("SD15", SDXL.weights, SDXL.table, SDXL.table_forms)
+
 # difftune family -> the ComfyUI model class that loads its denoiser (variants share it).
 MAPS = {"flux": FLUX, "chroma": CHROMA, "flux2": FLUX2, "sd3": SD3, "sdxl": SDXL,
-        "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2, "wan": WAN}
+        "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2, "wan": WAN, "sd15": SD15}
 
 
 def split_key(key: str) -> tuple[str, str]:

@@ -23,11 +23,11 @@ Target = tuple[str, str | None]
 NOT_TRAINED: dict[str, tuple[str, ...]] = {
     "kohya": ("networks.lora_lumina", "networks.lora_hunyuan_image", "networks.lora_anima"),
     "ai-toolkit": (
-        "sd1", "sd2", "pixart", "pixart_sigma", "auraflow", "lumina2", "hidream", "wan21",
+        "sd2", "pixart", "pixart_sigma", "auraflow", "lumina2", "hidream", "wan21",
         "wan22_14b", "wan22_5b", "omnigen2", "flex2", "chroma_radiance", "ltx2",
         "is_v2", "is_lumina2", "is_pixart", "is_pixart_sigma", "is_auraflow"),
     "onetrainer": (
-        "STABLE_DIFFUSION_15", "STABLE_DIFFUSION_15_INPAINTING", "STABLE_DIFFUSION_20",
+        "STABLE_DIFFUSION_15_INPAINTING", "STABLE_DIFFUSION_20",
         "STABLE_DIFFUSION_20_BASE", "STABLE_DIFFUSION_20_INPAINTING",
         "STABLE_DIFFUSION_20_DEPTH", "STABLE_DIFFUSION_21", "STABLE_DIFFUSION_21_BASE",
         "STABLE_DIFFUSION_XL_10_BASE_INPAINTING", "FLUX_FILL_DEV_1", "WUERSTCHEN_2",
@@ -38,7 +38,8 @@ NOT_TRAINED: dict[str, tuple[str, ...]] = {
 # Names one script serves for several models, read as the one difftune trains: the import
 # report marks the family a guess, with this reason.
 GUESSED: dict[str, str] = {
-    name: "networks.lora serves SD 1.x/2.x and SDXL; difftune trains SDXL"
+    name: "networks.lora serves SD 1.x/2.x and SDXL; difftune trains SDXL unless "
+          "model.family is changed to SD 1.5's"
     for name in ("networks.lora", "networks.dylora", "networks.lora_fa")}
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxKontextPipeline, FluxPipeline,
                        Krea2Pipeline, QwenImageEditPipeline,
-                       QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline,
-                       WanPipeline, ZImagePipeline)
+                       QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline,
+                       StableDiffusionXLPipeline, WanPipeline, ZImagePipeline)
 
 from difftune.cli import main
 from difftune.verbs.demo import demo_dir
@@ -26,6 +26,7 @@ from difftune.families.flux2.tiny import build_tiny_flux2
 from difftune.families.krea2.tiny import build_tiny_krea2
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
 from difftune.families.sd3.tiny import build_tiny_sd3
+from difftune.families.sd15.tiny import build_tiny_sd15
 from difftune.families.sdxl.tiny import build_tiny_sdxl
 from difftune.families.wan.tiny import build_tiny_wan
 from difftune.families.z_image.tiny import build_tiny_z_image
@@ -42,6 +43,10 @@ PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "qwen-image-edit-lora.toml": (QwenImageEditPipeline,
                                            lambda: build_tiny_qwen_image("edit")),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
+             # saved as released, less the safety checker (not part of training)
+             "sd15-lora.toml": (lambda **parts: StableDiffusionPipeline(
+                 **parts, safety_checker=None, feature_extractor=None,
+                 requires_safety_checker=False), build_tiny_sd15),
              "sdxl-lora.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
              "sdxl-pivotal.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
              "wan21-image-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.1-t2v-14b")),

@@ -306,7 +306,7 @@ def test_nothing_is_overwritten(tmp_path: Path, images: Path,
     ("ai-toolkit", "extract.yaml", "job: extract\nconfig:\n  process:\n    - type: locon\n",
      "is not an ai-toolkit training process"),
     ("onetrainer", "concepts.json", "[{\"path\": \"x\"}]", "a concepts or samples file"),
-    ("onetrainer", "sd15.json", "{\"model_type\": \"STABLE_DIFFUSION_15\"}",
+    ("onetrainer", "sd2.json", "{\"model_type\": \"STABLE_DIFFUSION_21\"}",
      "difftune does not train this model"),
     ("ai-toolkit", "noarch.yaml", "config:\n  process:\n    - type: sd_trainer\n",
      "model.arch is not set"),
@@ -424,3 +424,20 @@ def test_a_run_difftune_still_refuses_is_written_with_what_to_fix(
     assert 'path = "images"' in text and "put your images" in text
     assert 'transformer = "flux-dedistilled.safetensors"' in text and "download it" in text
     assert "lora_alpha (onetrainer's default, not in the file) = 1.0" in report
+
+
+@pytest.mark.parametrize("trainer, name, text", [
+    ("onetrainer", "ot.json", json.dumps({
+        "model_type": "STABLE_DIFFUSION_15", "training_method": "LORA", "base_model_name": "sd",
+        "output_model_destination": "out/x.safetensors", "concepts": [{"path": "IMAGES"}]})),
+    ("ai-toolkit", "job.yaml", "config:\n  process:\n    - type: sd_trainer\n      model: "
+     "{arch: sd1, name_or_path: sd}\n      datasets: [{folder_path: IMAGES}]\n"),
+])
+def test_sd15_names_of_other_trainers(trainer: str, name: str, text: str, tmp_path: Path,
+                                      images: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """OneTrainer's STABLE_DIFFUSION_15 and ai-toolkit's arch sd1 are SD 1.5 runs."""
+    (tmp_path / "sd").mkdir()
+    (tmp_path / name).write_text(text.replace("IMAGES", images.as_posix()), encoding="utf-8")
+    code, _, err = _import(capsys, trainer, tmp_path / name, "--out", tmp_path / "run.toml")
+    assert code == 0, err
+    assert load_config(tmp_path / "run.toml").model.family == "sd15"

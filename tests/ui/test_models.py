@@ -24,7 +24,7 @@ FLAVORS = [("flux", None, None, "base"), ("sd3", None, None, None), ("sdxl", Non
            ("chroma", None, None, None), ("z_image", None, None, None),
            ("qwen_image", "edit", None, "edit"), ("flux2", "klein", "klein", "klein"),
            ("flux2", "dev", "dev", "dev"), ("krea2", None, None, None),
-           ("wan", "2.1-t2v-1.3b", None, None)]
+           ("wan", "2.1-t2v-1.3b", None, None), ("sd15", None, None, None)]
 
 
 def _tiny(family: str, variant: str | None) -> dict[str, Any]:
@@ -39,8 +39,11 @@ def _save_folder(family: str, variant: str | None, tiny: dict[str, Any], path: P
 
     pipeline = getattr(diffusers, registry.spec(family, variant).pipeline_class)
     wanted = inspect.signature(pipeline.__init__).parameters
-    pipeline(**{k: v for k, v in tiny.items() if k in wanted}).save_pretrained(
-        str(path), safe_serialization=True)
+    args = {k: v for k, v in tiny.items() if k in wanted}
+    # components no tiny flavor builds (SD 1.5's safety checker and feature extractor)
+    args |= {k: None for k, p in wanted.items()
+             if k not in args and k != "self" and p.default is p.empty}
+    pipeline(**args).save_pretrained(str(path), safe_serialization=True)
 
 
 def _denoiser(tiny: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -112,5 +115,16 @@ def test_a_huge_header_is_not_read(tmp_path: Path) -> None:
 def test_a_folder_of_another_pipeline_is_unknown(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "model_index.json").write_text(json.dumps(
-        {"_class_name": "StableDiffusionPipeline"}))
+        {"_class_name": "PixArtSigmaPipeline"}))
     assert models.recognise_folder(tmp_path / "m").family == models.UNKNOWN
+
+
+def test_sd15_and_sdxl_original_checkpoints_are_told_apart(tmp_path: Path) -> None:
+    """The LDM-layout UNets of both: SD 1.5's first level has attention and no added
+    conditioning (label_emb), SDXL's the reverse."""
+    from tests.unit.test_sd_files import to_sgm_unet
+
+    for family in ("sd15", "sdxl"):
+        save_file(to_sgm_unet(_tiny(family, None)["unet"]), str(tmp_path / f"{family}.safetensors"))
+    found = {Path(f.path).stem: f.family for f in models.scan(Roots.of([tmp_path]))}
+    assert found == {"sd15": "sd15", "sdxl": "sdxl"}

@@ -84,15 +84,15 @@ def test_spec_names_the_loaded_tiny_components(name: str) -> None:
 
 def test_unknown_family_is_refused_naming_the_choices(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text('[model]\nfamily = "sd15"\nflavor = "tiny"\n[[datasets]]\npath = "x"\n'
+    path.write_text('[model]\nfamily = "sd21"\nflavor = "tiny"\n[[datasets]]\npath = "x"\n'
                     '[save]\ndir = "out"\n')
     with pytest.raises(ConfigError) as err:
         load_config(path)
     names = registry.names()
     choices = ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}"
-    assert f"model.family: Input should be {choices} (got 'sd15')" in str(err.value)
+    assert f"model.family: Input should be {choices} (got 'sd21')" in str(err.value)
     with pytest.raises(ConfigError, match="choose one of"):
-        families.get("sd15")
+        families.get("sd21")
 
 
 def test_block_swap_on_a_family_without_swap_blocks_is_refused_at_load(tmp_path: Path) -> None:

@@ -93,6 +93,9 @@ class FamilyBase:
     # LoRA preset -> full-match regexes of denoiser module names.
     presets: ClassVar[dict[str, list[str]]]
     loaders: ClassVar[Loaders]
+    # Further arguments of the family's pipeline constructor (components it takes but
+    # difftune does not load, such as a safety checker), passed as given.
+    pipeline_extras: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Copy the spec's facts onto the class (`FluxFamily.keep_high` needs no object);
@@ -256,7 +259,7 @@ class FamilyBase:
                                  "scheduler": c.scheduler}
         for name, te, tok in spec.encoder_parts:
             parts.update({te: c.text_encoders[name], tok: c.tokenizers[name]})
-        pipe = getattr(diffusers, spec.pipeline_class)(**parts)
+        pipe = getattr(diffusers, spec.pipeline_class)(**parts, **self.pipeline_extras)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -98,3 +98,40 @@ def from_folder_or_fail(folder: Path | None, sub: str, cls: Any, dtype: torch.dt
 def model_folder(cfg: "ModelConfig") -> Path | None:
     """model.path, expanded, if given."""
     return Path(cfg.path).expanduser() if cfg.path is not None else None
+
+
+def _class(qualified: str) -> Any:
+    """The class named "module.Class" (imported lazily: diffusers/transformers are slow to load)."""
+    import importlib
+
+    module, name = qualified.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def load_folder(folder: Path, parts: tuple[tuple[str, str, bool], ...],
+                dtypes: dict[str, torch.dtype], what: str) -> dict[str, Any]:
+    """Every component of a diffusers `what` folder ("SDXL", ...) by its subfolder name.
+
+    `parts` are (subfolder, "module.Class", holds weights) in the released layout; `dtypes`
+    maps the denoiser's subfolder, "vae" and "text_encoders" to the dtype each is read in.
+    Adds "fingerprint" (path/size/mtime of every component file, so caches follow the files)
+    and "name" (the folder's).
+    """
+    from difftune.families.common.single_file import fingerprint
+
+    check_folder(folder, what)
+    out: dict[str, Any] = {}
+    for sub, cls, weights in parts:
+        dtype = dtypes.get(sub, dtypes["text_encoders"]) if weights else None
+        out[sub] = from_folder(_class(cls), folder, sub, dtype, what)
+    out["fingerprint"] = fingerprint(folder_files(folder, [p[0] for p in parts]))
+    out["name"] = folder.name
+    return out
+
+
+def load_folder_text_encoders(folder: Path, parts: tuple[tuple[str, str, bool], ...],
+                              dtype: torch.dtype, what: str) -> dict[str, Any]:
+    """Only the text encoders (`text_encoder*` subfolders) of a diffusers folder (a reload
+    after unloading)."""
+    return {sub: from_folder(_class(cls), folder, sub, dtype, what)
+            for sub, cls, _ in parts if sub.startswith("text_encoder")}

@@ -38,6 +38,13 @@ def clip_root(model: torch.nn.Module) -> str:
     return name.removesuffix("embeddings.token_embedding")
 
 
+def clip_final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """A CLIP text model's final layer norm (under its root, see `clip_root`): what its last
+    hidden state passes through, and what a CLIP read at its last state with layers skipped
+    applies to the earlier state, as diffusers' StableDiffusionPipeline does for clip_skip."""
+    return model.get_submodule(clip_root(model) + "final_layer_norm")
+
+
 def clip_prefixes(family: Family) -> list[str]:
     """The LoRA key prefixes (`text_encoder`, ...) of the family's CLIP encoders (not T5)."""
     return [family.text_encoder_prefixes[s.name] for s in family.text_encoders if s.is_clip]
@@ -230,8 +237,8 @@ def encode(
     ids = tokens["input_ids"].to(device)
     attention = tokens["attention_mask"].to(device)
     use_mask = spec.mask if mask is None else mask
-    # hidden_states[-1] is the last layer before any final norm; "last" reads the normed output
-    # unless layers are skipped, which (as in diffusers) counts back from the penultimate state.
+    # hidden_states[-1] is the last layer before any final norm; "last" reads the normed output,
+    # and with layers skipped (as in diffusers) the earlier state, normed likewise for a CLIP.
     index = {"last": -1, "penultimate": -2, "none": -1}[spec.hidden] - clip_skip
     want_states = (spec.hidden == "penultimate" or (spec.hidden == "last" and clip_skip > 0)
                    or bool(spec.layers))
@@ -244,6 +251,8 @@ def encode(
     result: dict[str, torch.Tensor] = {}
     if spec.hidden != "none":
         result["hidden"] = hidden_of(spec, out, index, want_states)
+        if spec.is_clip and spec.hidden == "last" and clip_skip > 0:
+            result["hidden"] = clip_final_norm(model)(result["hidden"])
     if spec.pooled:
         projected = spec.kind == "clip_projection"
         result["pooled"] = out.text_embeds if projected else out.pooler_output

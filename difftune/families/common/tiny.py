@@ -39,6 +39,15 @@ TINY_VAE_ARCH: dict[str, Any] = {
 }
 
 
+# The Stable Diffusion (SD 1.5, SDXL) autoencoder's shape: 4 latent channels, 4 blocks
+# (downscale 8), quant convs; each family adds its scaling factor.
+TINY_LDM_VAE: dict[str, Any] = {
+    "latent_channels": 4,
+    "block_out_channels": [16, 16, 16, 16],
+    "use_quant_conv": True,
+    "use_post_quant_conv": True,
+}
+
 
 def assets_dir() -> Path:
     """Folder of the shipped tiny assets (works from a checkout and from an installed wheel)."""

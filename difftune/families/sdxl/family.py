@@ -8,35 +8,16 @@ v-prediction on the scheduler's scaled-linear schedule (`difftune.train.objectiv
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from difftune.families.base import Conditioning, Components, TextEmbeds
 from difftune.families.common import text
-from difftune.families.common.family import FamilyBase, Loaders, prompt_kwargs
+from difftune.families.common.family import Loaders, prompt_kwargs
+from difftune.families.common.unet import DDPMUNetFamily
 from difftune.families.sdxl.spec import SPEC
-from difftune.train.objectives.ddpm import DDPMObjective, DDPMSchedule
 
-if TYPE_CHECKING:
-    from difftune.config import TrainConfig
-    from difftune.train.objectives import Objective
-
-# Module-name patterns (full match against the UNet's module names) for LoRA presets.
-# Transformer blocks live in down/mid/up blocks' `attentions.N.transformer_blocks.M`.
-_ATTENTIONS = r"(?:down_blocks\.\d+|up_blocks\.\d+|mid_block)\.attentions\.\d+\."
-_TRANSFORMER = _ATTENTIONS + r"transformer_blocks\.\d+\."
-_ATTENTION = [_TRANSFORMER + r"(?:attn1|attn2)\.(?:to_q|to_k|to_v|to_out\.0)"]
-_MLP = [_TRANSFORMER + r"ff\.net\.(?:0\.proj|2)"]
-_OTHER = [
-    _ATTENTIONS + r"(?:proj_in|proj_out)",
-    r"(?:down_blocks\.\d+|up_blocks\.\d+|mid_block)\.resnets\.\d+\.time_emb_proj",
-]
-PRESETS: dict[str, list[str]] = {
-    "attention": _ATTENTION,
-    "attention_mlp": _ATTENTION + _MLP,
-    "all_linear": _ATTENTION + _MLP + _OTHER,
-}
 
 def time_ids(cond: Conditioning, like: torch.Tensor) -> torch.Tensor:
     """(B, 6) SDXL micro-conditioning: original (h, w), crop (top, left), target (h, w)."""
@@ -44,11 +25,10 @@ def time_ids(cond: Conditioning, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, device=like.device, dtype=like.dtype)
 
 
-class SDXLFamily(FamilyBase):
+class SDXLFamily(DDPMUNetFamily):
     """The SDXL family."""
 
     spec = SPEC
-    presets = PRESETS
     loaders = Loaders("build_tiny_sdxl", "source_parts", "text_parts")
 
     def combine_text(self, c: Components, outputs: dict[str, dict[str, torch.Tensor]]) -> TextEmbeds:
@@ -84,17 +64,6 @@ class SDXLFamily(FamilyBase):
             if half:
                 vae.half()
         return z.to(vae.dtype)
-
-    def objective(self, c: Components, cfg: TrainConfig) -> Objective:
-        """Discrete DDPM on the scheduler's schedule; prediction type from the config or, on
-        "auto", from the scheduler (what the checkpoint was trained with)."""
-        sc = c.scheduler.config
-        schedule = DDPMSchedule.scaled_linear(
-            int(sc.num_train_timesteps), float(sc.beta_start), float(sc.beta_end),
-            zero_terminal_snr=cfg.zero_terminal_snr)
-        prediction = cfg.prediction if cfg.prediction != "auto" else sc.prediction_type
-        return DDPMObjective(schedule, prediction, noise_offset=cfg.noise_offset,
-                             min_snr_gamma=cfg.min_snr_gamma)
 
     def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
                 cond: Conditioning) -> torch.Tensor:

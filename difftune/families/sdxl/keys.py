@@ -37,16 +37,15 @@ SDXL, which has 9) it would mix up blocks 1 and 10-19; it also needs an int `lay
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from difftune.adapters.formats import LORA_A, LORA_B, split_lora_key
 from difftune.errors import CheckpointError
-from difftune.families.common.kohya import ALPHA, DOWN, UP
+from difftune.families.common.unet_keys import (KOHYA_UNET, lora_from_kohya, lora_to_kohya,
+                                                translate)
 
 # How kohya sd-scripts names SDXL in its LoRA files' metadata: `ss_base_model_version`
 # (library/sdxl_model_util.py MODEL_VERSION_SDXL_BASE_V1_0), `ss_network_module`, and the
@@ -56,8 +55,6 @@ BASE_VERSION = "sdxl_base_v1-0"
 NETWORK_MODULE = "networks.lora"
 ARCHITECTURE = "stable-diffusion-xl-v1-base"
 IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
-UNET_PREFIX = "unet"
-KOHYA_UNET = "lora_unet_"
 # diffusers component name -> kohya prefix for the two CLIP text encoders.
 TEXT_ENCODERS = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 
@@ -86,20 +83,6 @@ TOP_LEVEL: tuple[tuple[str, str], ...] = (
     ("add_embedding.linear_2", "label_emb.0.2"),
     ("conv_out", "out.2"),
 )
-# CLIP modules inside the text transformer. kohya (and transformers 4) spell them under
-# `text_model.`; transformers 5's CLIPTextModel has them at its top level, so a diffusers name may
-# carry the root or not (`families.common.text.clip_root` tells which a loaded model uses).
-TEXT_LAYERS: tuple[tuple[str, str], ...] = tuple(
-    (p, p)
-    for p in (
-        f"encoder.layers.{{n}}.{m}"
-        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
-    )
-)
-TEXT_ROOT = "text_model."
-# CLIPTextModelWithProjection's projection sits beside the text transformer, not under it.
-TEXT_PROJECTION = "text_projection"
-
 
 # ---------------------------------------------------------------- the block layout
 
@@ -143,10 +126,14 @@ class UNetLayout:
                 return sgm
         for block in self.blocks:
             if module.startswith(block.diffusers + "."):
-                inner = _translate(module[len(block.diffusers) + 1 :], INNER[block.kind], 0, 1, ".")
+                inner = translate(module[len(block.diffusers) + 1 :], INNER[block.kind], 0, 1, ".")
                 if inner is not None:
                     return f"{block.sgm}.{inner}"
         raise CheckpointError(f"UNet module {module!r} has no kohya/SGM name difftune knows.")
+
+    def kohya(self, module: str) -> str:
+        """The kohya name (without `lora_unet_`) of a diffusers UNet module: its SGM name."""
+        return self.to_sgm(module).replace(".", "_")
 
     def from_kohya(self, name: str) -> str:
         """The diffusers module of a kohya UNet name without `lora_unet_` (underscored SGM name)."""
@@ -156,7 +143,7 @@ class UNetLayout:
         for block in self.blocks:
             head = block.sgm.replace(".", "_") + "_"
             if name.startswith(head):
-                inner = _translate(name[len(head) :], INNER[block.kind], 1, 0, "_")
+                inner = translate(name[len(head) :], INNER[block.kind], 1, 0, "_")
                 if inner is not None:
                     return f"{block.diffusers}.{inner}"
         raise CheckpointError(f"kohya UNet entry {KOHYA_UNET}{name} is not a module of this SDXL UNet.")
@@ -212,21 +199,6 @@ def _up_blocks(types: tuple[str, ...], layers: list[int]) -> list[Block]:
     return out
 
 
-def _pattern(template: str, sep: str) -> re.Pattern[str]:
-    """A full-match regex of a dotted name template, written with `sep` between its parts."""
-    escaped = re.escape(template.replace(".", sep)).replace(re.escape("{n}"), r"(\d+)")
-    return re.compile(f"^{escaped}$")
-
-
-def _translate(name: str, table: tuple[tuple[str, str], ...], src: int, dst: int, sep: str) -> str | None:
-    """Map `name` (written with `sep`) from column `src` to the dotted form of column `dst`."""
-    for row in table:
-        match = _pattern(row[src], sep).match(name)
-        if match:
-            return row[dst].replace("{n}", "{}").format(*match.groups())
-    return None
-
-
 # ---------------------------------------------------------------- conversions
 
 
@@ -243,16 +215,7 @@ def diffusers_to_kohya(
     kohya name raises `CheckpointError` rather than being dropped.
     """
     layout = layout if isinstance(layout, UNetLayout) else UNetLayout.from_config(layout)
-    out: dict[str, torch.Tensor] = {}
-    for module, (down, up) in _pairs(state).items():
-        if down.shape[0] != rank:
-            raise CheckpointError(f"LoRA module {module!r} has rank {down.shape[0]}, expected {rank}.")
-        base = _kohya_name(module, layout)
-        module_alpha = alpha[module] if isinstance(alpha, dict) else alpha
-        out[f"{base}.{DOWN}"] = down.contiguous()
-        out[f"{base}.{UP}"] = up.contiguous()
-        out[f"{base}.{ALPHA}"] = torch.tensor(float(module_alpha), dtype=torch.float32)
-    return out
+    return lora_to_kohya(state, alpha, rank, layout, TEXT_ENCODERS, "SDXL")
 
 
 def kohya_to_diffusers(
@@ -260,99 +223,7 @@ def kohya_to_diffusers(
     layout: UNetLayout | Mapping[str, Any],
     text_roots: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Read a kohya/ComfyUI SDXL LoRA back into diffusers names.
-
-    Returns the tensors (`<component>.<module>.lora_A/B.weight`) and each module's alpha
-    (`<component>.<module>` -> alpha; a missing kohya alpha means alpha = rank). Keys that are not
-    `lora_unet_` / `lora_te1_` / `lora_te2_` LoRA entries of this UNet and CLIP raise
-    `CheckpointError`. `text_roots` gives each text encoder's root (`families.common.text.clip_root`);
-    missing components get `text_model.`, the spelling of diffusers files made with transformers 4.
-    """
+    """Read a kohya/ComfyUI SDXL LoRA back into diffusers names (see
+    `families.common.unet_keys.lora_from_kohya`); `layout` is a `UNetLayout` or its UNet config."""
     layout = layout if isinstance(layout, UNetLayout) else UNetLayout.from_config(layout)
-    tensors: dict[str, torch.Tensor] = {}
-    alphas: dict[str, float] = {}
-    for name, parts in _group_kohya(state).items():
-        module = _diffusers_name(name, layout, text_roots or {})
-        tensors[f"{module}.{LORA_A}"] = parts[DOWN]
-        tensors[f"{module}.{LORA_B}"] = parts[UP]
-        alphas[module] = float(parts[ALPHA].item()) if ALPHA in parts else float(parts[DOWN].shape[0])
-    return tensors, alphas
-
-
-def _pairs(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{`prefix.module`: (A, B)}; linear (2-D) and conv (4-D) factors alike, both required."""
-    halves: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in state.items():
-        module, suffix = split_lora_key(key)
-        halves.setdefault(module, {})[suffix] = value
-    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module, parts in halves.items():
-        if set(parts) != {LORA_A, LORA_B}:
-            raise CheckpointError(f"LoRA module {module!r} lacks {({LORA_A, LORA_B} - set(parts)).pop()}.")
-        down, up = parts[LORA_A], parts[LORA_B]
-        if down.ndim != up.ndim or up.shape[1] != down.shape[0]:
-            raise CheckpointError(
-                f"LoRA module {module!r} has mismatched factors: A {tuple(down.shape)}, B {tuple(up.shape)}."
-            )
-        out[module] = (down, up)
-    return out
-
-
-def _kohya_name(module: str, layout: UNetLayout) -> str:
-    """The kohya name (without the `.lora_down.weight` suffix) of a prefixed diffusers module."""
-    component, _, inner = module.partition(".")
-    if component == UNET_PREFIX:
-        return KOHYA_UNET + layout.to_sgm(inner).replace(".", "_")
-    if component in TEXT_ENCODERS:
-        return TEXT_ENCODERS[component] + _kohya_text_name(module, inner)
-    raise CheckpointError(
-        f"LoRA module {module!r} belongs to no SDXL component (unet, text_encoder, text_encoder_2)."
-    )
-
-
-def _kohya_text_name(module: str, inner: str) -> str:
-    """The kohya spelling (after `lora_teN_`) of a CLIP module, with or without `text_model.`."""
-    if inner == TEXT_PROJECTION:
-        return TEXT_PROJECTION
-    if _translate(inner.removeprefix(TEXT_ROOT), TEXT_LAYERS, 0, 1, ".") is None:
-        raise CheckpointError(f"text-encoder module {module!r} has no kohya name difftune knows.")
-    return (TEXT_ROOT + inner.removeprefix(TEXT_ROOT)).replace(".", "_")
-
-
-def _diffusers_text_name(name: str, inner: str, root: str) -> str:
-    """The CLIP module (under `root`) of a kohya text-encoder name's part after `lora_teN_`."""
-    if inner == TEXT_PROJECTION:
-        return TEXT_PROJECTION
-    underscored_root = TEXT_ROOT.replace(".", "_")
-    layer = _translate(inner.removeprefix(underscored_root), TEXT_LAYERS, 0, 0, "_")
-    if not inner.startswith(underscored_root) or layer is None:
-        raise CheckpointError(f"kohya entry {name} is not a CLIP text-encoder module difftune knows.")
-    return root + layer
-
-
-def _diffusers_name(name: str, layout: UNetLayout, roots: Mapping[str, str]) -> str:
-    """The prefixed diffusers module of a kohya name (without the `.lora_down.weight` suffix)."""
-    if name.startswith(KOHYA_UNET):
-        return f"{UNET_PREFIX}.{layout.from_kohya(name.removeprefix(KOHYA_UNET))}"
-    for component, prefix in TEXT_ENCODERS.items():
-        if name.startswith(prefix):
-            return f"{component}.{_diffusers_text_name(name, name.removeprefix(prefix), roots.get(component, TEXT_ROOT))}"
-    raise CheckpointError(f"kohya entry {name} is not an SDXL LoRA module (lora_unet_, lora_te1_ or lora_te2_).")
-
-
-def _group_kohya(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """{kohya name: {lora_down/lora_up/alpha: tensor}}; malformed or half entries are errors."""
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    bad = []
-    for key, value in state.items():
-        base, _, kind = key.partition(".")
-        if kind not in (DOWN, UP, ALPHA):
-            bad.append(key)
-            continue
-        groups.setdefault(base, {})[kind] = value
-    if bad:
-        raise CheckpointError(f"these keys are not kohya LoRA keys (*.lora_down.weight/lora_up.weight/alpha): {sorted(bad)}")
-    for base, parts in groups.items():
-        if DOWN not in parts or UP not in parts:
-            raise CheckpointError(f"kohya LoRA entry {base} lacks its lora_down or lora_up weight.")
-    return groups
+    return lora_from_kohya(state, layout, TEXT_ENCODERS, text_roots, "SDXL")

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from difftune.families.common.tiny import (CLIP_G_WIDTH, CLIP_L_WIDTH, clip_encoder,
-                                           load_tiny_tokenizers, new_tiny_vae)
+from difftune.families.common.tiny import (CLIP_G_WIDTH, CLIP_L_WIDTH, TINY_LDM_VAE,
+                                           clip_encoder, load_tiny_tokenizers, new_tiny_vae)
 from difftune.families.sdxl.files import SDXL_SCHEDULER_CONFIG
 
 SEED = 4321
@@ -48,15 +48,9 @@ TINY_SDXL_UNET_CONFIG: dict[str, Any] = {
     "freq_shift": 0,
 }
 
-# SDXL's autoencoder: 4 latent channels, 4 blocks (downscale 8), quant convs, SDXL's scale.
-TINY_SDXL_VAE_OVERRIDES: dict[str, Any] = {
-    "latent_channels": 4,
-    "block_out_channels": [16, 16, 16, 16],
-    "use_quant_conv": True,
-    "use_post_quant_conv": True,
-    "scaling_factor": 0.13025,
-    "force_upcast": False,
-}
+# SDXL's autoencoder: the Stable Diffusion shape with SDXL's scale.
+TINY_SDXL_VAE_OVERRIDES: dict[str, Any] = {**TINY_LDM_VAE, "scaling_factor": 0.13025,
+                                           "force_upcast": False}
 
 
 def _sdxl_models(clip_tok: Any) -> dict[str, Any]:

@@ -1,0 +1,64 @@
+"""SD 1.5 LoRA key names: kohya's (the default), and the names other tools give the model.
+
+kohya sd-scripts trains SD 1.5 on a UNet that keeps diffusers' module names, so its LoRA files
+(and those ComfyUI, A1111/Forge and diffusers' kohya converter read) name a UNet module
+`lora_unet_<diffusers module, dots as underscores>`, e.g.
+`lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q`, and CLIP-L's modules
+`lora_te_text_model_encoder_layers_<n>_self_attn_q_proj`. Every entry is a rename (conv
+factors pass through); the shared conversions are `families.common.unet_keys`. Underscores are
+ambiguous (`transformer_blocks` vs `transformer.blocks`), so reading matches the loaded UNet's
+own module names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from difftune.errors import CheckpointError
+from difftune.families.common.unet_keys import (KOHYA_UNET, lora_from_kohya, lora_to_kohya)
+
+# How kohya sd-scripts names SD 1.5 in its LoRA files' metadata: `ss_base_model_version`
+# (library/model_util.py "sd_v1"), `ss_network_module`, and the model-spec architecture and
+# implementation (library/sai_model_spec.py ARCH_SD_V1, IMPL_STABILITY_AI).
+BASE_VERSION = "sd_v1"
+NETWORK_MODULE = "networks.lora"
+ARCHITECTURE = "stable-diffusion-v1"
+IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
+# diffusers component name -> kohya prefix of SD 1.5's one CLIP text encoder.
+TEXT_ENCODERS = {"text_encoder": "lora_te_"}
+
+
+class UnderscoredNames:
+    """kohya's SD 1.5 UNet names: the diffusers module name with dots as underscores."""
+
+    def __init__(self, modules: Iterable[str]) -> None:
+        """`modules`: the UNet's module names (reading needs them to undo the underscores)."""
+        self.flat = {m.replace(".", "_"): m for m in modules if m}
+
+    def kohya(self, module: str) -> str:
+        """The kohya name (without `lora_unet_`) of a diffusers UNet module."""
+        return module.replace(".", "_")
+
+    def from_kohya(self, name: str) -> str:
+        """The diffusers UNet module of a kohya name without `lora_unet_`."""
+        if name not in self.flat:
+            raise CheckpointError(f"kohya UNet entry {KOHYA_UNET}{name} is not a module of "
+                                  "this SD 1.5 UNet.")
+        return self.flat[name]
+
+
+def diffusers_to_kohya(state: dict[str, torch.Tensor], alpha: float | dict[str, float],
+                       rank: int) -> dict[str, torch.Tensor]:
+    """An SD 1.5 diffusers LoRA (`unet.` / `text_encoder.` keys) in kohya names."""
+    return lora_to_kohya(state, alpha, rank, UnderscoredNames(()), TEXT_ENCODERS, "SD 1.5")
+
+
+def kohya_to_diffusers(state: dict[str, torch.Tensor], unet_modules: Iterable[str],
+                       text_roots: Mapping[str, str] | None = None
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """A kohya/ComfyUI SD 1.5 LoRA in diffusers names, and each module's alpha;
+    `unet_modules` are the loaded UNet's module names."""
+    return lora_from_kohya(state, UnderscoredNames(unet_modules), TEXT_ENCODERS, text_roots,
+                           "SD 1.5")
