@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from difftune import __version__
+from difftune import __version__, cli_data
 from difftune.errors import DifftuneError
 from difftune.report.logs import current_run_log, setup_console
 
@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     request.add_argument("kind", choices=["sample", "save"], help="what to do now")
     request.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's save.dir")
     _import_parser(verbs)
-    _caption_parser(verbs)
+    cli_data.add_parsers(verbs)
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -92,69 +92,6 @@ def _import_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]")
     p.add_argument("--family", choices=names(), help="the model family, where FILE does not "
                    "say it")
     p.add_argument("--force", action="store_true", help="replace an existing run file")
-
-
-def _caption_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """`difftune caption DATASET_FOLDER --model PATH`: the verb's arguments."""
-    text = "write a caption file beside each image, with a local captioning model"
-    p = verbs.add_parser("caption", help=text, description=text)
-    p.add_argument("folder", type=Path, nargs="?", metavar="DATASET_FOLDER",
-                   help="the folder of images (or give --config)")
-    p.add_argument("--config", type=Path, metavar="RUN.toml",
-                   help="caption every dataset folder of this run file instead")
-    p.add_argument("--model", type=Path, required=True, metavar="PATH", help="a local "
-                   "Qwen2.5-VL/Qwen3-VL instruct, Florence-2 or LLaVA folder, a Qwen-Image or "
-                   "Krea 2 folder (its text encoder), or a WD14 tagger folder")
-    p.add_argument("--style", choices=["short", "detailed", "tags", "prompt"],
-                   help="what to write (default: short; tags for a tagger)")
-    p.add_argument("--prompt", help="the instruction for --style prompt")
-    p.add_argument("--trigger", default="", metavar="WORD",
-                   help="put this word first in each new caption (unless it holds it)")
-    p.add_argument("--prefix", default="", metavar="TEXT", help="text before each new caption")
-    p.add_argument("--max-tokens", type=int, default=160, metavar="N",
-                   help="longest answer in tokens (default 160)")
-    p.add_argument("--batch-size", type=int, default=4, metavar="N", help="images a batch")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="weights' dtype (default: bf16 on CUDA, fp32 on the CPU)")
-    p.add_argument("--quantize", choices=["none", "int8", "nf4"], default="none",
-                   help="quantize the language model's weights (nf4: CUDA only)")
-    write = p.add_mutually_exclusive_group()
-    write.add_argument("--overwrite", action="store_true", help="replace existing captions")
-    write.add_argument("--append", action="store_true", help="add to existing captions")
-    p.add_argument("--threshold", type=float, default=0.35,
-                   help="tagger: a general tag's least probability (default 0.35)")
-    p.add_argument("--character-threshold", type=float, default=0.85,
-                   help="tagger: a character tag's least probability (default 0.85)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _caption(args: argparse.Namespace) -> int:
-    from difftune.errors import ConfigError
-
-    if (args.folder is None) == (args.config is None):
-        raise ConfigError("give either DATASET_FOLDER or --config RUN.toml (its datasets)")
-    if args.max_tokens < 1 or args.batch_size < 1:
-        raise ConfigError("--max-tokens and --batch-size must be at least 1")
-    from difftune.verbs.caption import CaptionJob, Folder, folders_of, run_caption
-    from difftune.caption.run import WritePolicy
-    from difftune.caption.vlm import Hardware
-
-    if args.config is not None:
-        from difftune.config import load_config
-
-        folders = folders_of(load_config(args.config, []))
-    else:
-        folders = [Folder(args.folder)]
-    mode = "overwrite" if args.overwrite else "append" if args.append else "skip"
-    job = CaptionJob(args.model, args.style, args.prompt, args.max_tokens, args.batch_size,
-                     Hardware(args.device, args.precision, args.quantize),
-                     WritePolicy(mode, args.prefix, args.trigger), args.threshold,
-                     args.character_threshold)
-    outcome, lines = run_caption(job, folders, show_progress=not args.no_progress)
-    for line in lines:
-        print(line)
-    return 130 if outcome.stopped else 0
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -325,7 +262,8 @@ def _ui(args: argparse.Namespace) -> int:
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
-    "ui": _ui, "request": _request, "import": _import, "caption": _caption,
+    "ui": _ui, "request": _request, "import": _import, "caption": cli_data.caption,
+    "dataset": cli_data.dataset,
 }
 
 
