@@ -45,7 +45,8 @@ def _caption_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]"
                    help="tagger: a general tag's least probability (default 0.35)")
     p.add_argument("--character-threshold", type=float, default=0.85,
                    help="tagger: a character tag's least probability (default 0.85)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: a line per caption written instead (for logs)")
 
 
 def _dataset_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -128,7 +129,11 @@ def caption(args: argparse.Namespace) -> int:
                      Hardware(args.device, args.precision, args.quantize),
                      WritePolicy(mode, args.prefix, args.trigger), args.threshold,
                      args.character_threshold)
-    outcome, lines = run_caption(job, folders, show_progress=not args.no_progress)
+    def written(image: Path, text: str) -> None:
+        print(f"captioned {image}: {text}", flush=True)  # a log's line per caption
+
+    outcome, lines = run_caption(job, folders, show_progress=not args.no_progress,
+                                 on_caption=written if args.no_progress else None)
     for line in lines:
         print(line)
     return 130 if outcome.stopped else 0

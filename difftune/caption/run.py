@@ -116,6 +116,7 @@ def caption_images(captioner: Captioner, images: list[Path], ext: str, policy: W
     progress bar (images/s, ETA). Ctrl-C ends the pass after the captions written so far."""
     todo = pending(images, ext, policy.mode)
     out = Outcome(kept=len(images) - len(todo))
+    log.info("captioning %d image(s) (%d already captioned)", len(todo), out.kept)
     bar = tqdm(total=len(todo), desc="caption", unit="img", dynamic_ncols=True,
                disable=not show_progress)
     try:
