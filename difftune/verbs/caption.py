@@ -46,9 +46,11 @@ class Folder:
 
 
 def folders_of(cfg: "RunConfig") -> list[Folder]:
-    """Every subset folder of a run's datasets, each with its own caption extension."""
+    """Every subset folder of a run's datasets, each with its own caption extension (a folder
+    of class images not generated yet is left out: the run makes it, with its captions)."""
     return [Folder(sub.path, sub.caption_ext, sub.recursive)
-            for ds in cfg.datasets for sub in ds.subsets]
+            for ds in cfg.datasets for sub in ds.subsets
+            if not (sub.class_images and not sub.path.exists())]
 
 
 def load_captioner(job: CaptionJob) -> Captioner:
