@@ -84,8 +84,13 @@ def test_a_run_configs_datasets_get_their_caption_extension(tmp_path: Path,
                                                             tagger: Path) -> None:
     data = captioners.images_folder(tmp_path / "data", COLORS)
     cfg = run_toml(tmp_path, data, extra="")
+    # A second dataset of class images the run has not generated yet: nothing to caption.
+    later = (tmp_path / "class").as_posix()
     cfg.write_text(cfg.read_text().replace("max_side = 128\n",
-                                           'max_side = 128\ncaption_ext = ".caption"\n'))
+                                           'max_side = 128\ncaption_ext = ".caption"\n')
+                   .replace("[train]", f'[[datasets]]\npath = "{later}"\nregularization = true\n'
+                            'class_images = 2\nclass_prompt = "a cat"\nresolution = 64\n'
+                            'min_side = 32\n\n[train]'))
     assert main(["caption", "--config", str(cfg), "--model", str(tagger), "--no-progress"]) == 0
     assert sorted(_captions(data, ".caption")) == ["blue", "mix", "red"]
     assert not list(data.glob("*.txt"))
