@@ -20,15 +20,23 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from difftune.ui.jobs.launch import is_alive, start_wrapper
+
+if TYPE_CHECKING:
+    from difftune.dataset_report.checks import Report
+    from difftune.ui.security import Roots
 
 TOTAL = re.compile(r"captioning (\d+) image\(s\) \((\d+) already captioned\)")
 WROTE = re.compile(r"^captioned (.+?): (.*)$")
 RECENT = 8
 MAX_LOG = 64 << 20  # a log read for progress: a line a caption, far below this
 STYLES = ("short", "detailed", "tags", "prompt")
+
+
+class AlreadyRunning(ValueError):
+    """A captioning of the folder runs already."""
 
 
 @dataclass
@@ -75,7 +83,7 @@ def start(app_folder: Path, folder: Path, model: Path, style: str = "short",
         raise ValueError(f"style {style!r} is not one of {', '.join(STYLES)}")
     files = _files(app_folder, folder)
     if _running(files):
-        raise ValueError(f"{folder} is being captioned already; stop it first")
+        raise AlreadyRunning(f"{folder} is being captioned already; stop it first")
     argv = [python, "-m", "difftune", "caption", str(folder), "--model", str(model),
             "--style", style, "--device", device, "--no-progress"]
     argv += ["--prompt", prompt] if prompt else []
@@ -83,6 +91,22 @@ def start(app_folder: Path, folder: Path, model: Path, style: str = "short",
     files["log"].parent.mkdir(parents=True, exist_ok=True)
     files["started"].write_text(json.dumps({"time": time.time()}), encoding="utf-8")
     start_wrapper(python, argv, files["log"], files["record"], files["pid"], folder, {})
+
+
+def start_under(roots: "Roots", folder: str, model: str, style: str = "short",
+                prompt: str = "", trigger: str = "") -> Path:
+    """`start` for paths a page or request gives: the folder (written to) and the model under
+    the roots (PathOutsideRoots otherwise), the model a captioner (`ModelFileError` naming what
+    was expected, before anything starts). Returns the folder."""
+    from difftune.caption.detect import detect
+
+    target = roots.resolve(folder, write=True)
+    if not target.is_dir():
+        raise ValueError(f"{folder} is not a folder of images")
+    source = roots.resolve(model)
+    detect(source)
+    start(roots.app_folder, target, source, style, prompt, trigger)
+    return target
 
 
 def stop(app_folder: Path, folder: Path) -> bool:
@@ -151,3 +175,15 @@ def _speed(files: dict[str, Path], out: CaptionStatus) -> None:
         out.rate = out.done / max(time.time() - began, 1e-6)
         if out.total is not None:
             out.eta_s = max(out.total - out.done, 0) / out.rate
+
+
+def findings(source: Path, resolution: int) -> "Report":
+    """The dataset report of a folder (at `resolution`) or of a run file's datasets."""
+    from difftune.dataset_report.checks import Settings
+    from difftune.verbs.dataset_report import config_report, folder_report
+
+    if source.is_file():
+        from difftune.config import load_config
+
+        return config_report(load_config(source, []), Settings())
+    return folder_report(source, Settings(), resolution)

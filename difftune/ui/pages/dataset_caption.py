@@ -15,7 +15,6 @@ from urllib.parse import quote
 
 from nicegui import run, ui
 
-from difftune.dataset_report.checks import Report
 from difftune.errors import DifftuneError
 from difftune.ui import captioning
 from difftune.ui.context import UiContext
@@ -65,12 +64,10 @@ class CaptionPanel:
             self.state.set_text("open a folder of images first")
             return
         try:
-            model = self.ctx.roots.resolve((self.model.value or "").strip())
-            writable = self.ctx.roots.resolve(folder, write=True)
-            await run.io_bound(captioning.start, self.ctx.state_dir, writable, model,
-                               self.style.value, self.prompt.value or "",
-                               self.trigger.value or "")
-        except (PathOutsideRoots, ValueError, OSError) as err:
+            await run.io_bound(captioning.start_under, self.ctx.roots, str(folder),
+                               (self.model.value or "").strip(), self.style.value,
+                               self.prompt.value or "", self.trigger.value or "")
+        except (PathOutsideRoots, ValueError, OSError, DifftuneError) as err:
             self.state.set_text(f"cannot start: {err}")
             return
         self.state.set_text("starting ...")
@@ -128,7 +125,7 @@ class FindingsPanel:
         if source is None:
             return
         try:
-            report = await run.io_bound(_report, source, self.resolution())
+            report = await run.io_bound(captioning.findings, source, self.resolution())
         except (DifftuneError, ValueError, OSError) as err:
             with self.box:
                 error_box(str(err))
@@ -141,15 +138,3 @@ class FindingsPanel:
                         .props(f'data-testid="finding-{n}"'):
                     ui.html(_image_link(f.image))
                     ui.label(f"{f.check}: {inside}: {f.detail}").classes("text-sm")
-
-
-def _report(source: Path, resolution: int) -> "Report":
-    """The dataset report of a folder (at `resolution`) or of a run file's datasets."""
-    from difftune.dataset_report.checks import Settings
-    from difftune.verbs.dataset_report import config_report, folder_report
-
-    if source.is_file():
-        from difftune.config import load_config
-
-        return config_report(load_config(source, []), Settings())
-    return folder_report(source, Settings(), resolution)
