@@ -71,11 +71,12 @@ def qwen25_vl_folder(root: Path) -> Path:
     return root
 
 
-def tagger_folder(root: Path, side: int = 16) -> Path:
+def tagger_folder(root: Path, side: int = 16, batch: str | int = "N") -> Path:
     """A WD14-style tagger: model.onnx maps a (N, side, side, 3) BGR 0-255 batch to one
     sigmoid per tag of selected_tags.csv: "rating:general" (rating, always high), "red_hair"
     (the red channel's mean), "blue_sky" (the blue channel's), "hatsune_miku" (a character,
-    red again) and "^_^" (blue). Its batch axis is dynamic, as the released taggers' is."""
+    red again) and "^_^" (blue). Its batch axis is dynamic ("N"), as the released taggers'
+    is, or fixed (1), as some exports have it."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
     import numpy as np
@@ -99,9 +100,9 @@ def tagger_folder(root: Path, side: int = 16) -> Path:
          helper.make_node("Add", ["logits0", "b"], ["logits"]),
          helper.make_node("Sigmoid", ["logits"], ["predictions_sigmoid"])],
         "tiny_tagger",
-        [helper.make_tensor_value_info("pixels", TensorProto.FLOAT, ["N", side, side, 3])],
+        [helper.make_tensor_value_info("pixels", TensorProto.FLOAT, [batch, side, side, 3])],
         [helper.make_tensor_value_info("predictions_sigmoid", TensorProto.FLOAT,
-                                       ["N", len(tags)])],
+                                       [batch, len(tags)])],
         [numpy_helper.from_array(np.array([1, 2], np.int64), "axes"),
          numpy_helper.from_array(weights, "w"), numpy_helper.from_array(bias, "b")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])

@@ -52,7 +52,7 @@ class OnnxTagger:
             raise ModelFileError(f"{folder / 'model.onnx'} cannot be loaded by onnxruntime: "
                                  f"{err}") from None
         inp = self.session.get_inputs()[0]
-        self.input, self.side = inp.name, int(inp.shape[1])
+        self.input, self.side, self.batch = inp.name, int(inp.shape[1]), inp.shape[0]
         width = int(self.session.get_outputs()[0].shape[-1])
         if width != len(self.names):
             raise ModelFileError(f"{folder}: model.onnx scores {width} tags but "
@@ -73,9 +73,12 @@ class OnnxTagger:
         return np.asarray(square, dtype=np.float32)[:, :, ::-1]
 
     def caption(self, images: list[Image.Image]) -> list[str]:
-        """Each image's tags above the thresholds, by falling probability, ", "-joined."""
+        """Each image's tags above the thresholds, by falling probability, ", "-joined (one
+        image a run for a model exported with a batch of 1)."""
         batch = np.stack([self._pixels(im) for im in images])
-        probs = self.session.run(None, {self.input: batch})[0]
+        step = len(batch) if self.batch != 1 else 1
+        probs = np.concatenate([self.session.run(None, {self.input: batch[i:i + step]})[0]
+                                for i in range(0, len(batch), step)])
         return [", ".join(self._kept(row)) for row in probs]
 
     def _kept(self, row: Any) -> list[str]:

@@ -24,6 +24,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Kept in full precision when quantizing: the vision tower, its projector, embeddings, LM head.
 KEEP_HIGH = (r"visual", r"vision", r"multi_modal_projector", r"image_projection", r"embed",
              r"lm_head")
+# Qwen-VL reads an image at its own size (up to 12.8 Mpx in its released settings: thousands
+# of tokens); a caption needs no more than a megapixel, which keeps a batch fast.
+MAX_PIXELS = 1024 * 1024
 # JoyCaption's system prompt (LLaVA captioners are trained as chat assistants).
 LLAVA_SYSTEM = "You are a helpful image captioner."
 # ChatML with an image, for Qwen-VL tokenizers saved without a chat template (Qwen-Image's
@@ -173,6 +176,8 @@ class VisionLanguageCaptioner:
     @torch.inference_mode()
     def caption(self, images: list[Any]) -> list[str]:
         """One raw answer per image (PIL images), greedy, at most `max_tokens` tokens each."""
+        if self.kind == "qwen_vl":
+            images = [_at_most(im, MAX_PIXELS) for im in images]
         inputs = self.processor(text=[self.prompt] * len(images), images=images,
                                 return_tensors="pt", padding=True)
         inputs = {k: v.to(self.device, dtype=self.dtype) if v.is_floating_point()
@@ -182,6 +187,15 @@ class VisionLanguageCaptioner:
         if not self.model.config.is_encoder_decoder:
             out = out[:, inputs["input_ids"].shape[1]:]  # the answer after the prompt
         return self.processor.batch_decode(out, skip_special_tokens=True)
+
+
+def _at_most(image: Any, pixels: int) -> Any:
+    """`image` scaled down (aspect kept) to at most `pixels` pixels; as it is when smaller."""
+    area = image.width * image.height
+    if area <= pixels:
+        return image
+    scale = (pixels / area) ** 0.5
+    return image.resize((max(1, int(image.width * scale)), max(1, int(image.height * scale))))
 
 
 def _quantize(model: Any, method: str, dtype: torch.dtype, device: torch.device) -> None:

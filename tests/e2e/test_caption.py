@@ -54,6 +54,31 @@ def test_tagger_writes_tags_over_thresholds_and_keeps_existing_captions(
     assert not list(data.glob(".*.tmp"))  # atomic writes leave nothing behind
 
 
+def test_a_tagger_exported_with_a_batch_of_one(tmp_path: Path) -> None:
+    tagger = captioners.tagger_folder(tmp_path / "tagger", batch=1)
+    data = captioners.images_folder(tmp_path / "data", COLORS)
+    assert main(["caption", str(data), "--model", str(tagger), "--batch-size", "3",
+                 "--no-progress"]) == 0
+    assert _captions(data)["blue"] == "blue sky, ^_^\n" and len(_captions(data)) == 3
+
+
+def test_large_images_are_read_at_a_megapixel_by_qwen_vl(tmp_path: Path) -> None:
+    cap = VisionLanguageCaptioner(detect(captioners.qwen_image_folder(tmp_path / "m")),
+                                  Hardware("cpu"), "Say.", 2)
+    seen: list[tuple[int, int]] = []
+    processor = cap.processor
+
+    def recording(*args: object, images: list[Image.Image], **kw: object) -> object:
+        seen.extend(im.size for im in images)
+        return processor(*args, images=images, **kw)
+
+    cap.processor = recording  # type: ignore[assignment]
+    cap.processor.batch_decode = processor.batch_decode  # type: ignore[attr-defined]
+    cap.caption([Image.new("RGB", (2400, 1200)), Image.new("RGB", (64, 32))])
+    assert seen[0][0] * seen[0][1] <= 1024 * 1024 and abs(seen[0][0] / seen[0][1] - 2) < 0.01
+    assert seen[1] == (64, 32)
+
+
 def test_stop_keeps_every_caption_and_a_rerun_continues(
         tmp_path: Path, tagger: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
