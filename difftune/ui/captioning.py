@@ -33,6 +33,8 @@ WROTE = re.compile(r"^captioned (.+?): (.*)$")
 RECENT = 8
 MAX_LOG = 64 << 20  # a log read for progress: a line a caption, far below this
 STYLES = ("short", "detailed", "tags", "prompt")
+# A folder holding one of these may be a captioner (`detect` then says).
+MODEL_FILES = ("config.json", "model.onnx", "text_encoder/config.json")
 
 
 class AlreadyRunning(ValueError):
@@ -187,3 +189,35 @@ def findings(source: Path, resolution: int) -> "Report":
 
         return config_report(load_config(source, []), Settings())
     return folder_report(source, Settings(), resolution)
+
+
+def captioners_under(roots: list[Path], depth: int = 4, limit: int = 100) -> list[dict[str, str]]:
+    """The captioning models under `roots` (down to `depth` levels): each folder `detect`
+    takes, with its kind, for the page's model picker. A model's own folder is not searched
+    further; hidden, linked and cache folders are left out (as the dataset picker does)."""
+    from difftune.caption.detect import detect
+    from difftune.errors import DifftuneError
+    from difftune.ui.runs import searched
+
+    found: list[dict[str, str]] = []
+
+    def walk(folder: Path, left: int) -> None:
+        if len(found) >= limit:
+            return
+        if any((folder / f).is_file() for f in MODEL_FILES):
+            try:
+                found.append({"path": str(folder), "kind": detect(folder).kind})
+                return
+            except DifftuneError:
+                pass  # a model folder, not a captioner's: its subfolders may hold one
+        try:
+            children = sorted(c for c in folder.iterdir() if c.is_dir())
+        except OSError:
+            return
+        for child in children if left > 0 else []:
+            if searched(child):
+                walk(child, left - 1)
+
+    for root in roots:
+        walk(Path(root), depth)
+    return found

@@ -34,7 +34,9 @@ def test_caption_in_the_background_then_the_report_links_each_image(
         page.goto(f"{served.url}/datasets?path=data&resolution=64")
         wait_for("the grid", lambda: page.get_by_test_id("image-2").count())
         page.get_by_test_id("caption-panel").get_by_text("Caption with a local model").click()
-        editable(page, "caption-model").fill("tagger")
+        page.get_by_test_id("caption-found").click()  # the captioners under the roots
+        page.get_by_role("option", name="tagger (wd14)").click()
+        assert editable(page, "caption-model").input_value() == str(served.root / "tagger")
         editable(page, "caption-trigger").fill("ohwx")
         page.get_by_test_id("caption-style").click()
         page.get_by_role("option", name="tags", exact=True).click()

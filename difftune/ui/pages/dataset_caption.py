@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from html import escape
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 from urllib.parse import quote
 
 from nicegui import run, ui
@@ -40,6 +40,8 @@ class CaptionPanel:
         with ui.expansion("Caption with a local model").classes("w-full") \
                 .props('data-testid="caption-panel"'):
             with ui.row().classes("w-full items-end gap-3"):
+                self.found = ui.select({}, label="Captioners found", on_change=self._picked) \
+                    .classes("w-72").props('data-testid="caption-found"')
                 self.model = ui.input("Captioning model folder (under the roots)") \
                     .classes("grow").props('data-testid="caption-model"')
                 self.style = ui.select(list(captioning.STYLES), value="short", label="Style") \
@@ -56,6 +58,17 @@ class CaptionPanel:
                 self.state = ui.label("").props('data-testid="caption-state"')
             self.recent = ui.column().classes("w-full gap-1").props('data-testid="caption-recent"')
         ui.timer(1.0, self.refresh)
+        ui.timer(0.2, self._load_models, once=True)
+
+    async def _load_models(self) -> None:
+        """Fill the picker with the captioners under the roots (a walk, off the event loop)."""
+        found = await run.io_bound(captioning.captioners_under, list(self.ctx.roots.folders))
+        self.found.set_options({f["path"]: f"{self.ctx.roots.relative(Path(f['path']))} "
+                                           f"({f['kind']})" for f in found})
+
+    def _picked(self, event: Any) -> None:
+        if event.value:
+            self.model.set_value(event.value)
 
     async def start(self) -> None:
         """Start captioning the open folder (an error shown for a path outside the roots)."""
