@@ -57,6 +57,7 @@ def test_caption_in_the_background_then_the_report_links_each_image(
         row = page.get_by_test_id("findings").locator("a").first
         assert "/api/datasets/image?path=" in row.get_attribute("href")
         assert "blurred" in page.get_by_test_id("finding-0").inner_text()
+        page.get_by_test_id("findings").locator("img").last.scroll_into_view_if_needed()
         shoot(page, "dataset-findings")
     finally:
         page.close()

@@ -149,5 +149,5 @@ class FindingsPanel:
                 inside = self.ctx.roots.relative(Path(f.image))
                 with ui.row().classes("items-center gap-3") \
                         .props(f'data-testid="finding-{n}"'):
-                    ui.html(_image_link(f.image))
+                    ui.html(_image_link(f.image) + (_image_link(f.other) if f.other else ""))
                     ui.label(f"{f.check}: {inside}: {f.detail}").classes("text-sm")
