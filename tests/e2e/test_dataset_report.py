@@ -136,3 +136,16 @@ def test_check_prints_the_summary_line_and_goes_on(tmp_path: Path, flawed: Path,
     out = capsys.readouterr().out
     assert "ok  dataset report: 6 image(s); 1 near-duplicate pairs; 1 blurred;" in out
     assert "check passed" in out
+
+
+def test_bad_arguments_exit_2_with_one_message(tmp_path: Path, flawed: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    for args, says in ((["dataset", "report"], "either DATASET_FOLDER or --config"),
+                       (["dataset", "report", str(tmp_path / "absent")], "does not exist"),
+                       (["dataset", "report", str(flawed), "--family", "sd9"], "not a family"),
+                       (["caption", "--model", str(flawed)], "either DATASET_FOLDER"),
+                       (["caption", str(tmp_path / "absent"), "--model", str(flawed)],
+                        "does not exist")):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
