@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,7 +115,22 @@ def _qwen_processor(files: CaptionerFiles) -> Any:
             **extra)
     base = {"qwen3_vl": "Qwen3VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(
         files.config.get("model_type"), "Qwen2VLProcessor")
-    return without_video(getattr(transformers, base), images, tok, tok.chat_template)
+    return without_video(getattr(transformers, base), images, tok,
+                         tok.chat_template or _template_file(files.processor))
+
+
+def _template_file(folder: Path) -> str | None:
+    """The processor's chat template where a folder keeps it apart from the tokenizer
+    (chat_template.jinja, or chat_template.json's "chat_template"), else None."""
+    import json
+
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    try:
+        data = json.loads((folder / "chat_template.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data.get("chat_template") if isinstance(data, dict) else None
 
 
 def _processor(files: CaptionerFiles) -> Any:

@@ -152,6 +152,18 @@ def test_thinking_is_off_and_templates_without_images_get_the_trained_format(
     cap = VisionLanguageCaptioner(detect(with_template), Hardware("cpu"), "Say.", 4)
     # the template's empty thinking block, which it opens only with enable_thinking=False
     assert cap.prompt.endswith("assistant<think>\n\n</think>")
+    # A template kept apart from the tokenizer (chat_template.json, as processors save it).
+    import json
+
+    apart = captioners.qwen25_vl_folder(tmp_path / "apart")
+    config = json.loads((apart / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (apart / "tokenizer_config.json").write_text(json.dumps(config))
+    (apart / "chat_template.jinja").unlink(missing_ok=True)
+    (apart / "chat_template.json").write_text(json.dumps(
+        {"chat_template": captioners.QWEN_VL_TEMPLATE}))
+    cap = VisionLanguageCaptioner(detect(apart), Hardware("cpu"), "Say.", 4)
+    assert cap.prompt.endswith("assistant<think>\n\n</think>")
     text_only = captioners.qwen_image_folder(tmp_path / "qi")
     cap = VisionLanguageCaptioner(detect(text_only), Hardware("cpu"), "Say.", 4)
     assert "<|vision_start|><|image_pad|><|vision_end|>Say." in cap.prompt
