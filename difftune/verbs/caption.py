@@ -3,7 +3,6 @@ datasets, with a local captioning model (caption/)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -16,8 +15,6 @@ from difftune.errors import DataError
 
 if TYPE_CHECKING:
     from difftune.config import RunConfig
-
-log = logging.getLogger("difftune")
 
 
 @dataclass(frozen=True)
