@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 TOTAL = re.compile(r"captioning (\d+) image\(s\) \((\d+) already captioned\)")
 WROTE = re.compile(r"^captioned (.+?): (.*)$")
 RECENT = 8
+STARTING_S = 10.0  # a start whose pid file is not written yet, for at most this long
 MAX_LOG = 64 << 20  # a log read for progress: a line a caption, far below this
 STYLES = ("short", "detailed", "tags", "prompt")
 # A folder holding one of these may be a captioner (`detect` then says).
@@ -69,11 +70,23 @@ def _files(app_folder: Path, folder: Path) -> dict[str, Path]:
 
 
 def _running(files: dict[str, Path]) -> bool:
+    """Whether the folder's captioning process lives (or is being started: its pid file is
+    written just after the wrapper starts)."""
+    if files["record"].exists():
+        return False
     try:
         pid = json.loads(files["pid"].read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return not files["record"].exists() and is_alive(pid["pid"], pid.get("start"))
+        return time.time() - _started(files) < STARTING_S
+    return is_alive(pid["pid"], pid.get("start"))
+
+
+def _started(files: dict[str, Path]) -> float:
+    """When the captioning was started (0 when unknown)."""
+    try:
+        return float(json.loads(files["started"].read_text(encoding="utf-8"))["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
 
 
 def start(app_folder: Path, folder: Path, model: Path, style: str = "short",
@@ -157,6 +170,8 @@ def _ended(files: dict[str, Path], lines: list[str], out: CaptionStatus) -> None
     try:
         record = json.loads(files["record"].read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        if out.state != "running":  # gone without writing how it ended: killed
+            out.state, out.error = "failed", "the captioning process ended without a record"
         return
     code = record.get("exit_code")
     if code == 130 or record.get("signal"):
@@ -169,11 +184,8 @@ def _ended(files: dict[str, Path], lines: list[str], out: CaptionStatus) -> None
 
 def _speed(files: dict[str, Path], out: CaptionStatus) -> None:
     """Images a second since the start, and the time left at that speed."""
-    try:
-        began = json.loads(files["started"].read_text(encoding="utf-8"))["time"]
-    except (OSError, ValueError, KeyError):
-        return
-    if out.done and out.state == "running":
+    began = _started(files)
+    if out.done and out.state == "running" and began:
         out.rate = out.done / max(time.time() - began, 1e-6)
         if out.total is not None:
             out.eta_s = max(out.total - out.done, 0) / out.rate

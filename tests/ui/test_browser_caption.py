@@ -79,3 +79,6 @@ def test_stop_keeps_captions_and_start_resumes(tmp_path: Path) -> None:
     st = captioning.status(app, folder)
     assert len(list(folder.glob("*.txt"))) == 12 and st.done == st.total
     assert st.recent and st.recent[0]["image"].endswith(".png")
+    (app / "captions").joinpath(next(p.name for p in (app / "captions").iterdir()),
+                                "record.json").unlink()  # as if killed: no exit record
+    assert captioning.status(app, folder).state == "failed"
