@@ -3,6 +3,7 @@ datasets, with a local captioning model (caption/)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -15,6 +16,8 @@ from difftune.errors import DataError
 
 if TYPE_CHECKING:
     from difftune.config import RunConfig
+
+log = logging.getLogger("difftune")
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,33 @@ def folders_of(cfg: "RunConfig") -> list[Folder]:
             if not (sub.class_images and not sub.path.exists())]
 
 
+def ignored_options(job: CaptionJob, kind: str, style: str) -> list[str]:
+    """The options `job` sets that a captioner of `kind` does not use."""
+    default = CaptionJob(job.model)
+    out = ["--prompt"] if job.prompt and style != "prompt" else []
+    if kind == "wd14":
+        hw = job.hardware
+        out += [name for name, set_ in (("--precision", hw.precision != "auto"),
+                                        ("--quantize", hw.quantize != "none"),
+                                        ("--max-tokens", job.max_tokens != default.max_tokens))
+                if set_]
+    else:
+        out += [name for name, set_ in (
+            ("--threshold", job.threshold != default.threshold),
+            ("--character-threshold", job.character_threshold != default.character_threshold))
+            if set_]
+    return out
+
+
 def load_captioner(job: CaptionJob) -> Captioner:
     """The captioner in `job.model`, loaded for `job.style` (its kind's default when None)."""
     files = detect(job.model)
     style = job.style or default_style(files.kind)
     text = instruction(files.kind, style, job.prompt)
+    for option in ignored_options(job, files.kind, style):
+        log.warning("%s is ignored: %s", option, "it applies to " + (
+            "--style prompt" if option == "--prompt" else "vision-language models"
+            if files.kind == "wd14" else "WD14 taggers"))
     if files.kind == "wd14":
         from difftune.caption.tagger import OnnxTagger
 

@@ -54,6 +54,16 @@ def test_tagger_writes_tags_over_thresholds_and_keeps_existing_captions(
     assert not list(data.glob(".*.tmp"))  # atomic writes leave nothing behind
 
 
+def test_options_a_captioner_does_not_use_are_said_to_be_ignored(
+        tmp_path: Path, tagger: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = captioners.images_folder(tmp_path / "data", {"red": (255, 0, 0)})
+    assert main(["caption", str(data), "--model", str(tagger), "--quantize", "int8",
+                 "--prompt", "say", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "--quantize is ignored: it applies to vision-language models" in err
+    assert "--prompt is ignored: it applies to --style prompt" in err
+
+
 def test_a_tagger_exported_with_a_batch_of_one(tmp_path: Path) -> None:
     tagger = captioners.tagger_folder(tmp_path / "tagger", batch=1)
     data = captioners.images_folder(tmp_path / "data", COLORS)
