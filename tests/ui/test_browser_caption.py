@@ -44,6 +44,8 @@ def test_caption_in_the_background_then_the_report_links_each_image(
         wait_for("the captions", lambda: "finished: 3 of 3 captions written" in
                  page.get_by_test_id("caption-state").inner_text(), timeout=90)
         assert (data / "red.txt").read_text() == "ohwx, red hair, hatsune miku\n"
+        assert page.get_by_test_id("caption-stop").is_disabled()  # nothing runs to stop
+        assert page.get_by_test_id("caption-start").is_enabled()
         assert "ohwx, blue sky" in page.get_by_test_id("caption-recent").inner_text()
         wait_for("the grid's captions", lambda: editable(page, "caption-0")
                  .input_value().startswith("ohwx, "))

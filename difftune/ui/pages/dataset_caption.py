@@ -51,10 +51,11 @@ class CaptionPanel:
             self.prompt = ui.input("Prompt (style: prompt)").classes("w-full") \
                 .props('data-testid="caption-prompt"')
             with ui.row().classes("items-center gap-2"):
-                ui.button("Start", icon="play_arrow", on_click=self.start) \
+                self.start_button = ui.button("Start", icon="play_arrow", on_click=self.start) \
                     .props('data-testid="caption-start"')
-                ui.button("Stop", icon="stop", on_click=self.stop) \
+                self.stop_button = ui.button("Stop", icon="stop", on_click=self.stop) \
                     .props('flat data-testid="caption-stop"')
+                self.stop_button.set_enabled(False)
                 self.state = ui.label("").props('data-testid="caption-state"')
             self.recent = ui.column().classes("w-full gap-1").props('data-testid="caption-recent"')
         ui.timer(1.0, self.refresh)
@@ -98,6 +99,8 @@ class CaptionPanel:
         if folder is None:
             return
         st = await run.io_bound(captioning.status, self.ctx.state_dir, folder)
+        self.start_button.set_enabled(st.state != "running")
+        self.stop_button.set_enabled(st.state == "running")
         if st.state == "idle":
             return
         total = f" of {st.total}" if st.total is not None else ""
