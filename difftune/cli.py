@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from difftune import __version__
+from difftune import __version__, cli_data
 from difftune.errors import DifftuneError
 from difftune.report.logs import current_run_log, setup_console
 
@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     request.add_argument("kind", choices=["sample", "save"], help="what to do now")
     request.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's save.dir")
     _import_parser(verbs)
+    cli_data.add_parsers(verbs)
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -262,7 +263,8 @@ def _ui(args: argparse.Namespace) -> int:
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
-    "ui": _ui, "request": _request, "import": _import,
+    "ui": _ui, "request": _request, "import": _import, "caption": cli_data.caption,
+    "dataset": cli_data.dataset,
 }
 
 

@@ -24,7 +24,7 @@ RECONNECT_S = 20.0
 
 # Page and API modules, each with `register(ctx)` (pages) or `router(ctx)` (API).
 PAGE_MODULES = ("jobs", "run", "prepare", "datasets", "compare")
-API_MODULES = ("jobs", "runs", "config", "datasets")
+API_MODULES = ("jobs", "runs", "config", "datasets", "captioning")
 
 
 def build(ctx: UiContext) -> None:

@@ -22,6 +22,7 @@ from difftune.data import masks
 from difftune.data.discover import DataSet
 from difftune.errors import ConfigError, DataError
 from difftune.files.names import COMFYUI_DORA
+from difftune.verbs.dataset_report import check_summary
 from difftune.families.base import blocks_of
 from difftune.memory import estimate, savers
 from difftune.train.checkpoint import CheckpointManager
@@ -113,6 +114,7 @@ def run_check(cfg: RunConfig, init_lora: Path | None = None) -> list[str]:
     report.append(f"output folder: {cfg.save.dir} (nothing would be overwritten)")
     data = load_data(cfg, families.get(cfg.model.family, cfg.model.variant))
     report += _describe_data(data)
+    report += check_summary(cfg)
     report += class_images.describe(cfg)
     run = prepare(cfg, dataset=data, show_progress=False, class_images_too=False)
     report.append(f"model: {run.comps.name} loaded on {run.policy.device}")

@@ -208,22 +208,12 @@ def load_qwen_image_files(cfg: ModelConfig, dtypes: dict[str, torch.dtype]) -> d
 
 def vl_processor(image_processor: Any, tokenizer: Any) -> Any:
     """Qwen2.5-VL's processor (images and text; the edit pipelines give it no video), as a
-    Qwen2VLProcessor without the video processor, whose class transformers checks and saves
-    even when absent (and which needs torchvision)."""
-    from transformers import Qwen2VLProcessor as Base
+    Qwen2VLProcessor without the video processor (common/vl_processor.py)."""
+    from transformers import Qwen2VLProcessor
 
-    class Qwen2VLProcessor(Base):
-        """Qwen2VLProcessor over an image processor and a tokenizer only."""
+    from difftune.families.common.vl_processor import without_video
 
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None,
-                      chat_template: Any = None, **kwargs: Any) -> None:
-            """Base's init, without a video processor."""
-            super().__init__(image_processor, tokenizer, None, chat_template=chat_template,
-                             **kwargs)
-
-    # Saved folders name transformers' class, which reads them back wherever it can load.
-    Qwen2VLProcessor.__module__ = "transformers"
-    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    return without_video(Qwen2VLProcessor, image_processor, tokenizer)
 
 
 def load_processor(folder: Path) -> Any:

@@ -17,6 +17,7 @@ from nicegui import run, ui
 from difftune.errors import DifftuneError
 from difftune.ui import datasets
 from difftune.ui.context import UiContext
+from difftune.ui.pages.dataset_caption import CaptionPanel, FindingsPanel
 from difftune.ui.pages.dataset_tools import DatasetTools
 from difftune.ui.pages.layout import error_box, frame
 from difftune.ui.security import PathOutsideRoots
@@ -58,6 +59,7 @@ class DatasetView:
                 .props('data-testid="resolution"')
             ui.button("Open", on_click=lambda: self.open(0)).props('data-testid="open-folder"')
         self.tools = DatasetTools(ctx, lambda: self.folder, lambda: self.open(self.offset))
+        CaptionPanel(ctx, lambda: self.folder, lambda: self.open(self.offset))
         self.errors = ui.column().classes("w-full")
         self.status = ui.label("").props('data-testid="dataset-status"')
         self.grid = ui.grid(columns=4).classes("w-full gap-3").props('data-testid="image-grid"')
@@ -72,6 +74,7 @@ class DatasetView:
             ui.button("Refresh report", on_click=self.show_report) \
                 .props('flat data-testid="refresh-report"')
         self.report = ui.column().classes("w-full gap-4").props('data-testid="dataset-report"')
+        FindingsPanel(ctx, self._source, lambda: int(self.resolution.value or 1024))
         ui.timer(0.1, self._load_folders, once=True)
 
     async def _load_folders(self) -> None:
