@@ -77,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     request.add_argument("kind", choices=["sample", "save"], help="what to do now")
     request.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's save.dir")
     _import_parser(verbs)
+    _slurm_parser(verbs)
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -97,6 +98,49 @@ def _import_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]")
     p.add_argument("--family", choices=names(), help="the model family, where FILE does not "
                    "say it")
     p.add_argument("--force", action="store_true", help="replace an existing run file")
+
+
+def _slurm_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """`difftune slurm submit|status|cancel`: the verb's arguments."""
+    text = "hand a run to SLURM (sbatch script next to the run) and follow it"
+    actions = verbs.add_parser("slurm", help=text, description=text).add_subparsers(
+        dest="action", required=True)
+    p = actions.add_parser("submit", help="write <save.dir>/slurm.sbatch and submit it")
+    p.add_argument("config", type=Path, help="the run's TOML file")
+    p.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1, metavar="G",
+                   help="GPUs per machine, one training process each (0: CPU nodes, gloo)")
+    for name in ("partition", "time", "account"):
+        p.add_argument(f"--{name}", help=f"SLURM's --{name}")
+    p.add_argument("--extra", action="append", default=[], metavar="OPTION",
+                   help="a further sbatch option, e.g. --extra=--qos=high (repeatable)")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--resume", action="store_true",
+                   help="submit a run folder that already holds checkpoints (it resumes)")
+    for action in ("status", "cancel"):
+        q = actions.add_parser(action, help=f"{action} a job (its id, or the run folder)")
+        q.add_argument("job", metavar="JOB|RUN_DIR")
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    from difftune.verbs import slurm
+
+    if args.action == "status":
+        print(slurm.run_status(args.job).describe())
+    elif args.action == "cancel":
+        print(f"job {slurm.run_cancel(args.job)} cancelled")
+    else:
+        from difftune.cluster.script import Request
+        from difftune.config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+        req = Request(args.nodes, args.gpus_per_node, args.partition, args.time,
+                      args.account, args.extra)
+        job, path = slurm.run_submit(cfg, args.config, args.overrides, req, args.resume)
+        print(f"submitted job {job} ({path}); follow it with: difftune slurm status "
+              f"{cfg.save.dir}")
+    return 0
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -285,7 +329,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
-    "ui": _ui, "request": _request, "import": _import,
+    "ui": _ui, "request": _request, "import": _import, "slurm": _slurm,
 }
 
 
