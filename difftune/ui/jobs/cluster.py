@@ -45,9 +45,9 @@ def parse(device: str) -> str:
 def argv(job: Job, python: str) -> list[str]:
     """The command that submits `job` (a training) to SLURM."""
     nodes, gpus, partition = DEVICE.fullmatch(parse(job.device)).groups()  # type: ignore[union-attr]
-    args, resume = [], False
-    skip = False
-    for i, arg in enumerate(job.args):
+    args: list[str] = []
+    resume = skip = False
+    for arg in job.args:
         if skip:
             skip = False
         elif arg == "--resume":  # the script resumes the latest checkpoint by itself
