@@ -80,10 +80,11 @@ if compgen -G {checkpoints}'/step-*/state.json' > /dev/null; then
 fi
 
 # SIGTERM (preemption, the time limit, scancel --signal=TERM --batch): the training
-# processes finish their step and save a checkpoint; the job is then requeued.
+# processes finish their step and save a checkpoint; the job is then requeued, unless it was
+# cancelled (scancel JOB signals every process of the job, this shell too).
+# (Sent to the training step, job step 0, not to srun: srun would end the step at once.)
 stopping=0
-# (To the training step, job step 0, not to srun: srun would end the step at once.)
-trap 'stopping=1; scancel --signal=TERM "$SLURM_JOB_ID.0"' TERM
+trap 'stopping=1; scancel --signal=TERM "$SLURM_JOB_ID.0" 2>/dev/null' TERM
 
 srun --kill-on-bad-exit=1 {train} "${{resume[@]}}" &
 step=$!
@@ -91,6 +92,11 @@ wait "$step"
 code=$?
 if [ "$stopping" = 1 ]; then
     wait "$step"
+    if scontrol show job -o "$SLURM_JOB_ID" | grep -Eq 'JobState=(CANCELLED|COMPLETING)'; then
+        echo "difftune: job $SLURM_JOB_ID was cancelled; its latest checkpoint resumes with" \
+            "difftune slurm submit ... --resume"
+        exit 0
+    fi
     echo "difftune: stopped by SIGTERM; requeueing job $SLURM_JOB_ID to resume from the latest checkpoint"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
