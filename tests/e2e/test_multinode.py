@@ -6,7 +6,8 @@ The 2-node run with train.batch_size 1 must equal the one-process run with batch
 session's `finished` run) to the tolerance of test_distributed.py; node 1 hanging and then
 killed (agent and process, as a lost machine) must stop node 0 within the heartbeat timeout
 with a message naming rank 1, its last checkpoint intact, and the resume line; that checkpoint
-resumed on one node must end where the uninterrupted 2-node run ended.
+resumed on one node must end where the uninterrupted 2-node run ended; a run folder one node
+cannot see (node 1 in its own mount namespace) must be refused before anything is written.
 """
 
 from __future__ import annotations
@@ -39,17 +40,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(program: list[str], env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def start_nodes(program: list[str], env: dict[str, str] | None = None,
+                prefix: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen]:
     """Two torchrun node groups running `program` (`-m difftune ...` or a script and its
-    arguments); node 0 hosts the rendezvous store. Their output goes to pipes."""
+    arguments), each command after its `prefix`; node 0 hosts the rendezvous store. Their
+    output goes to pipes."""
     port, run_id = free_port(), f"t{os.getpid()}{time.monotonic_ns()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DIFFTUNE_PEER_TIMEOUT": str(TIMEOUT),
            **(env or {})}
     return [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
-         f"--rdzv-conf=is_host={1 - node}", *program], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+        [*prefix[node], sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+         "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={1 - node}", *program], cwd=ROOT,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +130,22 @@ def test_a_lost_node_is_named_and_the_run_resumes_on_one_node(two_nodes: Path,
                  "--resume", "latest"]) == 0
     assert_close_runs(tmp_path / "lost" / "out", tmp_path / "uninterrupted")
     assert len(losses(tmp_path / "lost" / "out")) == 4
+
+
+def test_a_run_folder_one_node_cannot_see_is_refused(tmp_path: Path, images: Path) -> None:
+    """Node 1 runs in its own mount namespace where an empty tmpfs hides the folder holding
+    save.dir: storage that is not shared."""
+    hidden = tmp_path / "shared"
+    (hidden / "out").mkdir(parents=True)
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("mount namespaces (unshare -rm) are not available here")
+    cfg = run_toml(tmp_path, images)
+    cfg.write_text(cfg.read_text().replace(str(tmp_path / "out"), str(hidden / "out")))
+    mask = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs none "{hidden}" && exec "$@"', "sh"]
+    nodes = start_nodes(["-m", "difftune", "train", str(cfg), *SETS], prefix=([], mask))
+    errs = [node.communicate(timeout=240)[1] for node in nodes]
+    assert all(node.returncode != 0 for node in nodes)
+    assert (f"[rank 0] error: a multi-node run needs its folders on storage every node sees "
+            f"(NFS, Lustre, a cloud file system): save.dir = {hidden / 'out'} (not seen by "
+            "rank 1 on node 1); put them on shared storage") in errs[0]
+    assert list((hidden / "out").iterdir()) == []  # refused before anything was written
