@@ -70,7 +70,8 @@ class Watch:
             self._store_failed = None
         except (RuntimeError, OSError):  # rank 0, which holds the store, is gone
             self._store_failed = self._store_failed or now
-            return [0] if now - self._store_failed > self.limit else []
+            left = self._seen.get(0, (0, now))[0] == -2  # it said so before it went
+            return [0] if now - self._store_failed > self.limit and not left else []
         return [r for r, (count, since) in self._seen.items()
                 if count != -2 and now - since > self.limit]
 
@@ -97,10 +98,16 @@ class Watch:
             time.sleep(INTERVAL / 4)
 
     def leave(self) -> None:
-        """Say this process is leaving of its own accord, and stop beating."""
+        """Say this process is leaving of its own accord, and stop beating. Rank 0, whose
+        process holds the store, keeps it up a moment (at most three heartbeats) until the
+        others have read that, or have left too."""
         self._stop.set()
         try:
             self.store.add(f"gone/{self.dist.rank}", 1)
+            deadline = time.monotonic() + 3 * INTERVAL
+            while self.dist.main and time.monotonic() < deadline and not all(
+                    self.store.add(f"gone/{r}", 0) for r in self._seen):
+                time.sleep(INTERVAL / 10)
         except (RuntimeError, OSError):
             pass  # the store's host left first: nobody is left to tell
 

@@ -30,7 +30,7 @@ from .conftest import copy_run, run_toml
 from .test_distributed import ROOT, assert_close_runs, losses
 
 SETS = ["--no-progress", "--set", "train.batch_size=1", "--set", "save.every_n_steps=2"]
-TIMEOUT = 5  # DIFFTUNE_PEER_TIMEOUT of these runs, seconds
+TIMEOUT = 8  # DIFFTUNE_PEER_TIMEOUT of these runs, seconds
 
 
 def free_port() -> int:
