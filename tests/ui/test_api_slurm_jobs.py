@@ -2,7 +2,7 @@
 (FastAPI's TestClient on the /api/jobs router, the queue running the real CLI): the job shows
 SLURM's state while it waits and runs, then succeeds with the same run progress a local job
 shows, read from its run folder; a job SLURM refuses (a bad partition) fails with SLURM's
-reason; only trainings go to the cluster."""
+reason; only trainings go to the cluster. (Stop: tests/ui/test_browser_slurm.py.)"""
 
 from __future__ import annotations
 
@@ -80,24 +80,3 @@ def test_a_training_on_slurm_shows_slurms_state_and_its_run(
     assert (root / "good" / "out" / "slurm.sbatch").is_file()
     assert "lora.safetensors" in done["loras"]
 
-
-def test_stop_cancels_the_slurm_job_which_saves_a_checkpoint_and_is_not_requeued(
-        api: tuple[TestClient, UiContext, Path], images: Path) -> None:
-    client, ctx, root = api
-    shutil.copytree(images, root / "data")
-    config = run_toml(root / "long", root / "data", steps=300)
-    job = client.post("/api/jobs", json={"verb": "train", "config": str(config),
-                                         "args": ["--set", "save.every_n_steps=2"],
-                                         "device": "slurm:1x0"}).json()
-    first = root / "long" / "out" / "checkpoints" / "step-000002" / "state.json"
-    deadline = time.monotonic() + 180
-    while not first.is_file():
-        assert time.monotonic() < deadline
-        ctx.queue.tick()
-        time.sleep(0.25)
-    assert client.post(f"/api/jobs/{job['id']}/stop").json()["state"] == "stopping"
-    stopped = until(client, ctx, job["id"], ("stopped", "failed", "succeeded"))
-    assert stopped["state"] == "stopped", stopped["error"]
-    log = next((root / "long" / "out").glob("slurm-*.out")).read_text()
-    assert "stopped after step" in log and "was cancelled" in log and "requeueing" not in log
-    assert stopped["actions"]["resume"] is None  # its checkpoint resumes (--resume latest)

@@ -1,5 +1,6 @@
 """In a real browser: a training queued on the jobs page with a SLURM device goes to the test
-SLURM (tests/slurm_cluster.py), and its row shows SLURM's own state; Stop cancels it there."""
+SLURM (tests/slurm_cluster.py), and its row shows SLURM's own state; Stop cancels it there:
+the training saves a checkpoint, the job is not requeued, and Resume is offered."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def test_a_slurm_job_from_the_jobs_page_shows_slurms_state(tmp_path: Path, brows
                                                           images: Path) -> None:
     shutil.copytree(images, tmp_path / "data")
     config = run_toml(tmp_path / "long", tmp_path / "data", steps=300)
+    config.write_text(config.read_text().replace("[save]\n", "[save]\nevery_n_steps = 2\n"))
     ui = UiProcess(tmp_path).start()
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(20_000)
@@ -33,9 +35,15 @@ def test_a_slurm_job_from_the_jobs_page_shows_slurms_state(tmp_path: Path, brows
         line = page.get_by_test_id(f"job-{job['id']}-scheduler")
         wait_for("SLURM's state on the row", lambda: re.fullmatch(
             r"job \d+: RUNNING on \S+", line.inner_text()), timeout=120)
+        first = tmp_path / "long" / "out" / "checkpoints" / "step-000002" / "state.json"
+        wait_for("the job's first checkpoint", first.is_file, timeout=120)
         api(ui, "POST", f"/jobs/{job['id']}/stop")
         wait_for("the cancelled job", lambda: page.get_by_test_id(
             f"job-{job['id']}-state").inner_text() == "stopped", timeout=120)
+        log = next((tmp_path / "long" / "out").glob("slurm-*.out")).read_text()
+        assert "stopped after step" in log and "was cancelled" in log  # a checkpoint saved,
+        assert "requeueing" not in log  # and the cancelled job not requeued
+        assert api(ui, "GET", f"/jobs/{job['id']}")["actions"]["resume"] is None
     finally:
         page.close()
         ui.stop()
