@@ -56,7 +56,10 @@ def run_submit(cfg: RunConfig, config: Path, overrides: list[str], req: Request,
     path. Without `resume`, a run folder holding a previous run's outputs is refused (as
     `train` does); a job SLURM refuses leaves the folder as it was."""
     if not resume:
-        refuse_overwrite(cfg)
+        try:
+            refuse_overwrite(cfg)
+        except ConfigError as err:
+            raise ConfigError(f"{err} (on SLURM: difftune slurm submit ... --resume)") from None
     text = script_text(cfg, config, overrides, req)
     made = not cfg.save.dir.exists()
     cfg.save.dir.mkdir(parents=True, exist_ok=True)  # SLURM writes the job's output there

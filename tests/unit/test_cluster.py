@@ -65,5 +65,9 @@ def test_slurm_refusals_before_slurm_is_asked(tmp_path: Path,
     assert main(["slurm", "submit", str(cfg), "--gpus-per-node", "0"]) == 2
     assert "--gpus-per-node 0 asks for CPU nodes" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "lora.safetensors").write_bytes(b"")  # a previous run's result
+    assert main(["slurm", "submit", str(cfg), "--gpus-per-node", "1"]) == 2
+    assert "(on SLURM: difftune slurm submit ... --resume)" in capsys.readouterr().err
     assert main(["slurm", "status", "not-a-job"]) == 2
     assert "neither a SLURM job id nor a run folder" in capsys.readouterr().err
