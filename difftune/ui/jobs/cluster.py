@@ -22,6 +22,8 @@ from difftune.ui.jobs.store import Job
 
 DEVICE = re.compile(r"slurm(?::([0-9]+)x([0-9]+))?(?:@([A-Za-z0-9_.-]+))?")
 SUBMITTED = re.compile(r"^submitted job (\S+) ")  # what `difftune slurm submit` prints
+ASK_SECONDS = 2.0
+_asked: dict[str, tuple[float, slurm.JobState]] = {}  # job id -> (when, what SLURM said)
 
 
 def is_slurm(device: str) -> bool:
@@ -75,7 +77,7 @@ def follow(job: Job, record: dict[str, Any], lines: list[str]) -> Job | None:
     if int(record.get("exit_code", 1)) != 0 or job_id is None:
         return None
     try:
-        seen = slurm.state(job_id)
+        seen = _state(job_id)
     except Exception as err:  # noqa: BLE001 - a controller that does not answer: try later
         return replace(job, scheduler=f"job {job_id}: SLURM did not answer ({err})")
     job = replace(job, scheduler=seen.describe())
@@ -87,6 +89,16 @@ def follow(job: Job, record: dict[str, Any], lines: list[str]) -> Job | None:
     if seen.state == "CANCELLED":
         return replace(job, state="stopped", ended=ended, error=None)
     return replace(job, state="failed", ended=ended, error=f"SLURM: {seen.describe()}")
+
+
+def _state(job_id: str) -> slurm.JobState:
+    """SLURM's state of `job_id`, asked at most once every ASK_SECONDS (the queue derives
+    its jobs twice a second, and a busy controller should not answer each time)."""
+    now = time.monotonic()
+    asked = _asked.get(job_id)
+    if asked is None or now - asked[0] > ASK_SECONDS:
+        asked = _asked[job_id] = (now, slurm.state(job_id))
+    return asked[1]
 
 
 def cancel(job: Job, lines: list[str]) -> bool:
