@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from difftune import __version__, cli_data
+from difftune import __version__, cli_cluster, cli_data
 from difftune.errors import DifftuneError
 from difftune.report.logs import current_run_log, setup_console
 
@@ -40,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
         if name == "cache":
             p.add_argument("--prune", action="store_true",
                            help="first delete the entries this config no longer references")
+        if name == "check":
+            p.add_argument("--nodes", type=int, default=1, metavar="N",
+                           help="also print the layout, global batch and launch line of a run "
+                           "on N machines")
+            p.add_argument("--processes-per-node", type=int, default=1, metavar="G",
+                           help="processes (GPUs) per machine for that layout (default 1)")
         if name in ("train", "cache"):
             p.add_argument("--num-processes", type=int, default=1, metavar="N",
                            help="data-parallel over N processes, one per GPU (runs accelerate "
@@ -73,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     request.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's save.dir")
     _import_parser(verbs)
     cli_data.add_parsers(verbs)
+    cli_cluster.add_parser(verbs)
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -113,10 +120,12 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     # The config first: its mistakes are reported before torch and the model libraries load.
     cfg = load_config(args.config, args.overrides)
+    from difftune.train import watch
     from difftune.train.dist import current
     from difftune.train.loop import Interrupted, StepFailed
     from difftune.verbs.train import run_train
 
+    watch.hint = _resume_hint(args)  # said by a process that finds another one lost
     try:
         result = run_train(cfg, show_progress=not args.no_progress, resume=args.resume,
                            init_lora=args.init_lora)
@@ -135,11 +144,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _resume_hint(args: argparse.Namespace) -> str:
     """The command that continues this run from its latest checkpoint."""
-    from difftune.train.dist import current
+    from difftune.train.nodes import Layout, resume_line
 
-    world = current().world
+    layout = Layout.from_env()
+    if layout.nodes > 1:
+        return f"resume with: {resume_line(layout, str(args.config), args.overrides)}"
     sets = "".join(f" --set {o}" for o in args.overrides)
-    sets += f" --num-processes {world}" if world > 1 else ""
+    sets += f" --num-processes {layout.world}" if layout.world > 1 else ""
     return f"resume with: difftune train {args.config}{sets} --resume latest"
 
 
@@ -163,10 +174,12 @@ def _step_failed(failed: StepFailed, args: argparse.Namespace) -> int:
 
 def _peer_failed(err: Exception) -> bool:
     """Whether `err` is a collective broken by another process's exit (gloo: the peer closed
-    its connection; NCCL: a distributed backend error)."""
+    its connection, or reset it when its node was lost; NCCL: a distributed backend error)."""
     import torch.distributed as td
 
-    return isinstance(err, getattr(td, "DistError", ())) or "closed by peer" in str(err)
+    text = str(err)
+    return (isinstance(err, getattr(td, "DistError", ())) or "closed by peer" in text
+            or "reset by peer" in text)
 
 
 def _rank_tag() -> str:
@@ -182,7 +195,19 @@ def _check(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # before torch: a mistake shows at once
     from difftune.verbs.check import run_check
 
-    for line in run_check(cfg, args.init_lora):
+    if args.nodes < 1 or args.processes_per_node < 1:
+        from difftune.errors import ConfigError
+
+        raise ConfigError("--nodes and --processes-per-node count machines and processes: "
+                          "give 1 or more")
+    lines = run_check(cfg, args.init_lora)
+    if args.nodes > 1 or args.processes_per_node > 1:
+        from difftune.train.nodes import Layout, describe
+
+        tail = ["train", str(args.config)] + [a for o in args.overrides for a in ("--set", o)]
+        lines += describe(Layout(args.nodes, args.processes_per_node), cfg.train.batch_size,
+                          cfg.train.grad_accum, cfg.train.lr, tail)
+    for line in lines:
         # Detail lines (indented) belong to the check above them.
         print(f"    {line.strip()}" if line.startswith(" ") else f"ok  {line}")
     print("check passed: this run should start and train")
@@ -264,7 +289,7 @@ def _ui(args: argparse.Namespace) -> int:
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
     "ui": _ui, "request": _request, "import": _import, "caption": cli_data.caption,
-    "dataset": cli_data.dataset,
+    "dataset": cli_data.dataset, "slurm": cli_cluster.slurm,
 }
 
 
@@ -297,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as err:
         if tag and _peer_failed(err):
+            _settle()  # a lost node is named there (and this process ends)
             log.debug("collective failed:\n%s", traceback.format_exc())
             print(f"{tag}stopped: a collective with the other processes failed ({type(err).__name__}"
                   "); another process of this run failed first, its error is above",
@@ -309,6 +335,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{tag}internal error: {type(err).__name__}: {err}"
               + (f" (traceback in {where})" if where else ""), file=sys.stderr)
         return 1
+    finally:
+        _leave()
+
+
+def _settle() -> None:
+    """After a collective failed: give the heartbeats time to tell a lost node (reported by
+    train/watch.py, which then ends the process) from a process that failed with its own error."""
+    module = sys.modules.get("difftune.train.watch")
+    running = module.active() if module is not None else None
+    if running is not None:
+        running.settle()
+
+
+def _leave() -> None:
+    """Tell the other processes (their heartbeats) that this one leaves of its own accord."""
+    module = sys.modules.get("difftune.train.watch")
+    if module is not None:
+        module.leave()
 
 
 if __name__ == "__main__":

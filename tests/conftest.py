@@ -33,3 +33,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept
+
+
+from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (a session fixture: one SLURM)

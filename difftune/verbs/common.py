@@ -11,15 +11,25 @@ from difftune.report.metrics import Reporter
 from difftune.sample.runner import SampleRunner
 from difftune.train.dist import Dist
 from difftune.train.dist import init as init_dist
+from difftune.train import watch
+from difftune.train.nodes import Layout
+from difftune.train.placement import require_shared
 from difftune.train.setup import Run
 
 
 def join(cfg: RunConfig) -> Dist:
     """This process's place in a multi-process run (launched by accelerate or torchrun), or
-    a single process; only rank 0 then speaks on the console (warnings of others: errors only)."""
+    a single process; only rank 0 then speaks on the console (warnings of others: errors only).
+    Several processes start their heartbeats (train/watch.py), and several nodes must see the
+    same run folder and disk caches (train/placement.py)."""
     dist = init_dist(resolve_device(cfg.train.device))
     if dist.world > 1:
         quiet_rank(dist.rank)
+        watch.start(dist, cfg.save.dir / "checkpoints")
+        folders = {"save.dir": cfg.save.dir}
+        if "disk" in (cfg.cache.latents, cfg.cache.text) and cfg.cache.dir is not None:
+            folders["cache.dir"] = cfg.cache.dir
+        require_shared(dist, Layout.from_env(), folders)
     return dist
 
 

@@ -19,6 +19,8 @@ from difftune.report.metrics import Reporter, SilentReporter
 from difftune.train.checkpoint import Checkpoint, CheckpointManager
 from difftune.train.dist import Dist
 from difftune.train.init_lora import load_init_lora
+from difftune.train.nodes import Layout
+from difftune.train.placement import log_layout
 from difftune.train.loop import Hooks, Result, train
 from difftune.train.validation import Validator
 from difftune.train.rundir import (
@@ -121,6 +123,7 @@ def _open_run(cfg: RunConfig, resume: str | None, dist: Dist,
         kind = "sharded (FSDP)" if cfg.train.distributed == "fsdp" else "data-parallel"
         log.info("%s run: %d processes, global batch %d (train.batch_size %d per process)",
                  kind, dist.world, dist.world * cfg.train.batch_size, cfg.train.batch_size)
+        log_layout(dist, Layout.from_env())
     return checkpoint
 
 

@@ -39,7 +39,8 @@ class JobIn(BaseModel):
     args: list[str] = Field(default=[], description='extra CLI arguments, e.g. ["--set", '
                             '"train.lr=2e-4"]; paths they name must lie under the roots')
     device: str = Field(default="default", description="default, cpu or cuda:N; one job at a "
-                        "time runs per device")
+                        "time runs per device; slurm:NxG[@PARTITION] submits a training to "
+                        "SLURM (N nodes, G GPUs each)")
 
 
 class ProgressOut(BaseModel):
@@ -74,6 +75,8 @@ class JobOut(BaseModel):
     log: str = Field(description="the job's log file")
     parent: int | None = Field(description="the job this one resumes, duplicates or requeues")
     checkpoints: list[str] = Field(description="complete checkpoints in the run folder")
+    scheduler: str | None = Field(description="a SLURM job's state as SLURM says it "
+                                  "(pending, running, requeued, the reason it failed)")
     loras: list[str] = Field(description="LoRA files in the run folder")
     name: str = Field(description="the run's name: its run folder's name")
     progress: ProgressOut | None = Field(description="a training's progress, from its run "

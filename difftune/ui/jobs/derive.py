@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from difftune.ui.jobs import cluster
 from difftune.ui.jobs.launch import is_alive
 from difftune.ui.jobs.store import LIVE, Job
 
@@ -47,6 +48,10 @@ def derive(job: Job) -> Job:
         return replace(job, state="died", ended=time.time(), error=(
             f"the job's process ended without an exit record (killed, out of memory, or the "
             f"machine restarted); its last log line: {last or '(the log is empty)'}"))
+    if cluster.is_slurm(job.device):
+        followed = cluster.follow(job, record, tail_lines(job.log, 50))
+        if followed is not None:
+            return followed
     return finish(job, record)
 
 

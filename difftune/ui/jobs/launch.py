@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from difftune.ui.jobs import cluster
+
 # The verbs whose CLI has --no-progress (bars in a log file are noise).
 NO_PROGRESS_VERBS = ("train", "check", "cache")
 # What the wrapper passes on to the CLI.
@@ -41,7 +43,7 @@ def device_env(device: str) -> dict[str, str]:
     """The environment changes that put a job on `device` ("default": as the app was started;
     "cpu": no GPU visible; "cuda:N": only GPU N visible, as cuda:0)."""
     device = parse_device(device)
-    if device == "default":
+    if device == "default" or cluster.is_slurm(device):
         return {}
     if device == "cpu":
         return {"CUDA_VISIBLE_DEVICES": ""}
@@ -53,10 +55,13 @@ def parse_device(device: str) -> str:
     ("cuda:00" is "cuda:0"); ValueError for anything else."""
     if device in ("default", "cpu"):
         return device
+    if cluster.is_slurm(device):
+        return cluster.parse(device)
     found = re.fullmatch(r"cuda:([0-9]+)", device)
     if found is None:
         raise ValueError(f"device {device!r} is not one this app knows; use default, cpu or "
-                         "cuda:N (N the GPU's index, as nvidia-smi lists it)")
+                         "cuda:N (N the GPU's index, as nvidia-smi lists it), or slurm:NxG"
+                         "[@PARTITION] for the SLURM cluster")
     return f"cuda:{int(found.group(1))}"
 
 
@@ -66,6 +71,8 @@ def resolve_device(device: str, gpus: bool) -> str:
     one every job runs on the CPU. "default" is the first GPU the app's CUDA_VISIBLE_DEVICES
     leaves visible (GPU 0 when it is unset). ValueError for a device `parse_device` refuses."""
     device = parse_device(device)
+    if cluster.is_slurm(device):
+        return device
     if not gpus or device == "cpu":
         return "cpu"
     if device != "default":

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from difftune.errors import ConfigError
-from difftune.ui.jobs import rules
+from difftune.ui.jobs import cluster, rules
 from difftune.ui.jobs.clone import clone
 from difftune.ui.jobs.derive import derive, tail_lines, wrapper_alive
 from difftune.ui.jobs.launch import (cli_argv, device_env, gpus_visible, parse_device,
@@ -56,7 +56,9 @@ class JobQueue:
         self.python = python
         self._gpus = gpus
         self.store = JobStore(db)
-        self._command = command or (lambda job: cli_argv(job.verb, job.config, job.args, python))
+        self._command = command or (lambda job: cluster.argv(job, python)
+                                    if cluster.is_slurm(job.device)
+                                    else cli_argv(job.verb, job.config, job.args, python))
         self._lock = threading.RLock()
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._halt = threading.Event()
@@ -76,6 +78,9 @@ class JobQueue:
             raise ValueError(f"verb {verb!r} is not a job this app runs; use one of "
                              f"{', '.join(VERBS)}")
         device = parse_device(device)  # raises on an unknown device
+        if cluster.is_slurm(device) and verb != "train":
+            raise ValueError(f"device {device}: only train jobs go to the SLURM cluster; run "
+                             f"{verb} on this machine (default, cpu or cuda:N)")
         path = self.roots.resolve(config)
         if not path.is_file():
             raise ValueError(f"config file {path} does not exist; pass the path of a .toml run "
@@ -129,6 +134,8 @@ class JobQueue:
             if job.state != "running":
                 raise JobStateError(f"job {job_id} has already ended ({job.state}); there is "
                                  "nothing to stop")
+            if cluster.is_slurm(job.device) and cluster.cancel(job, self.tail(job_id, 50)):
+                return self._save(replace(job, state="stopping"))  # SLURM ends it
             if job.pid is not None and wrapper_alive(job):
                 try:
                     os.kill(job.pid, signal.SIGTERM)  # the wrapper passes it on to the CLI
@@ -199,6 +206,8 @@ class JobQueue:
     def device_of(self, job: Job) -> str:
         """The device `job` runs on, as `resolve_device` names it (its device as stored when
         that is not one: it then fails to start, saying why)."""
+        if cluster.is_slurm(job.device):
+            return f"slurm#{job.id}"  # SLURM queues its jobs itself: none waits here
         gpus = gpus_visible() if self._gpus is None else self._gpus
         try:
             return resolve_device(job.device, gpus)

@@ -60,6 +60,7 @@ class Job:
     parent: int | None = None
     checkpoints: list[str] = field(default_factory=list)
     loras: list[str] = field(default_factory=list)
+    scheduler: str | None = None  # a SLURM job's state as SLURM says it (ui/jobs/cluster.py)
 
     @property
     def folder(self) -> Path:

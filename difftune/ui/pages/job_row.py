@@ -59,6 +59,8 @@ class JobRow:
                             .classes("font-bold").props(f'data-testid="{tid}-name"')
                         ui.label(f"#{job.id} {job.verb}").classes("text-sm text-gray-600")
                     self.file = ui.label().classes("font-mono text-xs text-gray-500")
+                    self.scheduler = ui.label().classes("text-xs text-gray-600") \
+                        .props(f'data-testid="{tid}-scheduler"')  # SLURM's word on the job
                 self.step = ui.label().props(f'data-testid="{tid}-progress"')
                 self.eta = ui.label().props(f'data-testid="{tid}-eta"')
                 self.loss = ui.label().props(f'data-testid="{tid}-loss"')
@@ -84,6 +86,7 @@ class JobRow:
         self.eta.set_text(f"ETA {clock(eta)}" if eta else "")
         self.loss.set_text(f"loss {p.loss:.4f}" if p and p.loss is not None else "")
         self.when.set_text(_when(job))
+        self.scheduler.set_text(job.scheduler or "")
         sample = p.sample if p else None
         self._set("sample", sample, lambda: self._thumb(sample))
         self._set("offers", tuple(view.offers.items()), lambda: self._actions(view.offers))

@@ -43,13 +43,17 @@ def _submit_form(ctx: "UiContext") -> None:
             .props('data-testid="submit-config"')
         verb = ui.select(list(VERBS), value="train", label="Verb") \
             .props('data-testid="submit-verb"')
+        device = ui.input("Device", value="default") \
+            .tooltip("default, cpu, cuda:N, or slurm:NxG@PARTITION to send a training to "
+                     "SLURM (N nodes, G GPUs each)").props('data-testid="submit-device"')
         message = ui.label().classes("text-red-700").props('data-testid="submit-error"')
 
         async def submit() -> None:
             message.text = ""
             try:
                 path = ctx.roots.resolve(config.value.strip())
-                job = await run.io_bound(ctx.queue.submit, verb.value, path)
+                job = await run.io_bound(ctx.queue.submit, verb.value, path, (),
+                                         device.value.strip() or "default")
             except (PathOutsideRoots, ValueError, OSError) as err:
                 message.text = str(err)
                 return
