@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     request.add_argument("kind", choices=["sample", "save"], help="what to do now")
     request.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's save.dir")
     _import_parser(verbs)
+    _lora_parser(verbs)
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -91,6 +92,34 @@ def _import_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]")
     p.add_argument("--family", choices=names(), help="the model family, where FILE does not "
                    "say it")
     p.add_argument("--force", action="store_true", help="replace an existing run file")
+
+
+def _lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """`difftune lora VERB FILE`: the LoRA toolbox's arguments."""
+    from difftune.families.registry import names
+
+    text = "inspect and verify LoRA files of any trainer"
+    tools = verbs.add_parser("lora", help=text, description=text).add_subparsers(
+        dest="tool", required=True)
+    for name, help_text in (("inspect", "family, kind, layout, trainer, ranks, metadata"),
+                            ("verify", "what ComfyUI and diffusers (and Forge for SDXL) would "
+                             "apply, and each key they would drop")):
+        p = tools.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("file", type=Path, metavar="FILE", help="a LoRA file (.safetensors)")
+        p.add_argument("--family", choices=names(), help="the model family, where the file's "
+                       "names fit several")
+        p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _lora(args: argparse.Namespace) -> int:
+    from difftune.verbs.lora import run_inspect, run_verify
+
+    if args.tool == "verify":
+        text, status = run_verify(args.file, args.family, args.json)
+        print(text)
+        return status
+    print(run_inspect(args.file, args.family, args.json))
+    return 0
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -261,7 +290,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
-    "ui": _ui, "request": _request, "import": _import,
+    "ui": _ui, "request": _request, "import": _import, "lora": _lora,
 }
 
 

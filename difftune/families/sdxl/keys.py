@@ -356,3 +356,20 @@ def _group_kohya(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
         if DOWN not in parts or UP not in parts:
             raise CheckpointError(f"kohya LoRA entry {base} lacks its lora_down or lora_up weight.")
     return groups
+
+# `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) reads the diffusers
+# UNet names its table (comfy/utils.py unet_to_diffusers) maps under these prefixes
+# (comfy/lora.py model_lora_keys_unet, UNet branch), besides its generic original-name map.
+COMFYUI_FORMS = ("lora_unet_", "lycoris_")
+# diffusers' StableDiffusionXLLoraLoaderMixin reads PEFT names, and `lora_unet_` files in either
+# naming through _convert_non_diffusers_lora_to_diffusers, whose renaming turns diffusers'
+# `add_embedding` into `add.embedding`, a module the UNet lacks.
+DIFFUSERS_READS = (
+    ("unet.", "diffusers", "", ""),
+    ("lora_unet_", "original", "", ""),
+    ("lora_unet_", "diffusers", r"add_embedding\.linear_[12]", "diffusers' kohya converter "
+     "renames add_embedding to add.embedding, which the UNet lacks"),
+)
+# Forge and A1111 (extensions-builtin/Lora: network names by the SGM original names, and
+# diffusers' names converted by convert_diffusers_name_to_compvis).
+FORGE_READS = (("lora_unet_", "original", "", ""), ("lora_unet_", "diffusers", "", ""))

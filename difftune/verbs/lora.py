@@ -1,0 +1,79 @@
+"""`difftune lora ...`: the LoRA toolbox verbs as the CLI shows them (text or JSON).
+
+The work is done by `difftune.lora_tools` (plain functions the web app calls too); this module
+only renders their reports.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from difftune.lora_tools.inspect import Inspection, inspect_file
+from difftune.lora_tools.verify import Verification, verify_file
+
+
+def _listing(counts: dict[str, int]) -> str:
+    """`a (3), b (1)`: counts by value, most first."""
+    return ", ".join(f"{k} ({v})" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def inspect_text(report: Inspection) -> str:
+    """The inspect report as lines of text."""
+    lines = [f"file:      {report.path}",
+             f"family:    {report.family}" + (f" (fits {', '.join(report.also_fits)} as well;"
+                                              " pass --family to choose)"
+                                              if report.also_fits else ""),
+             f"kind:      {_listing(report.kinds)}",
+             f"layout:    {_listing(report.layouts)}",
+             f"trainer:   {report.trainer}" + (f" ({report.trainer_evidence})"
+                                               if report.trainer_evidence else ""),
+             f"ranks:     {_listing(report.ranks)}",
+             f"alphas:    {_listing(report.alphas)}"]
+    if report.strength:
+        lines.append(f"strength:  mean {report.strength['mean']:.4g}, max "
+                     f"{report.strength['max']:.4g} (|scale * up @ down|, Frobenius)")
+    lines.append(f"modules:   {sum(report.blocks.values())} in the denoiser, "
+                 f"{report.text_encoder_modules} in text encoders")
+    lines += [f"  {block}: {count}" for block, count in report.blocks.items()]
+    if len(report.ranks) > 1 or len(report.alphas) > 1:
+        lines.append("per module (rank, alpha):")
+        lines += [f"  {m.name}: {m.rank}, {m.alpha}" for m in report.modules]
+    if report.unresolved:
+        lines.append(f"not a module of {report.family}: {', '.join(report.unresolved[:8])}"
+                     + (f" and {len(report.unresolved) - 8} more"
+                        if len(report.unresolved) > 8 else ""))
+    lines.append("non-finite: " + ("; ".join(f"{k}: {v}" for k, v in report.non_finite.items())
+                                   or "none"))
+    lines += ["metadata:"] + [f"  {k} = {v[:200]}" for k, v in report.metadata.items()]
+    return "\n".join(lines)
+
+
+def run_inspect(path: Path, family: str | None, as_json: bool) -> str:
+    """`difftune lora inspect`: the report of one file, as text or JSON."""
+    report = inspect_file(path, family)
+    return json.dumps(report.as_json(), indent=2) if as_json else inspect_text(report)
+
+
+def verify_text(report: Verification, limit: int = 20) -> str:
+    """The verify report as lines of text: per program, what it applies and what it drops."""
+    lines = [f"file:   {report.path}", f"family: {report.family}"]
+    for result in report.results:
+        verdict = "applies everything" if not result.dropped else \
+            f"drops {len(result.dropped)} key(s)"
+        lines.append(f"{result.program}: applies {result.applied} {result.unit}; {verdict}")
+        for drop in result.dropped[:limit]:
+            lines.append(f"  dropped {drop.key}: {drop.why}; expected {drop.expected}")
+        if len(result.dropped) > limit:
+            lines.append(f"  ... and {len(result.dropped) - limit} more (--json lists all)")
+    if report.text_encoder_keys:
+        lines.append(f"text-encoder keys not checked: {report.text_encoder_keys}")
+    return "\n".join(lines)
+
+
+def run_verify(path: Path, family: str | None, as_json: bool) -> tuple[str, int]:
+    """`difftune lora verify`: the report, and exit status 0 when every program applies
+    every key, 1 when one drops some."""
+    report = verify_file(path, family)
+    text = json.dumps(report.as_json(), indent=2) if as_json else verify_text(report)
+    return text, int(any(r.dropped for r in report.results))
