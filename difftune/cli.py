@@ -98,27 +98,41 @@ def _lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -
     """`difftune lora VERB FILE`: the LoRA toolbox's arguments."""
     from difftune.families.registry import names
 
-    text = "inspect and verify LoRA files of any trainer"
+    text = "inspect, verify and resize LoRA files of any trainer"
     tools = verbs.add_parser("lora", help=text, description=text).add_subparsers(
         dest="tool", required=True)
     for name, help_text in (("inspect", "family, kind, layout, trainer, ranks, metadata"),
                             ("verify", "what ComfyUI and diffusers (and Forge for SDXL) would "
-                             "apply, and each key they would drop")):
+                             "apply, and each key they would drop"),
+                            ("resize", "a LoRA at another rank (SVD per module)")):
         p = tools.add_parser(name, help=help_text, description=help_text)
         p.add_argument("file", type=Path, metavar="FILE", help="a LoRA file (.safetensors)")
-        p.add_argument("--family", choices=names(), help="the model family, where the file's "
-                       "names fit several")
         p.add_argument("--json", action="store_true", help="print JSON")
+        if name == "resize":
+            size = p.add_mutually_exclusive_group(required=True)
+            size.add_argument("--rank", type=int, help="the new rank of every module")
+            size.add_argument("--energy", type=float, help="keep the fewest singular values "
+                              "holding this share of each module's update (e.g. 0.9)")
+            p.add_argument("--out", type=Path, help="the file to write (default: FILE's name "
+                           "with -r<R> or -e<E>, beside it)")
+            p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+        else:
+            p.add_argument("--family", choices=names(), help="the model family, where the "
+                           "file's names fit several")
 
 
 def _lora(args: argparse.Namespace) -> int:
-    from difftune.verbs.lora import run_inspect, run_verify
+    from difftune.verbs import lora
 
     if args.tool == "verify":
-        text, status = run_verify(args.file, args.family, args.json)
+        text, status = lora.run_verify(args.file, args.family, args.json)
         print(text)
         return status
-    print(run_inspect(args.file, args.family, args.json))
+    if args.tool == "resize":
+        print(lora.run_resize(args.file, args.rank, args.energy, args.out, args.overwrite,
+                              args.json))
+        return 0
+    print(lora.run_inspect(args.file, args.family, args.json))
     return 0
 
 

@@ -5,7 +5,7 @@ or PEFT's `lora_A`/`lora_B`), LoCon (the same on a conv: 4-D factors), DoRA (a L
 magnitude: `dora_scale` or PEFT's `lora_magnitude_vector`), LoHa (`hada_*`), LoKr (`lokr_*`),
 full diff (`diff`, `diff_b`, `set_weight`: the whole weight change). The scale every reader
 applies is alpha / rank, rank being the low-rank factor's rows (LyCORIS's `dim`); a module
-without alpha is read with alpha = rank, or with the file-wide alpha its metadata states.
+without alpha is read with alpha = rank, or with the alpha diffusers' adapter metadata states.
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ def rank(tensors: dict[str, torch.Tensor]) -> int | None:
 
 
 def file_alpha(metadata: dict[str, str]) -> float | None:
-    """The file-wide alpha its metadata states (kohya's `ss_network_alpha`, or the
-    `lora_alpha` diffusers' `lora_adapter_metadata` holds), else None."""
+    """The file-wide alpha diffusers reads (`lora_alpha` in its `lora_adapter_metadata`, one
+    value for every component), else None. kohya's `ss_network_alpha` is a record only:
+    readers take each module's `alpha` tensor, and rank where there is none."""
     try:
-        if "ss_network_alpha" in metadata:
-            return float(metadata["ss_network_alpha"])
         packed = json.loads(metadata.get("lora_adapter_metadata", "{}"))
         alphas = {v for k, v in packed.items() if k.endswith("lora_alpha")}
         return float(alphas.pop()) if len(alphas) == 1 else None

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from difftune.lora_tools.inspect import Inspection, inspect_file
+from difftune.lora_tools.resize import Resized, resize_file
 from difftune.lora_tools.verify import Verification, verify_file
 
 
@@ -77,3 +78,19 @@ def run_verify(path: Path, family: str | None, as_json: bool) -> tuple[str, int]
     report = verify_file(path, family)
     text = json.dumps(report.as_json(), indent=2) if as_json else verify_text(report)
     return text, int(any(r.dropped for r in report.results))
+
+
+def resize_text(report: Resized) -> str:
+    """The resize report: each module's ranks and kept energy, then the file written."""
+    lines = [f"  {name}: rank {old} -> {new}, kept {kept:.2%} of its update"
+             for name, (old, new, kept) in report.modules.items()]
+    least = min((k for _, _, k in report.modules.values()), default=1.0)
+    return "\n".join(lines + [f"wrote {report.path} ({len(report.modules)} modules; least "
+                               f"kept {least:.2%})"])
+
+
+def run_resize(path: Path, rank: int | None, energy: float | None, out: Path | None,
+               overwrite: bool, as_json: bool) -> str:
+    """`difftune lora resize`: write the resized file, return the report."""
+    report = resize_file(path, rank, energy, out, overwrite)
+    return json.dumps(report.as_json(), indent=2) if as_json else resize_text(report)
