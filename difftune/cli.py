@@ -98,7 +98,7 @@ def _lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -
     """`difftune lora VERB FILE`: the LoRA toolbox's arguments."""
     from difftune.families.registry import names
 
-    text = "inspect, verify and resize LoRA files of any trainer"
+    text = "inspect, verify, resize and merge LoRA files of any trainer"
     tools = verbs.add_parser("lora", help=text, description=text).add_subparsers(
         dest="tool", required=True)
     for name, help_text in (("inspect", "family, kind, layout, trainer, ranks, metadata"),
@@ -119,6 +119,20 @@ def _lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -
         else:
             p.add_argument("--family", choices=names(), help="the model family, where the "
                            "file's names fit several")
+    text = "merge LoRAs into a base model file, or into one LoRA"
+    merge = tools.add_parser("merge", help=text, description=text)
+    merge.add_argument("base", type=Path, metavar="BASE", help="the denoiser's single file (or "
+                       "diffusers-named file), or a LoRA to merge the others with")
+    merge.add_argument("--lora", action="append", required=True, metavar="PATH[:WEIGHT]",
+                       help="a LoRA and its weight (default 1); repeat for several")
+    merge.add_argument("--out", type=Path, help="the file to write (default: BASE's name with "
+                       "-merged, beside it)")
+    merge.add_argument("--rank", type=int, help="LoRA + LoRA: cut the merged LoRA to this "
+                       "rank by SVD (default: the ranks concatenated, exact)")
+    merge.add_argument("--family", choices=names(), help="the model family, where the "
+                       "LoRA's names fit several")
+    merge.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    merge.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _lora(args: argparse.Namespace) -> int:
@@ -128,6 +142,10 @@ def _lora(args: argparse.Namespace) -> int:
         text, status = lora.run_verify(args.file, args.family, args.json)
         print(text)
         return status
+    if args.tool == "merge":
+        print(lora.run_merge(args.base, args.lora, args.out, args.rank, args.family,
+                             args.overwrite, args.json))
+        return 0
     if args.tool == "resize":
         print(lora.run_resize(args.file, args.rank, args.energy, args.out, args.overwrite,
                               args.json))

@@ -99,12 +99,24 @@ def _closest(name: str, exact: dict[str, list[str]]) -> str | None:
 @dataclass(frozen=True)
 class FamilyNames:
     """A family's module names: diffusers', original (single-file) ones, and which diffusers
-    modules each original one is made of (`pieces`, the tiny model's exact names)."""
+    modules each original one is made of (`pieces`, the tiny model's exact names, in the
+    order they are stacked along the output rows), their rows in the tiny model (`rows`:
+    fused parts keep their proportions at any width), and the original modules whose two
+    output halves are the diffusers module's swapped (`swapped`, BFL's final modulation)."""
 
     family: str
     diffusers: Naming
     original: Naming
     pieces: dict[str, tuple[str, ...]]
+    rows: dict[str, tuple[int, ...]]
+    swapped: frozenset[str]
+
+    def closest_piece(self, module: str) -> str | None:
+        """The tiny model's original module of `module`'s general form, most alike in indices."""
+        exact: dict[str, list[str]] = {}
+        for key in self.pieces:
+            exact.setdefault(generalize(key, "."), []).append(key)
+        return _closest(module, exact)
 
     def naming(self, which: str) -> Naming:
         """DIFFUSERS or ORIGINAL."""
@@ -154,18 +166,23 @@ def family_names(name: str) -> FamilyNames:
     """The module names of family `name` (every variant's tiny flavor), built once a process."""
     diffusers: set[str] = set()
     original: set[str] = set()
-    pieces: dict[str, set[str]] = {}
+    pieces: dict[str, tuple[str, ...]] = {}
+    rows: dict[str, tuple[int, ...]] = {}
+    swapped: set[str] = set()
     for variant, _ in registry.variant_specs(name):
         family = registry.get(name, variant)
         comps = tiny_components(name, variant)
         denoiser = comps.denoiser
         diffusers |= {n for n, m in denoiser.named_modules()
                       if n and isinstance(getattr(m, "weight", None), torch.Tensor)}
+        state = denoiser.state_dict()
         for key, piece in (family.single_file_layout(comps) or {}).items():
-            if key.endswith(".weight"):
-                module = key.removeprefix(_SINGLE_FILE_ROOT).removesuffix(".weight")
+            module = key.removeprefix(_SINGLE_FILE_ROOT).removesuffix(".weight")
+            if key.endswith(".weight") and module not in pieces:
                 original.add(module)
-                pieces.setdefault(module, set()).update(
-                    s.removesuffix(".weight") for s in piece.sources)
-    return FamilyNames(name, _naming(diffusers), _naming(original),
-                       {k: tuple(sorted(v)) for k, v in pieces.items()})
+                pieces[module] = tuple(s.removesuffix(".weight") for s in piece.sources)
+                rows[module] = tuple(int(state[s].shape[0]) for s in piece.sources)
+                if piece.swap:
+                    swapped.add(module)
+    return FamilyNames(name, _naming(diffusers), _naming(original), pieces, rows,
+                       frozenset(swapped))

@@ -20,11 +20,10 @@ import torch
 from difftune.adapters.formats import load_lora_file, save_lora
 from difftune.errors import ConfigError
 from difftune.lora_tools import kinds
+from difftune.lora_tools.factors import pair_of
 from difftune.lora_tools.keys import group
 from difftune.lora_tools.output import out_path
 
-_PAIRS = (("lora_down.weight", "lora_up.weight"), ("lora_A.weight", "lora_B.weight"),
-          ("lora.down.weight", "lora.up.weight"))
 RESIZABLE = (kinds.LORA, kinds.LOCON, kinds.DORA)
 
 
@@ -82,7 +81,7 @@ def resize_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
     default = kinds.file_alpha(metadata)
     for stem, module in modules.items():
         kind = kinds.kind(module.tensors)
-        pair = next((p for p in _PAIRS if set(p) <= set(module.tensors)), None)
+        pair = pair_of(module)
         if kind not in RESIZABLE or pair is None:
             raise ConfigError(f"{label}: {stem} is a {kind}; resize works on LoRA, LoCon and "
                               "DoRA modules only (a LoHa or LoKr has no single low-rank factor "

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from difftune.errors import ConfigError
 from difftune.lora_tools.inspect import Inspection, inspect_file
+from difftune.lora_tools.merge_base import merge_into_base, parse_lora
+from difftune.lora_tools.merge_loras import is_lora_file, merge_loras
 from difftune.lora_tools.resize import Resized, resize_file
 from difftune.lora_tools.verify import Verification, verify_file
 
@@ -94,3 +97,19 @@ def run_resize(path: Path, rank: int | None, energy: float | None, out: Path | N
     """`difftune lora resize`: write the resized file, return the report."""
     report = resize_file(path, rank, energy, out, overwrite)
     return json.dumps(report.as_json(), indent=2) if as_json else resize_text(report)
+
+
+def run_merge(base: Path, loras: list[str], out: Path | None, rank: int | None,
+              family: str | None, overwrite: bool, as_json: bool) -> str:
+    """`difftune lora merge`: into the base model file, or (BASE a LoRA) into one LoRA."""
+    parsed = [parse_lora(text) for text in loras]
+    if is_lora_file(base):
+        report = merge_loras(base, parsed, out, rank, overwrite)
+        text = f"wrote {report.path}: {report.changed} modules merged"
+    else:
+        if rank is not None:
+            raise ConfigError("--rank applies to LoRA + LoRA merges; BASE is a model file")
+        report = merge_into_base(base, parsed, out, family, overwrite)
+        text = (f"wrote {report.path}: {report.changed} {report.family} tensors changed"
+                + "".join(f"\n  not merged: {s}" for s in report.skipped))
+    return json.dumps(report.as_json(), indent=2) if as_json else text
