@@ -98,7 +98,7 @@ def _lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -
     """`difftune lora VERB FILE`: the LoRA toolbox's arguments."""
     from difftune.families.registry import names
 
-    text = "inspect, verify, resize and merge LoRA files of any trainer"
+    text = "inspect, verify, resize, merge and extract LoRA files of any trainer"
     tools = verbs.add_parser("lora", help=text, description=text).add_subparsers(
         dest="tool", required=True)
     for name, help_text in (("inspect", "family, kind, layout, trainer, ranks, metadata"),
@@ -133,6 +133,18 @@ def _lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -
                        "LoRA's names fit several")
     merge.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     merge.add_argument("--json", action="store_true", help="print JSON")
+    text = "a LoRA from the difference of two models of a family (SVD per module)"
+    extract = tools.add_parser("extract", help=text, description=text)
+    extract.add_argument("--base", type=Path, required=True, help="the base denoiser's file")
+    extract.add_argument("--tuned", type=Path, required=True, help="the fine-tuned (or merged) "
+                         "denoiser's file, in the same layout")
+    extract.add_argument("--rank", type=int, required=True, help="the LoRA's rank")
+    extract.add_argument("--out", type=Path, help="the LoRA to write (default: TUNED's name "
+                         "with -lora-r<R>, beside it)")
+    extract.add_argument("--family", choices=names(), help="the model family, where the names "
+                         "fit several")
+    extract.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    extract.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _lora(args: argparse.Namespace) -> int:
@@ -142,6 +154,10 @@ def _lora(args: argparse.Namespace) -> int:
         text, status = lora.run_verify(args.file, args.family, args.json)
         print(text)
         return status
+    if args.tool == "extract":
+        print(lora.run_extract(args.base, args.tuned, args.rank, args.out, args.family,
+                               args.overwrite, args.json))
+        return 0
     if args.tool == "merge":
         print(lora.run_merge(args.base, args.lora, args.out, args.rank, args.family,
                              args.overwrite, args.json))

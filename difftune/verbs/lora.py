@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from difftune.errors import ConfigError
+from difftune.lora_tools.extract import extract
 from difftune.lora_tools.inspect import Inspection, inspect_file
 from difftune.lora_tools.merge_base import merge_into_base, parse_lora
 from difftune.lora_tools.merge_loras import is_lora_file, merge_loras
@@ -113,3 +114,18 @@ def run_merge(base: Path, loras: list[str], out: Path | None, rank: int | None,
         text = (f"wrote {report.path}: {report.changed} {report.family} tensors changed"
                 + "".join(f"\n  not merged: {s}" for s in report.skipped))
     return json.dumps(report.as_json(), indent=2) if as_json else text
+
+
+def run_extract(base: Path, tuned: Path, rank: int, out: Path | None, family: str | None,
+                overwrite: bool, as_json: bool) -> str:
+    """`difftune lora extract`: write the LoRA, report each module's kept energy."""
+    report = extract(base, tuned, rank, out, family, overwrite)
+    if as_json:
+        return json.dumps(report.as_json(), indent=2)
+    lines = [f"  {m}: kept {k:.2%} of its difference" for m, k in report.modules.items()]
+    lines.append(f"wrote {report.path}: {len(report.modules)} {report.family} modules, keys "
+                 f"spelled {report.spelling}")
+    if report.not_carried:
+        lines.append(f"not carried ({len(report.not_carried)}, a LoRA has no place for them): "
+                     + ", ".join(report.not_carried[:6]))
+    return "\n".join(lines)
