@@ -95,79 +95,18 @@ def _import_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]")
 
 
 def _lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """`difftune lora VERB FILE`: the LoRA toolbox's arguments."""
-    from difftune.families.registry import names
+    """`difftune lora VERB ...`: the LoRA toolbox's arguments (verbs.lora_args)."""
+    from difftune.verbs.lora_args import add_lora_parser
 
-    text = "inspect, verify, resize, merge and extract LoRA files of any trainer"
-    tools = verbs.add_parser("lora", help=text, description=text).add_subparsers(
-        dest="tool", required=True)
-    for name, help_text in (("inspect", "family, kind, layout, trainer, ranks, metadata"),
-                            ("verify", "what ComfyUI and diffusers (and Forge for SDXL) would "
-                             "apply, and each key they would drop"),
-                            ("resize", "a LoRA at another rank (SVD per module)")):
-        p = tools.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("file", type=Path, metavar="FILE", help="a LoRA file (.safetensors)")
-        p.add_argument("--json", action="store_true", help="print JSON")
-        if name == "resize":
-            size = p.add_mutually_exclusive_group(required=True)
-            size.add_argument("--rank", type=int, help="the new rank of every module")
-            size.add_argument("--energy", type=float, help="keep the fewest singular values "
-                              "holding this share of each module's update (e.g. 0.9)")
-            p.add_argument("--out", type=Path, help="the file to write (default: FILE's name "
-                           "with -r<R> or -e<E>, beside it)")
-            p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-        else:
-            p.add_argument("--family", choices=names(), help="the model family, where the "
-                           "file's names fit several")
-    text = "merge LoRAs into a base model file, or into one LoRA"
-    merge = tools.add_parser("merge", help=text, description=text)
-    merge.add_argument("base", type=Path, metavar="BASE", help="the denoiser's single file (or "
-                       "diffusers-named file), or a LoRA to merge the others with")
-    merge.add_argument("--lora", action="append", required=True, metavar="PATH[:WEIGHT]",
-                       help="a LoRA and its weight (default 1); repeat for several")
-    merge.add_argument("--out", type=Path, help="the file to write (default: BASE's name with "
-                       "-merged, beside it)")
-    merge.add_argument("--rank", type=int, help="LoRA + LoRA: cut the merged LoRA to this "
-                       "rank by SVD (default: the ranks concatenated, exact)")
-    merge.add_argument("--family", choices=names(), help="the model family, where the "
-                       "LoRA's names fit several")
-    merge.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    merge.add_argument("--json", action="store_true", help="print JSON")
-    text = "a LoRA from the difference of two models of a family (SVD per module)"
-    extract = tools.add_parser("extract", help=text, description=text)
-    extract.add_argument("--base", type=Path, required=True, help="the base denoiser's file")
-    extract.add_argument("--tuned", type=Path, required=True, help="the fine-tuned (or merged) "
-                         "denoiser's file, in the same layout")
-    extract.add_argument("--rank", type=int, required=True, help="the LoRA's rank")
-    extract.add_argument("--out", type=Path, help="the LoRA to write (default: TUNED's name "
-                         "with -lora-r<R>, beside it)")
-    extract.add_argument("--family", choices=names(), help="the model family, where the names "
-                         "fit several")
-    extract.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    extract.add_argument("--json", action="store_true", help="print JSON")
+    add_lora_parser(verbs)
 
 
 def _lora(args: argparse.Namespace) -> int:
-    from difftune.verbs import lora
+    from difftune.verbs.lora import run
 
-    if args.tool == "verify":
-        text, status = lora.run_verify(args.file, args.family, args.json)
-        print(text)
-        return status
-    if args.tool == "extract":
-        print(lora.run_extract(args.base, args.tuned, args.rank, args.out, args.family,
-                               args.overwrite, args.json))
-        return 0
-    if args.tool == "merge":
-        print(lora.run_merge(args.base, args.lora, args.out, args.rank, args.family,
-                             args.overwrite, args.json))
-        return 0
-    if args.tool == "resize":
-        print(lora.run_resize(args.file, args.rank, args.energy, args.out, args.overwrite,
-                              args.json))
-        return 0
-    print(lora.run_inspect(args.file, args.family, args.json))
-    return 0
+    text, status = run(args)
+    print(text)
+    return status
 
 
 def _import(args: argparse.Namespace) -> int:

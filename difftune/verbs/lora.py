@@ -6,6 +6,7 @@ only renders their reports.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -129,3 +130,19 @@ def run_extract(base: Path, tuned: Path, rank: int, out: Path | None, family: st
         lines.append(f"not carried ({len(report.not_carried)}, a LoRA has no place for them): "
                      + ", ".join(report.not_carried[:6]))
     return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> tuple[str, int]:
+    """`difftune lora <tool>` as parsed (verbs.lora_args): (text to print, exit status)."""
+    if args.tool == "verify":
+        return run_verify(args.file, args.family, args.json)
+    if args.tool == "inspect":
+        return run_inspect(args.file, args.family, args.json), 0
+    if args.tool == "resize":
+        return run_resize(args.file, args.rank, args.energy, args.out, args.overwrite,
+                          args.json), 0
+    if args.tool == "merge":
+        return run_merge(args.base, args.lora, args.out, args.rank, args.family,
+                         args.overwrite, args.json), 0
+    return run_extract(args.base, args.tuned, args.rank, args.out, args.family,
+                       args.overwrite, args.json), 0
