@@ -65,18 +65,31 @@ def spell(prefix: str, name: str, tensor: str) -> str:
     return f"{prefix}{name}.{_PEFT_FACTORS.get(tensor, tensor)}"
 
 
+def _named(rule: ReadRule, module: Module, names: FamilyNames) -> tuple[tuple[str, ...], bool]:
+    """(the names `rule` reads this module's update under, whether that is the module alone:
+    not a part of a fused module, nor split into parts)."""
+    if rule.naming in module.namings:
+        return (module.name,), True
+    found = names.translate(module.name, module.namings[0])
+    found = tuple(n for n in found if not (rule.skips and re.fullmatch(rule.skips, n)))
+    alone = len(found) == 1 and names.translate(found[0], rule.naming) == (module.name,)
+    return found, alone
+
+
 def expected(program: Program, module: Module, names: FamilyNames, tensor: str) -> str:
-    """The key `program` reads for this module's tensor, by its first rule that can name it."""
+    """The key `program` reads for this module's tensor: by its first rule naming the module
+    alone, else its first naming it at all ("part of ..." / "its parts ...": the update is
+    fused with others' or split, which only a LoRA's factors allow)."""
     tensor = tensor if tensor in program.tensors else sorted(program.tensors)[0]
-    for rule in program.rules:
-        if rule.naming in module.namings:
-            found: tuple[str, ...] = (module.name,)
-        else:
-            found = names.translate(module.name, module.namings[0])
-        found = tuple(n for n in found if not (rule.skips and re.fullmatch(rule.skips, n)))
+    named = [(rule, *_named(rule, module, names)) for rule in program.rules]
+    for rule, found, alone in sorted(named, key=lambda r: not r[2]):
+        if rule.skips and module.name in found and re.fullmatch(rule.skips, module.name):
+            continue
         if found:
             keys = [spell(rule.prefix, n, tensor) for n in found]
-            return keys[0] if len(keys) == 1 else "its parts " + ", ".join(keys)
+            if alone:
+                return keys[0]
+            return ("part of " if len(keys) == 1 else "its parts ") + ", ".join(keys)
     return "none: no spelling of this module is read"
 
 

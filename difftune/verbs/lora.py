@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from difftune.errors import ConfigError
+from difftune.lora_tools.convert import convert
 from difftune.lora_tools.extract import extract
 from difftune.lora_tools.inspect import Inspection, inspect_file
 from difftune.lora_tools.merge_base import merge_into_base, parse_lora
@@ -138,6 +139,11 @@ def run(args: argparse.Namespace) -> tuple[str, int]:
         return run_verify(args.file, args.family, args.json)
     if args.tool == "inspect":
         return run_inspect(args.file, args.family, args.json), 0
+    if args.tool == "convert":
+        report = convert(args.file, args.to, args.out, args.family, args.overwrite)
+        text = (f"wrote {report.path}: {report.family}, {report.layout}; alpha "
+                f"{report.alpha}" + "".join(f"\n  {k}: {v}" for k, v in report.applies.items()))
+        return (json.dumps(report.as_json(), indent=2) if args.json else text), 0
     if args.tool == "resize":
         return run_resize(args.file, args.rank, args.energy, args.out, args.overwrite,
                           args.json), 0

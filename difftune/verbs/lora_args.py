@@ -21,7 +21,7 @@ def _common(p: argparse.ArgumentParser, out_default: str | None, family: bool = 
 
 def add_lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Register `difftune lora` and its tools on the CLI's verbs."""
-    text = "inspect, verify, resize, merge and extract LoRA files of any trainer"
+    text = "inspect, verify, convert, resize, merge and extract LoRA files of any trainer"
     tools = verbs.add_parser("lora", help=text, description=text).add_subparsers(
         dest="tool", required=True)
     for name, help_text in (("inspect", "family, kind, layout, trainer, ranks, metadata"),
@@ -30,6 +30,13 @@ def add_lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]"
         p = tools.add_parser(name, help=help_text, description=help_text)
         p.add_argument("file", type=Path, metavar="FILE", help="a LoRA file (.safetensors)")
         _common(p, None)
+    text = "the same LoRA in another layout"
+    p = tools.add_parser("convert", help=text, description=text)
+    p.add_argument("file", type=Path, metavar="FILE", help="a LoRA file (.safetensors)")
+    p.add_argument("--to", required=True, choices=["comfy", "diffusers", "kohya"],
+                   help="comfy: the layout ComfyUI reads in full; diffusers: PEFT names; "
+                   "kohya: lora_unet_ names")
+    _common(p, "FILE's name with -<layout>, beside it")
     text = "a LoRA at another rank (SVD per module)"
     p = tools.add_parser("resize", help=text, description=text)
     p.add_argument("file", type=Path, metavar="FILE", help="a LoRA file (.safetensors)")

@@ -181,3 +181,6 @@ def _split_entry(entry: Entry, pair: LoraPair) -> dict[str, LoraPair]:
 COMFYUI_FORMS = ("transformer.", "base_model.model.", "lora_transformer_", "lycoris_")
 # diffusers' SD3LoraLoaderMixin reads PEFT names only.
 DIFFUSERS_READS = (("transformer.", "diffusers", "", ""),)
+# The original (kohya) names' reading depends on the model's layout (its depth), which
+# `difftune lora convert` does not read: it converts this family's files within one naming.
+LAYOUT_NEEDS_MODEL = True

@@ -373,3 +373,6 @@ DIFFUSERS_READS = (
 # Forge and A1111 (extensions-builtin/Lora: network names by the SGM original names, and
 # diffusers' names converted by convert_diffusers_name_to_compvis).
 FORGE_READS = (("lora_unet_", "original", "", ""), ("lora_unet_", "diffusers", "", ""))
+# The original (kohya) names' reading depends on the model's layout (its depth), which
+# `difftune lora convert` does not read: it converts this family's files within one naming.
+LAYOUT_NEEDS_MODEL = True
