@@ -2,7 +2,7 @@
 modules (`keys.Module`).
 
 The program-wide facts are here; the per-family facts are data in each family's keys.py:
-- `COMFYUI_FORMS`: the prefixes ComfyUI's model branch (comfy/lora.py `model_lora_keys_unet`)
+- `COMFYUI_FORMS`: the prefixes (or (prefix, skipped names, why)) ComfyUI's model branch (comfy/lora.py `model_lora_keys_unet`)
   puts before the diffusers names its conversion table maps (comfy/utils.py
   `flux_to_diffusers`, `mmdit_to_diffusers`, `unet_to_diffusers`, `z_image_to_diffusers`,
   `krea2_to_diffusers`, or the model's own names); a prefix ending in "_" underscores them.
@@ -62,14 +62,16 @@ class Program:
 
 def comfyui(family: str) -> Program:
     """ComfyUI's rules for `family`: its generic map over original names, and its model
-    branch's forms over the diffusers names (minus `lora_unread`'s ComfyUI entries)."""
-    skips = "|".join(f"(?:{pattern})" for layout, reader, pattern, _ in
-                     registry.spec(family).lora_unread
-                     if layout == DIFFUSERS and reader == "ComfyUI")
-    forms = getattr(family_keys(family), "COMFYUI_FORMS")
+    branch's forms over the diffusers names (minus `lora_unread`'s ComfyUI entries, and a
+    form's own skips: an entry of `COMFYUI_FORMS` is a prefix or (prefix, skipped, why))."""
+    unread = [(pattern, why) for layout, reader, pattern, why in registry.spec(family).lora_unread
+              if layout == DIFFUSERS and reader == "ComfyUI"]
     rules = [ReadRule(p, n) for p, n in COMFYUI_GENERIC]
-    rules += [ReadRule(p, DIFFUSERS, skips, "ComfyUI's diffusers-name table has no entry "
-                       "for it") for p in forms]
+    for form in family_keys(family).COMFYUI_FORMS:
+        prefix, *own = (form,) if isinstance(form, str) else form
+        skips = unread + ([tuple(own)] if own else [])
+        rules.append(ReadRule(prefix, DIFFUSERS, "|".join(f"(?:{p})" for p, _ in skips),
+                              "; ".join(w for _, w in skips)))
     return Program(f"ComfyUI ({COMFYUI_VERSION})", tuple(rules), COMFYUI_TENSORS, "keys")
 
 

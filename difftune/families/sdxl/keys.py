@@ -359,8 +359,12 @@ def _group_kohya(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
 
 # `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) reads the diffusers
 # UNet names its table (comfy/utils.py unet_to_diffusers) maps under these prefixes
-# (comfy/lora.py model_lora_keys_unet, UNet branch), besides its generic original-name map.
-COMFYUI_FORMS = ("lora_unet_", "lycoris_")
+# (comfy/lora.py model_lora_keys_unet, UNet branch), besides its generic original-name map;
+# bare and `unet.` names too, but attention projections there only in the old processor form
+# (`attn1.processor.to_q`), so `attn1.to_q` under them is not loaded: (prefix, skipped, why).
+_PROCESSOR_ONLY = (r".*\.to_(?:q|k|v|out\.0)", "ComfyUI reads diffusers' attention names "
+                   "without kohya's prefix only in the old processor form (attn1.processor.to_q)")
+COMFYUI_FORMS = ("lora_unet_", "lycoris_", ("", *_PROCESSOR_ONLY), ("unet.", *_PROCESSOR_ONLY))
 # diffusers' StableDiffusionXLLoraLoaderMixin reads PEFT names, and `lora_unet_` files in either
 # naming through _convert_non_diffusers_lora_to_diffusers, whose renaming turns diffusers'
 # `add_embedding` into `add.embedding`, a module the UNet lacks.
