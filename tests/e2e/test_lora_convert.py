@@ -81,3 +81,25 @@ def test_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "no kohya layout" in capsys.readouterr().err
     assert main(["lora", "convert", str(lokr), "--to", "comfy"]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_converted_file_loads_in_diffusers_as_the_source(tmp_path: Path) -> None:
+    """A kohya FLUX.1 file (double blocks: diffusers' converter reads them) converted to the
+    diffusers layout: diffusers fuses the same weights as from the diffusers-named source."""
+    from difftune.lora_tools.names import tiny_components
+
+    state = diffusers_lora("flux", linear_modules("flux", r"^transformer_blocks"))
+    kohya = save_lora(tmp_path / "k.safetensors", registry.get("flux").lora_to_format(
+        tiny("flux"), state, "kohya", 4, 2.0), {})
+    source = save_lora(tmp_path / "d.safetensors", {
+        k: v * 0.5 if k.endswith("lora_B.weight") else v for k, v in state.items()}, {})
+    converted = Path(convert(kohya, "diffusers").path)
+    fused = []
+    for path in (source, converted):
+        comps = tiny_components("flux")
+        pipe = registry.get("flux").pipeline(comps)
+        pipe.load_lora_weights(str(path))
+        pipe.fuse_lora()
+        fused.append(comps.denoiser.state_dict())
+    for key, value in fused[0].items():
+        torch.testing.assert_close(fused[1][key], value, rtol=1e-6, atol=1e-6, msg=key)
