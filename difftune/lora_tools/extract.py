@@ -23,7 +23,7 @@ from difftune.errors import ConfigError
 from difftune.families import registry
 from difftune.lora_tools.merge_base import base_naming
 from difftune.lora_tools.names import FamilyNames, family_names
-from difftune.lora_tools.output import out_path
+from difftune.lora_tools.output import model_file, out_path
 from difftune.lora_tools.programs import programs
 
 
@@ -99,7 +99,8 @@ def extract(base: Path, tuned: Path, rank: int, out: Path | None = None,
     """Write the LoRA of TUNED - BASE (see the module's doc), in TUNED's precision."""
     if rank < 1:
         raise ConfigError("--rank must be at least 1")
-    target = out_path(tuned, out, f"lora-r{rank}", overwrite)
+    model_file(base, "--base")
+    target = out_path(model_file(tuned, "--tuned"), out, f"lora-r{rank}", overwrite)
     with safe_open(str(base), "pt", device="cpu") as b, \
             safe_open(str(tuned), "pt", device="cpu") as t:
         keys = list(b.keys())

@@ -27,7 +27,7 @@ from difftune.lora_tools.detect import detect
 from difftune.lora_tools.factors import Factors, factors
 from difftune.lora_tools.keys import DENOISER, Module
 from difftune.lora_tools.names import DIFFUSERS, ORIGINAL, FamilyNames, family_names
-from difftune.lora_tools.output import out_path
+from difftune.lora_tools.output import model_file, out_path
 from difftune.files.single import write_streamed
 
 ROOTS = ("model.diffusion_model.", "diffusion_model.", "transformer.", "unet.", "")
@@ -129,7 +129,7 @@ def _plan(loras: list[tuple[Path, float]], root: str, naming: str, names: Family
 def merge_into_base(base: Path, loras: list[tuple[Path, float]], out: Path | None = None,
                     family: str | None = None, overwrite: bool = False) -> Merged:
     """Write BASE with every LoRA merged at its weight (see the module's doc)."""
-    target = out_path(base, out, "merged", overwrite)
+    target = out_path(model_file(base, "BASE"), out, "merged", overwrite)
     first, _ = load_lora_file(loras[0][0])
     name = family or detect(first, {}, loras[0][0])[0]
     del first
@@ -143,6 +143,8 @@ def merge_into_base(base: Path, loras: list[tuple[Path, float]], out: Path | Non
         plan = _plan(loras, root, naming, names, shapes, report)
 
         def produce(key: str) -> torch.Tensor:
+            """One base tensor with its planned updates added (in float32, cast back by
+            the writer to the base's dtype)."""
             tensor = f.get_tensor(key)
             if key not in plan:
                 return tensor

@@ -19,7 +19,7 @@ from difftune.lora_tools import kinds
 from difftune.lora_tools.factors import Factors, factors, pair_of
 from difftune.lora_tools.keys import Module, group
 from difftune.lora_tools.merge_base import Merged
-from difftune.lora_tools.output import out_path
+from difftune.lora_tools.output import model_file, out_path
 from difftune.lora_tools.resize import resize_pair
 
 
@@ -71,8 +71,5 @@ def is_lora_file(path: Path) -> bool:
     """Whether a file holds LoRA tensors (its keys end in LoRA factor names)."""
     from safetensors import safe_open
 
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return any(group({k: torch.empty(0) for k in f.keys()})[0])
-    except Exception:  # an unreadable file: the merge reports it as such
-        return False
+    with safe_open(str(model_file(path, "BASE")), framework="pt", device="cpu") as f:
+        return any(group({k: torch.empty(0) for k in f.keys()})[0])

@@ -20,3 +20,23 @@ def out_path(source: Path, out: Path | None, tag: str, overwrite: bool) -> Path:
     if not path.parent.is_dir():
         raise ConfigError(f"{path.parent} is not a folder; create it or pass another --out")
     return path
+
+
+def model_file(path: Path, what: str) -> Path:
+    """`path` as a readable safetensors model file (`what` names the argument), else a
+    refusal naming it and the fix (a pickle is never opened: it can run code)."""
+    from difftune.files.safe import is_pickle, pickle_refusal
+
+    if is_pickle(path):
+        raise ConfigError(f"{what} {path}: {pickle_refusal(path)}")
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist or is not a file")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            f.keys()
+    except Exception as err:  # safetensors raises its own error types for bad headers
+        raise ConfigError(f"{what} {path} is not a readable safetensors file ({err}); pass "
+                          "the model's .safetensors file") from None
+    return path

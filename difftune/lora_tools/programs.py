@@ -22,15 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from difftune.families import registry
+from difftune.lora_tools.keys import TENSOR_NAMES
 from difftune.lora_tools.names import DIFFUSERS, ORIGINAL, family_keys
 
 COMFYUI_VERSION = "4f874c5e: comfy/lora.py, comfy/weight_adapter"
-COMFYUI_TENSORS = frozenset((
-    "alpha", "dora_scale", "lora_up.weight", "lora_down.weight", "lora_mid.weight",
-    "lora_A.weight", "lora_B.weight", "lora.up.weight", "lora.down.weight", "hada_w1_a",
-    "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2", "lokr_w1", "lokr_w2",
-    "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "lokr_t2", "diff", "diff_b", "w_norm",
-    "b_norm", "set_weight"))
+COMFYUI_TENSORS = frozenset(TENSOR_NAMES) - {"lora_magnitude_vector"}  # PEFT's DoRA name
 COMFYUI_GENERIC = (("diffusion_model.", ORIGINAL), ("lora_unet_", ORIGINAL))
 # The tensors diffusers' loaders turn into PEFT LoRA layers (PEFT's names, and kohya's which
 # its converters rename): LoRA factors, alphas and DoRA magnitudes.

@@ -108,6 +108,7 @@ def check_module(program: Program, module: Module, names: FamilyNames
                  ) -> tuple[int, list[Dropped]]:
     """(how much the program applies of one denoiser module, the keys it drops)."""
     def drop_all(why: str) -> tuple[int, list[Dropped]]:
+        """Nothing applied: every tensor of the module dropped for `why`."""
         return 0, [Dropped(f"{module.key}.{t}", expected(program, module, names, t), why)
                    for t in sorted(module.tensors)]
 

@@ -69,3 +69,8 @@ def test_extract_cli_and_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["lora", "extract", "--base", str(base), "--tuned", str(tuned), "--rank",
                  "1"]) == 2  # the default output exists now
     assert "--overwrite" in capsys.readouterr().err
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a safetensors file")
+    assert main(["lora", "extract", "--base", str(broken), "--tuned", str(tuned), "--rank",
+                 "1", "--out", str(tmp_path / "y.safetensors")]) == 2
+    assert "--base" in capsys.readouterr().err

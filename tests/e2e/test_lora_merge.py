@@ -109,3 +109,8 @@ def test_merge_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["lora", "merge", str(base), "--lora", str(lokr), "--out", str(base)]) == 2
     assert "input file" in capsys.readouterr().err
     assert not (tmp_path / "base-merged.safetensors").exists()
+    assert main(["lora", "merge", str(tmp_path / "none.safetensors"), "--lora", str(lokr)]) == 2
+    assert "none.safetensors does not exist" in capsys.readouterr().err
+    (tmp_path / "model.ckpt").write_bytes(b"pickle")
+    assert main(["lora", "merge", str(tmp_path / "model.ckpt"), "--lora", str(lokr)]) == 2
+    assert "model.ckpt" in capsys.readouterr().err

@@ -27,6 +27,7 @@ def register(ctx: UiContext) -> None:
 
     @ui.page("/lora")
     async def lora_page(path: str = "") -> None:
+        """The page of the LoRA file at `path` (under the roots)."""
         with frame(f"LoRA file {Path(path).name}"):
             await LoraView(ctx, path).draw()
 
