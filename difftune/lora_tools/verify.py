@@ -37,6 +37,9 @@ class ProgramResult:
     applied: int
     unit: str
     dropped: list[Dropped] = field(default_factory=list)
+    # modules whose fate the rules do not know: LyCORIS kinds in diffusers, whose LoKr
+    # converters (Z-Image, FLUX.2) these rules do not follow
+    unmodelled: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -127,9 +130,6 @@ def check_module(program: Program, module: Module, names: FamilyNames
                        f"{program.name} reads no tensor named {t}") for t in unread]
     if program.counts == "keys":
         return len(tensors) - len(unread), dropped
-    if not any(set(pair) <= tensors for pair in DIFFUSERS_FACTORS):
-        return drop_all(f"{program.name} reads LoRA factors only (lora_A/B, lora_down/up); "
-                        "this module is another kind (LoHa, LoKr or a full diff)")
     return len(targets) - len(skipped), dropped
 
 
@@ -140,7 +140,10 @@ def verify_modules(modules: list[Module], stray: list[str], family: str
     for program in programs(family):
         result = ProgramResult(program.name, 0, program.counts)
         for module in modules:
-            if module.part == DENOISER:
+            if module.part == DENOISER and program.counts == "modules" and not any(
+                    set(pair) <= set(module.tensors) for pair in DIFFUSERS_FACTORS):
+                result.unmodelled.append(module.key)
+            elif module.part == DENOISER:
                 applied, dropped = check_module(program, module, names)
                 result.applied += applied
                 result.dropped += dropped

@@ -73,6 +73,10 @@ def verify_text(report: Verification, limit: int = 20) -> str:
             lines.append(f"  dropped {drop.key}: {drop.why}; expected {drop.expected}")
         if len(result.dropped) > limit:
             lines.append(f"  ... and {len(result.dropped) - limit} more (--json lists all)")
+        if result.unmodelled:
+            lines.append(f"  not known: {len(result.unmodelled)} LoHa/LoKr/full-diff module(s); "
+                         "difftune's diffusers rules cover LoRA, LoCon and DoRA (diffusers "
+                         "reads LoKr for some families through converters not followed here)")
     if report.text_encoder_keys:
         lines.append(f"text-encoder keys not checked: {report.text_encoder_keys}")
     return "\n".join(lines)

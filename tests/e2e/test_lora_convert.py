@@ -72,7 +72,7 @@ def test_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert sorted(load_file(report.path)) == [
         "diffusion_model.double_stream_modulation_img.lin.lokr_w1",
         "diffusion_model.double_stream_modulation_img.lin.lokr_w2"]
-    assert report.applies["diffusers"].startswith("0 modules")  # diffusers reads no LoKr
+    assert report.applies["diffusers"].startswith("0 modules")  # (the LoKr is not counted)
     assert next(v for k, v in report.applies.items() if k.startswith("ComfyUI")) == \
         "2 keys, drops 0 key(s)"
     z = save_lora(tmp_path / "z.safetensors", diffusers_lora(

@@ -83,3 +83,17 @@ def test_diffusers_applies_what_verify_counts(tmp_path: Path, family: str) -> No
         counted = verify_file(path, family).results[1]
         assert counted.program == "diffusers"
         assert counted.applied == injected(pipe, comps.denoiser, path), name
+
+
+def test_lycoris_kinds_are_not_claimed_for_diffusers(tmp_path: Path) -> None:
+    """diffusers reads a Z-Image LoKr under `diffusion_model.` (its LoKr converter): verify
+    neither counts nor drops such modules for diffusers, it lists them as not known."""
+    tensors = {"diffusion_model.layers.0.attention.to_k.lokr_w1": torch.ones(2, 2),
+               "diffusion_model.layers.0.attention.to_k.lokr_w2": torch.ones(32, 32)}
+    comps = tiny("z_image")
+    pipe = registry.get("z_image").pipeline(comps)
+    path = save_lora(tmp_path / "lokr.safetensors", tensors, {})
+    assert injected(pipe, comps.denoiser, path) == 1  # the fact the rules leave out
+    result = verify_file(path, "z_image").results[1]
+    assert (result.applied, result.dropped) == (0, [])
+    assert result.unmodelled == ["diffusion_model.layers.0.attention.to_k"]
