@@ -1,7 +1,8 @@
 """The `difftune` command line: parse, call, map errors to exit codes.
 
 Exit codes: 0 success; 2 a user-fixable problem (config, data, model files, environment), shown
-as one message without a traceback; 1 an internal error (traceback in the run log); 130 Ctrl-C.
+as one message without a traceback; 1 an internal error (traceback in the run log); 130 Ctrl-C;
+3 `difftune lora verify` found keys a program would drop.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ from difftune.lora_tools.resize import Resized, resize_file
 from difftune.lora_tools.verify import Verification, verify_file
 
 
+DROPS_FOUND = 3  # verify's exit status when a program would drop keys
+
+
 def _listing(counts: dict[str, int]) -> str:
     """`a (3), b (1)`: counts by value, most first."""
     return ", ".join(f"{k} ({v})" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
@@ -84,10 +87,10 @@ def verify_text(report: Verification, limit: int = 20) -> str:
 
 def run_verify(path: Path, family: str | None, as_json: bool) -> tuple[str, int]:
     """`difftune lora verify`: the report, and exit status 0 when every program applies
-    every key, 1 when one drops some."""
+    every key, DROPS_FOUND when one drops some (1 and 2 mean errors)."""
     report = verify_file(path, family)
     text = json.dumps(report.as_json(), indent=2) if as_json else verify_text(report)
-    return text, int(any(r.dropped for r in report.results))
+    return text, DROPS_FOUND if any(r.dropped for r in report.results) else 0
 
 
 def resize_text(report: Resized) -> str:

@@ -111,3 +111,17 @@ def test_cli_text_json_and_refusals(tmp_path: Path, capsys: pytest.CaptureFixtur
     other = save_lora(tmp_path / "o.safetensors", {"foo.lora_A.weight": torch.zeros(2, 2)}, {})
     status, _, err = cli(capsys, "verify", str(other))
     assert status == 2 and "o.safetensors" in err and "--family" in err
+
+
+def test_verify_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """0 when every program applies every key, 3 when one drops some (SDXL's diffusers
+    attention names, which ComfyUI reads only in the old processor form)."""
+    state = diffusers_lora("sdxl", linear_modules("sdxl", r"attn1\.to_q$"))
+    path = save_lora(tmp_path / "x.safetensors", state, {})
+    status, out, _ = cli(capsys, "verify", str(path), "--family", "sdxl")
+    assert status == 3 and "processor form" in out and "expected lora_unet_" in out
+    kohya = save_lora(tmp_path / "k.safetensors", spelled(state, "lora_unet_", True, 4.0,
+                                                          ("lora_down.weight", "lora_up.weight")),
+                      {})
+    status, out, _ = cli(capsys, "verify", str(kohya), "--family", "sdxl")
+    assert status == 0 and "Forge/A1111: applies" in out
