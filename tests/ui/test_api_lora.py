@@ -63,3 +63,10 @@ def test_refusals(client: TestClient, root: Path) -> None:
     assert text.status_code == 404 and "runs/z/notes.txt" in text.json()["detail"]
     bad = client.post("/api/lora/resize", json={"path": "runs/z/z.safetensors"})
     assert bad.status_code == 400 and "--rank" in bad.json()["detail"]
+
+
+def test_routes_are_documented(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    assert paths["/api/lora/report"]["get"]["summary"]
+    assert paths["/api/lora/convert"]["post"]["summary"]
+    assert paths["/api/lora/resize"]["post"]["summary"]
