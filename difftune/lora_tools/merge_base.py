@@ -24,7 +24,7 @@ from difftune.adapters.formats import load_lora_file
 from difftune.errors import ConfigError
 from difftune.lora_tools import kinds
 from difftune.lora_tools.detect import detect
-from difftune.lora_tools.factors import Factors, factors
+from difftune.lora_tools.factors import Update, factors
 from difftune.lora_tools.keys import DENOISER, Module
 from difftune.lora_tools.names import DIFFUSERS, ORIGINAL, FamilyNames, family_names
 from difftune.lora_tools.output import model_file, out_path
@@ -64,8 +64,8 @@ def base_naming(keys: list[str], names: FamilyNames) -> tuple[str, str]:
     return best
 
 
-def placements(module: Module, part: Factors, root: str, naming: str, names: FamilyNames,
-               shapes: dict[str, list[int]]) -> list[tuple[str, int, Factors]]:
+def placements(module: Module, part: Update, root: str, naming: str, names: FamilyNames,
+               shapes: dict[str, list[int]]) -> list[tuple[str, int, Update]]:
     """(base key, first row, the factors of those rows) for one LoRA module."""
     if naming in module.namings:
         return [(f"{root}{module.name}.weight", 0, part)]
@@ -106,9 +106,9 @@ def parse_lora(text: str) -> tuple[Path, float]:
 
 
 def _plan(loras: list[tuple[Path, float]], root: str, naming: str, names: FamilyNames,
-          shapes: dict[str, list[int]], report: Merged) -> dict[str, list[tuple[int, Factors]]]:
+          shapes: dict[str, list[int]], report: Merged) -> dict[str, list[tuple[int, Update]]]:
     """{base key: [(first row, factors)]} of every LoRA's modules."""
-    plan: dict[str, list[tuple[int, Factors]]] = {}
+    plan: dict[str, list[tuple[int, Update]]] = {}
     for path, weight in loras:
         tensors, metadata = load_lora_file(path)
         _, _, modules, _ = detect(tensors, metadata, path, report.family)
@@ -150,7 +150,7 @@ def merge_into_base(base: Path, loras: list[tuple[Path, float]], out: Path | Non
                 return tensor
             merged = tensor.float()
             for start, part in plan[key]:
-                rows = part.up.shape[0]
+                rows = part.out_rows
                 merged[start:start + rows] += part.delta((rows, *shapes[key][1:]))
             report.changed += 1
             return merged

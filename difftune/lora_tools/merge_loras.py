@@ -29,8 +29,14 @@ def _modules(path: Path, weight: float) -> dict[str, tuple[Module, Factors]]:
     modules, stray = group(tensors)
     if stray:
         raise ConfigError(f"{path}: {stray[0]} is no LoRA tensor; merge reads LoRA files")
-    return {stem: (m, factors(m, weight, kinds.file_alpha(metadata), str(path)))
-            for stem, m in modules.items()}
+    out = {}
+    for stem, m in modules.items():
+        part = factors(m, weight, kinds.file_alpha(metadata), str(path))
+        if not isinstance(part, Factors):
+            raise ConfigError(f"{path}: {stem} is a {part.kind}; LoRA + LoRA merges LoRA and "
+                              "LoCon modules (merge a LoHa or LoKr into the base model)")
+        out[stem] = (m, part)
+    return out
 
 
 def concatenated(parts: list[Factors]) -> Factors:

@@ -99,11 +99,12 @@ def test_merge_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     comps = tiny_components("z_image")
     base = tmp_path / "base.safetensors"
     save_file({k: v.contiguous() for k, v in comps.denoiser.state_dict().items()}, str(base))
-    lokr = save_lora(tmp_path / "lokr.safetensors",
-                     {"lycoris_layers_0_attention_to_q.lokr_w1": torch.zeros(2, 2),
-                      "lycoris_layers_0_attention_to_q.lokr_w2": torch.zeros(32, 32)}, {})
+    lokr = save_lora(tmp_path / "dora.safetensors",
+                     {"lycoris_layers_0_attention_to_q.lora_down.weight": torch.zeros(2, 64),
+                      "lycoris_layers_0_attention_to_q.lora_up.weight": torch.zeros(64, 2),
+                      "lycoris_layers_0_attention_to_q.dora_scale": torch.ones(64, 1)}, {})
     assert main(["lora", "merge", str(base), "--lora", str(lokr)]) == 2
-    assert "is a LoKr" in capsys.readouterr().err
+    assert "is a DoRA" in capsys.readouterr().err
     assert main(["lora", "merge", str(base), "--lora", f"{lokr}:strong"]) == 2
     assert "must be a number" in capsys.readouterr().err
     assert main(["lora", "merge", str(base), "--lora", str(lokr), "--out", str(base)]) == 2
@@ -114,3 +115,36 @@ def test_merge_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     (tmp_path / "model.ckpt").write_bytes(b"pickle")
     assert main(["lora", "merge", str(tmp_path / "model.ckpt"), "--lora", str(lokr)]) == 2
     assert "model.ckpt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_loha_and_lokr_merge_as_the_lycoris_library_applies_them(tmp_path: Path,
+                                                                 kind: str) -> None:
+    """A LoHa / LoKr file merged into a diffusers-named base: the merged layer's output is
+    the LyCORIS library's (`adapters.lycoris_files.apply_file`) on the base model."""
+    from difftune.adapters.lycoris_files import apply_file
+
+    comps = tiny_components("z_image")
+    base = tmp_path / "base.safetensors"
+    save_file({k: v.contiguous() for k, v in comps.denoiser.state_dict().items()}, str(base))
+    layer = comps.denoiser.get_submodule("layers.0.attention.to_q")
+    rows, cols = layer.weight.shape
+    gen = torch.Generator().manual_seed(4)
+    stem = "lycoris_layers_0_attention_to_q"
+    parts = ({"hada_w1_a": (rows, 2), "hada_w1_b": (2, cols), "hada_w2_a": (rows, 2),
+              "hada_w2_b": (2, cols)} if kind == "loha" else
+             {"lokr_w1": (2, 2), "lokr_w2_a": (rows // 2, 2), "lokr_w2_b": (2, cols // 2)})
+    tensors = {f"{stem}.{n}": torch.randn(*shape, generator=gen) * 0.3
+               for n, shape in parts.items()} | {f"{stem}.alpha": torch.tensor(1.0)}
+    lora = save_lora(tmp_path / f"{kind}.safetensors", tensors, {})
+    merged = load_file(merge_into_base(base, [(lora, 0.8)], tmp_path / "m.safetensors").path)
+    x = torch.randn(3, cols, generator=gen)
+    nets = apply_file(registry.get("z_image"), {"transformer": comps.denoiser}, {},
+                      tensors, 0.8)
+    with torch.no_grad():
+        want = layer(x)
+        got = torch.nn.functional.linear(x, merged["layers.0.attention.to_q.weight"],
+                                         merged.get("layers.0.attention.to_q.bias"))
+        before = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert nets and not torch.allclose(want, before, atol=1e-3)  # the file changes the layer
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
