@@ -1,7 +1,8 @@
 """The `difftune` command line: parse, call, map errors to exit codes.
 
 Exit codes: 0 success; 2 a user-fixable problem (config, data, model files, environment), shown
-as one message without a traceback; 1 an internal error (traceback in the run log); 130 Ctrl-C.
+as one message without a traceback; 1 an internal error (traceback in the run log); 130 Ctrl-C;
+3 `difftune lora verify` found keys a program would drop.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     _import_parser(verbs)
     cli_data.add_parsers(verbs)
     cli_cluster.add_parser(verbs)
+    _lora_parser(verbs)
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -100,6 +102,21 @@ def _import_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]")
     p.add_argument("--family", choices=names(), help="the model family, where FILE does not "
                    "say it")
     p.add_argument("--force", action="store_true", help="replace an existing run file")
+
+
+def _lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """`difftune lora VERB ...`: the LoRA toolbox's arguments (verbs.lora_args)."""
+    from difftune.verbs.lora_args import add_lora_parser
+
+    add_lora_parser(verbs)
+
+
+def _lora(args: argparse.Namespace) -> int:
+    from difftune.verbs.lora import run
+
+    text, status = run(args)
+    print(text)
+    return status
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -289,7 +306,7 @@ def _ui(args: argparse.Namespace) -> int:
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
     "ui": _ui, "request": _request, "import": _import, "caption": cli_data.caption,
-    "dataset": cli_data.dataset, "slurm": cli_cluster.slurm,
+    "dataset": cli_data.dataset, "slurm": cli_cluster.slurm, "lora": _lora,
 }
 
 

@@ -100,12 +100,14 @@ class KeyMap:
     table: tuple[str, ...] = ()
     table_forms: tuple[str, ...] = ()
     weight_forms: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()  # module-key regexes spelled in full
 
     def pattern(self) -> re.Pattern[str]:
         """One regex matching every module key this map holds."""
         alts = [_spell(form, name) for form in (*GENERIC_FORMS, *self.weight_forms)
                 for name in self.weights]
         alts += [_spell(form, name) for form in self.table_forms for name in self.table]
+        alts += list(self.extra)
         return re.compile("|".join(f"(?:{a})" for a in alts))
 
 
@@ -153,9 +155,21 @@ KREA2 = KeyMap("Krea2", (
 
 # comfy/utils.py unet_to_diffusers (SDXL): the diffusers UNet names its tables
 # (UNET_MAP_ATTENTIONS, TRANSFORMER_BLOCKS, UNET_MAP_RESNET, UNET_MAP_BASIC) map, which the
-# UNet branch spells `lora_unet_<d_>` and `lycoris_<d_>` (and, with `.processor.` inserted,
-# as old diffusers attention-processor names, which difftune does not write).
+# UNet branch spells `lora_unet_<d_>` and `lycoris_<d_>`, and `<d>` and `unet.<d>` with
+# `.to_` written `.processor.to_` (and `.to_out.0` as `.processor.to_out`): old diffusers
+# attention-processor names; so a diffusers name with `.to_` is mapped only in that form.
 _SD_BLOCKS = r"(?:down_blocks\.\d+|up_blocks\.\d+|mid_block)"
+_SD_NOT_ATTENTION = (
+    _SD_BLOCKS + r"\.attentions\.\d+\.(?:proj_in|proj_out|norm|transformer_blocks\.\d+\.(?:"
+    r"norm[123]|ff\.net\.0\.proj|ff\.net\.2))",
+    _SD_BLOCKS + r"\.resnets\.\d+\.(?:conv1|time_emb_proj|conv2|conv_shortcut|norm1|norm2)",
+    r"down_blocks\.\d+\.downsamplers\.0\.conv|up_blocks\.\d+\.upsamplers\.0\.conv|"
+    r"(?:class_embedding|add_embedding|time_embedding)\.linear_[12]|conv_in|conv_norm_out|"
+    r"conv_out")
+_SD_PROCESSOR = (_SD_BLOCKS + r"\.attentions\.\d+\.transformer_blocks\.\d+\.attn[12]\."
+                 r"processor\.(?:to_q|to_k|to_v|to_out)")
+_SD_PLAIN_FORMS = tuple(_spell(form, name) for form in ("{}", "unet.{}")
+                        for name in (*_SD_NOT_ATTENTION, _SD_PROCESSOR))
 SDXL = KeyMap("SDXL", (
     r"(?:input_blocks\.\d+\.[01]|middle_block\.[012]|output_blocks\.\d+\.[0-2])\.(?:proj_in|"
     r"proj_out|transformer_blocks\.\d+\.(?:attn[12]\.(?:to_q|to_k|to_v|to_out\.0)|"
@@ -166,7 +180,7 @@ SDXL = KeyMap("SDXL", (
     _SD_BLOCKS + r"\.resnets\.\d+\.(?:conv1|time_emb_proj|conv2|conv_shortcut|norm1|norm2)",
     r"down_blocks\.\d+\.downsamplers\.0\.conv|up_blocks\.\d+\.upsamplers\.0\.conv|"
     r"(?:class_embedding|add_embedding|time_embedding)\.linear_[12]|conv_in|conv_norm_out|"
-    r"conv_out"), ("lora_unet_{_}", "lycoris_{_}"))
+    r"conv_out"), ("lora_unet_{_}", "lycoris_{_}"), extra=_SD_PLAIN_FORMS)
 
 # comfy/ldm/wan/model.py WanModel (T2V and I2V): its weights; comfy/lora.py has no WAN21
 # branch, so only the generic forms map them.

@@ -18,7 +18,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -68,14 +68,21 @@ def write_layout(path: Path, layout: Layout, state: Mapping[str, torch.Tensor],
     file at `path`, tensor by tensor; the file gets the mode the umask gives a new file."""
     out_dtype = {n: dtype if state[p.sources[0]].is_floating_point() else state[p.sources[0]].dtype
                  for n, p in layout.items()}
+    entries = [(name, out_dtype[name], _shape(piece, state)) for name, piece in layout.items()]
+    return write_streamed(path, entries, lambda name: build(layout[name], state), metadata)
+
+
+def write_streamed(path: Path, entries: list[tuple[str, torch.dtype, list[int]]],
+                   produce: Callable[[str], torch.Tensor],
+                   metadata: dict[str, str] | None = None) -> Path:
+    """Write a safetensors file whose tensors (name, dtype, shape) are made one at a time by
+    `produce(name)` (cast to the entry's dtype): the header comes from the entries, so only
+    one tensor is ever held. The file gets the mode the umask gives a new file."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
-    for name, piece in layout.items():
-        shape = _shape(piece, state)
-        size = out_dtype[name].itemsize
-        for d in shape:
-            size *= d
-        header[name] = {"dtype": _DTYPES[out_dtype[name]], "shape": shape,
+    for name, dtype, shape in entries:
+        size = dtype.itemsize * math.prod(shape)
+        header[name] = {"dtype": _DTYPES[dtype], "shape": shape,
                         "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -84,8 +91,8 @@ def write_layout(path: Path, layout: Layout, state: Mapping[str, torch.Tensor],
     with os.fdopen(fd, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for name, piece in layout.items():
-            t = build(piece, state).to("cpu", out_dtype[name]).contiguous()
+        for name, dtype, _ in entries:
+            t = produce(name).to("cpu", dtype).contiguous()
             f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         f.flush()
         os.fsync(f.fileno())

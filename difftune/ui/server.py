@@ -23,8 +23,8 @@ log = logging.getLogger("difftune")
 RECONNECT_S = 20.0
 
 # Page and API modules, each with `register(ctx)` (pages) or `router(ctx)` (API).
-PAGE_MODULES = ("jobs", "run", "prepare", "datasets", "compare")
-API_MODULES = ("jobs", "runs", "config", "datasets", "captioning")
+PAGE_MODULES = ("jobs", "run", "prepare", "datasets", "compare", "lora")
+API_MODULES = ("jobs", "runs", "config", "datasets", "captioning", "lora")
 
 
 def build(ctx: UiContext) -> None:

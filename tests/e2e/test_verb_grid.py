@@ -188,6 +188,34 @@ def test_check_passes(trained: dict[str, Any], tmp_path: Path,
     assert "check passed" in capsys.readouterr().out
 
 
+# `difftune lora inspect`'s kind names of each adapter kind (a LoCon's linear modules are
+# LoRA modules; its Conv2d ones, where the family has them, LoCon).
+INSPECTED_KINDS = {"lora": {"LoRA"}, "dora": {"DoRA"}, "locon": {"LoRA", "LoCon"},
+                   "loha": {"LoHa"}, "lokr": {"LoKr"}}
+
+
+def test_lora_tools_read_the_file(trained: dict[str, Any]) -> None:
+    """`difftune lora inspect` names the cell's family and kind, and `verify` says ComfyUI
+    drops exactly the keys its key map (tests/comfy_keymap.py) leaves unloaded."""
+    from safetensors import safe_open
+
+    from difftune.lora_tools.inspect import inspect_file
+    from difftune.lora_tools.verify import verify_file
+
+    from ..comfy_keymap import unmapped
+
+    family, kind, _, _ = trained["cell"]
+    report = inspect_file(trained["lora"])
+    assert family in [report.family, *report.also_fits]
+    assert set(report.kinds) <= INSPECTED_KINDS[kind] and report.kinds
+    assert report.unresolved == [] and report.non_finite == {}
+    comfy = verify_file(trained["lora"], family).results[0]
+    with safe_open(str(trained["lora"]), "pt") as f:
+        denoiser = [k for k in f.keys() if not k.startswith(("lora_te", "text_encoder"))]
+    assert sorted(d.key for d in comfy.dropped) == unmapped(family, denoiser)
+    assert comfy.applied == len(denoiser) - len(comfy.dropped)
+
+
 def shipped_cell(path: Path) -> tuple[str, str, str, str] | None:
     """The cell an example run file writes its adapter files in (None: no adapter files)."""
     cfg = tomllib.loads(path.read_text(encoding="utf-8"))

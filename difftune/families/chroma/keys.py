@@ -60,3 +60,10 @@ def kohya_to_diffusers(
     """A kohya/ComfyUI Chroma LoRA back in diffusers names, with each module's alpha; keys
     that are not Chroma transformer LoRA keys raise `CheckpointError`."""
     return fused_from_kohya(state, prefix, NAMES, TABLE.table_for, TABLE.split)
+
+# `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) reads the diffusers
+# names its FLUX table (comfy/utils.py flux_to_diffusers) maps under these prefixes
+# (comfy/lora.py model_lora_keys_unet, Flux branch), besides its generic original-name map.
+COMFYUI_FORMS = ("transformer.", "lycoris_", "lora_transformer_", "")
+# diffusers' ChromaLoraLoaderMixin reads PEFT names only.
+DIFFUSERS_READS = (("transformer.", "diffusers", "", ""),)

@@ -28,6 +28,15 @@ SPEC = FamilySpec(
     # with a `transformer.` prefix onto Chroma's blocks; diffusers' ChromaPipeline
     # (FluxLoraLoaderMixin) reads them as they are.
     default_format="diffusers",
+    # ComfyUI's Flux table (comfy/utils.py flux_to_diffusers, ComfyUI 4f874c5e) has no
+    # diffusers name for the distilled guidance network, so a diffusers-layout file's modules
+    # there are not loaded; its generic map reads them under their original names (which the
+    # kohya table lacks: `difftune lora verify` names what each reader drops).
+    lora_unread=(
+        ("diffusers", "ComfyUI", r"distilled_guidance_layer\..*",
+         "ComfyUI's Flux table (comfy/utils.py flux_to_diffusers) has no diffusers name for "
+         "the distilled guidance network"),
+    ),
     text_encoder_prefixes={"t5": "text_encoder"},
     # Kept out of fp8 storage and quantization (regexes on module names, per part): the
     # modulation approximator, the input and output projections.

@@ -104,3 +104,19 @@ def kohya_to_diffusers(
     transformer LoRA key (text-encoder LoRAs, unknown layers) raises `CheckpointError`.
     """
     return fused_from_kohya(state, prefix, NAMES, TABLE.table_for, TABLE.split)
+
+# `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) reads the diffusers
+# names its FLUX table (comfy/utils.py flux_to_diffusers) maps under these prefixes
+# (comfy/lora.py model_lora_keys_unet, Flux branch), besides its generic original-name map.
+COMFYUI_FORMS = ("transformer.", "lycoris_", "lora_transformer_", "")
+# diffusers' FluxLoraLoaderMixin reads PEFT names, and kohya's original-name files through
+# _convert_kohya_flux_lora_to_diffusers, which names the layers outside the blocks without the
+# `transformer.` prefix (so they are skipped) and splits `single_blocks_N_linear1` by the
+# full-size model's row counts (a smaller model's file fails to load).
+_OUTSIDE_BLOCKS = (r"x_embedder|context_embedder|norm_out\.linear|proj_out|"
+                   r"time_text_embed\..*")
+DIFFUSERS_READS = (
+    ("transformer.", "diffusers", "", ""),
+    ("lora_unet_", "original", _OUTSIDE_BLOCKS, "diffusers' kohya FLUX converter names the "
+     "layers outside the blocks without the transformer. prefix; its loader skips them"),
+)

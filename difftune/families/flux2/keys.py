@@ -176,3 +176,19 @@ def diffusers_names(tensors: dict[str, torch.Tensor], prefix: str = "transformer
         else:
             out[name] = value
     return out, alphas
+
+# `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) reads the diffusers
+# names its FLUX table (comfy/utils.py flux_to_diffusers) maps under these prefixes
+# (comfy/lora.py model_lora_keys_unet, Flux branch), besides its generic original-name map.
+COMFYUI_FORMS = ("transformer.", "lycoris_", "lora_transformer_", "")
+# diffusers' Flux2LoraLoaderMixin reads PEFT names, the original names under
+# `diffusion_model.` (_convert_non_diffusers_flux2_lora_to_diffusers), and kohya's
+# (_convert_kohya_flux2_lora_to_diffusers), which skips the shared modulation layers, the
+# guidance embedder and the final modulation.
+DIFFUSERS_READS = (
+    ("transformer.", "diffusers", "", ""),
+    ("diffusion_model.", "original", "", ""),
+    ("lora_unet_", "original", r"double_stream_modulation_(?:img|txt)\.linear|"
+     r"single_stream_modulation\.linear|time_guidance_embed\.guidance_embedder\..*|"
+     r"norm_out\.linear", "diffusers' kohya FLUX.2 converter skips it"),
+)

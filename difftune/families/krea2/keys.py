@@ -156,3 +156,12 @@ def to_original(state: dict[str, torch.Tensor], rank: int, alpha: float
             value = value * (alpha / rank)
         out[f"diffusion_model.{original}{tail}"] = value.contiguous()
     return out
+
+# `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) reads the diffusers
+# names its Krea 2 table (comfy/utils.py krea2_to_diffusers) maps under these prefixes
+# (comfy/lora.py model_lora_keys_unet, Krea2 branch), besides its generic original-name map.
+COMFYUI_FORMS = ("diffusion_model.", "transformer.", "lycoris_", "")
+# diffusers' Krea2LoraLoaderMixin reads PEFT names, and the original names under
+# `diffusion_model.` or `base_model.model.` (_convert_non_diffusers_krea2_lora_to_diffusers).
+DIFFUSERS_READS = (("transformer.", "diffusers", "", ""), ("diffusion_model.", "original", "", ""),
+                   ("base_model.model.", "original", "", ""))

@@ -15,3 +15,12 @@ ARCHITECTURE = "qwen-image"
 IMPLEMENTATION = "https://github.com/QwenLM/Qwen-Image"
 BASE_VERSION = "qwen_image"
 NETWORK_MODULE = "networks.lora_qwen_image"
+
+# `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) reads the model's
+# own names (diffusers') under these prefixes (comfy/lora.py model_lora_keys_unet, QwenImage
+# branch), besides its generic map.
+COMFYUI_FORMS = ("", "transformer.", "lycoris_")
+# diffusers' QwenImageLoraLoaderMixin reads PEFT names, and the same names under
+# `diffusion_model.` or `lora_unet_` (_convert_non_diffusers_qwen_lora_to_diffusers).
+DIFFUSERS_READS = (("transformer.", "diffusers", "", ""), ("diffusion_model.", "diffusers", "", ""),
+                   ("lora_unet_", "diffusers", "", ""))

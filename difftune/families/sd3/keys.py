@@ -174,3 +174,13 @@ def _split_entry(entry: Entry, pair: LoraPair) -> dict[str, LoraPair]:
         raise CheckpointError(f"fused LoRA {KOHYA_PREFIX}{entry.kohya} has {pair.up.shape[0]} rows, not 3 equal parts.")
     width = pair.up.shape[0] // len(entry.modules)
     return dict(zip(entry.modules, split_fused_lora(pair, [width] * len(entry.modules))))
+
+# `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) reads the diffusers
+# names its MMDiT table (comfy/utils.py mmdit_to_diffusers) maps under these prefixes
+# (comfy/lora.py model_lora_keys_unet, SD3 branch), besides its generic original-name map.
+COMFYUI_FORMS = ("transformer.", "base_model.model.", "lora_transformer_", "lycoris_")
+# diffusers' SD3LoraLoaderMixin reads PEFT names only.
+DIFFUSERS_READS = (("transformer.", "diffusers", "", ""),)
+# The original (kohya) names' reading depends on the model's layout (its depth), which
+# `difftune lora convert` does not read: it converts this family's files within one naming.
+LAYOUT_NEEDS_MODEL = True

@@ -227,3 +227,28 @@ def kohya_to_diffusers(
     `families.common.unet_keys.lora_from_kohya`); `layout` is a `UNetLayout` or its UNet config."""
     layout = layout if isinstance(layout, UNetLayout) else UNetLayout.from_config(layout)
     return lora_from_kohya(state, layout, TEXT_ENCODERS, text_roots, "SDXL")
+
+
+# `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) reads the diffusers
+# UNet names its table (comfy/utils.py unet_to_diffusers) maps under these prefixes
+# (comfy/lora.py model_lora_keys_unet, UNet branch), besides its generic original-name map;
+# bare and `unet.` names too, but attention projections there only in the old processor form
+# (`attn1.processor.to_q`), so `attn1.to_q` under them is not loaded: (prefix, skipped, why).
+_PROCESSOR_ONLY = (r".*\.to_(?:q|k|v|out\.0)", "ComfyUI reads diffusers' attention names "
+                   "without kohya's prefix only in the old processor form (attn1.processor.to_q)")
+COMFYUI_FORMS = ("lora_unet_", "lycoris_", ("", *_PROCESSOR_ONLY), ("unet.", *_PROCESSOR_ONLY))
+# diffusers' StableDiffusionXLLoraLoaderMixin reads PEFT names, and `lora_unet_` files in either
+# naming through _convert_non_diffusers_lora_to_diffusers, whose renaming turns diffusers'
+# `add_embedding` into `add.embedding`, a module the UNet lacks.
+DIFFUSERS_READS = (
+    ("unet.", "diffusers", "", ""),
+    ("lora_unet_", "original", "", ""),
+    ("lora_unet_", "diffusers", r"add_embedding\.linear_[12]", "diffusers' kohya converter "
+     "renames add_embedding to add.embedding, which the UNet lacks"),
+)
+# Forge and A1111 (extensions-builtin/Lora: network names by the SGM original names, and
+# diffusers' names converted by convert_diffusers_name_to_compvis).
+FORGE_READS = (("lora_unet_", "original", "", ""), ("lora_unet_", "diffusers", "", ""))
+# The original (kohya) names' reading depends on the model's layout (its depth), which
+# `difftune lora convert` does not read: it converts this family's files within one naming.
+LAYOUT_NEEDS_MODEL = True

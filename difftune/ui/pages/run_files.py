@@ -19,6 +19,7 @@ from nicegui import ui
 from difftune.files.names import COMFYUI_DORA
 from difftune.ui import lora_samples
 from difftune.ui.pages.keyed import Keyed
+from difftune.ui.pages.lora import page_url
 from difftune.ui.resume_from import replaced_by_resume
 from difftune.ui.run_outputs import RunFile, run_prompts
 from difftune.ui.security import PathOutsideRoots
@@ -84,6 +85,9 @@ class FilesPanel:
         if item.kind != "checkpoint":
             ui.link("download", f"/api/runs/file?{urlencode({'path': item.path})}") \
                 .props(f'download data-testid="download-{path.name}"')
+        if item.kind == "lora":
+            ui.link("inspect, verify, convert, resize", page_url(item.path)) \
+                .props(f'data-testid="lora-page-{path.name}"')
         if item.kind == "lora" and not path.stem.endswith(COMFYUI_DORA):  # (ComfyUI's alone)
             ui.button("sample with this LoRA", on_click=lambda: self.sampler.open(path)) \
                 .props(f'flat dense data-testid="sample-lora-{path.name}"')
