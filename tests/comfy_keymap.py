@@ -193,7 +193,7 @@ WAN = KeyMap("WAN21", (
 # SD 1.5 (comfy/supported_models.py SD15, a model_base.BaseModel): the same UNet branch over
 # `unet_to_diffusers`, which builds its table from the loaded UNet's config (same commit), on
 # openaimodel.py's UNet without SDXL's label_emb.
-SD15 = KeyMap("SD15", SDXL.weights, SDXL.table, SDXL.table_forms)
+SD15 = KeyMap("SD15", SDXL.weights, SDXL.table, SDXL.table_forms, extra=SDXL.extra)
 
 # difftune family -> the ComfyUI model class that loads its denoiser (variants share it).
 MAPS = {"flux": FLUX, "chroma": CHROMA, "flux2": FLUX2, "sd3": SD3, "sdxl": SDXL,

@@ -68,8 +68,8 @@ def injected(pipe: object, denoiser: torch.nn.Module, path: Path) -> int:
             warnings.simplefilter("ignore")
             pipe.load_lora_weights(str(path), adapter_name="verify")  # type: ignore[attr-defined]
         return sum(isinstance(m, BaseTunerLayer) for m in denoiser.modules())
-    except (ValueError, KeyError, NotImplementedError, AssertionError, RuntimeError):
-        return 0
+    except (ValueError, KeyError, IndexError, NotImplementedError, AssertionError, RuntimeError):
+        return 0  # diffusers refuses the file (some converters fail on keys they do not expect)
     finally:
         pipe.unload_lora_weights()  # type: ignore[attr-defined]
 

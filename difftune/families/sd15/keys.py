@@ -62,3 +62,18 @@ def kohya_to_diffusers(state: dict[str, torch.Tensor], unet_modules: Iterable[st
     `unet_modules` are the loaded UNet's module names."""
     return lora_from_kohya(state, UnderscoredNames(unet_modules), TEXT_ENCODERS, text_roots,
                            "SD 1.5")
+
+
+# `difftune lora verify`'s rules (lora_tools.programs), as SDXL's (the same readers: ComfyUI's
+# UNet branch over unet_to_diffusers, diffusers' kohya converter, A1111/Forge's Lora extension).
+_PROCESSOR_ONLY = (r".*\.to_(?:q|k|v|out\.0)", "ComfyUI reads diffusers' attention names "
+                   "without kohya's prefix only in the old processor form (attn1.processor.to_q)")
+COMFYUI_FORMS = ("lora_unet_", "lycoris_", ("", *_PROCESSOR_ONLY), ("unet.", *_PROCESSOR_ONLY))
+# diffusers' StableDiffusionLoraLoaderMixin reads PEFT names, and `lora_unet_` files in either
+# naming through _convert_non_diffusers_lora_to_diffusers.
+DIFFUSERS_READS = (("unet.", "diffusers", "", ""), ("lora_unet_", "original", "", ""),
+                   ("lora_unet_", "diffusers", "", ""))
+FORGE_READS = (("lora_unet_", "original", "", ""), ("lora_unet_", "diffusers", "", ""))
+# The original (kohya) names' reading depends on the model's layout, which `difftune lora
+# convert` does not read: it converts this family's files within one naming.
+LAYOUT_NEEDS_MODEL = True

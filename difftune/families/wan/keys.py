@@ -143,3 +143,15 @@ def diffusers_names(tensors: dict[str, torch.Tensor], modules: Iterable[str],
         else:
             out[name + suffix] = value
     return out, alphas
+
+
+# `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) has no Wan branch
+# in comfy/lora.py model_lora_keys_unet: only its generic forms over Wan's own names
+# (`diffusion_model.<name>`, `lora_unet_<name>`), so no diffusers-name form.
+COMFYUI_FORMS: tuple = ()
+# diffusers' WanLoraLoaderMixin reads PEFT names and Wan's own names under `diffusion_model.`
+# (_convert_non_diffusers_wan_lora_to_diffusers). Its musubi-tuner converter
+# (_convert_musubi_wan_lora_to_diffusers) reads `lora_unet_` files only when they hold every
+# block's attention and FFN and nothing else, and fails on the whole file otherwise: not a
+# per-module rule, so `lora_unet_` keys are counted as dropped (convert to Wan's names).
+DIFFUSERS_READS = (("transformer.", "diffusers", "", ""), ("diffusion_model.", "original", "", ""))
