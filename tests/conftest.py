@@ -33,3 +33,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept
+
+
+@pytest.fixture(scope="session")
+def scorer_models(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """Folders of a tiny random DINOv2 and CLIP (real transformers classes, offline
+    processors): what `[metrics]` points at in tests."""
+    from difftune.report.tiny_scorers import save_tiny_clip, save_tiny_dino
+
+    base = tmp_path_factory.mktemp("scorers")
+    return save_tiny_dino(base / "dino"), save_tiny_clip(base / "clip")

@@ -14,6 +14,7 @@ from difftune.config.adapter import AdapterConfig
 from difftune.config.sections import (ModelConfig, PrecisionConfig, SampleConfig, SaveConfig,
                                       TrainConfig)
 from difftune.config.validation import ValidationConfig, validation_problems
+from difftune.config.metrics import MetricsConfig
 
 
 class RunConfig(_Section):
@@ -29,6 +30,7 @@ class RunConfig(_Section):
     save: SaveConfig
     preservation: PreservationConfig = Field(default_factory=PreservationConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":

@@ -19,6 +19,7 @@ import torch
 
 from difftune.adapters.full import trained_parameters
 from difftune.data.sampler import Batch, BucketBatchSampler
+from difftune.report.metric_worker import MetricWorker
 from difftune.report.metrics import Reporter
 from difftune.sample.runner import SampleRunner
 from difftune.train.checkpoint import Checkpoint, CheckpointManager
@@ -42,13 +43,15 @@ log = logging.getLogger("difftune")
 @dataclass
 class Hooks:
     """What happens between steps; `stop` says a stop was asked for (SIGINT/SIGTERM);
-    `validator` measures the validation loss (None: the run has no validation set)."""
+    `validator` measures the validation loss (None: the run has no validation set);
+    `metrics` measures each sample event's images in its own thread (None: [metrics] off)."""
 
     reporter: Reporter
     checkpoints: CheckpointManager
     sampler: SampleRunner | None
     stop: Callable[[], bool] = lambda: False
     validator: Validator | None = None
+    metrics: MetricWorker | None = None
 
 
 class StepFailed(Exception):

@@ -63,7 +63,9 @@ def sample_event(run: "Run", hooks: "Hooks", state: "TrainState", step: int,
     sampler.stop = shared.poll if together else hooks.stop
     try:
         with state.eval_weights(), using(state.ema, "samples"):
-            sampler.run(step)
+            written = sampler.run(step)
+        if hooks.metrics is not None:  # measured in its own thread; training goes on
+            hooks.metrics.submit(step, written)
     finally:
         if together:
             shared.release()

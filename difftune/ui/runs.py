@@ -131,14 +131,24 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def metrics(run_dir: Path, since: int = 0, roots: Roots | None = None) -> list[dict[str, Any]]:
-    """The metrics rows of `run_dir` with step > `since` (all by default), oldest first.
+    """The training-step rows of `run_dir` with step > `since` (all by default), oldest first
+    (a sample event's metrics row, written later by its own thread, is `sample_metrics`').
 
     Safe while the trainer writes: a half-written last line is left for the next call.
     Non-finite numbers come back as None; a metrics file leading outside `roots`, no rows.
     """
     path = readable(Path(run_dir) / METRICS, run_dir, roots)
     rows = _read_metrics(path) if path is not None else []
-    return [dict(r) for r in rows if r["step"] > since]
+    return [dict(r) for r in rows if r["step"] > since and "event" not in r]
+
+
+def sample_metrics(run_dir: Path, roots: Roots | None = None) -> list[dict[str, Any]]:
+    """The sample-metrics rows of `run_dir` (one per measured sample event), by step; they
+    arrive after the steps that follow their event, so they are read whole each time."""
+    path = readable(Path(run_dir) / METRICS, run_dir, roots)
+    rows = _read_metrics(path) if path is not None else []
+    return sorted((dict(r) for r in rows if r.get("event") == "samples"),
+                  key=lambda r: r["step"])
 
 
 def series(rows: list[dict[str, Any]], key: str, max_points: int = 2000) -> list[list[float]]:

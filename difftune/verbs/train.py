@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 from difftune import families
 from difftune.config import RunConfig
 from difftune.report.logs import attach_run_log
+from difftune.report.metric_worker import MetricWorker, training_images
 from difftune.report.metrics import Reporter, SilentReporter
 from difftune.train.checkpoint import Checkpoint, CheckpointManager
 from difftune.train.dist import Dist
@@ -28,6 +29,7 @@ from difftune.train.rundir import (
     refuse_overwrite,
 )
 from difftune.train.setup import (
+    Run,
     fill_caches,
     load_data,
     prepare,
@@ -92,13 +94,27 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
                     if dist.main else SilentReporter())
         if sampler:
             sampler.reporter = reporter
+        metrics = metric_worker(run, reporter) if sampler else None
         try:
-            result = train(run, Hooks(reporter, ckpt, sampler, stop, validator), checkpoint)
+            result = train(run, Hooks(reporter, ckpt, sampler, stop, validator, metrics),
+                           checkpoint)
         finally:
+            if metrics is not None:
+                metrics.close()  # the last event's figures are written before the reporter closes
             reporter.close()
             report_bad_entries(run)
     log.info("done in %.1f s: %s", time.perf_counter() - started, result.lora)
     return result
+
+
+def metric_worker(run: Run, reporter: Reporter) -> MetricWorker | None:
+    """The run's sample-metrics thread ([metrics] enabled), reporting to `reporter`."""
+    m = run.cfg.metrics
+    if not m.enabled:
+        return None
+    assert run.cfg.cache.dir is not None  # set when the config loads
+    return MetricWorker(m, training_images(run.data.items), run.cfg.cache.dir,
+                        reporter.sample_metrics)
 
 
 def _open_run(cfg: RunConfig, resume: str | None, dist: Dist,

@@ -1,0 +1,90 @@
+"""Sample metrics in a real run through the CLI: a LoRA trained to copy one image.
+
+The tiny flavor's samples are crude, and under tiny random DINOv2 features a run on the six
+demo shapes comes closer to some shape than the closest two shapes come to each other within
+a few steps (they are six unrelated pictures, one per prompt), so "not on the demo run" cannot
+be shown on that data with random models: the rule's two sides are shown on real features in
+tests/unit/test_sample_metrics.py (new pictures of the kind vs a copy). Here a run on one image
+is trained to reproduce it: its untrained baseline (step 0) is far from the image (0.43) and
+its trained samples reach 0.82, so with `copy_similarity = 0.75` the warning must fire at the
+trained events and not at the baseline, and fidelity must rise with training.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from difftune.cli import main
+from difftune.config.metrics import MetricsConfig
+from difftune.report.sample_metrics import measure, read_sample, reference
+from difftune.report.scoring import Scorers
+from tests.e2e.conftest import run_toml
+
+
+@pytest.fixture(scope="module")
+def copy_run(tmp_path_factory: pytest.TempPathFactory, images: Path,
+             scorer_models: tuple) -> Path:
+    """A 60-step run on the red circle alone, sampled at 0, 30 and 60 at two seeds."""
+    folder = tmp_path_factory.mktemp("copy")
+    data = folder / "data"
+    data.mkdir()
+    for name in ("red_circle.png", "red_circle.txt"):
+        shutil.copy(images / name, data / name)
+    prompts = folder / "prompts.txt"
+    prompts.write_text("a red circle on a blue background --w 64 --h 64 --s 8 --d 1\n"
+                       "a red circle on a blue background --w 64 --h 64 --s 8 --d 2\n",
+                       encoding="utf-8")
+    dino, clip = scorer_models
+    extra = (f'\n[metrics]\nenabled = true\ndino = "{dino.as_posix()}"\n'
+             f'clip = "{clip.as_posix()}"\ncopy_similarity = 0.75\n')
+    cfg = run_toml(folder, data, extra, steps=60, prompts=prompts)
+    assert main(["train", str(cfg), "--no-progress", "--set", "train.batch_size=1",
+                 "--set", "train.lr=8e-3", "--set", "sample.every_n_steps=30"]) == 0
+    return folder / "out"
+
+
+def _events(out: Path) -> dict[int, dict]:
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if r.get("event") == "samples"}
+
+
+def test_fidelity_rises_and_the_copy_is_flagged(copy_run: Path) -> None:
+    events = _events(copy_run)
+    assert sorted(events) == [0, 30, 60]
+    assert events[60]["fidelity"] > events[0]["fidelity"] + 0.3
+    assert not events[0]["copying"] and events[60]["copying"]
+    assert {s["nearest"] for s in events[60]["sample_metrics"]["samples"]} == {"red_circle.png"}
+    assert "diversity" in events[60] and "clip_score" in events[60]
+    log = (copy_run / "difftune.log").read_text()
+    assert "samples at step 60 look copied from the training data" in log
+    assert "samples at step 0 look copied" not in log
+
+
+def test_rows_equal_the_metrics_of_the_saved_samples(copy_run: Path,
+                                                     scorer_models: tuple) -> None:
+    dino, clip = scorer_models
+    scorers = Scorers.load(MetricsConfig(enabled=True, dino=dino, clip=clip))
+    ref = reference(scorers, [copy_run.parent / "data" / "red_circle.png"],
+                    copy_run / "cache", 0.75)
+    files = sorted((copy_run / "samples").glob("step-000030_0*.png"))
+    samples = [read_sample(p) for p in files]
+    assert [s.prompt for s in samples] == ["a red circle on a blue background"] * 2
+    again = measure(scorers, ref, samples)
+    row = _events(copy_run)[30]
+    for key in ("fidelity", "clip_score", "diversity", "nearest_similarity"):
+        assert row[key] == pytest.approx(again[key], abs=1e-6)
+
+
+def test_tensorboard_has_the_sample_scalars(copy_run: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(copy_run / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for key in ("fidelity", "clip_score", "diversity", "nearest_similarity"):
+        assert f"samples/{key}" in tags
+    assert [e.step for e in acc.Scalars("samples/fidelity")] == [0, 30, 60]

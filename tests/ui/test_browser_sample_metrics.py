@@ -1,0 +1,83 @@
+"""In a real browser, sample metrics on the run page (chart, and the figures of each measured
+step beside the checkpoint saved there) and on the compare page (one chart for the chosen runs,
+each sample card with its prompt's figures). The rows are what a run writes: the real
+`measure` of the runs' saved samples (tiny random DINOv2 and CLIP), written by the Reporter."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from difftune.config.metrics import MetricsConfig
+from difftune.report.metrics import Reporter
+from difftune.report.sample_metrics import measure, read_sample, reference
+from difftune.report.scoring import Scorers
+from tests.ui import tiny_run
+from tests.ui.browser import DEMO, UiProcess, shoot, wait_for
+
+
+def _measured(run: Path, scorers: Scorers) -> None:
+    """Append each sample event's metrics to the run's metrics.jsonl, as a run with
+    [metrics] does."""
+    ref = reference(scorers, sorted(DEMO.glob("*.png")), run / "cache", 0.95)
+    reporter = Reporter(run, tiny_run.STEPS, start_step=tiny_run.STEPS, tensorboard=False,
+                        bar=False, append=True)
+    try:
+        for step in (0, tiny_run.STEPS):
+            files = sorted((run / "samples").glob(f"step-{step:06d}_0*.png"))
+            reporter.sample_metrics(step, measure(scorers, ref, [read_sample(p) for p in files]))
+    finally:
+        reporter.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, scorer_models: tuple) -> Any:
+    root = tmp_path_factory.mktemp("ui-metrics")
+    run = tiny_run.make(tmp_path_factory)
+    scorers = Scorers.load(MetricsConfig(enabled=True, dino=scorer_models[0],
+                                         clip=scorer_models[1]))
+    for name in ("run-a", "run-b"):
+        shutil.copytree(run, root / "runs" / name)
+        _measured(root / "runs" / name, scorers)
+    ui = UiProcess(root).start()
+    yield ui
+    ui.stop()
+
+
+def _series(page: Any, testid: str) -> list[dict]:
+    return page.evaluate(f"""() => {{
+        const el = document.querySelector('[data-testid="{testid}"]');
+        return getElement(el).chart.getOption().series.map(s => ({{name: s.name,
+                                                                  n: s.data.length}}));
+    }}""")
+
+
+def test_run_page_charts_and_lists_sample_metrics(served: UiProcess, browser: Any) -> None:
+    page = browser.new_page(viewport={"width": 1400, "height": 1400})
+    try:
+        page.goto(f"{served.url}/run?path=runs/run-a")
+        table = page.get_by_test_id("sample-metrics-table")
+        wait_for("the metrics table", lambda: table.is_visible() and "step-000004"
+                 in table.inner_text())
+        series = {s["name"]: s["n"] for s in _series(page, "sample-metrics-chart")}
+        assert series == {"fidelity": 2, "nearest training image": 2, "CLIP score": 2}, series
+        rows = table.locator("tbody tr").all_inner_texts()
+        assert len(rows) == 2 and rows[0].split()[0] == "0" and "step-000004" in rows[1]
+        shoot(page, "run-sample-metrics")
+    finally:
+        page.close()
+
+
+def test_compare_page_shows_both_runs_metrics(served: UiProcess, browser: Any) -> None:
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    try:
+        page.goto(f"{served.url}/compare?runs=runs/run-a,runs/run-b")
+        wait_for("both runs' figures", lambda: page.get_by_test_id("compare-metrics-1").count())
+        names = [s["name"] for s in _series(page, "compare-metrics-chart")]
+        assert {"runs/run-a · fidelity", "runs/run-b · fidelity"} <= set(names), names
+        assert "fidelity" in page.get_by_test_id("compare-metrics-0").inner_text()
+    finally:
+        page.close()
