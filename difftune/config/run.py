@@ -14,6 +14,7 @@ from difftune.config.adapter import AdapterConfig
 from difftune.config.sections import (ModelConfig, PrecisionConfig, SampleConfig, SaveConfig,
                                       TrainConfig)
 from difftune.config.validation import ValidationConfig, validation_problems
+from difftune.config.keep_best import keep_best_problems
 from difftune.config.metrics import MetricsConfig
 
 
@@ -56,6 +57,7 @@ class RunConfig(_Section):
         problems += sharding_problems(self)
         problems += preservation_problems(self)
         problems += validation_problems(self.validation, self.train.steps)
+        problems += keep_best_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(

@@ -60,6 +60,9 @@ def sample_event(run: "Run", hooks: "Hooks", state: "TrainState", step: int,
             shared.wait()
         return
     together = every_process and dist.world > 1
+    if hooks.best is not None and hooks.best.reads_samples:  # this step's LoRA, to keep
+        with state.eval_weights(), using(state.ema, "saves"):
+            hooks.best.candidate(step, hooks.checkpoints.save_lora)
     sampler.stop = shared.poll if together else hooks.stop
     try:
         with state.eval_weights(), using(state.ema, "samples"):

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from difftune.cli import main
 from difftune.config.metrics import MetricsConfig
@@ -43,7 +44,9 @@ def copy_run(tmp_path_factory: pytest.TempPathFactory, images: Path,
              f'clip = "{clip.as_posix()}"\ncopy_similarity = 0.75\n')
     cfg = run_toml(folder, data, extra, steps=60, prompts=prompts)
     assert main(["train", str(cfg), "--no-progress", "--set", "train.batch_size=1",
-                 "--set", "train.lr=8e-3", "--set", "sample.every_n_steps=30"]) == 0
+                 "--set", "train.lr=8e-3", "--set", "sample.every_n_steps=30",
+                 "--set", "save.every_n_steps=30",
+                 "--set", "save.keep_best=0.7*fidelity + 0.3*clip_score/100"]) == 0
     return folder / "out"
 
 
@@ -79,6 +82,31 @@ def test_rows_equal_the_metrics_of_the_saved_samples(copy_run: Path,
         assert row[key] == pytest.approx(again[key], abs=1e-6)
 
 
+def test_keep_best_keeps_the_step_the_weighted_metrics_choose(copy_run: Path) -> None:
+    from safetensors.torch import load_file
+
+    events = _events(copy_run)
+    score = {s: 0.7 * e["fidelity"] + 0.3 * e["clip_score"] / 100 for s, e in events.items()}
+    best = max(score, key=score.get)
+    record = json.loads((copy_run / "best.json").read_text())
+    assert record["best_step"] == best and record["best"] == pytest.approx(score[best])
+    assert record["scores"] == {str(s): pytest.approx(v) for s, v in score.items()}
+    last = max(score)
+    assert record["margin_over_last"] == pytest.approx(score[best] - score[last])
+    kept = load_file(str(copy_run / "lora-best.safetensors"))
+    same = (copy_run / "lora.safetensors" if best == 60 else
+            copy_run / "checkpoints" / f"step-{best:06d}" / "lora.safetensors")
+    if best == 0:  # the untrained LoRA: its up factors are zero
+        assert all(not v.any() for k, v in kept.items() if "lora_B" in k or "up" in k)
+    else:
+        reference = load_file(str(same))
+        assert kept.keys() == reference.keys()
+        assert all(torch.equal(kept[k], reference[k]) for k in kept)
+    assert not (copy_run / ".best-candidates").exists()
+    log = (copy_run / "difftune.log").read_text()
+    assert f"best checkpoint by 0.7*fidelity + 0.3*clip_score/100: step {best}" in log
+
+
 def test_tensorboard_has_the_sample_scalars(copy_run: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -88,3 +116,22 @@ def test_tensorboard_has_the_sample_scalars(copy_run: Path) -> None:
     for key in ("fidelity", "clip_score", "diversity", "nearest_similarity"):
         assert f"samples/{key}" in tags
     assert [e.step for e in acc.Scalars("samples/fidelity")] == [0, 30, 60]
+
+
+def test_keep_best_by_validation_loss_keeps_its_lowest_step(tmp_path: Path,
+                                                            images: Path) -> None:
+    from safetensors.torch import load_file
+
+    cfg = run_toml(tmp_path, images, steps=4, extra="\n[validation]\nenabled = true\n"
+                   "fraction = 0.34\nevery_n_steps = 1\n")
+    assert main(["train", str(cfg), "--no-progress", "--set", "save.every_n_steps=1",
+                 "--set", "save.keep_best=val_loss"]) == 0
+    out = tmp_path / "out"
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    best = min(val, key=val.get)
+    record = json.loads((out / "best.json").read_text())
+    assert record["best_step"] == best and not record["higher_is_better"]
+    kept = load_file(str(out / "lora-best.safetensors"))
+    step = load_file(str(out / "checkpoints" / f"step-{best:06d}" / "lora.safetensors"))
+    assert all(torch.equal(kept[k], step[k]) for k in step)
