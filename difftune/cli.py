@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     request.add_argument("kind", choices=["sample", "save"], help="what to do now")
     request.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's save.dir")
     _import_parser(verbs)
+    _runs_parser(verbs)
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -91,6 +92,29 @@ def _import_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]")
     p.add_argument("--family", choices=names(), help="the model family, where FILE does not "
                    "say it")
     p.add_argument("--force", action="store_true", help="replace an existing run file")
+
+
+def _runs_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """`difftune runs rank RUN_FOLDER...`: the verb's arguments."""
+    runs = verbs.add_parser("runs", help="look across runs: rank their checkpoints",
+                            description="look across runs: rank their checkpoints")
+    what = runs.add_subparsers(dest="runs_verb", required=True)
+    text = "rank the checkpoints of one or more runs by a metric (best first)"
+    p = what.add_parser("rank", help=text, description=text)
+    p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_FOLDER")
+    p.add_argument("--by", metavar="METRIC", help="a metric or weighted combination, as "
+                   "save.keep_best (default: the run's keep_best, else fidelity, else val_loss)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--dino", type=Path, help="DINOv2 folder to measure unmeasured samples")
+    p.add_argument("--clip", type=Path, help="CLIP folder to measure unmeasured samples")
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from difftune.verbs.rank import as_json, rank, table
+
+    by, entries = rank(args.run_dirs, args.by, args.dino, args.clip)
+    print(as_json(by, entries) if args.json else "\n".join(table(by, entries)))
+    return 0
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -261,7 +285,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
-    "ui": _ui, "request": _request, "import": _import,
+    "ui": _ui, "request": _request, "import": _import, "runs": _runs,
 }
 
 

@@ -135,3 +135,45 @@ def test_keep_best_by_validation_loss_keeps_its_lowest_step(tmp_path: Path,
     kept = load_file(str(out / "lora-best.safetensors"))
     step = load_file(str(out / "checkpoints" / f"step-{best:06d}" / "lora.safetensors"))
     assert all(torch.equal(kept[k], step[k]) for k in step)
+
+
+def test_runs_rank_orders_checkpoints_by_the_runs_keep_best(
+        copy_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["runs", "rank", str(copy_run), "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    assert ranked["by"] == "0.7*fidelity + 0.3*clip_score/100"
+    events = _events(copy_run)
+    score = {s: 0.7 * events[s]["fidelity"] + 0.3 * events[s]["clip_score"] / 100
+             for s in (30, 60)}  # the steps with a LoRA (none at step 0)
+    assert [c["step"] for c in ranked["checkpoints"]] == sorted(score, key=score.get,
+                                                                 reverse=True)
+    assert all(c["score"] == pytest.approx(score[c["step"]]) and not c["measured_now"]
+               for c in ranked["checkpoints"])
+    assert main(["runs", "rank", str(copy_run), "--by", "nearest_similarity"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["#", "run", "step", "nearest_similarity"]
+    near = {s: events[s]["nearest_similarity"] for s in (30, 60)}
+    assert int(lines[1].split()[2]) == min(near, key=near.get)  # lower is better
+
+
+def test_runs_rank_measures_samples_a_run_never_measured(
+        copy_run: Path, tmp_path: Path, scorer_models: tuple,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(copy_run, bare)
+    rows = (bare / "metrics.jsonl").read_text().splitlines()
+    (bare / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if '"event"' not in r))
+    cfg = json.loads((bare / "config.resolved.json").read_text())
+    cfg["metrics"] = {"enabled": False}
+    (bare / "config.resolved.json").write_text(json.dumps(cfg))
+    assert main(["runs", "rank", str(bare), "--by", "fidelity"]) == 2
+    assert "--dino" in capsys.readouterr().err
+    dino, clip = scorer_models
+    assert main(["runs", "rank", str(bare), "--json", "--dino", str(dino),
+                 "--clip", str(clip)]) == 0
+    ranked = json.loads(capsys.readouterr().out)["checkpoints"]
+    events = _events(copy_run)
+    for c in ranked:
+        assert c["measured_now"]
+        for key in ("fidelity", "clip_score", "nearest_similarity"):
+            assert c["figures"][key] == pytest.approx(events[c["step"]][key], abs=1e-6)

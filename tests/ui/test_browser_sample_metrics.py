@@ -16,7 +16,7 @@ from difftune.report.metrics import Reporter
 from difftune.report.sample_metrics import measure, read_sample, reference
 from difftune.report.scoring import Scorers
 from tests.ui import tiny_run
-from tests.ui.browser import DEMO, UiProcess, shoot, wait_for
+from tests.ui.browser import DEMO, UiProcess, editable, shoot, wait_for
 
 
 def _measured(run: Path, scorers: Scorers) -> None:
@@ -79,5 +79,31 @@ def test_compare_page_shows_both_runs_metrics(served: UiProcess, browser: Any) -
         names = [s["name"] for s in _series(page, "compare-metrics-chart")]
         assert {"runs/run-a · fidelity", "runs/run-b · fidelity"} <= set(names), names
         assert "fidelity" in page.get_by_test_id("compare-metrics-0").inner_text()
+    finally:
+        page.close()
+
+
+def test_rank_page_shows_the_clis_ranking_with_samples(served: UiProcess, browser: Any) -> None:
+    from difftune.verbs.rank import rank
+
+    root = served.root
+    _, expected = rank([root / "runs" / "run-a", root / "runs" / "run-b"], "fidelity")
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    try:
+        page.goto(f"{served.url}/compare?runs=runs/run-a,runs/run-b")
+        page.get_by_test_id("compare-rank").click()
+        wait_for("the ranking", lambda: page.get_by_test_id("rank-entry-0").count())
+        assert editable(page, "rank-by").input_value() == "fidelity"
+        titles = [page.get_by_test_id(f"rank-title-{i}").inner_text()
+                  for i in range(len(expected))]
+        for title, e in zip(titles, expected):
+            assert f"{Path(e.run).parent.name}/{Path(e.run).name} · step {e.step}" in title
+            assert (f"fidelity = {e.score:.4f}" if e.score is not None
+                    else "unmeasured") in title
+        assert sum(e.score is not None for e in expected) == 2  # step 4 of each run
+        wait_for("a sample shown", lambda: page.get_by_test_id("rank-sample-0-0").count())
+        shoot(page, "rank")
+        page.goto(f"{served.url}/rank?runs=runs/run-a&by=fidelty")
+        assert "unknown metric 'fidelty'" in page.get_by_test_id("error").inner_text()
     finally:
         page.close()

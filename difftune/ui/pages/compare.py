@@ -93,6 +93,8 @@ class CompareView:
                 .props('use-chips data-testid="compare-runs"')
             self.raw = ui.checkbox("raw loss", on_change=self.refresh_chart) \
                 .props('data-testid="compare-raw"')
+            ui.button("Rank checkpoints", on_click=self.open_ranking) \
+                .props('flat data-testid="compare-rank"')
         self.chart = ui.echart(loss_chart({}, False)).classes("w-full h-96") \
             .props('data-testid="compare-chart"')
         self.metrics_chart = ui.echart(sample_chart_options({})).classes("w-full h-72") \
@@ -107,6 +109,11 @@ class CompareView:
         self.row = ui.row().classes("w-full gap-4 items-start") \
             .props('data-testid="compare-samples"')
         ui.timer(REFRESH_S, self.refresh_chart)
+
+    def open_ranking(self) -> None:
+        """The /rank page of the chosen runs (their checkpoints best first, with samples)."""
+        chosen = [self.label(p) for p in self.picker.value or []]
+        ui.navigate.to("/rank?runs=" + quote(",".join(chosen), safe="/,"))
 
     def label(self, path: str) -> str:
         """A run as users see it: its folder relative to its root."""
