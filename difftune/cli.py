@@ -72,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     request.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's save.dir")
     _import_parser(verbs)
     _runs_parser(verbs)
+    text = "search settings with Optuna: each trial a real train job in the web app's queue"
+    sweep = verbs.add_parser("sweep", help=text, description=text)
+    sweep.add_argument("config", type=Path, help="the run's TOML file (the trials' base)")
+    sweep.add_argument("--space", type=Path, required=True, help="the search space (TOML)")
+    sweep.add_argument("--root", type=Path, default=None, help="the web app's first root, "
+                       "whose job queue runs the trials (default: the current folder)")
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -115,6 +121,12 @@ def _runs(args: argparse.Namespace) -> int:
     by, entries = rank(args.run_dirs, args.by, args.dino, args.clip)
     print(as_json(by, entries) if args.json else "\n".join(table(by, entries)))
     return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from difftune.verbs.sweep import run_sweep
+
+    return run_sweep(args.config, args.space, args.root or Path.cwd())
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -286,6 +298,7 @@ def _ui(args: argparse.Namespace) -> int:
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
     "ui": _ui, "request": _request, "import": _import, "runs": _runs,
+    "sweep": _sweep,
 }
 
 
