@@ -81,6 +81,7 @@ class Sweep:
             trials = self.study.get_trials(deepcopy=False)
             running = [t for t in trials if t.state == state.RUNNING]
             started = [t for t in trials if t.state != state.WAITING]
+            self.write_table()  # what the web app's /sweep page shows, kept current
             if running:
                 self.follow(optuna.trial.Trial(self.study, running[0]._trial_id))
             elif len(started) < self.space.sweep.trials and (
@@ -89,6 +90,15 @@ class Sweep:
             else:
                 return 0
         return 130
+
+    def write_table(self) -> list[dict[str, Any]]:
+        """The study's table into `<save.dir>/sweep.json` (atomically); returns it."""
+        rows = table(self.study)
+        tmp = self.folder / ".sweep.json.tmp"
+        tmp.write_text(json.dumps({"metric": self.measure.text, "trials": rows}, indent=1),
+                       encoding="utf-8")
+        tmp.replace(self.folder / "sweep.json")
+        return rows
 
     def start(self, trial: Any) -> None:
         """Draw the trial's values and queue its training job."""
@@ -221,9 +231,7 @@ def run_sweep(config: Path, space_path: Path, root: Path) -> int:
         with stop_signals() as stop:
             sweep = Sweep(config.resolve(), space, queue, stop)
             code = sweep.run()
-        rows = table(sweep.study)
-        (sweep.folder / "sweep.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
-        for r in rows:
+        for r in sweep.write_table():
             value = "-" if r["value"] is None else f"{r['value']:.6g}"
             print(f"trial {r['trial']:3d}  {r['state']:9s}  {value:>12s}  {r['params']}  "
                   f"{r['best_file'] or r['run_dir']}")

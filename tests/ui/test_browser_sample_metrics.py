@@ -107,3 +107,29 @@ def test_rank_page_shows_the_clis_ranking_with_samples(served: UiProcess, browse
         assert "unknown metric 'fidelty'" in page.get_by_test_id("error").inner_text()
     finally:
         page.close()
+
+
+def test_sweep_page_lists_trials_and_opens_them_in_compare(served: UiProcess,
+                                                          browser: Any) -> None:
+    """The study table as `difftune sweep` writes it (sweep.json; its writer and the trials
+    are tests/e2e/test_sweep.py's), its trials opened side by side."""
+    import json
+
+    runs = served.root / "runs"
+    trials = [{"trial": i, "state": "complete", "params": {"train.lr": lr}, "value": 2.0 + i,
+               "run_dir": str(runs / name), "best_step": 4,
+               "best_file": str(runs / name / "demo-lora.safetensors")}
+              for i, (name, lr) in enumerate((("run-a", 0.003), ("run-b", 0.01)))]
+    (runs / "sweep.json").write_text(json.dumps({"metric": "val_loss", "trials": trials}))
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{served.url}/sweep?path=runs")
+        table = page.get_by_test_id("sweep-table")
+        wait_for("the study table", lambda: "train.lr = 0.01" in table.inner_text())
+        assert "judged by val_loss" in page.get_by_test_id("sweep-metric").inner_text()
+        assert "step 4: demo-lora.safetensors" in table.inner_text()
+        page.get_by_test_id("sweep-compare").click()
+        wait_for("both trials' samples", lambda: page.get_by_test_id("compare-sample-1").count())
+        assert "/compare?runs=runs/run-a,runs/run-b" in page.url
+    finally:
+        page.close()
