@@ -1,7 +1,7 @@
 """Step time with sample metrics on against off, sampling excluded.
 
     OMP_NUM_THREADS=1 python bench/metrics_overhead.py [--steps 120] [--every 20] [--rounds 2]
-        [--dino PATH --clip PATH] [--device cpu]
+        [--dino PATH --clip PATH] [--device cpu] [--window 5]
 
 Each run is difftune's real `train` verb on the tiny-flavor FLUX.1 transformer, batch 2, on
 the six bundled demo images, sampling the demo's six prompts every `--every` steps; the two
@@ -12,6 +12,11 @@ the difference of consecutive `time` values in metrics.jsonl; the steps whose in
 sample event (sampling itself) and the first `--every` steps (warm-up) are left out, so what
 remains is the training step, with the metrics thread working beside it in the "on" run.
 Printed: the median step time of each run and their ratio, per round, and the median ratio.
+
+On a machine whose load changes from one run to the next, the paired figure is steadier:
+one run with `[metrics]` on in which only every other event is measured (the others are
+handed to no one), comparing the `--window` steps after a measured event (the thread busy
+beside them) with those after an unmeasured one, in the same process and minutes.
 """
 
 from __future__ import annotations
@@ -55,6 +60,40 @@ def step_times(out: Path, every: int) -> list[float]:
             if s - 1 in times and s > every and (s - 1) % every != 0]
 
 
+def paired(args: argparse.Namespace, on: dict[str, Any], out: Path) -> tuple[float, float]:
+    """Median step time in the windows after measured and after unmeasured events of one run
+    that measures every other event."""
+    from difftune.report import metric_worker
+    from difftune.verbs import train as train_verb
+    from difftune.verbs.train import run_train
+
+    measured: list[int] = []
+
+    class EveryOther(metric_worker.MetricWorker):
+        """The real worker, handed every other event."""
+
+        def submit(self, step: int, samples: list[Path]) -> None:
+            if (step // args.every) % 2 == 0:
+                measured.append(step)
+                super().submit(step, samples)
+
+    real = train_verb.MetricWorker
+    train_verb.MetricWorker = EveryOther  # type: ignore[misc]
+    try:
+        run_train(config(out, args, on), show_progress=False)
+    finally:
+        train_verb.MetricWorker = real  # type: ignore[misc]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    times = {r["step"]: r["time"] for r in rows if "loss" in r}
+    busy, idle = [], []
+    for event in range(args.every, args.steps, args.every):
+        # Steps event+2 .. event+1+window: after the interval that holds the event itself.
+        window = [times[s] - times[s - 1] for s in range(event + 2, event + 2 + args.window)
+                  if s in times and s - 1 in times]
+        (busy if event in measured else idle).extend(window)
+    return statistics.median(busy), statistics.median(idle)
+
+
 def main() -> None:
     """Train off/on in each round and print the medians."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -64,6 +103,7 @@ def main() -> None:
     parser.add_argument("--dino", type=Path)
     parser.add_argument("--clip", type=Path)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--window", type=int, default=5)
     args = parser.parse_args()
     from difftune.report.tiny_scorers import save_tiny_clip, save_tiny_dino
     from difftune.verbs.train import run_train
@@ -84,6 +124,9 @@ def main() -> None:
             print(f"| {r} | {med['off']:.4f} | {med['on']:.4f} | {ratios[-1]:.3f} |",
                   flush=True)
         print(f"median on/off ratio over {args.rounds} rounds: {statistics.median(ratios):.3f}")
+        busy, idle = paired(args, on, Path(tmp) / "paired")
+        print(f"paired, one run: {args.window} steps after a measured event {busy:.4f} s, "
+              f"after an unmeasured one {idle:.4f} s: ratio {busy / idle:.3f}")
 
 
 if __name__ == "__main__":

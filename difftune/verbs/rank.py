@@ -37,7 +37,8 @@ class Entry:
     measured_now: bool = False
 
 
-def _rows(run: Path) -> list[dict[str, Any]]:
+def read_rows(run: Path) -> list[dict[str, Any]]:
+    """The complete rows of a run's metrics.jsonl (training steps and sample events)."""
     path = run / "metrics.jsonl"
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
@@ -138,7 +139,7 @@ def rank(runs: list[Path], by: str | None = None, dino: Path | None = None,
     returns the measure used and the entries."""
     entries, configs, measurer = [], {}, Measurer(dino, clip)
     for run in runs:
-        cfg, rows = _config(run), _rows(run)
+        cfg, rows = _config(run), read_rows(run)
         configs[run] = cfg
         for step, file in sorted(checkpoints(run, cfg, rows).items()):
             e = Entry(str(run), step, str(file), _figures(rows, step),

@@ -25,7 +25,7 @@ from difftune.config.load import load_config
 from difftune.config.sweep import SpaceFile, check_space, grid, overrides, read_space, render
 from difftune.config.sweep import suggest
 from difftune.errors import ConfigError
-from difftune.verbs.rank import FIGURES, _rows
+from difftune.verbs.rank import FIGURES, read_rows
 
 log = logging.getLogger("difftune")
 POLL_S = 0.5
@@ -165,7 +165,7 @@ class Sweep:
         """(step, metric) of each step of the trial's run where every named metric is
         measured."""
         by_step: dict[int, dict[str, float]] = {}
-        for row in _rows(run_dir):
+        for row in read_rows(run_dir):
             figures = {k: row[k] for k in FIGURES
                        if isinstance(row.get(k), (int, float)) and not isinstance(row[k], bool)}
             by_step.setdefault(row["step"], {}).update(figures)
