@@ -128,6 +128,7 @@ class Sweep:
                 return self.finish(trial, job, pruned)
             if not stopping and self.stop():
                 stopping = True
+                trial.set_user_attr("stopped", True)  # a rerun continues it
                 self.queue.stop(job_id)
             elif not stopping and fresh and trial.should_prune():
                 pruned = stopping = True
@@ -154,8 +155,13 @@ class Sweep:
             return
         elif job.state in ("stopped", "died") and job.checkpoints:
             trial.set_user_attr("job", self.queue.resume(job.id).id)
-        elif job.state == "cancelled":
-            trial.set_user_attr("job", self.queue.requeue(job.id).id)
+            trial.set_user_attr("stopped", False)
+        elif trial.user_attrs.get("stopped") or job.state == "cancelled":
+            # Stopped before its first checkpoint: trained again from the start, in the
+            # trial's own folder (what the stopped job left there is the sweep's, not a user's).
+            args = [*job.args, "--set", "save.overwrite=true"]
+            trial.set_user_attr("job", self.queue.submit("train", job.config, args).id)
+            trial.set_user_attr("stopped", False)
         else:
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
             log.warning("trial %d failed (job %d %s): see %s", trial.number, job.id,
