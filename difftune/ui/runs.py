@@ -171,7 +171,8 @@ class RunSummary:
 
     `eta_s` is (total - step) / it_per_s, None when the run is done or its speed unknown;
     `gpu_mem` is the last row's GPU memory figure (GiB) when the run logs one; `best_val_loss`
-    the lowest validation loss with its step (`best_val_step`); `updated` the newest
+    the lowest validation loss with its step (`best_val_step`); `best` save.keep_best's
+    winner (best.json: which step, by how much) as one line; `updated` the newest
     modification time (Unix seconds) of its metrics, config or log; `lora` the final LoRA
     file when it exists; `finished` whether it exists or the last step was logged (what
     files say; whether a process still runs is the job queue's to tell).
@@ -192,6 +193,7 @@ class RunSummary:
     family: str | None = None
     lora: str | None = None
     finished: bool = False
+    best: str | None = None  # save.keep_best's verdict (best.json), as one line
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -266,7 +268,22 @@ def summary(run_dir: Path, roots: Roots | None = None) -> RunSummary:
     vals = [(r["val_loss"], r["step"]) for r in rows if isinstance(r.get("val_loss"), float)]
     if vals:
         out.best_val_loss, out.best_val_step = min(vals)
+    out.best = _best_line(run_dir, roots)
     return out
+
+
+def _best_line(run_dir: Path, roots: Roots | None) -> str | None:
+    """save.keep_best's winner from best.json ("step 300: fidelity = 0.81, +0.05 on the last
+    measured step"), None without one."""
+    path = readable(run_dir / "best.json", run_dir, roots)
+    doc = json_object(path) if path is not None else {}
+    if not isinstance(doc.get("best_step"), int) or not isinstance(doc.get("best"), float):
+        return None
+    line = f"best: step {doc['best_step']} ({doc.get('keep_best')} = {doc['best']:.4g})"
+    margin = doc.get("margin_over_last")
+    if isinstance(margin, float) and doc.get("last_step") != doc["best_step"]:
+        line += f", {margin:.3g} better than step {doc.get('last_step')}"
+    return line
 
 
 def find_runs(roots: Roots, depth: int = 4) -> list[RunSummary]:

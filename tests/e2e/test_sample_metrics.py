@@ -103,6 +103,9 @@ def test_keep_best_keeps_the_step_the_weighted_metrics_choose(copy_run: Path) ->
         assert kept.keys() == reference.keys()
         assert all(torch.equal(kept[k], reference[k]) for k in kept)
     assert not (copy_run / ".best-candidates").exists()
+    from difftune.ui.runs import summary  # what the run page and /api/runs say
+
+    assert summary(copy_run).best.startswith(f"best: step {best} (0.7*fidelity")
     log = (copy_run / "difftune.log").read_text()
     assert f"best checkpoint by 0.7*fidelity + 0.3*clip_score/100: step {best}" in log
 

@@ -198,6 +198,8 @@ class RunView:
             bits.append(f"ETA {_duration(summary.eta_s)}")
         if summary.gpu_mem:
             bits.append(f"GPU {summary.gpu_mem:.1f} GiB")
+        if summary.best:
+            bits.append(summary.best)
         self.speed.text = " · ".join(bits)
         error = self.job.error if self.job is not None else None
         if self.shown.get("error", "") != error:
