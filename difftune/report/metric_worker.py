@@ -91,3 +91,20 @@ class MetricWorker:
 def training_images(items: list[Any]) -> list[Path]:
     """The distinct ordinary training images of a run's items (no regularization images)."""
     return list(dict.fromkeys(it.path for it in items if not it.regularization))
+
+
+def describe(cfg: MetricsConfig, training: list[Path], cache_dir: Path) -> list[str]:
+    """`check`'s line: the metric models loaded (a model that cannot load is a
+    ModelFileError now, not a warning mid-run) and the training images' features computed
+    (and cached), with the copy threshold they give and the time it took."""
+    if not cfg.enabled:
+        return ["metrics: off"]
+    import time
+
+    started = time.perf_counter()
+    scorers = Scorers.load(cfg)
+    ref = reference(scorers, training, cache_dir, cfg.copy_similarity)
+    clip = f"CLIP {cfg.clip}" if cfg.clip is not None else "no CLIP score (metrics.clip unset)"
+    return [f"metrics: on: DINOv2 {cfg.dino}, {clip}; {len(training)} training images, copy "
+            f"threshold {ref.copy_reference:.4f}; models and features ready in "
+            f"{time.perf_counter() - started:.2f} s"]

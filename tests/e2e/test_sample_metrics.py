@@ -180,3 +180,18 @@ def test_runs_rank_measures_samples_a_run_never_measured(
         assert c["measured_now"]
         for key in ("fidelity", "clip_score", "nearest_similarity"):
             assert c["figures"][key] == pytest.approx(events[c["step"]][key], abs=1e-6)
+
+
+def test_check_loads_the_metric_models_and_refuses_a_broken_one(
+        copy_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = copy_run.parent / "run.toml"
+    out = ["--set", f"save.dir={(tmp_path / 'out').as_posix()}"]
+    assert main(["check", str(cfg), "--no-progress", *out]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("ok  metrics:"))
+    assert "1 training images, copy threshold 0.7500" in line
+    broken = tmp_path / "dino"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    assert main(["check", str(cfg), "--no-progress", *out,
+                 "--set", f"metrics.dino={broken.as_posix()}"]) == 2
+    assert f"metrics.dino: {broken}" in capsys.readouterr().err
