@@ -196,11 +196,21 @@ def table(study: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def prepare(config: Path, space_path: Path) -> SpaceFile:
-    """The space, with every trial's config validated up front (ConfigError: exit 2)."""
+def prepare(config: Path, space_path: Path, root: Path) -> SpaceFile:
+    """The space, with every trial's config validated up front (ConfigError: exit 2); the run
+    file and its save.dir (the trials' parent) must lie under `root`, whose queue runs them."""
+    from difftune.ui.security import PathOutsideRoots, Roots
+
     if not config.is_file():
         raise ConfigError(f"config file {config} does not exist; pass the path of a .toml run "
                           "file")
+    try:
+        roots = Roots.of([root])
+        roots.resolve(config)
+        roots.resolve(load_config(config).save.dir, write=True)
+    except (PathOutsideRoots, ValueError) as err:
+        raise ConfigError(f"{err}; run the sweep with --root a folder holding both the run "
+                          "file and its save.dir") from None
     space = read_space(space_path)
     measure = Measure(space.sweep.metric)
     check_space(config, space, [f"save.keep_best={render(measure.text)}"])
@@ -231,7 +241,7 @@ def run_sweep(config: Path, space_path: Path, root: Path) -> int:
     """The whole sweep; prints the study's table and writes it to sweep.json."""
     from difftune.verbs.train import stop_signals
 
-    space = prepare(config, space_path)
+    space = prepare(config, space_path, root)
     queue, lock = open_queue(root)
     try:
         with stop_signals() as stop:

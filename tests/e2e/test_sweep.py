@@ -94,6 +94,7 @@ def test_sweep_prunes_resumes_after_a_kill_and_leaves_ordinary_runs(root: Path) 
     ('"adapter.rank" = { choices = [8, 0] }', "adapter.rank = 0"),
     ('"train.lr" = { low = 1e-2, high = 1e-3 }', "the range is empty"),
     ('"train.lr" = { low = 1e-4, high = 1e-2 }', "needs a finite set for train.lr"),
+    ('"train.lr" = { choices = [1e-3] }\n[sweep.x]', "sweep.x"),
 ])
 def test_a_bad_space_exits_2_before_any_trial(root: Path, space: str, said: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -102,3 +103,12 @@ def test_a_bad_space_exits_2_before_any_trial(root: Path, space: str, said: str,
                  str(root)]) == 2
     assert said in capsys.readouterr().err
     assert not (root / "out").exists() and not (root / ".difftune-ui").exists()
+
+
+def test_a_run_file_outside_the_root_exits_2(root: Path, tmp_path_factory: pytest.TempPathFactory,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    path = _space(root, '"train.lr" = { choices = [1e-3] }')
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    assert main(["sweep", str(root / "run.toml"), "--space", str(path), "--root",
+                 str(elsewhere)]) == 2
+    assert "--root" in capsys.readouterr().err
