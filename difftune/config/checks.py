@@ -295,7 +295,7 @@ def output_problems(cfg: "RunConfig") -> list[str]:
 def check_paths(cfg: "RunConfig", source: str) -> None:
     """Refuse, all at once, model files and output paths that cannot work (cheap checks of the
     file system, after relative paths were resolved)."""
-    model = model_file_problems(cfg.model) + metrics_problems(cfg.metrics)
+    model = model_file_problems(cfg.model) + metrics_problems(cfg.metrics, _cuda)
     output = output_problems(cfg)
     parts = ([("model files", model)] if model else []) + ([("output", output)] if output else [])
     if not parts:

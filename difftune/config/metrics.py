@@ -10,7 +10,7 @@ without `clip` the CLIP score is left out (a warning says so).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import Field, model_validator
 
@@ -44,8 +44,9 @@ class MetricsConfig(Section):
         return self
 
 
-def metrics_problems(m: MetricsConfig) -> list[str]:
-    """The metric model folders that cannot work (after paths were resolved)."""
+def metrics_problems(m: MetricsConfig, cuda: Callable[[], bool]) -> list[str]:
+    """The metric model folders that cannot work (after paths were resolved), and a CUDA
+    device asked for where `cuda()` says there is none."""
     if not m.enabled:
         return []
     problems = []
@@ -55,6 +56,9 @@ def metrics_problems(m: MetricsConfig) -> list[str]:
             problems.append(f"metrics.{name}: {folder} is not a model folder (no config.json); "
                             f"point it at a local {'DINOv2' if name == 'dino' else 'CLIP'} "
                             "folder saved by transformers")
+    if m.device == "cuda" and not cuda():
+        problems.append("metrics.device = \"cuda\" but this machine has no CUDA device; set "
+                        "metrics.device = \"cpu\"")
     return problems
 
 

@@ -172,6 +172,10 @@ def test_metrics_config_needs_a_dino_folder(tmp_path: Path, scorer_models: tuple
     cfg = load_config(_config(tmp_path, f'enabled = true\ndino = "{scorer_models[0]}"\n'))
     assert cfg.metrics.dino == scorer_models[0] and cfg.metrics.clip is None
     assert not load_config(_config(tmp_path, "")).metrics.enabled  # off by default
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelFileError, match=r"metrics.device = \"cuda\" but"):
+            load_config(_config(tmp_path, f'enabled = true\ndino = "{scorer_models[0]}"\n'
+                                          'device = "cuda"\n'))
 
 
 def test_a_failing_metric_model_turns_metrics_off_without_raising(
