@@ -79,6 +79,7 @@ def test_compare_page_shows_both_runs_metrics(served: UiProcess, browser: Any) -
         names = [s["name"] for s in _series(page, "compare-metrics-chart")]
         assert {"runs/run-a · fidelity", "runs/run-b · fidelity"} <= set(names), names
         assert "fidelity" in page.get_by_test_id("compare-metrics-0").inner_text()
+        shoot(page, "compare-sample-metrics")
     finally:
         page.close()
 
@@ -128,6 +129,7 @@ def test_sweep_page_lists_trials_and_opens_them_in_compare(served: UiProcess,
         wait_for("the study table", lambda: "train.lr = 0.01" in table.inner_text())
         assert "judged by val_loss" in page.get_by_test_id("sweep-metric").inner_text()
         assert "step 4: demo-lora.safetensors" in table.inner_text()
+        shoot(page, "sweep")
         page.get_by_test_id("sweep-compare").click()
         wait_for("both trials' samples", lambda: page.get_by_test_id("compare-sample-1").count())
         assert "/compare?runs=runs/run-a,runs/run-b" in page.url
