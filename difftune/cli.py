@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from difftune import __version__, cli_cluster, cli_data
+from difftune import __version__, cli_cluster, cli_data, cli_runs
 from difftune.errors import DifftuneError
 from difftune.report.logs import current_run_log, setup_console
 
@@ -82,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     cli_data.add_parsers(verbs)
     cli_cluster.add_parser(verbs)
     _lora_parser(verbs)
+    cli_runs.add_parsers(verbs)
     demo = verbs.add_parser("demo", help="train the tiny built-in model on bundled data (CPU)")
     demo.add_argument("--out", type=Path, default=Path("difftune-demo"), help="output folder")
     demo.add_argument("--steps", type=int, default=None, help="override the demo's step count")
@@ -307,6 +308,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "check": _check, "cache": _cache, "sample": _sample, "demo": _demo,
     "ui": _ui, "request": _request, "import": _import, "caption": cli_data.caption,
     "dataset": cli_data.dataset, "slurm": cli_cluster.slurm, "lora": _lora,
+    "runs": cli_runs.runs, "sweep": cli_runs.sweep,
 }
 
 

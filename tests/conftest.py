@@ -36,3 +36,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (a session fixture: one SLURM)
+
+
+@pytest.fixture(scope="session")
+def scorer_models(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """Folders of a tiny random DINOv2 and CLIP (real transformers classes, offline
+    processors): what `[metrics]` points at in tests."""
+    from difftune.report.tiny_scorers import save_tiny_clip, save_tiny_dino
+
+    base = tmp_path_factory.mktemp("scorers")
+    return save_tiny_dino(base / "dino"), save_tiny_clip(base / "clip")

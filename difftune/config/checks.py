@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from difftune.config.base import QUANT_BACKENDS
 from difftune.config.full import warn_ignored_full
+from difftune.config.metrics import metrics_problems, metrics_warnings
 from difftune.errors import ConfigError, ModelFileError
 from difftune.families import registry
 from difftune.files.names import COMFYUI_DORA, embedding_stem, name_too_long
@@ -294,7 +295,8 @@ def output_problems(cfg: "RunConfig") -> list[str]:
 def check_paths(cfg: "RunConfig", source: str) -> None:
     """Refuse, all at once, model files and output paths that cannot work (cheap checks of the
     file system, after relative paths were resolved)."""
-    model, output = model_file_problems(cfg.model), output_problems(cfg)
+    model = model_file_problems(cfg.model) + metrics_problems(cfg.metrics, _cuda)
+    output = output_problems(cfg)
     parts = ([("model files", model)] if model else []) + ([("output", output)] if output else [])
     if not parts:
         return
@@ -360,7 +362,8 @@ def cuda_only(optimizer: str) -> str:
 def warn_ignored(cfg: RunConfig) -> None:
     """One warning for each option that is set but has no effect with the rest of the config."""
     warn_ignored_full(cfg)
-    for line in optimizer_specs.warnings(cfg.train):
+    for line in optimizer_specs.warnings(cfg.train) + metrics_warnings(
+            cfg.metrics, cfg.sample.prompts is not None):
         log.warning("%s", line)
     for d, ds in enumerate(cfg.datasets):
         for i, sub in enumerate(ds.subsets):

@@ -14,6 +14,8 @@ from difftune.config.adapter import AdapterConfig
 from difftune.config.sections import (ModelConfig, PrecisionConfig, SampleConfig, SaveConfig,
                                       TrainConfig)
 from difftune.config.validation import ValidationConfig, validation_problems
+from difftune.config.keep_best import keep_best_problems
+from difftune.config.metrics import MetricsConfig
 
 
 class RunConfig(_Section):
@@ -29,6 +31,7 @@ class RunConfig(_Section):
     save: SaveConfig
     preservation: PreservationConfig = Field(default_factory=PreservationConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
@@ -54,6 +57,7 @@ class RunConfig(_Section):
         problems += sharding_problems(self)
         problems += preservation_problems(self)
         problems += validation_problems(self.validation, self.train.steps)
+        problems += keep_best_problems(self)
         every = self.save.every_n_steps
         if every is not None and every > self.train.steps:
             problems.append(

@@ -12,12 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from difftune.config import model_source
 from difftune.config.base import Beta, ClipNorm
 from difftune.config.base import Section as _Section
+from difftune.config.keep_best import Measure
 from difftune.train.optimizers import specs as optimizers
 
 DType = Literal["fp32", "fp16", "bf16"]
@@ -312,3 +313,18 @@ class SaveConfig(_Section):
         "formula; the file without the suffix is for diffusers/peft, LyCORIS and difftune.")
     overwrite: bool = Field(False, description="Allow a new run in a folder holding a "
                             "previous run's outputs (its checkpoints are removed).")
+    keep_best_mode: Literal["auto", "max", "min"] = Field(
+        "auto", description="Whether the best is the largest or smallest value (auto: the "
+        "metrics' own direction; needed when an expression mixes directions).")
+    keep_best: str | None = Field(
+        None, description="Keep <name>-best.safetensors: the LoRA of the step scoring best by "
+        "this logged metric or weighted combination (val_loss, fidelity, clip_score, "
+        "diversity, nearest_similarity; e.g. \"0.7*fidelity + 0.3*clip_score/100\").")
+
+    @field_validator("keep_best")
+    @classmethod
+    def _keep_best(cls, text: str | None, info: ValidationInfo) -> str | None:
+        """An expression of known metrics with one direction (a ValueError names why not)."""
+        if text is not None:
+            Measure(text, info.data.get("keep_best_mode", "auto"))
+        return text

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,9 @@ from typing import Any
 from tqdm import tqdm
 
 log = logging.getLogger("difftune")
+
+# The sample metrics charted (TensorBoard `samples/<name>`, the web app).
+SAMPLE_SCALARS = ("fidelity", "clip_score", "diversity", "nearest_similarity")
 
 
 class Reporter:
@@ -38,6 +42,7 @@ class Reporter:
         self.writer = (self._tensorboard(out_dir / "tensorboard", start_step if append else None)
                        if tensorboard else None)
         self._broken: set[str] = set()
+        self._write_lock = threading.Lock()  # sample metrics arrive from their own thread
 
     def _open_metrics(self, resumed_at: int | None) -> Any:
         """metrics.jsonl: a new run starts it afresh; a run resumed after step N keeps the
@@ -91,8 +96,26 @@ class Reporter:
                 self._guard("tensorboard", self._write_tb, row)
         self._guard("progress", self._update_bar, row)
 
-    def _write_jsonl(self, row: dict[str, float]) -> None:
-        self._metrics.write(json.dumps(row) + "\n")
+    def _write_jsonl(self, row: dict[str, Any]) -> None:
+        with self._write_lock:
+            self._metrics.write(json.dumps(row) + "\n")
+
+    def sample_metrics(self, step: int, m: dict[str, Any]) -> None:
+        """One sample event's metrics (report/sample_metrics.py): a metrics.jsonl row with the
+        overall figures at the top level and the details under `sample_metrics`, and
+        TensorBoard scalars `samples/<name>`. Called from the metrics thread."""
+        top = {k: v for k, v in m.items() if k not in ("prompts", "samples")}
+        row = {"step": step, "event": "samples", **top,
+               "sample_metrics": {"prompts": m["prompts"], "samples": m["samples"]}}
+        if self._metrics is not None:
+            self._guard("metrics.jsonl", self._write_jsonl, row)
+        if self.writer is not None:
+            self._guard("tensorboard", self._write_sample_tb, step, top)
+
+    def _write_sample_tb(self, step: int, top: dict[str, Any]) -> None:
+        for key in SAMPLE_SCALARS:
+            if isinstance(top.get(key), float):
+                self.writer.add_scalar(f"samples/{key}", top[key], step)
 
     def _write_tb(self, row: dict[str, float]) -> None:
         # The loss's named parts (e.g. loss_preservation) on the steps that have them.
@@ -177,6 +200,9 @@ class SilentReporter(Reporter):
         """Nothing."""
 
     def timestep_chart(self, step: int, by_t: dict[str, float]) -> None:
+        """Nothing."""
+
+    def sample_metrics(self, step: int, m: dict[str, Any]) -> None:
         """Nothing."""
 
     def close(self) -> None:

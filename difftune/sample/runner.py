@@ -23,10 +23,12 @@ import numpy as np
 import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
+from PIL.PngImagePlugin import PngInfo
 
 from difftune.cache.text_images import from_pil
 from difftune.config import SampleConfig
 from difftune.data.images import load_rgb
+from difftune.report.sample_metrics import PROMPT_KEY, SEED_KEY
 from difftune.sample.prompts import PromptSpec, parse_line, read_prompts  # noqa: F401 (re-exported)
 from difftune.train.rng import GlobalRngs
 
@@ -162,7 +164,7 @@ class SampleRunner:
                 _failed(f"sample {i} ({spec.prompt[:40]!r}) at step {step}", err)
                 continue
             path = out_dir / f"{label}_{i:02d}_{slug(spec.prompt)}.png"
-            image.save(path)
+            image.save(path, pnginfo=_sample_info(spec))
             paths.append(path)
             images.append(image)
         if images:
@@ -225,6 +227,15 @@ class SampleRunner:
             raise NonFiniteSample(f"{spec.prompt[:60]!r} ({spec.width}x{spec.height}, "
                                   f"{spec.steps} steps) came out not finite (NaN or inf)")
         return VaeImageProcessor.numpy_to_pil(image)[0]
+
+
+def _sample_info(spec: PromptSpec) -> PngInfo:
+    """The prompt and seed written into a sample PNG (what `runs rank` and the metrics read
+    back; the file name keeps only a slug of the prompt)."""
+    info = PngInfo()
+    info.add_itxt(PROMPT_KEY, spec.prompt)
+    info.add_text(SEED_KEY, str(spec.seed))
+    return info
 
 
 class NonFiniteSample(ValueError):

@@ -19,8 +19,10 @@ import torch
 
 from difftune.adapters.full import trained_parameters
 from difftune.data.sampler import Batch, BucketBatchSampler
+from difftune.report.metric_worker import MetricWorker
 from difftune.report.metrics import Reporter
 from difftune.sample.runner import SampleRunner
+from difftune.train.best import BestKeeper
 from difftune.train.checkpoint import Checkpoint, CheckpointManager
 from difftune.train.ema import Ema, using
 from difftune.train.guard import NonFiniteGuard, TrainingDiverged
@@ -42,13 +44,17 @@ log = logging.getLogger("difftune")
 @dataclass
 class Hooks:
     """What happens between steps; `stop` says a stop was asked for (SIGINT/SIGTERM);
-    `validator` measures the validation loss (None: the run has no validation set)."""
+    `validator` measures the validation loss (None: the run has no validation set);
+    `metrics` measures each sample event's images in its own thread (None: [metrics] off);
+    `best` keeps the best step's LoRA by save.keep_best (None: unset)."""
 
     reporter: Reporter
     checkpoints: CheckpointManager
     sampler: SampleRunner | None
     stop: Callable[[], bool] = lambda: False
     validator: Validator | None = None
+    metrics: MetricWorker | None = None
+    best: BestKeeper | None = None
 
 
 class StepFailed(Exception):
@@ -150,6 +156,9 @@ def _validate(run: Run, hooks: Hooks, state: TrainState, step: int,
             ev = v.evaluate()
             if v.judge(state.validation, step, ev.loss) and run.cfg.validation.keep_best:
                 hooks.checkpoints.save_lora(step, path=v.best_path(run.out))
+            if hooks.best is not None and hooks.best.reads_val:
+                hooks.best.candidate(step, hooks.checkpoints.save_lora)
+                hooks.best.record(step, {"val_loss": ev.loss})
     except Exception as err:  # a measurement never stops the run it measures
         if run.dist.world > 1:
             raise

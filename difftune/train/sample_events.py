@@ -60,10 +60,15 @@ def sample_event(run: "Run", hooks: "Hooks", state: "TrainState", step: int,
             shared.wait()
         return
     together = every_process and dist.world > 1
+    if hooks.best is not None and hooks.best.reads_samples:  # this step's LoRA, to keep
+        with state.eval_weights(), using(state.ema, "saves"):
+            hooks.best.candidate(step, hooks.checkpoints.save_lora)
     sampler.stop = shared.poll if together else hooks.stop
     try:
         with state.eval_weights(), using(state.ema, "samples"):
-            sampler.run(step)
+            written = sampler.run(step)
+        if hooks.metrics is not None:  # measured in its own thread; training goes on
+            hooks.metrics.submit(step, written)
     finally:
         if together:
             shared.release()

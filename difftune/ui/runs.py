@@ -131,14 +131,24 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def metrics(run_dir: Path, since: int = 0, roots: Roots | None = None) -> list[dict[str, Any]]:
-    """The metrics rows of `run_dir` with step > `since` (all by default), oldest first.
+    """The training-step rows of `run_dir` with step > `since` (all by default), oldest first
+    (a sample event's metrics row, written later by its own thread, is `sample_metrics`').
 
     Safe while the trainer writes: a half-written last line is left for the next call.
     Non-finite numbers come back as None; a metrics file leading outside `roots`, no rows.
     """
     path = readable(Path(run_dir) / METRICS, run_dir, roots)
     rows = _read_metrics(path) if path is not None else []
-    return [dict(r) for r in rows if r["step"] > since]
+    return [dict(r) for r in rows if r["step"] > since and "event" not in r]
+
+
+def sample_metrics(run_dir: Path, roots: Roots | None = None) -> list[dict[str, Any]]:
+    """The sample-metrics rows of `run_dir` (one per measured sample event), by step; they
+    arrive after the steps that follow their event, so they are read whole each time."""
+    path = readable(Path(run_dir) / METRICS, run_dir, roots)
+    rows = _read_metrics(path) if path is not None else []
+    return sorted((dict(r) for r in rows if r.get("event") == "samples"),
+                  key=lambda r: r["step"])
 
 
 def series(rows: list[dict[str, Any]], key: str, max_points: int = 2000) -> list[list[float]]:
@@ -161,7 +171,8 @@ class RunSummary:
 
     `eta_s` is (total - step) / it_per_s, None when the run is done or its speed unknown;
     `gpu_mem` is the last row's GPU memory figure (GiB) when the run logs one; `best_val_loss`
-    the lowest validation loss with its step (`best_val_step`); `updated` the newest
+    the lowest validation loss with its step (`best_val_step`); `best` save.keep_best's
+    winner (best.json: which step, by how much) as one line; `updated` the newest
     modification time (Unix seconds) of its metrics, config or log; `lora` the final LoRA
     file when it exists; `finished` whether it exists or the last step was logged (what
     files say; whether a process still runs is the job queue's to tell).
@@ -182,6 +193,7 @@ class RunSummary:
     family: str | None = None
     lora: str | None = None
     finished: bool = False
+    best: str | None = None  # save.keep_best's verdict (best.json), as one line
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -256,7 +268,22 @@ def summary(run_dir: Path, roots: Roots | None = None) -> RunSummary:
     vals = [(r["val_loss"], r["step"]) for r in rows if isinstance(r.get("val_loss"), float)]
     if vals:
         out.best_val_loss, out.best_val_step = min(vals)
+    out.best = _best_line(run_dir, roots)
     return out
+
+
+def _best_line(run_dir: Path, roots: Roots | None) -> str | None:
+    """save.keep_best's winner from best.json ("step 300: fidelity = 0.81, +0.05 on the last
+    measured step"), None without one."""
+    path = readable(run_dir / "best.json", run_dir, roots)
+    doc = json_object(path) if path is not None else {}
+    if not isinstance(doc.get("best_step"), int) or not isinstance(doc.get("best"), float):
+        return None
+    line = f"best: step {doc['best_step']} ({doc.get('keep_best')} = {doc['best']:.4g})"
+    margin = doc.get("margin_over_last")
+    if isinstance(margin, float) and doc.get("last_step") != doc["best_step"]:
+        line += f", {margin:.3g} better than step {doc.get('last_step')}"
+    return line
 
 
 def find_runs(roots: Roots, depth: int = 4) -> list[RunSummary]:

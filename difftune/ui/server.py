@@ -23,7 +23,7 @@ log = logging.getLogger("difftune")
 RECONNECT_S = 20.0
 
 # Page and API modules, each with `register(ctx)` (pages) or `router(ctx)` (API).
-PAGE_MODULES = ("jobs", "run", "prepare", "datasets", "compare", "lora")
+PAGE_MODULES = ("jobs", "run", "prepare", "datasets", "compare", "lora", "rank", "sweep")
 API_MODULES = ("jobs", "runs", "config", "datasets", "captioning", "lora")
 
 

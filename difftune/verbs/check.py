@@ -32,6 +32,8 @@ from difftune.train.loop import param_groups, set_training
 from difftune.train.optimizers.specs import OPTIMIZERS, parse_args, state_bytes
 from difftune.train.rundir import RunLock, refuse_overwrite
 from difftune.train.setup import Run, load_data, prepare
+from difftune.report import metric_worker
+from difftune.report.metric_worker import training_images
 from difftune.train import validation
 from difftune.train.step import batch_loss
 from difftune.verbs.common import sampler_for
@@ -148,6 +150,8 @@ def run_check(cfg: RunConfig, init_lora: Path | None = None) -> list[str]:
                   + (", ".join(flow) if flow else "nothing this step trains (its caption "
                      "uses no placeholder)"))
     report += validation.describe(run)
+    assert cfg.cache.dir is not None  # set when the config loads
+    report += metric_worker.describe(cfg.metrics, training_images(data.items), cfg.cache.dir)
     report += _placeholder_report(run)
     report += describe_captions(run)
     report += _check_sample(run)

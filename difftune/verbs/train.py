@@ -14,8 +14,11 @@ from typing import Callable, Iterator
 
 from difftune import families
 from difftune.config import RunConfig
+from difftune.config.keep_best import Measure
 from difftune.report.logs import attach_run_log
+from difftune.report.metric_worker import MetricWorker, training_images
 from difftune.report.metrics import Reporter, SilentReporter
+from difftune.train.best import BestKeeper
 from difftune.train.checkpoint import Checkpoint, CheckpointManager
 from difftune.train.dist import Dist
 from difftune.train.init_lora import load_init_lora
@@ -30,6 +33,7 @@ from difftune.train.rundir import (
     refuse_overwrite,
 )
 from difftune.train.setup import (
+    Run,
     fill_caches,
     load_data,
     prepare,
@@ -94,13 +98,45 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
                     if dist.main else SilentReporter())
         if sampler:
             sampler.reporter = reporter
+        best = best_keeper(cfg, checkpoint) if dist.main else None
+        metrics = metric_worker(run, reporter, best) if sampler else None
         try:
-            result = train(run, Hooks(reporter, ckpt, sampler, stop, validator), checkpoint)
+            result = train(run, Hooks(reporter, ckpt, sampler, stop, validator, metrics, best),
+                           checkpoint)
         finally:
+            if metrics is not None:
+                metrics.close()  # the last event's figures are written before the reporter closes
             reporter.close()
+            line = best.finish() if best is not None else None
+            if line:
+                log.info("%s", line)
             report_bad_entries(run)
     log.info("done in %.1f s: %s", time.perf_counter() - started, result.lora)
     return result
+
+
+def metric_worker(run: Run, reporter: Reporter, best: BestKeeper | None) -> MetricWorker | None:
+    """The run's sample-metrics thread ([metrics] enabled), reporting to `reporter` and to
+    the keep_best rule."""
+    m = run.cfg.metrics
+    if not m.enabled:
+        return None
+    assert run.cfg.cache.dir is not None  # set when the config loads
+
+    def measured(step: int, figures: dict) -> None:
+        reporter.sample_metrics(step, figures)
+        if best is not None:
+            best.record(step, figures)
+
+    return MetricWorker(m, training_images(run.data.items), run.cfg.cache.dir, measured)
+
+
+def best_keeper(cfg: RunConfig, checkpoint: Checkpoint | None) -> BestKeeper | None:
+    """The save.keep_best rule of the run (None when unset)."""
+    if cfg.save.keep_best is None:
+        return None
+    return BestKeeper(Measure(cfg.save.keep_best, cfg.save.keep_best_mode), cfg.save.dir,
+                      cfg.save.name, checkpoint.step if checkpoint else None)
 
 
 def _open_run(cfg: RunConfig, resume: str | None, dist: Dist,

@@ -39,6 +39,7 @@ class RunSummaryModel(BaseModel):
     family: str | None
     lora: str | None
     finished: bool
+    best: str | None
 
 
 class SampleModel(BaseModel):

@@ -19,12 +19,10 @@ from difftune.ui import run_outputs as outputs
 from difftune.ui import runs as readers
 from difftune.ui.context import UiContext
 from difftune.ui.pages.layout import frame
+from difftune.ui.pages.metric_charts import PALETTE, sample_chart_options
 from difftune.ui.security import PathOutsideRoots
 
 REFRESH_S = 5.0
-# One colour per run, shared by its curves (ECharts' default palette, in its order).
-PALETTE = ("#5470c6", "#91cc75", "#fac858", "#ee6666", "#73c0de", "#3ba272", "#fc8452",
-           "#9a60b4", "#ea7ccc")
 
 
 def sample_url(path: str) -> str:
@@ -67,6 +65,22 @@ def loss_chart(curves: dict[str, list[dict[str, Any]]], raw: bool) -> dict[str, 
             "series": series}
 
 
+def metric_line(events: list[dict[str, Any]], step: int, sample: str) -> str:
+    """The sample metrics of the prompt of one sample file at one step, as one line ("" when
+    unmeasured); the file names the prompt (the page may know only its slug)."""
+    row = next((e for e in events if e["step"] == step), None)
+    details = (row or {}).get("sample_metrics") or {}
+    name = Path(sample).name
+    prompt = next((s["prompt"] for s in details.get("samples", []) if s.get("file") == name),
+                  None)
+    figures = (details.get("prompts") or {}).get(prompt)
+    if not figures:
+        return ""
+    names = (("fidelity", "fidelity"), ("clip_score", "CLIP"), ("diversity", "diversity"))
+    return " · ".join(f"{label} {figures[k]:.3f}" for k, label in names
+                      if isinstance(figures.get(k), float))
+
+
 class CompareView:
     """The run picker, the chart, and the side-by-side samples."""
 
@@ -79,8 +93,14 @@ class CompareView:
                 .props('use-chips data-testid="compare-runs"')
             self.raw = ui.checkbox("raw loss", on_change=self.refresh_chart) \
                 .props('data-testid="compare-raw"')
+            ui.button("Rank checkpoints", on_click=self.open_ranking) \
+                .props('flat data-testid="compare-rank"')
         self.chart = ui.echart(loss_chart({}, False)).classes("w-full h-96") \
             .props('data-testid="compare-chart"')
+        self.metrics_chart = ui.echart(sample_chart_options({})).classes("w-full h-72") \
+            .props('data-testid="compare-metrics-chart"')
+        self.metrics_chart.set_visibility(False)
+        self.events: dict[str, list[dict[str, Any]]] = {}
         with ui.row().classes("w-full items-end gap-4"):
             self.prompt = ui.select([], label="Prompt", on_change=self.show_samples) \
                 .classes("grow").props('data-testid="compare-prompt"')
@@ -89,6 +109,11 @@ class CompareView:
         self.row = ui.row().classes("w-full gap-4 items-start") \
             .props('data-testid="compare-samples"')
         ui.timer(REFRESH_S, self.refresh_chart)
+
+    def open_ranking(self) -> None:
+        """The /rank page of the chosen runs (their checkpoints best first, with samples)."""
+        chosen = [self.label(p) for p in self.picker.value or []]
+        ui.navigate.to("/rank?runs=" + quote(",".join(chosen), safe="/,"))
 
     def label(self, path: str) -> str:
         """A run as users see it: its folder relative to its root."""
@@ -136,6 +161,13 @@ class CompareView:
         self.chart.options.clear()
         self.chart.options.update(loss_chart(curves, bool(self.raw.value)))
         self.chart.update()
+        self.events = {p: await run.io_bound(readers.sample_metrics, Path(p), self.ctx.roots)
+                       for p in chosen}
+        shown = {self.label(p): rows for p, rows in self.events.items() if rows}
+        self.metrics_chart.set_visibility(bool(shown))
+        self.metrics_chart.options.clear()
+        self.metrics_chart.options.update(sample_chart_options(shown))
+        self.metrics_chart.update()
 
     def show_samples(self) -> None:
         """Each chosen run's sample of the chosen prompt at the chosen step, side by side."""
@@ -155,3 +187,7 @@ class CompareView:
                     ui.image(sample_url(match.path)).classes("w-full") \
                         .props(f'data-testid="compare-sample-{i}"')
                     ui.label(f"step {step} · {prompt}").classes("text-xs text-gray-600")
+                    figures = metric_line(self.events.get(path, []), step, match.path)
+                    if figures:
+                        ui.label(figures).classes("text-xs").props(
+                            f'data-testid="compare-metrics-{i}"')

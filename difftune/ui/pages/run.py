@@ -29,6 +29,7 @@ from difftune.ui import runs
 from difftune.ui.jobs import rules
 from difftune.ui.pages.charts import loss_chart_options
 from difftune.ui.pages.layout import error_box, frame
+from difftune.ui.pages.metric_charts import SampleMetricsPanel
 from difftune.ui.pages.run_files import FilesPanel
 from difftune.ui.pages.run_samples import Gallery, SampleSets, Viewer
 from difftune.ui.pages.states import state_color
@@ -70,6 +71,7 @@ class Snapshot:
     samples: list[outputs.SampleImage]
     files: list[outputs.RunFile]
     sets: list[lora_samples.SampleSet] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # sample-metrics rows
 
 
 class RunView:
@@ -102,6 +104,7 @@ class RunView:
         self.error = ui.column().classes("w-full")
         self.chart = ui.echart(loss_chart_options([])).classes("w-full h-80") \
             .props('data-testid="loss-chart"')
+        self.sample_metrics = SampleMetricsPanel()
         with ui.expansion("Log", value=True).classes("w-full"):
             self.log = ui.log(max_lines=2000).classes("w-full h-64").props('data-testid="log"')
         self.viewer = Viewer()
@@ -136,7 +139,8 @@ class RunView:
                         [r for r in runs.metrics(self.run_dir, last, roots) if r["step"] > last],
                         log, offset, outputs.samples(self.run_dir, roots),
                         outputs.files(self.run_dir, roots),
-                        lora_samples.sample_sets(self.run_dir, roots))
+                        lora_samples.sample_sets(self.run_dir, roots),
+                        runs.sample_metrics(self.run_dir, roots))
 
     def _log_from(self, job: "Job | None", offset: int) -> tuple[str, int]:
         """The log's new whole lines from `offset` (the job's own log, or the run's
@@ -168,6 +172,10 @@ class RunView:
         if self.shown.get("files") is not snap.files or self.files.can_resume != can_resume:
             self.shown["files"] = snap.files
             self.files.update(snap.files, can_resume)
+        seen = ([(e["step"], e.get("fidelity")) for e in snap.events], id(snap.files))
+        if self.shown.get("events") != seen:
+            self.shown["events"] = seen
+            self.sample_metrics.update(snap.events, snap.files)
         sets = [(s.folder, id(s.images), s.job) for s in snap.sets]
         if self.shown.get("sets") != sets:
             self.shown["sets"] = sets
@@ -191,6 +199,8 @@ class RunView:
             bits.append(f"ETA {_duration(summary.eta_s)}")
         if summary.gpu_mem:
             bits.append(f"GPU {summary.gpu_mem:.1f} GiB")
+        if summary.best:
+            bits.append(summary.best)
         self.speed.text = " · ".join(bits)
         error = self.job.error if self.job is not None else None
         if self.shown.get("error", "") != error:

@@ -1,0 +1,154 @@
+"""`save.keep_best`: keep `<name>-best.safetensors`, the LoRA of the step that scores best.
+
+A step's score needs every metric its expression names (config/keep_best.py). The validation
+loss is known during the step; sample metrics arrive later from their own thread, when the
+weights have moved on. So at each step where a named metric is measured, the LoRA of that step
+is written as a candidate (`.best-candidates/step-N.safetensors`, in the training thread, from
+the weights the run saves); when the step's figures are complete, the candidate becomes the
+best file (an atomic rename) if it scores better, else it is deleted. `best.json` records
+every score, the winner, and by how much it beat the last measured step and the runner-up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from difftune.config.keep_best import SAMPLE_METRICS, Measure
+
+log = logging.getLogger("difftune")
+
+RECORD = "best.json"
+CANDIDATES = ".best-candidates"
+
+
+class BestKeeper:
+    """Scores measured steps by the keep_best measure and keeps the best step's LoRA."""
+
+    def __init__(self, measure: Measure, out: Path, name: str, resumed_at: int | None) -> None:
+        self.measure, self.out = measure, out
+        self.file = out / f"{name}-best.safetensors"
+        self.candidates = out / CANDIDATES
+        self.figures: dict[int, dict[str, float]] = {}
+        self.scores: dict[int, float] = {}
+        self._lock = threading.Lock()
+        shutil.rmtree(self.candidates, ignore_errors=True)  # a killed run's leftovers
+        if resumed_at is not None:
+            self._load(resumed_at)
+
+    @property
+    def reads_val(self) -> bool:
+        """Whether the measure reads the validation loss."""
+        return "val_loss" in self.measure.names
+
+    @property
+    def reads_samples(self) -> bool:
+        """Whether the measure reads sample metrics."""
+        return bool(self.measure.names & SAMPLE_METRICS)
+
+    def best_step(self) -> int | None:
+        """The step scoring best so far (None before the first complete score)."""
+        if not self.scores:
+            return None
+        key = (lambda s: self.scores[s]) if self.measure.higher else (lambda s: -self.scores[s])
+        return max(sorted(self.scores), key=key)
+
+    def candidate(self, step: int, save: Callable[..., Path]) -> None:
+        """Write the LoRA of `step` as a candidate (training thread; `save` is the checkpoint
+        manager's save_lora, called with the weights the run saves in place)."""
+        path = self.candidates / f"step-{step:06d}.safetensors"
+        if not path.exists():
+            self.candidates.mkdir(parents=True, exist_ok=True)
+            save(step, path=path)
+
+    def record(self, step: int, figures: dict[str, Any]) -> None:
+        """Add measured figures of `step` (any thread); once they are complete, score the step
+        and keep its candidate if it is the best."""
+        with self._lock:
+            have = self.figures.setdefault(step, {})
+            have.update({k: float(v) for k, v in figures.items()
+                         if k in self.measure.names and isinstance(v, (int, float))})
+            if not self.measure.names <= set(have) or step in self.scores:
+                return
+            try:
+                score = self.measure.value(have)
+            except ZeroDivisionError:
+                score = math.nan
+            candidate = self.candidates / f"step-{step:06d}.safetensors"
+            if not math.isfinite(score):
+                log.warning("keep_best: %s is not finite at step %d; step skipped",
+                            self.measure.text, step)
+                candidate.unlink(missing_ok=True)
+                return
+            previous = self.best_step()
+            self.scores[step] = score
+            if self.best_step() == step and candidate.is_file():
+                os.replace(candidate, self.file)
+                log.info("keep_best: step %d is the best so far (%s = %.6g): %s", step,
+                         self.measure.text, score, self.file.name)
+            elif self.best_step() == step:  # no candidate: the scores say so, the file cannot
+                self.scores.pop(step)
+                log.warning("keep_best: no LoRA of step %d was kept to compare (step skipped)",
+                            step)
+            else:
+                candidate.unlink(missing_ok=True)
+            if self.best_step() != previous:
+                self._write()
+
+    def summary(self) -> dict[str, Any]:
+        """Which step won, its score, and its margin over the last measured step and the
+        runner-up (what best.json and the run's last log line say)."""
+        best = self.best_step()
+        out: dict[str, Any] = {"keep_best": self.measure.text,
+                               "higher_is_better": self.measure.higher,
+                               "scores": {str(k): v for k, v in sorted(self.scores.items())}}
+        if best is None:
+            return out
+        sign = 1 if self.measure.higher else -1
+        last = max(self.scores)
+        others = [s for s in self.scores if s != best]
+        runner = max(others, key=lambda s: sign * self.scores[s]) if others else None
+        out.update(best_step=best, best=self.scores[best], file=self.file.name, last_step=last,
+                   margin_over_last=sign * (self.scores[best] - self.scores[last]))
+        if runner is not None:
+            out.update(runner_up_step=runner,
+                       margin_over_runner_up=sign * (self.scores[best] - self.scores[runner]))
+        return out
+
+    def finish(self) -> str | None:
+        """Write best.json, drop the candidates left, and return the summary line."""
+        shutil.rmtree(self.candidates, ignore_errors=True)
+        self._write()
+        s = self.summary()
+        if "best_step" not in s:
+            return None
+        line = (f"best checkpoint by {s['keep_best']}: step {s['best_step']} "
+                f"({s['best']:.6g}), {s['file']}")
+        if s["last_step"] != s["best_step"]:
+            line += (f"; {s['margin_over_last']:.4g} better than the last measured step "
+                     f"({s['last_step']})")
+        if "runner_up_step" in s:
+            line += (f"; {s['margin_over_runner_up']:.4g} better than the runner-up "
+                     f"(step {s['runner_up_step']})")
+        return line
+
+    def _write(self) -> None:
+        tmp = self.out / f".{RECORD}.tmp"
+        tmp.write_text(json.dumps(self.summary(), indent=1), encoding="utf-8")
+        os.replace(tmp, self.out / RECORD)
+
+    def _load(self, resumed_at: int) -> None:
+        """A resumed run keeps the scores of the steps up to its checkpoint."""
+        try:
+            data = json.loads((self.out / RECORD).read_text(encoding="utf-8"))
+            if data.get("keep_best") == self.measure.text:
+                self.scores = {int(k): float(v) for k, v in data.get("scores", {}).items()
+                               if int(k) <= resumed_at}
+        except (OSError, ValueError, TypeError, AttributeError):
+            self.scores = {}

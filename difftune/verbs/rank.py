@@ -1,0 +1,180 @@
+"""`difftune runs rank RUN_FOLDER...`: the checkpoints of one or more runs, best first.
+
+A checkpoint is a step with a saved LoRA (`checkpoints/step-N`, `<name>-stepN.safetensors`, the
+final `<name>.safetensors`). Its figures are what metrics.jsonl holds for that step (the
+validation loss, the sample metrics); where samples of that step were saved but never measured
+(a run without `[metrics]`), they are measured now from the PNGs, with the run's metric models
+or the ones given (`--dino`, `--clip`). The measure is any keep_best expression (`--by`; default:
+the run's save.keep_best, else fidelity where measured, else val_loss).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from difftune.config.keep_best import SAMPLE_METRICS, Measure
+from difftune.errors import ConfigError
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_FILE = re.compile(r"-step(\d+)\.safetensors$")
+FIGURES = ("val_loss", "fidelity", "clip_score", "diversity", "nearest_similarity")
+
+
+@dataclass
+class Entry:
+    """One checkpoint of one run: its LoRA file, figures, score (None: unmeasured), samples."""
+
+    run: str
+    step: int
+    file: str
+    figures: dict[str, float] = field(default_factory=dict)
+    score: float | None = None
+    samples: list[str] = field(default_factory=list)
+    measured_now: bool = False
+
+
+def read_rows(run: Path) -> list[dict[str, Any]]:
+    """The complete rows of a run's metrics.jsonl (training steps and sample events)."""
+    path = run / "metrics.jsonl"
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
+def _config(run: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run / "config.resolved.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{run} is not a run folder (config.resolved.json: {err}); pass a "
+                          "run's save.dir") from None
+
+
+def checkpoints(run: Path, cfg: dict[str, Any], rows: list[dict[str, Any]]) -> dict[int, Path]:
+    """Every step with a saved LoRA, and that file (a step's own file before a checkpoint's)."""
+    name = cfg.get("save", {}).get("name", "lora")
+    found: dict[int, Path] = {}
+    ckpts = run / "checkpoints"
+    for folder in sorted(ckpts.iterdir()) if ckpts.is_dir() else []:
+        m = STEP_DIR.match(folder.name)
+        if m and (folder / f"{name}.safetensors").is_file():
+            found[int(m.group(1))] = folder / f"{name}.safetensors"
+    for path in sorted(run.glob(f"{name}-step*.safetensors")):
+        if (m := STEP_FILE.search(path.name)) and not path.name.endswith("-comfyui.safetensors"):
+            found[int(m.group(1))] = path
+    final = run / f"{name}.safetensors"
+    steps = [r["step"] for r in rows if "loss" in r]
+    if final.is_file():
+        found[max(steps) if steps else int(cfg.get("train", {}).get("steps", 0))] = final
+    return found
+
+
+def _figures(rows: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """What metrics.jsonl measured at `step` (the last row of each kind wins)."""
+    out: dict[str, float] = {}
+    for row in rows:
+        if row["step"] == step:
+            out.update({k: float(row[k]) for k in FIGURES if isinstance(row.get(k), (int, float))
+                        and not isinstance(row.get(k), bool)})
+    return out
+
+
+def _samples(run: Path, step: int) -> list[Path]:
+    return sorted(p for p in (run / "samples").glob(f"step-{step:06d}_*.png")
+                  if not p.name.endswith("_grid.png"))
+
+
+class Measurer:
+    """Measures saved samples of a run that metrics.jsonl lacks (models loaded once a run)."""
+
+    def __init__(self, dino: Path | None, clip: Path | None) -> None:
+        self.dino, self.clip = dino, clip
+
+    def measure(self, run: Path, cfg: dict[str, Any], samples: list[Path]) -> dict[str, Any]:
+        """The sample metrics of `samples` against the run's training images."""
+        from difftune import families
+        from difftune.config import parse_config
+        from difftune.config.metrics import MetricsConfig
+        from difftune.report.metric_worker import training_images
+        from difftune.report.sample_metrics import measure, read_sample, reference
+        from difftune.report.scoring import Scorers
+        from difftune.train.setup import load_data
+
+        m = cfg.get("metrics", {})
+        dino = self.dino or (Path(m["dino"]) if m.get("dino") else None)
+        clip = self.clip or (Path(m["clip"]) if m.get("clip") else None)
+        if dino is None:
+            raise ConfigError(f"{run}: samples to measure but no DINOv2 folder; pass --dino "
+                              "PATH (and --clip PATH for the CLIP score)")
+        # Only its datasets are needed here: what the metrics and keep_best need is not.
+        bare = {**cfg, "metrics": {}, "save": {**cfg.get("save", {}), "keep_best": None}}
+        run_cfg = parse_config(bare, run, str(run / "config.resolved.json"))
+        data = load_data(run_cfg, families.get(run_cfg.model.family, run_cfg.model.variant))
+        scorers = Scorers.load(MetricsConfig(enabled=True, dino=dino, clip=clip))
+        assert run_cfg.cache.dir is not None
+        ref = reference(scorers, training_images(data.items), run_cfg.cache.dir,
+                        float(m.get("copy_similarity", 0.95)))
+        return measure(scorers, ref, [read_sample(p) for p in samples])
+
+
+def _default_by(cfg: dict[str, Any], entries: list[Entry]) -> str:
+    kept = cfg.get("save", {}).get("keep_best")
+    if kept:
+        return kept
+    return "fidelity" if any("fidelity" in e.figures for e in entries) else "val_loss"
+
+
+def rank(runs: list[Path], by: str | None = None, dino: Path | None = None,
+         clip: Path | None = None) -> tuple[str, list[Entry]]:
+    """Every checkpoint of `runs`, measured where needed, best first (unmeasured last);
+    returns the measure used and the entries."""
+    entries, configs, measurer = [], {}, Measurer(dino, clip)
+    for run in runs:
+        cfg, rows = _config(run), read_rows(run)
+        configs[run] = cfg
+        for step, file in sorted(checkpoints(run, cfg, rows).items()):
+            e = Entry(str(run), step, str(file), _figures(rows, step),
+                      samples=[str(p) for p in _samples(run, step)])
+            if e.samples and not SAMPLE_METRICS & set(e.figures):
+                m = measurer.measure(run, cfg, [Path(p) for p in e.samples])
+                e.figures.update({k: float(m[k]) for k in FIGURES if isinstance(m.get(k), float)})
+                e.measured_now = True
+            entries.append(e)
+    text = by or _default_by(configs[runs[0]], entries)
+    try:
+        measure = Measure(text)
+    except ValueError as err:
+        raise ConfigError(f"--by {text!r}: {err}") from None
+    for e in entries:
+        if measure.names <= set(e.figures):
+            e.score = measure.value(e.figures)
+    sign = -1.0 if measure.higher else 1.0
+    entries.sort(key=lambda e: (e.score is None, sign * (e.score or 0.0), e.run, e.step))
+    return text, entries
+
+
+def as_json(by: str, entries: list[Entry]) -> str:
+    """The ranking as JSON: the measure and the entries, best first."""
+    return json.dumps({"by": by, "checkpoints": [asdict(e) for e in entries]}, indent=1)
+
+
+def table(by: str, entries: list[Entry]) -> list[str]:
+    """The ranking as aligned text lines."""
+    head = ["#", "run", "step", by, *FIGURES, "file"]
+    lines = [head]
+    for i, e in enumerate(entries, 1):
+        fig = [f"{e.figures[k]:.4f}" if k in e.figures else "-" for k in FIGURES]
+        lines.append([str(i) if e.score is not None else "-", e.run, str(e.step),
+                      f"{e.score:.4f}" if e.score is not None else "unmeasured", *fig,
+                      Path(e.file).name])
+    widths = [max(len(row[c]) for row in lines) for c in range(len(head))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines]

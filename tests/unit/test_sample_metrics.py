@@ -1,0 +1,198 @@
+"""Sample metrics (report/sample_metrics.py) against a direct computation with the tiny random
+DINOv2 and CLIP models, the training-feature cache, the copy rule, and `[metrics]` config."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+from difftune.config.metrics import MetricsConfig
+from difftune.report.sample_metrics import (PROMPT_KEY, copy_warning, measure, read_sample,
+                                            reference)
+from difftune.report.scoring import Scorers
+from difftune.verbs.demo import demo_dir
+
+DEMO = sorted(demo_dir().glob("*.png"))
+
+
+def _sample(path: Path, image: Image.Image, prompt: str) -> Path:
+    """A sample PNG as the runner writes it (the prompt in a text chunk)."""
+    info = PngInfo()
+    info.add_itxt(PROMPT_KEY, prompt)
+    image.save(path, pnginfo=info)
+    return path
+
+
+def _noisy(path: Path, seed: int, amount: float = 12.0) -> Image.Image:
+    """A copy of an image as a sampler would make one: the same picture, not the same bytes."""
+    with Image.open(path) as im:
+        pixels = np.asarray(im.convert("RGB"), dtype=np.float32)
+    pixels = pixels + np.random.default_rng(seed).normal(0, amount, pixels.shape)
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+@pytest.fixture()
+def scorers(scorer_models: tuple) -> Scorers:
+    dino, clip = scorer_models
+    return Scorers.load(MetricsConfig(enabled=True, dino=dino, clip=clip))
+
+
+def _direct(scorer_models: tuple, samples: list[Path], prompts: list[str],
+            training: list[Path]) -> dict:
+    """The figures computed straight from the transformers models' own forward passes."""
+    from transformers import AutoImageProcessor, AutoModel, AutoProcessor
+
+    dino_dir, clip_dir = scorer_models
+    dino, dproc = AutoModel.from_pretrained(dino_dir), AutoImageProcessor.from_pretrained(dino_dir)
+    clip, cproc = AutoModel.from_pretrained(clip_dir), AutoProcessor.from_pretrained(clip_dir)
+    rgb = lambda ps: [Image.open(p).convert("RGB") for p in ps]  # noqa: E731
+    with torch.no_grad():
+        s = dino(**dproc(images=rgb(samples), return_tensors="pt")).pooler_output.numpy()
+        t = dino(**dproc(images=rgb(training), return_tensors="pt")).pooler_output.numpy()
+        out = clip(**cproc(text=prompts, images=rgb(samples), return_tensors="pt",
+                           padding=True))
+        cos = (out.logits_per_image / clip.logit_scale.exp()).numpy()
+    s = s / np.linalg.norm(s, axis=1, keepdims=True)
+    t = t / np.linalg.norm(t, axis=1, keepdims=True)
+    sims = s @ t.T
+    clip_scores = [100 * max(float(cos[i, i]), 0.0) for i in range(len(samples))]
+    return {"sims": sims, "clip": clip_scores, "features": s}
+
+
+def test_metrics_equal_a_direct_computation(tmp_path: Path, scorers: Scorers,
+                                            scorer_models: tuple) -> None:
+    training = DEMO[:4]
+    prompts = ["a red circle", "a red circle", "a pink ring", "a pink ring", "stripes"]
+    images = [_noisy(DEMO[0], 1), _noisy(DEMO[1], 2), _noisy(DEMO[4], 3), _noisy(DEMO[5], 4),
+              _noisy(DEMO[2], 5)]
+    paths = [_sample(tmp_path / f"s{i}.png", im, p)
+             for i, (im, p) in enumerate(zip(images, prompts))]
+    ref = reference(scorers, training, tmp_path / "cache", 0.95)
+    m = measure(scorers, ref, [read_sample(p) for p in paths])
+    d = _direct(scorer_models, paths, prompts, training)
+    sims = d["sims"]
+    for i, row in enumerate(m["samples"]):
+        assert row["prompt"] == prompts[i]
+        assert row["fidelity"] == pytest.approx(sims[i].mean(), abs=1e-5)
+        assert row["nearest"] == training[int(sims[i].argmax())].name
+        assert row["nearest_similarity"] == pytest.approx(sims[i].max(), abs=1e-5)
+        assert row["clip_score"] == pytest.approx(d["clip"][i], abs=1e-3)
+    assert 0 in d["clip"] or min(d["clip"]) > 0  # the floor at 0 is CLIPScore's
+    assert m["fidelity"] == pytest.approx(sims.mean(), abs=1e-5)
+    assert m["clip_score"] == pytest.approx(np.mean(d["clip"]), abs=1e-3)
+    ring = m["prompts"]["a pink ring"]
+    assert ring["fidelity"] == pytest.approx(sims[2:4].mean(), abs=1e-5)
+    f = d["features"]
+    assert ring["diversity"] == pytest.approx(float(f[2] @ f[3]), abs=1e-5)
+    assert "diversity" not in m["prompts"]["stripes"]  # one seed: no pair
+    pairs = [float(f[0] @ f[1]), float(f[2] @ f[3])]
+    assert m["diversity"] == pytest.approx(np.mean(pairs), abs=1e-5)
+    t = _direct(scorer_models, training, ["x"] * 4, training)["features"]
+    closest = max(float(t[i] @ t[j]) for i, j in itertools.combinations(range(4), 2))
+    assert m["copy_reference"] == pytest.approx(closest, abs=1e-5)
+
+
+def test_training_features_are_cached_by_content(tmp_path: Path, scorers: Scorers) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    training = []
+    for p in DEMO[:3]:
+        training.append(folder / p.name)
+        training[-1].write_bytes(p.read_bytes())
+    cache = tmp_path / "cache"
+    first = reference(scorers, training, cache, 0.95)
+    entries = lambda: sorted(cache.rglob("*.safetensors"))  # noqa: E731
+    assert len(entries()) == 3
+    stamps = [e.stat().st_mtime_ns for e in entries()]
+    again = reference(scorers, training, cache, 0.95)
+    assert torch.equal(first.features, again.features)
+    assert [e.stat().st_mtime_ns for e in entries()] == stamps  # read, not rewritten
+    _noisy(DEMO[0], 9).save(training[0])  # an edited image is a new entry
+    edited = reference(scorers, training, cache, 0.95)
+    assert len(entries()) == 4
+    assert not torch.equal(edited.features[0], first.features[0])
+    assert torch.equal(edited.features[1:], first.features[1:])
+
+
+def test_copies_are_flagged_and_new_images_of_the_kind_are_not(tmp_path: Path,
+                                                              scorers: Scorers) -> None:
+    """The rule on real (tiny random) features: two demo shapes not trained on (stripes, a
+    ring) are new pictures of the same kind and stay below the closest training pair (the
+    cross and the triangle, 0.74 under the tiny model); a noised copy of a training image
+    comes closer to it than any two training images come to each other."""
+    by_name = {p.stem: p for p in DEMO}
+    training = [by_name[n] for n in ("cyan_cross", "red_circle", "white_triangle",
+                                     "yellow_square")]
+    ref = reference(scorers, training, tmp_path / "cache", 0.95)
+    new = [_sample(tmp_path / f"new{i}.png", Image.open(by_name[n]).convert("RGB"), "a shape")
+           for i, n in enumerate(("orange_stripes", "pink_ring"))]
+    learned = measure(scorers, ref, [read_sample(p) for p in new])
+    assert not learned["copying"] and copy_warning(10, learned) is None
+    copy = _sample(tmp_path / "copy.png", _noisy(by_name["red_circle"], 7), "a shape")
+    copied = measure(scorers, ref, [read_sample(p) for p in [*new, copy]])
+    assert copied["copying"]
+    warning = copy_warning(10, copied)
+    assert warning is not None and "copy.png" in warning and "red_circle.png" in warning
+
+
+def test_one_training_image_uses_the_configured_threshold(tmp_path: Path,
+                                                         scorers: Scorers) -> None:
+    ref = reference(scorers, [DEMO[0], DEMO[0]], tmp_path / "cache", 0.9)
+    assert ref.copy_reference == 0.9  # the same image twice is no pair
+
+
+def test_without_clip_there_is_no_clip_score(tmp_path: Path, scorer_models: tuple) -> None:
+    scorers = Scorers.load(MetricsConfig(enabled=True, dino=scorer_models[0]))
+    ref = reference(scorers, DEMO[:2], tmp_path / "cache", 0.95)
+    m = measure(scorers, ref, [read_sample(_sample(tmp_path / "a.png", _noisy(DEMO[3], 1), "x"))])
+    assert "clip_score" not in m and "clip_score" not in m["samples"][0]
+
+
+def _config(tmp_path: Path, metrics: str) -> Path:
+    from tests.unit.test_config import GOOD, write
+
+    return write(tmp_path, GOOD + "\n[sample]\nprompts = \"p.txt\"\n\n[metrics]\n" + metrics)
+
+
+def test_metrics_config_needs_a_dino_folder(tmp_path: Path, scorer_models: tuple) -> None:
+    from difftune.config import load_config
+    from difftune.errors import ConfigError, ModelFileError
+
+    with pytest.raises(ConfigError, match=r"metrics.*needs metrics.dino"):
+        load_config(_config(tmp_path, "enabled = true\n"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelFileError, match=r"metrics.dino: .*empty is not a model folder"):
+        load_config(_config(tmp_path, 'enabled = true\ndino = "empty"\n'))
+    cfg = load_config(_config(tmp_path, f'enabled = true\ndino = "{scorer_models[0]}"\n'))
+    assert cfg.metrics.dino == scorer_models[0] and cfg.metrics.clip is None
+    assert not load_config(_config(tmp_path, "")).metrics.enabled  # off by default
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelFileError, match=r"metrics.device = \"cuda\" but"):
+            load_config(_config(tmp_path, f'enabled = true\ndino = "{scorer_models[0]}"\n'
+                                          'device = "cuda"\n'))
+
+
+def test_a_failing_metric_model_turns_metrics_off_without_raising(
+        tmp_path: Path, scorer_models: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    from difftune.report.metric_worker import MetricWorker
+
+    broken = tmp_path / "dino"
+    broken.mkdir()
+    (broken / "config.json").write_text((scorer_models[0] / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    got: list[int] = []
+    worker = MetricWorker(MetricsConfig(enabled=True, dino=broken), DEMO[:2], tmp_path / "c",
+                          lambda step, m: got.append(step))
+    sample = _sample(tmp_path / "s.png", _noisy(DEMO[0], 1), "x")
+    worker.submit(2, [sample])
+    worker.submit(4, [sample])
+    worker.close()
+    assert got == []
+    assert sum("sample metrics are off (training goes on)" in r.getMessage()
+               for r in caplog.records) == 1
