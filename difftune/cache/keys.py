@@ -40,11 +40,13 @@ def file_hash(path: Path) -> str:
 def latent_fields(
     family: str, fingerprint: str, dtype: str, image: Path,
     bucket: tuple[int, int], box: tuple[int, int, int, int], flip: bool,
-    mask: Path | None = None, alpha_mask: bool = False,
+    mask: Path | None = None, alpha_mask: bool = False, clip: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The inputs that decide a latent entry (also stored as the entry's metadata). A masked
     item's entry holds its mask too: the mask file's content (or the alpha-mask flag, the
-    image's content being there already) is part of its key; unmasked keys stay as they were."""
+    image's content being there already) is part of its key; unmasked keys stay as they were.
+    A video clip's entry adds its start frame, frame count and frame rate (`clip`) to the
+    file's hash, size and model; an image's key has no such field and is unchanged."""
     fields = {
         "kind": "latent", "family": family, "model": fingerprint, "dtype": dtype,
         "image_sha256": file_hash(image), "bucket": list(bucket), "box": list(box),
@@ -54,6 +56,8 @@ def latent_fields(
         fields["mask_sha256"] = file_hash(mask)
     if alpha_mask:
         fields["alpha_mask"] = True
+    if clip is not None:
+        fields["clip"] = clip
     return fields
 
 

@@ -164,6 +164,14 @@ def load_pixels(
     """
     with strict_decoding(), Image.open(path) as raw:
         img = _to_rgb(ImageOps.exif_transpose(raw))
+    return fit_pixels(img, bucket, box, flip, path)
+
+
+def fit_pixels(img: Image.Image, bucket: Bucket, box: tuple[int, int, int, int], flip: bool,
+               path: Path) -> torch.Tensor:
+    """An upright RGB image (an image file's, or a video frame) -> (3, H, W) float32 in
+    [-1, 1]: LANCZOS resize to cover `bucket`, crop `box`, mirror when `flip`. `path` names
+    the file in errors."""
     why = upscale_problem(img.size, bucket)
     if why:
         raise DataError(f"image {path}: {why}")

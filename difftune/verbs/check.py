@@ -90,6 +90,10 @@ def _describe_data(data: DataSet) -> list[str]:
     else:
         lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
     lines += masks.describe(data.items)
+    if "clips" in s:
+        lines.append(f"  clips: {s['clips']} from {s['videos']} video(s), buckets "
+                     "WxHxframes")
+    lines += [f"  {note}" for note in data.notes]
     lines += [f"  skipped {p}: {why}" for p, why in data.skipped]
     return lines
 

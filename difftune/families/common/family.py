@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
+from difftune.errors import DataError
 from difftune.families.base import Components, ModelSpec, TextEmbeds
 from difftune.families.common import text
 from difftune.families.common.kohya import has_original_prefix, original_to_kohya
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 FACTS = ("name", "text_encoders", "bucket_step", "denoiser_prefix", "default_cfg",
          "text_encoder_prefixes", "keep_high", "swap_blocks", "compile_blocks", "default_format",
          "control_images", "lycoris_prefix", "conv_targets", "lycoris_renames", "lora_unread",
-         "formats")
+         "formats", "frame_rule", "fps")
 
 
 def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -200,6 +201,12 @@ class FamilyBase:
         return FlowMatching(cfg, scheduler_shift(c.scheduler.config))
 
     @torch.no_grad()
+    def encode_clips(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """Refused: a family without a `frame_rule` trains images only (`data.build` skips
+        its video files, so this is reached only by code that ignored that)."""
+        raise DataError(f"model.family = \"{self.name}\" trains images only; it has no "
+                        "frame axis for video clips")
+
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels in [-1, 1] -> latents normalized with the VAE's shift and scaling factors."""
         vae = c.vae

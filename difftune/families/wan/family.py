@@ -73,16 +73,22 @@ class WanFamily(FamilyBase):
         VAE, its frame axis dropped."""
         return frame_vae.encode(c.vae, pixels)
 
+    @torch.no_grad()
+    def encode_clips(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """Clips (B, 3, F, H, W) in [-1, 1] -> normalized (B, 16, (F - 1) / 4 + 1, h, w)."""
+        return frame_vae.encode_clip(c.vae, pixels)
+
     def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
                 cond: Conditioning) -> torch.Tensor:
         """Velocity (noise - x0) for noisy latents at t in [0, 1] (1 = pure noise), as
-        WanPipeline calls the transformer: one frame, timestep = sigma x 1000 (in float32, as
+        WanPipeline calls the transformer: an image as one frame, timestep = sigma x 1000 (in float32, as
         the time embedding computes it), the prompt padded to 512 positions."""
-        dtype = noisy.dtype
-        out = c.denoiser(hidden_states=noisy.unsqueeze(2), timestep=(t.float() * 1000),
+        dtype, image = noisy.dtype, noisy.dim() == 4  # a clip is (B, C, f, h, w) already
+        out = c.denoiser(hidden_states=noisy.unsqueeze(2) if image else noisy,
+                         timestep=(t.float() * 1000),
                          encoder_hidden_states=padded_prompt(embeds, self._length).to(dtype),
                          return_dict=False)[0]
-        return out.squeeze(2)
+        return out.squeeze(2) if image else out
 
     def pipeline(self, c: Components) -> "DiffusionPipeline":
         """WanPipeline over the components; the 2.2 low-noise expert as its `transformer_2`,

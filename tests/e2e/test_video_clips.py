@@ -1,0 +1,85 @@
+"""Video clips through the real CLI on the tiny Wan flavor: `check`'s bucket, frame-rate and
+skip reports (a source at another rate, a corrupt video, one shorter than every frame count,
+one without a caption), clip training with latents that carry a frame axis, and exact resume.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftune.cli import main
+from tests.videos import write_video
+
+from .conftest import assert_same_lora, run_toml, stopped_and_resumed
+
+CLIPS = 'frames = [6, 9]\nclips = "chunks"\n'
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two usable videos (one at 24 fps, resampled to Wan's 16), mixed with an image, and
+    three that are skipped: corrupt, too short, no caption."""
+    folder = tmp_path_factory.mktemp("videos")
+    write_video(folder / "fast.mp4", 30, fps=24)
+    write_video(folder / "plain.webm", 12, fps=16, caption="a bar in webm")
+    write_video(folder / "short.mp4", 3)
+    write_video(folder / "silent.mp4", 12, caption=None)
+    (folder / "broken.mp4").write_bytes(b"not a video" * 40)
+    (folder / "broken.txt").write_text("broken", encoding="utf-8")
+    from PIL import Image
+
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(folder / "still.png")
+    (folder / "still.txt").write_text("a red still", encoding="utf-8")
+    return folder
+
+
+def _config(folder: Path, data: Path, steps: int = 4) -> Path:
+    """A tiny Wan run on `data` with clips of 5 or 9 frames taken in chunks."""
+    cfg = run_toml(folder, data, family="wan", steps=steps, fmt=None)
+    text = cfg.read_text(encoding="utf-8").replace("max_side = 128\n", "max_side = 128\n" + CLIPS)
+    cfg.write_text(text, encoding="utf-8")
+    return cfg
+
+
+def test_check_reports_buckets_rates_and_skipped_clips(
+        videos: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(_config(tmp_path, videos))]) == 0
+    out = capsys.readouterr().out
+    # 30 frames at 24 fps = 20 at 16: two 9-frame chunks; 12 at 16 fps: one; the image: F=1.
+    assert "dataset: 1 images" in out and "bucket 80x48x9: 3" in out and "bucket 80x48: 1" in out
+    assert "clips: 3 from 2 video(s)" in out
+    assert "frames rounded down to 4N+1" in out and "6 -> 5" in out
+    assert f"{videos / 'fast.mp4'}: 24 fps resampled to 16 fps" in out
+    assert "plain.webm: 16 fps" not in out
+    skipped = {line.split(": ", 1)[0].split("/")[-1]: line for line in out.splitlines()
+               if line.strip().startswith("skipped")}
+    assert "unreadable video" in skipped["broken.mp4"]
+    assert "too short: 3 frames" in skipped["short.mp4"]
+    assert "no caption" in skipped["silent.mp4"]
+
+
+def test_clips_train_with_a_frame_axis_and_resume_exactly(
+        videos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clips and an image train in one run; the cached clip latents are (16, 3, h, w): 9
+    frames fold into 3 latent frames. Stopped after step 2 and resumed, the run matches one
+    that went through."""
+    from difftune.cache.sources import LatentSource
+
+    shapes: list[tuple[int, ...]] = []
+    real = LatentSource._encode
+
+    def recording(self: LatentSource, item: object, box: object, flip: bool) -> dict:
+        entry = real(self, item, box, flip)  # type: ignore[arg-type]
+        shapes.append(tuple(entry["latent"].shape))
+        return entry
+
+    monkeypatch.setattr(LatentSource, "_encode", recording)
+    a, b = _config(tmp_path / "a", videos), _config(tmp_path / "b", videos)
+    whole, resumed = stopped_and_resumed(a, b, monkeypatch, 2)
+    assert set(shapes) == {(16, 6, 10), (16, 3, 6, 10)}
+    assert whole == resumed and len(whole) == 4
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in whole)
+    assert_same_lora(a.parent / "out", b.parent / "out")
