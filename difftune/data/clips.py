@@ -19,8 +19,8 @@ from difftune.data.buckets import Bucket, assign_bucket
 from difftune.data.captions import CaptionAugment
 from difftune.data.items import DataSet, Item, caption_of, read_caption, skip
 from difftune.data.images import upscale_problem
-from difftune.data.video import (Clip, FrameRule, plan_clips, probe_video, round_frames,
-                                 target_frames)
+from difftune.data.video import (Clip, FrameRule, frame_files, plan_clips, probe_frames,
+                                 probe_video, round_frames, target_frames)
 
 if TYPE_CHECKING:
     from difftune.families.base import Family
@@ -92,6 +92,17 @@ def clip_items(paths: list[Path], sub: SubsetConfig, ds: DatasetConfig, where: t
     return items
 
 
+def frame_folders(folder: Path, recursive: bool, caption_ext: str) -> list[Path]:
+    """The folders of frames under `folder`: sub-folders (not hidden) holding images, with a
+    caption file beside them (`<folder><caption_ext>`), in path order."""
+    ext = caption_ext if caption_ext.startswith(".") else f".{caption_ext}"
+    found = folder.rglob("*") if recursive else folder.iterdir()
+    return sorted((p for p in found if p.is_dir()
+                   and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+                   and p.parent.joinpath(p.name + ext).is_file() and frame_files(p)),
+                  key=lambda p: p.relative_to(folder).as_posix())
+
+
 def _refusal(sub: SubsetConfig, rule: ClipRule | None) -> str | None:
     """Why a subset's videos cannot be trained at all (None: they can)."""
     if rule is None:
@@ -114,7 +125,7 @@ def _video_clips(path: Path, ds: DatasetConfig, counts: list[int], fps: float,
     """A video's size, bucket and clips, or why it is skipped (unreadable, too short, so far
     from every bucket's shape that covering it would be enormous)."""
     try:
-        info = probe_video(path)
+        info = probe_frames(path, fps) if path.is_dir() else probe_video(path)
     except ValueError as err:
         return str(err)
     bucket = assign_bucket(info.size, buckets)

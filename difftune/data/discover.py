@@ -17,9 +17,9 @@ from typing import Callable
 
 from difftune.config import DatasetConfig, SubsetConfig
 from difftune.data.captions import WILDCARD, CaptionAugment
-from difftune.data.clips import ClipRule, clip_items
+from difftune.data.clips import ClipRule, clip_items, frame_folders
 from difftune.data.buckets import Bucket, assign_bucket, make_buckets, square_bucket
-from difftune.data.images import probe_image, upscale_problem
+from difftune.data.images import IMAGE_EXTENSIONS, probe_image, upscale_problem
 from difftune.data.masks import check_mask_folder, find_masks
 from difftune.data.items import (DataSet, Item, caption_of, read_caption,  # noqa: F401 (re-exported)
                                   samples_per_epoch, skip)
@@ -29,7 +29,6 @@ from difftune.errors import DataError
 
 log = logging.getLogger("difftune.data")
 
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp"})
 # A family's control-image size rule: (control's upright size, target bucket, dataset
 # resolution) -> the (width, height) the control is encoded at.
 ControlSize = Callable[[tuple[int, int], tuple[int, int], int], tuple[int, int]]
@@ -89,11 +88,12 @@ def _control_sizes(controls: tuple[Path, ...], bucket: Bucket, resolution: int,
 
 def _subset_items(
     sub: SubsetConfig, d: int, s: int, buckets: dict[int, list[Bucket]], out: DataSet,
-    control_size: ControlSize | None = None,
+    control_size: ControlSize | None = None, clip_folders: list[Path] | None = None,
 ) -> list[Item]:
     """Items of one subset: per image, one per resolution (`buckets` maps each of the dataset's
     resolutions to its candidate buckets, in config order); skipped files and missing captions
-    are recorded in `out`. `control_size` sizes each edit pair's control images at the item's
+    are recorded in `out`; images inside `clip_folders` (folders of frames) are left to the
+    clips. `control_size` sizes each edit pair's control images at the item's
     resolution."""
     where = f"datasets[{d}].subsets[{s}].path"
     if not sub.path.exists():
@@ -102,7 +102,8 @@ def _subset_items(
         raise DataError(f"{where}: {sub.path} is not a folder; point it at a folder of images")
     check_control_folders(sub, f"datasets[{d}].subsets[{s}]")
     check_mask_folder(sub, f"datasets[{d}].subsets[{s}]")
-    paths = list_images(sub.path, sub.recursive)
+    paths = [p for p in list_images(sub.path, sub.recursive)
+             if not any(p.is_relative_to(f) for f in clip_folders or ())]
     augment = CaptionAugment.from_subset(sub)
     items = []
     for path, probed in zip(paths, _probe_all(paths), strict=True):
@@ -174,8 +175,12 @@ def build(datasets: list[DatasetConfig], bucket_step: int,
         buckets = {res: dataset_buckets(ds, bucket_step, res) for res in ds.resolutions}
         found = []
         for s, sub in enumerate(ds.subsets):
-            made = _subset_items(sub, d, s, buckets, out, control_size)
-            videos = list_images(sub.path, sub.recursive, VIDEO_EXTENSIONS)
+            # Folders of frames are clips only for a family that trains clips (an image
+            # family reads their images as images, as it always did).
+            folders = frame_folders(sub.path, sub.recursive, sub.caption_ext) if (
+                clips and sub.path.is_dir()) else []
+            made = _subset_items(sub, d, s, buckets, out, control_size, folders)
+            videos = list_images(sub.path, sub.recursive, VIDEO_EXTENSIONS) + folders
             clipped = clip_items(videos, sub, ds, (d, s), buckets[ds.resolutions[0]], clips, out)
             if not made and not clipped:
                 log.warning("datasets[%d].subsets[%d].path: no usable image or video in %s",

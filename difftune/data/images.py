@@ -24,6 +24,7 @@ from PIL import Image, ImageFile, ImageOps
 from difftune.data.buckets import Bucket, cover_size
 from difftune.errors import DataError
 
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp"})
 # EXIF orientations 5-8 rotate by 90 degrees, so width and height swap (exif_transpose semantics).
 _ORIENTATION_TAG = 0x0112
 _SWAPS_SIDES = {5, 6, 7, 8}

@@ -5,7 +5,8 @@ A clip lives on the dataset's target frame rate (`fps`): its `start` and `frames
 at that rate, and frame k of a clip shows the source at time (start + k) / fps, which is the
 source frame floor(time x source fps). A source at another rate is thereby resampled (frames
 dropped or repeated), so motion is trained at the model's speed, never faster or slower.
-Decoding streams (PyAV): frames are decoded one by one, each taken frame is resized to its
+A folder of frames (images in name order, its caption file beside the folder) is a clip source
+too, at the target rate. Decoding streams (PyAV): frames are decoded one by one, each taken frame is resized to its
 bucket at once, and nothing else is kept, so memory holds the clip's frames at their training
 size and never the whole video.
 """
@@ -20,6 +21,7 @@ from typing import Literal
 import torch
 
 from difftune.data.buckets import Bucket
+from difftune.data.images import IMAGE_EXTENSIONS, fit_pixels, load_pixels, probe_image
 
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mov", ".mkv"})
 ClipMode = Literal["head", "chunks", "slide", "uniform", "full"]
@@ -75,6 +77,22 @@ def probe_video(path: Path) -> VideoInfo:
     except (av.FFmpegError, StopIteration, OSError) as err:
         raise ValueError(f"unreadable video ({err or 'no frame'})") from None
     return VideoInfo(size=size, fps=float(rate), frames=int(frames))
+
+
+def probe_frames(folder: Path, fps: float) -> VideoInfo:
+    """A folder of frames as a video at `fps` (frames carry no rate of their own): its frame
+    count and the first frame's size (every frame is probed when its clip is read). Raises
+    ValueError with a short reason."""
+    frames = frame_files(folder)
+    if not frames:
+        raise ValueError("a folder of frames with no image in it")
+    return VideoInfo(size=probe_image(frames[0]), fps=fps, frames=len(frames))
+
+
+def frame_files(folder: Path) -> list[Path]:
+    """The image files of a folder of frames, in name order (its frames' order)."""
+    return sorted((p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS
+                   and p.is_file() and not p.name.startswith(".")), key=lambda p: p.name)
 
 
 def _count_frames(container: object) -> int:
@@ -139,9 +157,14 @@ def read_clip(path: Path, clip: Clip, bucket: Bucket, box: tuple[int, int, int, 
     """
     import av
 
-    from difftune.data.images import fit_pixels
-
     wanted = clip.source_frames()
+    if path.is_dir():  # a folder of frames: read only the clip's
+        files = frame_files(path)
+        if wanted[-1] >= len(files):
+            raise ValueError(f"folder of frames {path} has {len(files)} frames, fewer than "
+                             f"the clip's {wanted[-1] + 1} (frames removed since the run "
+                             "started?)")
+        return torch.stack([load_pixels(files[i], bucket, box, flip) for i in wanted], dim=1)
     out: list[torch.Tensor] = []
     with av.open(str(path)) as container:
         for index, frame in enumerate(container.decode(video=0)):

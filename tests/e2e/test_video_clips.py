@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from difftune.cli import main
-from tests.videos import write_video
+from tests.videos import frame, write_video
 
 from .conftest import assert_same_lora, run_toml, stopped_and_resumed
 
@@ -33,6 +33,10 @@ def videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     Image.new("RGB", (64, 48), (200, 30, 30)).save(folder / "still.png")
     (folder / "still.txt").write_text("a red still", encoding="utf-8")
+    (folder / "frames").mkdir()  # a folder of frames, its caption beside it
+    for i in range(6):
+        Image.fromarray(frame(i, 64, 48)).save(folder / "frames" / f"{i:04d}.png")
+    (folder / "frames.txt").write_text("frames of a bar", encoding="utf-8")
     return folder
 
 
@@ -48,9 +52,10 @@ def test_check_reports_buckets_rates_and_skipped_clips(
         videos: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", str(_config(tmp_path, videos))]) == 0
     out = capsys.readouterr().out
-    # 30 frames at 24 fps = 20 at 16: two 9-frame chunks; 12 at 16 fps: one; the image: F=1.
+    # 30 frames at 24 fps = 20 at 16: two 9-frame chunks; 12 at 16 fps: one; 6 frames in a
+    # folder: one of 5; the image: F = 1 (its frames are not images of their own).
     assert "dataset: 1 images" in out and "bucket 80x48x9: 3" in out and "bucket 80x48: 1" in out
-    assert "clips: 3 from 2 video(s)" in out
+    assert "bucket 80x48x5: 1" in out and "clips: 4 from 3 video(s)" in out
     assert "frames rounded down to 4N+1" in out and "6 -> 5" in out
     assert f"{videos / 'fast.mp4'}: 24 fps resampled to 16 fps" in out
     assert "plain.webm: 16 fps" not in out
@@ -63,8 +68,8 @@ def test_check_reports_buckets_rates_and_skipped_clips(
 
 def test_clips_train_with_a_frame_axis_and_resume_exactly(
         videos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Clips and an image train in one run; the cached clip latents are (16, 3, h, w): 9
-    frames fold into 3 latent frames. Stopped after step 2 and resumed, the run matches one
+    """Clips (from files and a folder of frames) and an image train in one run; the cached
+    clip latents are (16, f, h, w): 9 frames fold into 3 latent frames, 5 into 2. Stopped after step 2 and resumed, the run matches one
     that went through."""
     from difftune.cache.sources import LatentSource
 
@@ -79,7 +84,7 @@ def test_clips_train_with_a_frame_axis_and_resume_exactly(
     monkeypatch.setattr(LatentSource, "_encode", recording)
     a, b = _config(tmp_path / "a", videos), _config(tmp_path / "b", videos)
     whole, resumed = stopped_and_resumed(a, b, monkeypatch, 2)
-    assert set(shapes) == {(16, 6, 10), (16, 3, 6, 10)}
+    assert set(shapes) == {(16, 6, 10), (16, 3, 6, 10), (16, 2, 6, 10)}
     assert whole == resumed and len(whole) == 4
     assert all(torch.isfinite(torch.tensor(loss)) for _, loss in whole)
     assert_same_lora(a.parent / "out", b.parent / "out")

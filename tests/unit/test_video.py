@@ -88,3 +88,18 @@ def test_a_clip_key_changes_with_its_start_frames_and_rate(tmp_path: Path) -> No
 
     keys = {key(), key(start=4), key(frames=9), key(fps=24.0)}
     assert len(keys) == 4
+
+
+def test_a_folder_of_frames_key_follows_its_frames(tmp_path: Path) -> None:
+    """A folder of frames is hashed by its frames: editing one makes a new key."""
+    from PIL import Image
+
+    from difftune.cache.keys import content_hash
+
+    folder = tmp_path / "clip"
+    folder.mkdir()
+    for i in range(3):
+        Image.fromarray(frame(i, 16, 16)).save(folder / f"{i}.png")
+    before = content_hash(folder)
+    Image.fromarray(frame(7, 16, 16)).save(folder / "1.png")
+    assert content_hash(folder) != before
