@@ -248,6 +248,14 @@ class Family(Protocol):
         """Pixels in [-1, 1], (B, 3, H, W) -> normalized latents (B, C, h, w)."""
         ...
 
+    def clip_inputs(self, frames: int) -> dict[str, Any]:
+        """The pipeline's arguments for a sample of `frames` frames (none for an image)."""
+        ...
+
+    def pipeline_clip(self, result: Any) -> Any:
+        """A pipeline result's frames, (F, H, W, 3) in [0, 1] (one for an image)."""
+        ...
+
     def encode_clips(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
         """Video clips, (B, 3, F, H, W) in [-1, 1] -> normalized latents (B, C, f, h, w), for
         a family with a `frame_rule` (F one of its valid counts)."""

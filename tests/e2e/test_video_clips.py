@@ -88,3 +88,27 @@ def test_clips_train_with_a_frame_axis_and_resume_exactly(
     assert whole == resumed and len(whole) == 4
     assert all(torch.isfinite(torch.tensor(loss)) for _, loss in whole)
     assert_same_lora(a.parent / "out", b.parent / "out")
+
+
+def test_samples_are_short_videos(videos: Path, tmp_path: Path) -> None:
+    """A prompt with --f samples a clip: its mp4 (as many frames, rounded to 4N+1) and a
+    looping animated WebP beside its first frame's PNG; a prompt without --f is an image."""
+    import av
+    from PIL import Image
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a moving bar --w 32 --h 32 --s 2 --d 1 --f 6\n"
+                       "a still bar --w 32 --h 32 --s 2 --d 2\n", encoding="utf-8")
+    cfg = run_toml(tmp_path, videos, family="wan", steps=2, fmt=None, prompts=prompts)
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    samples = tmp_path / "out" / "samples"
+    clip = samples / "step-000002_00_a-moving-bar"
+    with av.open(str(clip.with_suffix(".mp4"))) as video:
+        frames = [f.to_ndarray(format="rgb24") for f in video.decode(video=0)]
+    assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
+    with Image.open(clip.with_suffix(".webp")) as preview:
+        assert preview.is_animated and preview.n_frames == 5
+    with Image.open(clip.with_suffix(".png")) as first:
+        assert first.size == (32, 32)
+    still = samples / "step-000002_01_a-still-bar"
+    assert still.with_suffix(".png").is_file() and not still.with_suffix(".mp4").exists()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
+import numpy as np
 import torch
 
 from difftune.errors import DataError
@@ -201,6 +202,18 @@ class FamilyBase:
         return FlowMatching(cfg, scheduler_shift(c.scheduler.config))
 
     @torch.no_grad()
+    def clip_inputs(self, frames: int) -> dict[str, Any]:
+        """Pipeline arguments for a sample of `frames` frames: none for an image (a family
+        with a `frame_rule` overrides this with its pipeline's frame argument)."""
+        if frames != 1:
+            raise DataError(f"model.family = \"{self.name}\" samples images only, not clips "
+                            f"of {frames} frames")
+        return {}
+
+    def pipeline_clip(self, result: Any) -> np.ndarray:
+        """A pipeline result's frames, (F, H, W, 3) in [0, 1]: one for an image family."""
+        return self.pipeline_image(result)[None]
+
     def encode_clips(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
         """Refused: a family without a `frame_rule` trains images only (`data.build` skips
         its video files, so this is reached only by code that ignored that)."""

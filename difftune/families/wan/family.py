@@ -125,6 +125,14 @@ class WanFamily(FamilyBase):
         """The first frame of the first video (WanPipeline returns `frames`)."""
         return np.asarray(result.frames[0][0])
 
+    def clip_inputs(self, frames: int) -> dict[str, Any]:
+        """WanPipeline's frame count (a 4N+1 count: the runner rounds to `frame_rule`)."""
+        return {"num_frames": frames}
+
+    def pipeline_clip(self, result: Any) -> np.ndarray:
+        """Every frame of the first video, (F, H, W, 3) in [0, 1]."""
+        return np.asarray(result.frames[0])
+
     def model_spec(self, c: Components) -> ModelSpec:
         """Wan 2.1 (1.3B or 14B) or Wan 2.2's low-noise expert, as model sites name them."""
         from difftune.families.wan import keys
