@@ -24,6 +24,7 @@ from difftune.data.video import (Clip, FrameRule, frame_files, plan_clips, probe
 
 if TYPE_CHECKING:
     from difftune.families.base import Family
+    from difftune.families.specs import FamilySpec
 
 log = logging.getLogger("difftune.data")
 
@@ -36,8 +37,9 @@ class ClipRule:
     fps: float
 
 
-def clip_rule(family: Family) -> ClipRule | None:
-    """A family's `ClipRule` from its `frame_rule` and `fps` facts (None: images only)."""
+def clip_rule(family: Family | FamilySpec) -> ClipRule | None:
+    """A family's (or its spec's) `ClipRule` from its `frame_rule` and `fps` facts (None:
+    images only)."""
     rule, fps = family.frame_rule, family.fps
     return None if rule is None or fps is None else ClipRule(rule, fps)
 

@@ -16,12 +16,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from difftune.data.buckets import Bucket
 from difftune.data.images import IMAGE_EXTENSIONS, fit_pixels, load_pixels, probe_image
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mov", ".mkv"})
 ClipMode = Literal["head", "chunks", "slide", "uniform", "full"]
@@ -93,6 +96,16 @@ def frame_files(folder: Path) -> list[Path]:
     """The image files of a folder of frames, in name order (its frames' order)."""
     return sorted((p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS
                    and p.is_file() and not p.name.startswith(".")), key=lambda p: p.name)
+
+
+def first_frame(path: Path) -> "Image.Image":
+    """A video's first frame as an RGB image (the web app's thumbnail); ValueError with
+    check's reason when it cannot be read."""
+    probe_video(path)
+    import av
+
+    with av.open(str(path)) as container:
+        return next(iter(container.decode(video=0))).to_image()
 
 
 def _count_frames(container: object) -> int:
