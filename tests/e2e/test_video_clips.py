@@ -64,6 +64,7 @@ def test_check_reports_buckets_rates_and_skipped_clips(
     assert "unreadable video" in skipped["broken.mp4"]
     assert "too short: 3 frames" in skipped["short.mp4"]
     assert "no caption" in skipped["silent.mp4"]
+    assert "clip memory: the longest clip (9 frames, 3 latent frames, at 64x64)" in out
 
 
 def test_clips_train_with_a_frame_axis_and_resume_exactly(
