@@ -98,7 +98,14 @@ class Setup:
             not v.get("cache.offload", True),
             full=v.get("adapter.type") == "full", fused=bool(v.get("train.fused_backward")),
             ema=bool(v.get("train.ema.enabled")) and not v.get("train.ema.cpu", False),
-            frames=int(v.get(CLIP_FRAMES, 1)))
+            frames=int(v.get(CLIP_FRAMES, _longest(v))))
+
+
+def _longest(v: Mapping[str, Any]) -> int:
+    """The most frames a run file's datasets list (`datasets[i].frames`; 1 where none does):
+    an example's clip length. `check` sets `CLIP_FRAMES` from the clips it found instead."""
+    return max((max(x) for k, x in v.items() if k.startswith("datasets[")
+                and k.endswith(".frames") and isinstance(x, list) and x), default=1)
 
 
 def _stored(quant: str, dtype: str) -> str:

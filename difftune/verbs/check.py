@@ -193,8 +193,8 @@ def memory_lines(run: Run) -> list[str]:
     trained = sum(p.numel() for g in param_groups(run) for p in g["params"]) / 1e9
     values = estimate.flatten(run.cfg.model_dump(mode="json"))
     frames = [it.clip.frames for it in run.data.items if it.clip is not None]
-    if frames:  # the longest clip decides the peak
-        values[estimate.CLIP_FRAMES] = max(frames)
+    # the longest clip decides the peak (1 in a run of images, whatever `frames` says)
+    values[estimate.CLIP_FRAMES] = max(frames, default=1)
     setup = estimate.Setup.from_values(values, trained)
     line = (f"{estimate.estimate(size, spec, setup).describe(setup)}; "
             f"{estimate.advice(size, spec, values, trained)} (sizes: {size.name})")
