@@ -8,11 +8,10 @@ dataset's or the family's; each video is probed once (PyAV, first frame decoded)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import logging
 
 from difftune.config import DatasetConfig, SubsetConfig
 from difftune.data.buckets import Bucket, assign_bucket
@@ -73,7 +72,7 @@ def clip_items(paths: list[Path], sub: SubsetConfig, ds: DatasetConfig, where: t
     counts, note = frame_counts(ds, rule.frame_rule)
     if note is not None:
         _note(out, f"datasets[{where[0]}]: {note}")
-    items = []
+    items, augment = [], CaptionAugment.from_subset(sub)
     for path in paths:
         made = _video_clips(path, ds, counts, fps, buckets, rule.frame_rule, out)
         if isinstance(made, str):
@@ -85,7 +84,6 @@ def clip_items(paths: list[Path], sub: SubsetConfig, ds: DatasetConfig, where: t
                             "has no default_caption)", "video")
             continue
         caption = caption_of(path, sub, out)
-        augment = CaptionAugment.from_subset(sub)
         items += [Item(path=path, caption=caption, size=size, bucket=bucket, dataset=where[0],
                        subset=where[1], repeats=sub.repeats, flip=sub.flip, crop=sub.crop,
                        augment=augment, resolution=ds.resolutions[0],
