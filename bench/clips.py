@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -39,6 +38,8 @@ from difftune.train.setup import fill_caches, prepare
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.videos import write_video  # noqa: E402
+
+from cache import _timed  # noqa: E402 (bench/cache.py, beside this script)
 
 
 def config(data: Path, out: Path, clips: str = "chunks", count: int = 2) -> RunConfig:
@@ -94,17 +95,6 @@ def bare_fill(cfg: RunConfig) -> tuple[float, float]:
             pixels = torch.stack(frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
             encode(run.comps, pixels[None])
     return time.perf_counter() - start, encoding[0]
-
-
-def _timed(method: Callable, spent: list[float]) -> Callable:
-    """`method`, adding the seconds each call takes to `spent[0]`."""
-    def wrapper(*args: object, **kwargs: object) -> object:
-        start = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - start
-    return wrapper
 
 
 def throughput(folder: Path, videos: int, frames: int, rounds: int) -> dict[str, float]:
