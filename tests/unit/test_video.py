@@ -103,3 +103,29 @@ def test_a_folder_of_frames_key_follows_its_frames(tmp_path: Path) -> None:
     before = content_hash(folder)
     Image.fromarray(frame(7, 16, 16)).save(folder / "1.png")
     assert content_hash(folder) != before
+
+
+def test_an_image_family_skips_videos_and_frame_folders_stay_images(tmp_path: Path) -> None:
+    """Without a clip rule (an image family), a video is skipped with the reason and a folder
+    of frames is read as images, as before clips existed; with Wan's rule it is one clip."""
+    from PIL import Image
+
+    from difftune.config import DatasetConfig
+    from difftune.data.clips import ClipRule
+    from difftune.data.discover import build
+
+    write_video(tmp_path / "v.mp4", 20)
+    (tmp_path / "walk").mkdir()
+    for i in range(5):
+        Image.fromarray(frame(i, 64, 48)).save(tmp_path / "walk" / f"{i}.png")
+    (tmp_path / "walk.txt").write_text("walking", encoding="utf-8")
+    datasets = [DatasetConfig(path=tmp_path, resolution=64, min_side=32, max_side=128,
+                              frames=[5])]
+    images = build(datasets, 16)
+    assert [it.clip for it in images.items] == [None] * 5
+    assert images.skipped == [(tmp_path / "v.mp4", "a video, and this model family trains "
+                                                   "images only")]
+    clips = build(datasets, 16, clips=ClipRule((4, 1), 16.0))
+    assert sorted((it.path.name, it.clip.frames) for it in clips.items if it.clip) == [
+        ("v.mp4", 5), ("walk", 5)]
+    assert all(it.clip is not None for it in clips.items)
