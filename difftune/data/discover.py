@@ -21,7 +21,8 @@ from difftune.data.clips import ClipRule, clip_items, frame_folders
 from difftune.data.buckets import Bucket, assign_bucket, make_buckets, square_bucket
 from difftune.data.images import IMAGE_EXTENSIONS, probe_image, upscale_problem
 from difftune.data.masks import check_mask_folder, find_masks
-from difftune.data.items import (DataSet, Item, caption_of, read_caption,  # noqa: F401 (re-exported)
+# (Item, DataSet, read_caption and samples_per_epoch are imported from here too.)
+from difftune.data.items import (DataSet, Item, caption_of, read_caption,  # noqa: F401
                                   samples_per_epoch, skip)
 from difftune.data.pairs import check_control_folders, partners
 from difftune.data.video import VIDEO_EXTENSIONS

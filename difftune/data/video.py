@@ -6,9 +6,9 @@ at that rate, and frame k of a clip shows the source at time (start + k) / fps, 
 source frame floor(time x source fps). A source at another rate is thereby resampled (frames
 dropped or repeated), so motion is trained at the model's speed, never faster or slower.
 A folder of frames (images in name order, its caption file beside the folder) is a clip source
-too, at the target rate. Decoding streams (PyAV): frames are decoded one by one, each taken frame is resized to its
-bucket at once, and nothing else is kept, so memory holds the clip's frames at their training
-size and never the whole video.
+too, at the target rate. Decoding streams (PyAV): frames are decoded one by one, each taken
+frame is resized to its bucket at once, and nothing else is kept, so memory holds the clip's
+frames at their training size and never the whole video.
 """
 
 from __future__ import annotations

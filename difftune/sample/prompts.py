@@ -8,8 +8,8 @@ input image for edit models, repeated for several, relative to the prompt file):
 `.toml`: one `[[prompts]]` table a prompt, with `prompt` and the same options by name
 (`negative`, `width`, `height`, `steps`, `seed`, `guidance`, `cfg`, `frames`, `images`). A bad
 line or table, or one naming an input image that does not exist, is skipped with a warning
-naming the file and line (or table); a missing or empty file is a warning and no samples. Nothing here
-raises: a prompt file edited mid-run can never stop training.
+naming the file and line (or table); a missing or empty file is a warning and no samples.
+Nothing here raises: a prompt file edited mid-run can never stop training.
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ def test_check_reports_buckets_rates_and_skipped_clips(
 def test_clips_train_with_a_frame_axis_and_resume_exactly(
         videos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Clips (from files and a folder of frames) and an image train in one run; the cached
-    clip latents are (16, f, h, w): 9 frames fold into 3 latent frames, 5 into 2. Stopped after step 2 and resumed, the run matches one
-    that went through."""
+    clip latents are (16, f, h, w): 9 frames fold into 3 latent frames, 5 into 2. Stopped
+    after step 2 and resumed, the run matches one that went through."""
     from difftune.cache.sources import LatentSource
 
     shapes: list[tuple[int, ...]] = []

@@ -81,8 +81,8 @@ class WanFamily(FamilyBase):
     def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
                 cond: Conditioning) -> torch.Tensor:
         """Velocity (noise - x0) for noisy latents at t in [0, 1] (1 = pure noise), as
-        WanPipeline calls the transformer: an image as one frame, timestep = sigma x 1000 (in float32, as
-        the time embedding computes it), the prompt padded to 512 positions."""
+        WanPipeline calls the transformer: an image as one frame, timestep = sigma x 1000 (in
+        float32, as the time embedding computes it), the prompt padded to 512 positions."""
         dtype, image = noisy.dtype, noisy.dim() == 4  # a clip is (B, C, f, h, w) already
         out = c.denoiser(hidden_states=noisy.unsqueeze(2) if image else noisy,
                          timestep=(t.float() * 1000),
