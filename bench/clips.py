@@ -5,8 +5,9 @@
 (a) fill: difftune's latent-cache fill of every clip (PyAV decode streamed and resampled
     from 24 to 16 fps, resize, VAE, disk entry) against a bare loop that decodes the same
     frames with PyAV, resizes them with Pillow and encodes them with the same VAE, no cache.
-    Clips per second for both, and each one's time a clip outside the VAE (timed inside both
-    runs, so the machine's load on the VAE does not enter it); goal: within 10%.
+    The two alternate clip by clip (the machine's load falls on both alike). Clips per second
+    for both, and each one's time a clip outside the VAE (timed inside both); goal: within
+    10%.
 (b) memory: how far the peak host memory (VmHWM, reset before the fill) rises above the memory
     before it while filling the cache with the clips of a short video and of a long one
     (`--long` frames; the second clip at its end), each in a fresh process, beside a loop that
@@ -25,12 +26,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from PIL import Image
 
 from difftune.config import RunConfig, parse_config
+from difftune.data.items import Item
 from difftune.data.buckets import cover_size
 from difftune.data.images import crop_box
 from difftune.train.setup import fill_caches, prepare
@@ -56,67 +59,67 @@ def config(data: Path, out: Path, clips: str = "chunks", count: int = 2) -> RunC
     }, out)
 
 
-def difftune_fill(cfg: RunConfig) -> tuple[float, float, int]:
-    """(seconds of difftune's latent fill into an empty disk cache, seconds of it inside the
-    VAE, clips filled): the difference is decoding and the cache's own work, whatever the load
-    on the machine does to the VAE."""
-    run = prepare(cfg, show_progress=False)
-    encoding = [0.0]
-    run.family.encode_clips = _timed(run.family.encode_clips, encoding)  # type: ignore
-    start = time.perf_counter()
-    computed = run.latents.fill()
-    return time.perf_counter() - start, encoding[0], len(computed)
-
-
-def bare_fill(cfg: RunConfig) -> tuple[float, float]:
-    """(seconds to decode, resize and encode every clip with PyAV, Pillow and the VAE alone,
-    seconds of it inside the VAE)."""
+def bare_clip(run: object, item: Item, encode: Callable) -> None:
+    """Decode, resize and encode one clip with PyAV, Pillow and the VAE alone (no cache)."""
     import av
 
-    run = prepare(cfg, show_progress=False)
-    encoding = [0.0]
-    encode = _timed(run.family.encode_clips, encoding)
-    start = time.perf_counter()
+    clip = item.clip
+    assert clip is not None
+    wanted = clip.source_frames()
+    box = crop_box(item.size, item.bucket, "center", None)  # type: ignore[arg-type]
+    size = cover_size(item.size, item.bucket)
+    frames = []
+    with av.open(str(item.path)) as video:
+        for n, frame in enumerate(video.decode(video=0)):
+            while len(frames) < len(wanted) and wanted[len(frames)] == n:
+                img = frame.to_image().resize(size, Image.Resampling.LANCZOS).crop(box)
+                frames.append(torch.from_numpy(np.asarray(img).copy()))
+            if len(frames) == len(wanted):
+                break
+    pixels = torch.stack(frames).permute(3, 0, 1, 2).contiguous().float() / 127.5 - 1.0
     with torch.no_grad():
-        for item in run.data.items:
-            clip = item.clip
-            assert clip is not None
-            wanted = clip.source_frames()
-            box = crop_box(item.size, item.bucket, "center", None)  # type: ignore[arg-type]
-            size = cover_size(item.size, item.bucket)
-            frames = []
-            with av.open(str(item.path)) as video:
-                for n, frame in enumerate(video.decode(video=0)):
-                    while len(frames) < len(wanted) and wanted[len(frames)] == n:
-                        img = frame.to_image().resize(size, Image.Resampling.LANCZOS).crop(box)
-                        frames.append(torch.from_numpy(np.asarray(img).copy()))
-                    if len(frames) == len(wanted):
-                        break
-            pixels = torch.stack(frames).permute(3, 0, 1, 2).float() / 127.5 - 1.0
-            encode(run.comps, pixels[None])
-    return time.perf_counter() - start, encoding[0]
+        encode(run.comps, pixels[None])  # type: ignore[attr-defined]
+
+
+def interleaved(ours_cfg: RunConfig, bare_cfg: RunConfig) -> tuple[float, ...]:
+    """Seconds of difftune's fill (one clip at a time into an empty disk cache: keys, streamed
+    decode, VAE, entry) and of the bare loop, alternating clip by clip so that the machine's
+    load falls on both alike; then the seconds of each inside the VAE. Returns (ours, bare,
+    ours in the VAE, bare in the VAE, clips)."""
+    ours, bare = prepare(ours_cfg, show_progress=False), prepare(bare_cfg, show_progress=False)
+    for run in (ours, bare):  # warm-up, not timed: each VAE's first call, PyAV's import
+        bare_clip(run, run.data.items[0], run.family.encode_clips)
+    vae = [[0.0], [0.0]]
+    ours.family.encode_clips = _timed(ours.family.encode_clips, vae[0])  # type: ignore
+    encode = _timed(bare.family.encode_clips, vae[1])
+    spent = [0.0, 0.0]
+    for i, item in enumerate(ours.data.items):
+        start = time.perf_counter()
+        ours.latents.fill(share=lambda wanted, i=i: [w for w in wanted if w[0] == i])
+        spent[0] += time.perf_counter() - start
+        start = time.perf_counter()
+        bare_clip(bare, item, encode)
+        spent[1] += time.perf_counter() - start
+    return spent[0], spent[1], vae[0][0], vae[1][0], len(ours.data.items)
 
 
 def throughput(folder: Path, videos: int, frames: int, rounds: int) -> dict[str, float]:
     """Clips per second of difftune's fill and of the bare loop, and each one's milliseconds
     a clip outside the VAE (decoding, resizing, and difftune's keys and disk entries);
-    medians of `rounds`, the two measured back to back in each round."""
+    medians of `rounds`, the two alternating clip by clip."""
     data = folder / "data"
     data.mkdir()
     for i in range(videos):
         write_video(data / f"v{i}.mp4", frames, fps=24, width=160, height=120,
                     caption=f"clip {i}")
-    ours, bare, count = [], [], 0
-    for r in range(rounds):
-        took, vae, count = difftune_fill(config(data, folder / f"run{r}"))
-        ours.append((took, took - vae))
-        took, vae = bare_fill(config(data, folder / f"bare{r}"))
-        bare.append((took, took - vae))
-    med = [statistics.median(x) for x in zip(*ours)] + [statistics.median(x) for x in zip(*bare)]
-    return {"clips": count, "difftune_clips_per_s": count / med[0],
-            "bare_clips_per_s": count / med[2], "ratio": med[0] / med[2],
-            "difftune_ms_per_clip_outside_vae": 1000 * med[1] / count,
-            "bare_ms_per_clip_outside_vae": 1000 * med[3] / count}
+    runs = [interleaved(config(data, folder / f"run{r}"), config(data, folder / f"bare{r}"))
+            for r in range(rounds)]
+    ours, bare, ours_vae, bare_vae, count = (statistics.median(x) for x in zip(*runs))
+    return {"clips": count, "difftune_clips_per_s": count / ours,
+            "bare_clips_per_s": count / bare, "ratio": ours / bare,
+            "ratio_per_round": [r[0] / r[1] for r in runs],  # type: ignore[dict-item]
+            "difftune_ms_per_clip_outside_vae": 1000 * (ours - ours_vae) / count,
+            "bare_ms_per_clip_outside_vae": 1000 * (bare - bare_vae) / count}
 
 
 def _peak_child(data: str, out: str, whole: str) -> None:
