@@ -37,23 +37,40 @@ def file_hash(path: Path) -> str:
     return _file_hash(str(path), st.st_size, st.st_mtime_ns)
 
 
+def content_hash(path: Path) -> str:
+    """A file's content hash; for a folder of frames (a clip), the hash of its image files'
+    names and hashes in order (a frame added, removed or edited changes it)."""
+    if not path.is_dir():
+        return file_hash(path)
+    from difftune.data.video import frame_files
+
+    h = hashlib.sha256()
+    for frame in frame_files(path):
+        h.update(f"{frame.name}:{file_hash(frame)}\n".encode())
+    return h.hexdigest()
+
+
 def latent_fields(
     family: str, fingerprint: str, dtype: str, image: Path,
     bucket: tuple[int, int], box: tuple[int, int, int, int], flip: bool,
-    mask: Path | None = None, alpha_mask: bool = False,
+    mask: Path | None = None, alpha_mask: bool = False, clip: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The inputs that decide a latent entry (also stored as the entry's metadata). A masked
     item's entry holds its mask too: the mask file's content (or the alpha-mask flag, the
-    image's content being there already) is part of its key; unmasked keys stay as they were."""
+    image's content being there already) is part of its key; unmasked keys stay as they were.
+    A video clip's entry adds its start frame, frame count and frame rate (`clip`) to the
+    file's hash, size and model; an image's key has no such field and is unchanged."""
     fields = {
         "kind": "latent", "family": family, "model": fingerprint, "dtype": dtype,
-        "image_sha256": file_hash(image), "bucket": list(bucket), "box": list(box),
+        "image_sha256": content_hash(image), "bucket": list(bucket), "box": list(box),
         "flip": flip,
     }
     if mask is not None:
         fields["mask_sha256"] = file_hash(mask)
     if alpha_mask:
         fields["alpha_mask"] = True
+    if clip is not None:
+        fields["clip"] = clip
     return fields
 
 

@@ -25,6 +25,7 @@ from difftune.cache.text_images import TextImage
 from difftune.data.discover import Item
 from difftune.data.images import crop_box, load_pixels
 from difftune.data.masks import load_mask, to_latent_grid
+from difftune.data.video import read_clip
 from difftune.families.base import Components, Family, TextEmbeds, pad_cat
 from difftune.families.common import text
 from difftune.families.common.text import EncodeOptions
@@ -36,6 +37,13 @@ log = logging.getLogger("difftune")
 
 Share = Callable[[list[Any]], list[Any]]  # a process's part of a list of work items
 Images = tuple[TextImage, ...]  # the images an encoder reads with one caption
+
+
+def _clip_fields(item: Item) -> dict[str, object] | None:
+    """A clip's key fields: start frame, frame count, frame rate (None for an image)."""
+    clip = item.clip
+    return None if clip is None else {"start": clip.start, "frames": clip.frames,
+                                      "fps": clip.fps}
 
 
 def _no_progress(it: Iterable, desc: str, total: int) -> Iterable:
@@ -69,7 +77,7 @@ class LatentSource:
         return latent_fields(family=self.family.name, fingerprint=self.comps.fingerprint,
                              dtype=self.dtype, image=item.path, bucket=item.bucket,
                              box=self.box(index), flip=flip, mask=item.mask,
-                             alpha_mask=item.alpha_mask)
+                             alpha_mask=item.alpha_mask, clip=_clip_fields(item))
 
     def _key(self, index: int, flip: bool) -> tuple[str, dict[str, object]]:
         if (index, flip) not in self._keys:
@@ -86,7 +94,8 @@ class LatentSource:
 
     def sample(self, index: int, flip: bool, sample_seed: int | None = None
                ) -> dict[str, torch.Tensor]:
-        """The entry of item `index`, horizontally flipped or not: "latent" (C, h, w) and, for
+        """The entry of item `index`, horizontally flipped or not: "latent" (C, h, w), (C, f, h,
+        w) for a clip, and, for
         a masked item, "mask" (h, w) on the latent grid.
 
         With `fresh_crops`, a random-crop item gets a crop drawn from `sample_seed` (the
@@ -136,6 +145,9 @@ class LatentSource:
                 ) -> dict[str, torch.Tensor]:
         """The latent on the CPU in the VAE's dtype (bf16 stays bf16 in the cache), and a
         masked item's mask reduced to the latent's grid (fp32)."""
+        if item.clip is not None:  # (3, F, H, W) frames, streamed from the video
+            clip = read_clip(item.path, item.clip, item.bucket, box, flip)
+            return {"latent": self.family.encode_clips(self.comps, clip[None])[0].cpu()}
         pixels = load_pixels(item.path, item.bucket, box, flip)
         latent = self.family.encode_images(self.comps, pixels[None])[0].cpu()
         if not item.masked:

@@ -157,7 +157,31 @@ class DatasetConfig(_Section):
         None, ge=8, description="Bucket side granularity (default: the family's, 16 for flux)."
     )
     buckets: bool = Field(True, description="Aspect-ratio bucketing; off = square crops.")
+    # Video clips (mp4/webm/mov/mkv files among the images; data/video.py).
+    frames: list[int] = Field(
+        default_factory=lambda: [33],
+        description="Video: the frame counts clips are trained at (each clip takes the largest "
+                    "that fits its video); rounded down to the family's rule (Wan: 4N+1).")
+    clips: Literal["head", "chunks", "slide", "uniform", "full"] = Field(
+        "head", description="Video: how clips are taken from a longer video: from the start, "
+                            "consecutive chunks, sliding by clip_stride, clip_count evenly "
+                            "spaced, or the whole video up to max_frames.")
+    clip_stride: int = Field(16, ge=1, description='Video: frames between the starts of '
+                                                   '"slide" clips (at the target rate).')
+    clip_count: int = Field(4, ge=1, description='Video: how many "uniform" clips per video.')
+    max_frames: int = Field(81, ge=1, description='Video: the longest "full" clip.')
+    fps: float | None = Field(
+        None, gt=0, description="Video: the frame rate clips are trained at, each source "
+                                "resampled to it (default: the family's, 16 for Wan).")
     subsets: list[SubsetConfig] = Field(default_factory=list)
+
+    @field_validator("frames")
+    @classmethod
+    def _frame_counts(cls, value: list[int]) -> list[int]:
+        """At least one count, each at least 1."""
+        if not value or min(value) < 1:
+            raise ValueError(f"{value}: give one or more frame counts of at least 1, e.g. [33]")
+        return value
 
     @model_validator(mode="before")
     @classmethod

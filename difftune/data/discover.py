@@ -10,136 +10,35 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from difftune.config import DatasetConfig, SubsetConfig
 from difftune.data.captions import WILDCARD, CaptionAugment
+from difftune.data.clips import ClipRule, clip_items, frame_folders
 from difftune.data.buckets import Bucket, assign_bucket, make_buckets, square_bucket
-from difftune.data.images import probe_image, upscale_problem
+from difftune.data.images import IMAGE_EXTENSIONS, probe_image, upscale_problem
 from difftune.data.masks import check_mask_folder, find_masks
+# (Item, DataSet, read_caption and samples_per_epoch are imported from here too.)
+from difftune.data.items import (DataSet, Item, caption_of, read_caption,  # noqa: F401
+                                  samples_per_epoch, skip)
 from difftune.data.pairs import check_control_folders, partners
+from difftune.data.video import VIDEO_EXTENSIONS
 from difftune.errors import DataError
 
 log = logging.getLogger("difftune.data")
 
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp"})
 # A family's control-image size rule: (control's upright size, target bucket, dataset
 # resolution) -> the (width, height) the control is encoded at.
 ControlSize = Callable[[tuple[int, int], tuple[int, int], int], tuple[int, int]]
 
 
-@dataclass(frozen=True)
-class Item:
-    """One usable training image and how it is prepared.
-
-    `size` is the upright (EXIF-rotated) original (width, height); `bucket` the (width, height)
-    it is trained at; `dataset`/`subset` index the config lists; `repeats`, `flip`, `crop` and
-    the caption augmentations (`augment`) come from its subset; `controls` are its edit
-    pair's control/reference images (empty for text-to-image subsets) and `control_sizes` the
-    (width, height) each is encoded at, by the family's rule (`Family.control_size`).
-    A masked item (`masked`) has its mask file in `mask`, or takes its alpha channel
-    (`alpha_mask`); `unmasked_weight` is the loss weight of its black area (data/masks.py).
-    `resolution` is the dataset side it is bucketed at (an image of a multi-resolution dataset
-    is one item per resolution; 0 for items made outside `build`).
-    """
-
-    path: Path
-    caption: str
-    size: tuple[int, int]
-    bucket: tuple[int, int]
-    dataset: int
-    subset: int
-    repeats: int
-    flip: bool
-    crop: str
-    augment: CaptionAugment = CaptionAugment()
-    controls: tuple[Path, ...] = ()
-    control_sizes: tuple[tuple[int, int], ...] = ()
-    resolution: int = 0
-    mask: Path | None = None
-    alpha_mask: bool = False
-    unmasked_weight: float = 1.0
-    regularization: bool = False
-    loss_weight: float = 1.0
-
-    @property
-    def masked(self) -> bool:
-        """Whether this item's loss is weighted by a mask."""
-        return self.mask is not None or self.alpha_mask
-
-
-@dataclass
-class DataSet:
-    """All items of a run, and the files that were left out (for `difftune check`);
-    `held` is the validation set (never trained on)."""
-
-    items: list[Item]
-    skipped: list[tuple[Path, str]] = field(default_factory=list)
-    missing_captions: list[Path] = field(default_factory=list)
-    held: list[Item] = field(default_factory=list)  # the validation set (data/holdout.py)
-
-    def summary(self) -> dict[str, Any]:
-        """Counts for reports: images, skipped, captions missing, per bucket, per subset.
-
-        Buckets are keyed "WxH", subsets by their config name "datasets[i].subsets[j]";
-        `samples_per_epoch` counts repeats (regularization samples as many as training
-        ones, `balance.py`); `upscaled` counts images smaller than their bucket;
-        `pairs` (only for runs with edit pairs) counts the complete pairs. With several
-        resolutions, `images` counts each image once while `samples_per_epoch`, `upscaled` and
-        `buckets` count its items (one per resolution), and `resolutions` gives each side's items
-        (as "images"), upscaled items and buckets.
-        """
-        buckets = Counter(f"{it.bucket[0]}x{it.bucket[1]}" for it in self.items)
-        subsets = Counter(f"datasets[{it.dataset}].subsets[{it.subset}]" for it in self.items)
-        upscaled = sum(
-            1 for it in self.items if it.size[0] < it.bucket[0] or it.size[1] < it.bucket[1]
-        )
-        pairs = {"pairs": sum(1 for it in self.items if it.controls)} if any(
-            it.controls for it in self.items) else {}
-        masked = sum(1 for it in self.items if it.masked)
-        return {
-            **pairs,
-            **({"masked": masked} if masked else {}),
-            "images": len({(it.dataset, it.subset, it.path) for it in self.items}),
-            "samples_per_epoch": samples_per_epoch(self.items),
-            "skipped": len(self.skipped),
-            "captions_missing": len(self.missing_captions),
-            "upscaled": upscaled,
-            "buckets": dict(sorted(buckets.items())),
-            "subsets": dict(sorted(subsets.items())),
-            **self._per_resolution(),
-        }
-
-    def _per_resolution(self) -> dict[str, Any]:
-        """{"resolutions": {side: {"images": n, "buckets": {...}}}} when items were bucketed at
-        more than one side ({} otherwise, so single-resolution reports stay as they were)."""
-        sides = sorted({it.resolution for it in self.items})
-        if len(sides) < 2:
-            return {}
-        out: dict[str, Any] = {}
-        for side in sides:
-            items = [it for it in self.items if it.resolution == side]
-            buckets = Counter(f"{it.bucket[0]}x{it.bucket[1]}" for it in items)
-            upscaled = sum(1 for it in items
-                           if it.size[0] < it.bucket[0] or it.size[1] < it.bucket[1])
-            out[str(side)] = {"images": len(items), "upscaled": upscaled,
-                              "buckets": dict(sorted(buckets.items()))}
-        return {"resolutions": out}
-
-
-def samples_per_epoch(items: list[Item]) -> int:
-    """Samples in an epoch: each training item `repeats` times, and when regularization
-    items exist, as many regularization samples again (the balance rule of `balance.py`)."""
-    train = sum(it.repeats for it in items if not it.regularization)
-    return 2 * train if any(it.regularization for it in items) else train
-
-
-def list_images(folder: Path, recursive: bool) -> list[Path]:
-    """Image files under `folder` (extension case-insensitive), sorted by relative path.
+def list_images(folder: Path, recursive: bool,
+                extensions: frozenset[str] = IMAGE_EXTENSIONS) -> list[Path]:
+    """Image files (or files of other `extensions`: videos) under `folder` (extension
+    case-insensitive), sorted by relative path.
 
     Hidden files and folders (name starting with ".", e.g. macOS "._x.jpg" resource forks or
     ".ipynb_checkpoints") are ignored: they are never training data.
@@ -150,28 +49,9 @@ def list_images(folder: Path, recursive: bool) -> list[Path]:
         rel = path.relative_to(folder)
         if any(part.startswith(".") for part in rel.parts):
             continue
-        if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file():
+        if path.suffix.lower() in extensions and path.is_file():
             found.append(path)
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
-
-
-def read_caption(image: Path, caption_ext: str) -> str | None:
-    """The stripped UTF-8 text of `image`'s same-stem caption file, or None when there is none.
-
-    A byte-order mark is tolerated (utf-8-sig). An existing but empty file is an intentional
-    empty caption and is returned as "". A file that is not UTF-8 is a `DataError`.
-    """
-    ext = caption_ext if caption_ext.startswith(".") else f".{caption_ext}"
-    path = image.with_suffix(ext)
-    if not path.is_file():
-        return None
-    try:
-        return path.read_text(encoding="utf-8-sig").strip()
-    except UnicodeDecodeError as err:
-        raise DataError(
-            f"caption file {path} is not UTF-8 ({err.reason} at byte {err.start}); "
-            "re-save it as UTF-8"
-        ) from None
 
 
 def _probe_all(paths: list[Path]) -> list[tuple[int, int] | str]:
@@ -209,11 +89,12 @@ def _control_sizes(controls: tuple[Path, ...], bucket: Bucket, resolution: int,
 
 def _subset_items(
     sub: SubsetConfig, d: int, s: int, buckets: dict[int, list[Bucket]], out: DataSet,
-    control_size: ControlSize | None = None,
+    control_size: ControlSize | None = None, clip_folders: list[Path] | None = None,
 ) -> list[Item]:
     """Items of one subset: per image, one per resolution (`buckets` maps each of the dataset's
     resolutions to its candidate buckets, in config order); skipped files and missing captions
-    are recorded in `out`. `control_size` sizes each edit pair's control images at the item's
+    are recorded in `out`; images inside `clip_folders` (folders of frames) are left to the
+    clips. `control_size` sizes each edit pair's control images at the item's
     resolution."""
     where = f"datasets[{d}].subsets[{s}].path"
     if not sub.path.exists():
@@ -222,7 +103,8 @@ def _subset_items(
         raise DataError(f"{where}: {sub.path} is not a folder; point it at a folder of images")
     check_control_folders(sub, f"datasets[{d}].subsets[{s}]")
     check_mask_folder(sub, f"datasets[{d}].subsets[{s}]")
-    paths = list_images(sub.path, sub.recursive)
+    paths = [p for p in list_images(sub.path, sub.recursive)
+             if not any(p.is_relative_to(f) for f in clip_folders or ())]
     augment = CaptionAugment.from_subset(sub)
     items = []
     for path, probed in zip(paths, _probe_all(paths), strict=True):
@@ -231,14 +113,14 @@ def _subset_items(
         for res, candidates in buckets.items():
             placed = _place(probed, candidates)
             if isinstance(probed, str) or isinstance(controls, str):  # the same at every side
-                _skip(out, path, probed if isinstance(probed, str) else
+                skip(out, path, probed if isinstance(probed, str) else
                       f"edit pair skipped: {controls}")
                 break
             if isinstance(placed, str):  # too far from this side's buckets: skip it there
-                _skip(out, path, placed if len(buckets) == 1 else f"at resolution {res}: {placed}")
+                skip(out, path, placed if len(buckets) == 1 else f"at resolution {res}: {placed}")
                 continue
             if caption is None:
-                caption = _caption(path, sub, out)
+                caption = caption_of(path, sub, out)
             size, bucket = placed
             items.append(Item(
                 path=path, caption=caption, size=size, bucket=bucket, dataset=d, subset=s,
@@ -257,8 +139,6 @@ def _subset_items(
         raise DataError(f"{where}: no complete edit pair in {sub.path} with "
                         f"{', '.join(map(str, sub.control_path))}; each target image needs a "
                         "control image of the same name in every control folder")
-    if not items:
-        log.warning("%s: no usable image in %s", where, sub.path)
     return items
 
 
@@ -267,24 +147,6 @@ def _with_masks(items: list[Item], sub: SubsetConfig, where: str) -> list[Item]:
     masks = find_masks([it.path for it in items], sub, where)
     return [replace(it, mask=m, alpha_mask=sub.alpha_mask, unmasked_weight=sub.unmasked_weight)
             for it, m in zip(items, masks, strict=True)]
-
-
-def _skip(out: DataSet, path: Path, why: str) -> None:
-    """Record (and warn about) an image, or one resolution of it, left out."""
-    log.warning("skipping image %s: %s", path, why)
-    out.skipped.append((path, why))
-
-
-def _caption(path: Path, sub: SubsetConfig, out: DataSet) -> str:
-    """The image's caption, or the subset's default (recorded as missing in `out`)."""
-    caption = read_caption(path, sub.caption_ext)
-    if caption is None:
-        log.warning(
-            "no caption file for %s; using the default caption %r", path, sub.default_caption
-        )
-        out.missing_captions.append(path)
-        caption = sub.default_caption
-    return caption
 
 
 def dataset_buckets(ds: DatasetConfig, bucket_step: int, resolution: int | None = None
@@ -299,21 +161,32 @@ def dataset_buckets(ds: DatasetConfig, bucket_step: int, resolution: int | None 
 
 
 def build(datasets: list[DatasetConfig], bucket_step: int,
-          control_size: ControlSize | None = None) -> DataSet:
+          control_size: ControlSize | None = None, clips: ClipRule | None = None) -> DataSet:
     """Discover, check and bucket every image of every dataset.
 
     `bucket_step` is the model family's default side granularity, used where a dataset leaves
     `bucket_step` unset. Raises `DataError` for a missing folder or a dataset with no usable
     image; everything else (unreadable files, missing captions) is a logged warning and is
     recorded in the result. `control_size` is the family's control-image size rule (see
-    `ControlSize`; None: a control takes its target's bucket).
+    `ControlSize`; None: a control takes its target's bucket). `clips` is the family's
+    video rule (`data.clips`; None: video files are skipped, the family trains images only).
     """
     out = DataSet(items=[])
     for d, ds in enumerate(datasets):
         buckets = {res: dataset_buckets(ds, bucket_step, res) for res in ds.resolutions}
         found = []
         for s, sub in enumerate(ds.subsets):
-            found += _subset_items(sub, d, s, buckets, out, control_size)
+            # Folders of frames are clips only for a family that trains clips (an image
+            # family reads their images as images, as it always did).
+            folders = frame_folders(sub.path, sub.recursive, sub.caption_ext) if (
+                clips and sub.path.is_dir()) else []
+            made = _subset_items(sub, d, s, buckets, out, control_size, folders)
+            videos = list_images(sub.path, sub.recursive, VIDEO_EXTENSIONS) + folders
+            clipped = clip_items(videos, sub, ds, (d, s), buckets[ds.resolutions[0]], clips, out)
+            if not made and not clipped:
+                log.warning("datasets[%d].subsets[%d].path: no usable image or video in %s",
+                            d, s, sub.path)
+            found += made + clipped
         if not found and not all(sub.class_images for sub in ds.subsets):
             # (a dataset of class images alone is empty until they are generated)
             folders = ", ".join(str(sub.path) for sub in ds.subsets)
@@ -321,7 +194,9 @@ def build(datasets: list[DatasetConfig], bucket_step: int,
             detail = f" (skipped: {'; '.join(skipped[:5])})" if skipped else ""
             raise DataError(
                 f"datasets[{d}] has no usable image in {folders}{detail}; add "
-                f"{'/'.join(sorted(e[1:] for e in IMAGE_EXTENSIONS))} images there or fix the path"
+                f"{'/'.join(sorted(e[1:] for e in IMAGE_EXTENSIONS))} images "
+                f"({'/'.join(sorted(e[1:] for e in VIDEO_EXTENSIONS))} videos) there or fix the "
+                "path"
             )
         out.items += found
     if out.items and all(it.regularization for it in out.items):

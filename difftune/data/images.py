@@ -24,6 +24,7 @@ from PIL import Image, ImageFile, ImageOps
 from difftune.data.buckets import Bucket, cover_size
 from difftune.errors import DataError
 
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp"})
 # EXIF orientations 5-8 rotate by 90 degrees, so width and height swap (exif_transpose semantics).
 _ORIENTATION_TAG = 0x0112
 _SWAPS_SIDES = {5, 6, 7, 8}
@@ -164,6 +165,14 @@ def load_pixels(
     """
     with strict_decoding(), Image.open(path) as raw:
         img = _to_rgb(ImageOps.exif_transpose(raw))
+    return fit_pixels(img, bucket, box, flip, path)
+
+
+def fit_pixels(img: Image.Image, bucket: Bucket, box: tuple[int, int, int, int], flip: bool,
+               path: Path) -> torch.Tensor:
+    """An upright RGB image (an image file's, or a video frame) -> (3, H, W) float32 in
+    [-1, 1]: LANCZOS resize to cover `bucket`, crop `box`, mirror when `flip`. `path` names
+    the file in errors."""
     why = upscale_problem(img.size, bucket)
     if why:
         raise DataError(f"image {path}: {why}")

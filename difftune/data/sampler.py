@@ -50,14 +50,18 @@ class Batch:
     seeds: tuple[int, ...]
 
 
-Group = tuple[tuple[int, int], tuple[tuple[int, int], ...]]
+Group = tuple[tuple[int, int], tuple[tuple[int, int], ...]] | tuple[
+    tuple[int, int], tuple[tuple[int, int], ...], int]
 
 
 def group_of(item: Item) -> Group:
-    """What a batch must share: the bucket and the control images' sizes (so the control
-    latents of a batch stack). Items without controls group by bucket alone, in the same
-    sorted order as before control sizes existed."""
-    return (item.bucket, item.control_sizes)
+    """What a batch must share: the bucket, the control images' sizes (so the control
+    latents of a batch stack) and, for a clip, its frame count (buckets are (width, height,
+    frames)). Images group as before frames existed: (bucket, control sizes), which sorts
+    before the clips of the same size."""
+    if item.clip is None:
+        return (item.bucket, item.control_sizes)
+    return (item.bucket, item.control_sizes, item.clip.frames)
 
 
 class BucketBatchSampler:

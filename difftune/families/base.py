@@ -179,6 +179,10 @@ class Family(Protocol):
     # How many control/reference images an edit pair or an edit sample prompt may give it
     # (0: it is no edit model).
     control_images: int
+    # Video: valid frame counts (step, offset) = step x N + offset, and the default frame rate
+    # clips are resampled to; None for a family that trains images only.
+    frame_rule: tuple[int, int] | None
+    fps: float | None
     # Names the control-size rule and its parameters (part of control-latent cache keys).
     control_rule: str
 
@@ -242,6 +246,19 @@ class Family(Protocol):
 
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels in [-1, 1], (B, 3, H, W) -> normalized latents (B, C, h, w)."""
+        ...
+
+    def clip_inputs(self, frames: int) -> dict[str, Any]:
+        """The pipeline's arguments for a sample of `frames` frames (none for an image)."""
+        ...
+
+    def pipeline_clip(self, result: Any) -> Any:
+        """A pipeline result's frames, (F, H, W, 3) in [0, 1] (one for an image)."""
+        ...
+
+    def encode_clips(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """Video clips, (B, 3, F, H, W) in [-1, 1] -> normalized latents (B, C, f, h, w), for
+        a family with a `frame_rule` (F one of its valid counts)."""
         ...
 
     def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":

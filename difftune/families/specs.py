@@ -201,6 +201,11 @@ family's files would load, with the reason.
     # LyCORIS's presets choose them); empty: the denoiser has none worth adapting, and conv
     # options are refused at load.
     conv_targets: tuple[str, ...] = ()
+    # Video: the frame counts the model trains on, (step, offset) for step x N + offset (Wan:
+    # (4, 1), its VAE folding 4 frames into one after the first), and the frame rate clips are
+    # resampled to by default; None: the family trains images only (video files are skipped).
+    frame_rule: tuple[int, int] | None = None
+    fps: float | None = None
     variants: tuple[tuple[str, "FamilySpec"], ...] = ()
     variant: str | None = None
     # What training a step-distilled checkpoint of this family does, and what to train on

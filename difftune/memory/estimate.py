@@ -46,6 +46,9 @@ CARDS = (24, 16, 12)  # the GPU sizes presets, `check` and the README speak of
 BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "qint8": 1.0,
          "qfloat8": 1.0, "nf4": 0.5}
 LABEL = "an estimate from parameter counts, not measured on a GPU"
+# Not a config field: the frames of the longest clip a run trains (`check` sets it from its
+# dataset; a run of images leaves it out), read by `Setup.from_values` like the fields.
+CLIP_FRAMES = "clip_frames"
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class Setup:
     full: bool = False  # a full fine-tune: the trained weights are the denoiser's own
     fused: bool = False  # train.fused_backward: no gradient kept
     ema: bool = False  # an EMA of the trained weights on the GPU
+    frames: int = 1  # the longest clip's frames (1: images only)
 
     @classmethod
     def from_values(cls, v: Mapping[str, Any], trained: float | None = None) -> "Setup":
@@ -93,7 +97,15 @@ class Setup:
             text_resident=v.get("cache.text", "memory") == "none" or
             not v.get("cache.offload", True),
             full=v.get("adapter.type") == "full", fused=bool(v.get("train.fused_backward")),
-            ema=bool(v.get("train.ema.enabled")) and not v.get("train.ema.cpu", False))
+            ema=bool(v.get("train.ema.enabled")) and not v.get("train.ema.cpu", False),
+            frames=int(v.get(CLIP_FRAMES, _longest(v))))
+
+
+def _longest(v: Mapping[str, Any]) -> int:
+    """The most frames a run file's datasets list (`datasets[i].frames`; 1 where none does):
+    an example's clip length. `check` sets `CLIP_FRAMES` from the clips it found instead."""
+    return max((max(x) for k, x in v.items() if k.startswith("datasets[")
+                and k.endswith(".frames") and isinstance(x, list) and x), default=1)
 
 
 def _stored(quant: str, dtype: str) -> str:
@@ -136,10 +148,12 @@ class Estimate:
 
     def describe(self, s: Setup) -> str:
         """`estimated peak: 14.2 GiB on the GPU (...)` with the parts, labelled an estimate."""
+        clip = f", {s.frames} frames" if s.frames > 1 else ""
         return (f"estimated peak: {self.peak:.1f} GiB on the GPU, while {self.phase} (denoiser "
                 f"weights {self.weights:.1f}, trained weights with gradients and optimizer state "
                 f"{self.trained:.1f}, activations {self.activations:.1f} at {s.resolution}x"
-                f"{s.resolution} batch {s.batch}, text encoders {self.encoders:.1f} GiB; {LABEL})")
+                f"{s.resolution}{clip} batch {s.batch}, text encoders {self.encoders:.1f} GiB; "
+                f"{LABEL})")
 
 
 def _gib(billions: float, per: float) -> float:
@@ -151,12 +165,22 @@ def _state_per_parameter(optimizer: str) -> float:
     return state_bytes(optimizer, parse_args(optimizer, {}), [(1024, 1024)], 4) / 1024 ** 2
 
 
+def latent_frames(spec: FamilySpec, frames: int) -> int:
+    """The latent frames of a clip: the first frame, then one per `step` frames of the
+    family's frame rule (Wan: 4N+1 frames -> N+1); 1 for images or an image family."""
+    if spec.frame_rule is None or frames <= 1:
+        return 1
+    step, offset = spec.frame_rule
+    return (frames - offset) // step + 1
+
+
 def tokens(size: ModelSize, spec: FamilySpec, s: Setup) -> int:
-    """The tokens one sample puts through each layer: its image's, as many again per
-    reference image of an edit pair (taken at the same size), and its longest text."""
+    """The tokens one sample puts through each layer: its image's (each latent frame's, for
+    a clip), as many again per reference image of an edit pair (taken at the same size), and
+    its longest text."""
     text = max((te.max_length for te in spec.text_encoders if te.hidden != "none"), default=0)
     refs = min(s.references, spec.control_images)
-    return (s.resolution // size.patch) ** 2 * (1 + refs) + text
+    return (s.resolution // size.patch) ** 2 * (1 + refs) * latent_frames(spec, s.frames) + text
 
 
 def estimate(size: ModelSize, spec: FamilySpec, s: Setup) -> Estimate:

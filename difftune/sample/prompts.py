@@ -1,14 +1,15 @@
 """Sample prompt files: kohya-style `.txt` lines or `.toml` tables, read afresh at every event.
 
 `.txt`: one prompt a line, `#` starts a comment, options `--w --h` (size), `--s` (steps), `--d`
-(seed), `--g` (distilled guidance), `--l` (CFG scale), `--n` (negative prompt), `--ci` (an
+(seed), `--g` (distilled guidance), `--l` (CFG scale), `--n` (negative prompt), `--f` (frames:
+a video family samples a clip, written as mp4 and an animated WebP), `--ci` (an
 input image for edit models, repeated for several, relative to the prompt file):
 `a red circle --n blurry --w 512 --h 512 --s 20 --d 42 --g 3.5 --l 1.0`.
 `.toml`: one `[[prompts]]` table a prompt, with `prompt` and the same options by name
-(`negative`, `width`, `height`, `steps`, `seed`, `guidance`, `cfg`, `images`). A bad line or
-table, or one naming an input image that does not exist, is skipped with a warning naming the
-file and line (or table); a missing or empty file is a warning and no samples. Nothing here
-raises: a prompt file edited mid-run can never stop training.
+(`negative`, `width`, `height`, `steps`, `seed`, `guidance`, `cfg`, `frames`, `images`). A bad
+line or table, or one naming an input image that does not exist, is skipped with a warning
+naming the file and line (or table); a missing or empty file is a warning and no samples.
+Nothing here raises: a prompt file edited mid-run can never stop training.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any
 log = logging.getLogger("difftune")
 
 _OPTIONS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int),
-            "g": ("guidance", float), "l": ("cfg", float), "n": ("negative", str)}
+            "g": ("guidance", float), "l": ("cfg", float), "n": ("negative", str),
+            "f": ("frames", int)}
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class PromptSpec:
     guidance: float
     cfg: float
     images: tuple[Path, ...] = ()
+    frames: int = 1  # a video family's clip length (1: an image)
 
 
 def parse_line(line: str, default: PromptSpec) -> PromptSpec:
@@ -56,7 +59,7 @@ def parse_line(line: str, default: PromptSpec) -> PromptSpec:
             continue
         if flag not in _OPTIONS:
             raise ValueError(f"unknown option --{flag} (known: --w --h --s --d --g --l --n "
-                             "--ci)")
+                             "--f --ci)")
         field, kind = _OPTIONS[flag]
         try:
             spec = replace(spec, **{field: kind(value.strip())})

@@ -29,7 +29,9 @@ from difftune.cache.text_images import from_pil
 from difftune.config import SampleConfig
 from difftune.data.images import load_rgb
 from difftune.report.sample_metrics import PROMPT_KEY, SEED_KEY
+from difftune.data.video import round_frames
 from difftune.sample.prompts import PromptSpec, parse_line, read_prompts  # noqa: F401 (re-exported)
+from difftune.sample.video import write_clip
 from difftune.train.rng import GlobalRngs
 
 if TYPE_CHECKING:
@@ -155,16 +157,15 @@ class SampleRunner:
                 log.warning("sample prompt %r skipped: an input image cannot be read (%s: %s)",
                             spec.prompt[:40], type(err).__name__, err)
                 continue
+            path = out_dir / f"{label}_{i:02d}_{slug(spec.prompt)}.png"
             try:
-                image = self.generate(spec, inputs)
+                image = self._sample(spec, inputs, path)
             except NonFiniteSample as err:
                 log.warning("sample %d at step %d was not written: %s", i, step, err)
                 continue
             except Exception as err:  # one bad prompt (a size, memory) spares the others
                 _failed(f"sample {i} ({spec.prompt[:40]!r}) at step {step}", err)
                 continue
-            path = out_dir / f"{label}_{i:02d}_{slug(spec.prompt)}.png"
-            image.save(path, pnginfo=_sample_info(spec))
             paths.append(path)
             images.append(image)
         if images:
@@ -202,11 +203,44 @@ class SampleRunner:
                         spec.width, spec.height, step, w, h)
         return w, h
 
+    def _sample(self, spec: PromptSpec, inputs: list[Image.Image], path: Path) -> Image.Image:
+        """Sample one prompt and write it at `path` (a clip: also its mp4 and animated WebP
+        beside it, sample/video.py); returns the image (a clip's first frame) for the grid."""
+        if spec.frames == 1:
+            image = self.generate(spec, inputs)
+            image.save(path, pnginfo=_sample_info(spec))
+            return image
+        frames = self.generate_clip(spec, inputs)
+        return write_clip(frames, path, self.family.fps or 16.0, _sample_info(spec))
+
+    def _frames(self, spec: PromptSpec) -> int:
+        """The prompt's frame count, rounded down to the family's rule (with a warning); 1
+        for a family that samples images only (with a warning when the prompt asked more)."""
+        rule = self.family.frame_rule
+        if rule is None:
+            if spec.frames != 1:
+                log.warning("sample prompt %r: --f %d ignored, model.family = \"%s\" samples "
+                            "images", spec.prompt[:40], spec.frames, self.family.name)
+            return 1
+        frames = round_frames(max(1, spec.frames), rule)
+        if frames != spec.frames:
+            log.warning("sample prompt %r: %d frames rounded down to %d (%dN+%d)",
+                        spec.prompt[:40], spec.frames, frames, *rule)
+        return frames
+
     @torch.no_grad()
     def generate(self, spec: PromptSpec, inputs: list[Image.Image] | None = None
                  ) -> Image.Image:
-        """One image for one prompt, through the family's diffusers pipeline; `inputs` are the
-        prompt's input images (decoded upright RGB), for an edit family's pipeline."""
+        """One image for one prompt (a clip's first frame), through the family's diffusers
+        pipeline; `inputs` are the prompt's input images (decoded upright RGB), for an edit
+        family's pipeline."""
+        return VaeImageProcessor.numpy_to_pil(self.generate_clip(spec, inputs)[0])[0]
+
+    @torch.no_grad()
+    def generate_clip(self, spec: PromptSpec, inputs: list[Image.Image] | None = None
+                      ) -> np.ndarray:
+        """The frames of one prompt's sample, (F, H, W, 3) in [0, 1] (F = 1 for an image),
+        through the family's diffusers pipeline (see `generate`)."""
         if self._pipe is None:
             self._pipe = self.family.pipeline(self.comps)
         device, dtype = self.policy.device, self.comps.denoiser.dtype
@@ -218,15 +252,16 @@ class SampleRunner:
         kwargs = self.family.pipeline_inputs(embeds, negative, spec.guidance, spec.cfg)
         width, height = self._size(spec)
         kwargs.update(self.family.pipeline_images(inputs or [], width, height))
+        kwargs.update(self.family.clip_inputs(self._frames(spec)))
         generator = torch.Generator("cpu").manual_seed(spec.seed)
         with self.policy.autocast(), one_step_safe(self._pipe, spec.steps):
             result = self._pipe(**kwargs, width=width, height=height, output_type="np",
                                 num_inference_steps=spec.steps, generator=generator)
-        image = self.family.pipeline_image(result)
-        if not np.isfinite(image).all():  # cast to 8 bits, NaN would turn into black pixels
+        frames = self.family.pipeline_clip(result)
+        if not np.isfinite(frames).all():  # cast to 8 bits, NaN would turn into black pixels
             raise NonFiniteSample(f"{spec.prompt[:60]!r} ({spec.width}x{spec.height}, "
                                   f"{spec.steps} steps) came out not finite (NaN or inf)")
-        return VaeImageProcessor.numpy_to_pil(image)[0]
+        return frames
 
 
 def _sample_info(spec: PromptSpec) -> PngInfo:

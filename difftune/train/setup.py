@@ -30,6 +30,7 @@ from difftune.config import RunConfig
 from difftune.config.adapter import AdapterConfig
 from difftune.data import class_images, holdout
 from difftune.data.captions import Captions
+from difftune.data.clips import clip_rule
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family, blocks_of
 from difftune.families.common.text import EncodeOptions
@@ -99,7 +100,8 @@ def load_data(cfg: RunConfig, family: Family) -> DataSet:
     validation set is split off into `held` (data/holdout.py). Folders of class images
     still to generate are made (empty) first."""
     class_images.make_folders(cfg)
-    found = data.build(cfg.datasets, family.bucket_step, family.control_size)
+    found = data.build(cfg.datasets, family.bucket_step, family.control_size,
+                       clip_rule(family))
     return holdout.split(cfg, found, family.bucket_step, family.control_size)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from difftune.files.atomic import write_atomically
+from difftune.ui.dataset_media import is_video, media, video_facts
 from difftune.ui.runs import searched
 from difftune.ui.security import PathOutsideRoots, Roots
 
@@ -67,6 +68,9 @@ class DatasetImage:
     height: int | None = None
     bytes: int = 0
     error: str | None = None
+    # A video (shown as its first frame): its frame count and rate; None for an image.
+    frames: int | None = None
+    fps: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -112,7 +116,10 @@ def _entry(image: Path, caption_ext: str, inside: Callable[[Path], bool] | None
         entry.error = "the image or its caption file links outside the folders this app serves"
         return entry
     entry.bytes = image.stat().st_size
-    entry.width, entry.height = _header_size(image)
+    if is_video(image):
+        video_facts(entry, image)
+    else:
+        entry.width, entry.height = _header_size(image)
     try:
         entry.caption = read_caption(image, caption_ext)
     except DataError as err:
@@ -133,7 +140,7 @@ def browse(folder: Path, offset: int = 0, limit: int = 48,
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder; pick a folder of images")
-    images = list_images(folder, recursive)
+    images = list_images(folder, recursive, media())
     offset, limit = max(0, offset), max(1, limit)
     page = images[offset:offset + limit]
     return BrowsePage(str(folder), len(images), offset, limit,
@@ -155,7 +162,7 @@ def image_folders(roots: list[Path], depth: int = 4, limit: int = 200) -> list[d
             children = sorted(folder.iterdir())
         except OSError:
             return
-        count = len(list_images(folder, recursive=False))
+        count = len(list_images(folder, False, media()))
         if count:
             found.append({"path": str(folder), "images": count})
         if left <= 0:
@@ -219,13 +226,17 @@ def edit_caption(roots: Roots, image: str | Path, text: str,
 # --- thumbnails ------------------------------------------------------------------------------------
 
 def thumbnail(image: Path, side: int = 256) -> bytes:
-    """A JPEG of `image` at most `side` pixels on its longer side (EXIF orientation applied,
-    transparency over white, as training decodes it). Raises ValueError for an unreadable
+    """A JPEG of `image` (a video's first frame) at most `side` pixels on its longer side
+    (EXIF orientation applied, transparency over white, as training decodes it). Raises ValueError for an unreadable
     image, with the reason `check` would give."""
     from difftune.data.images import load_rgb, probe_image
+    from difftune.data.video import first_frame
 
-    probe_image(Path(image))  # the reason, worded as check words it
-    img = load_rgb(Path(image))
+    if is_video(Path(image)):
+        img = first_frame(Path(image))  # a video shows as its first frame
+    else:
+        probe_image(Path(image))  # the reason, worded as check words it
+        img = load_rgb(Path(image))
     img.thumbnail((side, side))
     out = io.BytesIO()
     img.save(out, "JPEG", quality=85)
@@ -272,13 +283,13 @@ def folder_datasets(folder: Path, resolution: int) -> list[Any]:
                           min_side=min(256, resolution), max_side=max(2048, resolution))]
 
 
-def config_datasets(path: Path) -> tuple[list[Any], int]:
-    """The datasets of a run file and its family's bucket step; raises the CLI's ConfigError."""
+def config_datasets(path: Path) -> tuple[list[Any], Any]:
+    """The datasets of a run file and its family's spec; raises the CLI's ConfigError."""
     from difftune.config import load_config
     from difftune.families.registry import spec
 
     cfg = load_config(path)
-    return cfg.datasets, spec(cfg.model.family, cfg.model.variant).bucket_step
+    return cfg.datasets, spec(cfg.model.family, cfg.model.variant)
 
 
 def report(source: Path, resolution: int = 1024, family: str | None = None,
@@ -289,19 +300,21 @@ def report(source: Path, resolution: int = 1024, family: str | None = None,
     PathOutsideRoots for a dataset folder or file (links followed) outside `roots`."""
     from pydantic import ValidationError
 
+    from difftune.data.clips import clip_rule
     from difftune.data.discover import build
     from difftune.errors import DataError
     from difftune.families.registry import spec
 
     source = Path(source)
     if source.is_file():
-        datasets, step = config_datasets(source)
+        datasets, facts = config_datasets(source)
     else:
         try:
             datasets = folder_datasets(source, resolution)
         except ValidationError as err:
             raise ValueError("; ".join(e["msg"] for e in err.errors())) from None
-        step = spec(family).bucket_step if family else DEFAULT_BUCKET_STEP
+        facts = spec(family) if family else None
+    step = facts.bucket_step if facts is not None else DEFAULT_BUCKET_STEP
     if roots is not None:
         check_sources(datasets, roots)
     out = DatasetReport(str(source))
@@ -309,7 +322,7 @@ def report(source: Path, resolution: int = 1024, family: str | None = None,
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # each skip is in the report; not a log line per request
     try:
-        data = build(datasets, step)
+        data = build(datasets, step, clips=clip_rule(facts) if facts is not None else None)
     except DataError as err:
         out.error = str(err)
         return out
@@ -327,6 +340,8 @@ def check_sources(datasets: list[Any], roots: Roots) -> None:
     from difftune.data.discover import list_images
     from difftune.ui.jobs.paths import config_paths, reading
 
+    MEDIA = media()
+
     roots = reading(roots)
     for name, folder in config_paths(datasets, "datasets"):
         try:
@@ -338,7 +353,7 @@ def check_sources(datasets: list[Any], roots: Roots) -> None:
             ext = sub.caption_ext if sub.caption_ext.startswith(".") else f".{sub.caption_ext}"
             masks = [sub.mask_path] if sub.mask_path is not None else []
             for folder in (sub.path, *sub.control_path, *masks):
-                images = list_images(folder, sub.recursive) if folder.is_dir() else []
+                images = list_images(folder, sub.recursive, MEDIA) if folder.is_dir() else []
                 for path in (p for image in images for p in (image, image.with_suffix(ext))):
                     roots.resolve(path)
 
@@ -356,7 +371,7 @@ def is_tag_style(caption: str, separator: str = ",") -> bool:
 
 def _fill(out: DatasetReport, data: Any) -> None:
     """The report's tables from a built `DataSet`."""
-    per_side = Counter((it.resolution, f"{it.bucket[0]}x{it.bucket[1]}") for it in data.items)
+    per_side = Counter((it.resolution, it.bucket_name) for it in data.items)
     out.buckets = [{"resolution": r, "bucket": b, "images": n}
                    for (r, b), n in sorted(per_side.items())]
     out.skipped = [{"path": str(p), "reason": why} for p, why in data.skipped]

@@ -39,6 +39,9 @@ class SampleImage:
     label: str
     path: str
     seed: int | None = None
+    # A clip's animated WebP beside its first frame's PNG (None: an image); browsers play it
+    # in a plain <img>, so the gallery and the viewer show it in the PNG's place.
+    preview: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -163,7 +166,10 @@ def _sample(folder: Path, entry: Entry, run_dir: Path, roots: Roots | None,
     label, index = match["label"], int(match["index"])
     step = STEP_LABEL.match(label)
     text, seed = match_prompt(index, match["slug"], prompts)
-    return SampleImage(int(step[1]) if step else None, index, text, label, str(path), seed)
+    webp = path.with_suffix(".webp")  # written before the PNG (sample/video.py)
+    preview = str(webp) if webp.is_file() and not webp.is_symlink() else None
+    return SampleImage(int(step[1]) if step else None, index, text, label, str(path), seed,
+                       preview)
 
 
 def samples(run_dir: Path, roots: Roots | None = None) -> list[SampleImage]:

@@ -24,7 +24,7 @@ from difftune.errors import ConfigError, DataError
 from difftune.files.names import COMFYUI_DORA
 from difftune.verbs.dataset_report import check_summary
 from difftune.families.base import blocks_of
-from difftune.memory import estimate, savers
+from difftune.memory import clips, estimate, savers
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.lora import lora_format
 from difftune.train.init_lora import load_init_lora
@@ -93,6 +93,10 @@ def _describe_data(data: DataSet) -> list[str]:
     else:
         lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
     lines += masks.describe(data.items)
+    if "clips" in s:
+        lines.append(f"  clips: {s['clips']} from {s['videos']} video(s), buckets "
+                     "WxHxframes")
+    lines += [f"  {note}" for note in data.notes]
     lines += [f"  skipped {p}: {why}" for p, why in data.skipped]
     return lines
 
@@ -124,7 +128,7 @@ def run_check(cfg: RunConfig, init_lora: Path | None = None) -> list[str]:
     report.append(_parameter_line(run))
     report.append(optimizer_line(run))
     report.append(savers.describe(cfg, run.family, run.comps.denoiser))
-    report.append(memory_line(run))
+    report += memory_lines(run)
     if init_lora is not None:
         load_init_lora(init_lora, CheckpointManager(cfg, run.family, run.comps, run.targets,
                                                     {}, run.embeddings, writes=False))
@@ -182,10 +186,11 @@ def _parameter_line(run: Run) -> str:
     return f"parameters: {', '.join(parts)}; {_amount(trained)} trained"
 
 
-def memory_line(run: Run) -> str:
+def memory_lines(run: Run) -> list[str]:
     """The estimated GPU peak of this run and what it needs on 24/16/12 GiB cards: the same
     estimate the web app's presets and the README's table use, from the loaded model's
-    parameter counts (memory/estimate.py)."""
+    parameter counts (memory/estimate.py); for a run of clips, the longest clip's tokens and
+    what fits it on each card (memory/clips.py)."""
     spec = run.family.spec
     counts = [sum(p.numel() for n, p in m.named_parameters() if not is_adapter_parameter(n))
               for m in (run.comps.denoiser, *run.comps.text_encoders.values()) if m is not None]
@@ -193,9 +198,13 @@ def memory_line(run: Run) -> str:
     size = estimate.counted(spec, counts[0] / 1e9, sum(counts[1:]) / 1e9, layers)
     trained = sum(p.numel() for g in param_groups(run) for p in g["params"]) / 1e9
     values = estimate.flatten(run.cfg.model_dump(mode="json"))
+    frames = [it.clip.frames for it in run.data.items if it.clip is not None]
+    # the longest clip decides the peak (1 in a run of images, whatever `frames` says)
+    values[estimate.CLIP_FRAMES] = max(frames, default=1)
     setup = estimate.Setup.from_values(values, trained)
-    return (f"{estimate.estimate(size, spec, setup).describe(setup)}; "
+    line = (f"{estimate.estimate(size, spec, setup).describe(setup)}; "
             f"{estimate.advice(size, spec, values, trained)} (sizes: {size.name})")
+    return [line] + ([clips.clip_line(values, size, spec, trained)] if frames else [])
 
 
 def _adapter_line(run: Run) -> str:

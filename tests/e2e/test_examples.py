@@ -50,6 +50,7 @@ PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "sdxl-lora.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
              "sdxl-pivotal.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
              "wan21-image-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.1-t2v-14b")),
+             "wan21-video-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.1-t2v-14b")),
              "z-image-lora.toml": (ZImagePipeline, build_tiny_z_image)}
 # Single-file overrides of the folder (the FLUX.1 example's ComfyUI files) are dropped: the
 # folder then provides those components. Single files are checked in tests/unit/test_flux_files.py.

@@ -72,6 +72,31 @@ def test_samples_and_their_images(client: TestClient) -> None:
     assert not_sample.status_code == 404
 
 
+def test_a_sampled_clip_plays_as_its_animated_preview(client: TestClient, root: Path) -> None:
+    """A clip sample (its animated WebP beside the first frame's PNG, sample/video.py) is
+    listed with its preview, which /image serves inline and the run page shows (it plays in
+    the <img>) in the PNG's place."""
+    import numpy as np
+    from PIL import Image
+
+    from difftune.sample.video import write_clip
+    from difftune.ui.pages.run_samples import image_url
+    from difftune.ui.run_outputs import SampleImage
+
+    png = root / RUN / "samples" / "step-000004_00_a-clip.png"
+    write_clip(np.random.default_rng(0).random((5, 16, 16, 3)), png, 16.0)
+    listed = {s["path"]: s for s in client.get("/api/runs/samples", params={"path": RUN}).json()}
+    preview = listed[str(png)]["preview"]
+    assert preview == str(png.with_suffix(".webp"))
+    got = client.get("/api/runs/image", params={"path": preview})
+    assert got.status_code == 200 and got.headers["content-type"] == "image/webp"
+    with Image.open(png.with_suffix(".webp")) as webp:
+        assert webp.n_frames == 5
+    shown = SampleImage(**listed[str(png)])
+    assert "a-clip.webp" in image_url(shown) and "a-clip.png" not in image_url(shown)
+    assert all(s["preview"] is None for p, s in listed.items() if p != str(png))
+
+
 def test_files_and_download(client: TestClient, root: Path) -> None:
     files = client.get("/api/runs/files", params={"path": RUN}).json()
     final = [f for f in files if f["final"]]

@@ -156,3 +156,30 @@ def test_api_refuses_paths_outside_the_roots(client: TestClient, folder: Path,
     listed = {Path(i["image"]).name: i for i in client.get(
         "/api/datasets/browse", params={"path": "data", "limit": 100}).json()["items"]}
     assert listed["linked.png"]["caption"] is None and listed["linked.png"]["error"]
+
+
+def test_api_a_video_shows_as_its_first_frame_with_its_length_and_fps(
+        client: TestClient, folder: Path) -> None:
+    """A video among the images is browsed with its size, frame count and rate, and its
+    thumbnail is its first frame; a corrupt one carries check's reason."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from tests.videos import frame, write_video
+
+    write_video(folder / "clip.mp4", 20, fps=24, caption="a bar")
+    (folder / "broken.webm").write_bytes(b"not a video" * 30)
+    page = client.get("/api/datasets/browse", params={"path": "data", "limit": 50}).json()
+    by_name = {Path(i["image"]).name: i for i in page["items"]}
+    clip = by_name["clip.mp4"]
+    assert (clip["width"], clip["height"], clip["frames"], clip["fps"]) == (64, 48, 20, 24.0)
+    assert clip["caption"] == "a bar" and by_name["red_circle.png"]["frames"] is None
+    assert "unreadable video" in by_name["broken.webm"]["error"]
+    thumb = client.get("/api/datasets/image", params={"path": "data/clip.mp4", "size": 64})
+    assert thumb.status_code == 200 and thumb.headers["content-type"] == "image/jpeg"
+    shown = np.asarray(Image.open(io.BytesIO(thumb.content)).convert("RGB"), dtype=float)
+    assert np.abs(shown - frame(0, 64, 48)).mean() < 8
+    bad = client.get("/api/datasets/image", params={"path": "data/broken.webm", "size": 64})
+    assert bad.status_code == 422 and "unreadable video" in bad.json()["detail"]

@@ -13,8 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
+import numpy as np
 import torch
 
+from difftune.errors import DataError
 from difftune.families.base import Components, ModelSpec, TextEmbeds
 from difftune.families.common import text
 from difftune.families.common.kohya import has_original_prefix, original_to_kohya
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 FACTS = ("name", "text_encoders", "bucket_step", "denoiser_prefix", "default_cfg",
          "text_encoder_prefixes", "keep_high", "swap_blocks", "compile_blocks", "default_format",
          "control_images", "lycoris_prefix", "conv_targets", "lycoris_renames", "lora_unread",
-         "formats")
+         "formats", "frame_rule", "fps")
 
 
 def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -200,6 +202,24 @@ class FamilyBase:
         return FlowMatching(cfg, scheduler_shift(c.scheduler.config))
 
     @torch.no_grad()
+    def clip_inputs(self, frames: int) -> dict[str, Any]:
+        """Pipeline arguments for a sample of `frames` frames: none for an image (a family
+        with a `frame_rule` overrides this with its pipeline's frame argument)."""
+        if frames != 1:
+            raise DataError(f"model.family = \"{self.name}\" samples images only, not clips "
+                            f"of {frames} frames")
+        return {}
+
+    def pipeline_clip(self, result: Any) -> np.ndarray:
+        """A pipeline result's frames, (F, H, W, 3) in [0, 1]: one for an image family."""
+        return self.pipeline_image(result)[None]
+
+    def encode_clips(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """Refused: a family without a `frame_rule` trains images only (`data.build` skips
+        its video files, so this is reached only by code that ignored that)."""
+        raise DataError(f"model.family = \"{self.name}\" trains images only; it has no "
+                        "frame axis for video clips")
+
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels in [-1, 1] -> latents normalized with the VAE's shift and scaling factors."""
         vae = c.vae

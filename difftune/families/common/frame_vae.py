@@ -47,6 +47,16 @@ def encode(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def encode_clip(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """Clips (B, 3, F, H, W) in [-1, 1] -> normalized latents (B, z, f, h, w) (the mode,
+    normalized per channel, as `encode` for one frame)."""
+    param = next(vae.parameters())
+    z = vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode()
+    mean, std = channel_stats(vae, z[:, :, 0])
+    return (z - mean.unsqueeze(2)) / std.unsqueeze(2)
+
+
+@torch.no_grad()
 def decode(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
     """Normalized latents (B, z, h, w) -> pixels (B, 3, H, W), as the pipelines decode."""
     param = next(vae.parameters())

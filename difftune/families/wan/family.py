@@ -73,16 +73,22 @@ class WanFamily(FamilyBase):
         VAE, its frame axis dropped."""
         return frame_vae.encode(c.vae, pixels)
 
+    @torch.no_grad()
+    def encode_clips(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """Clips (B, 3, F, H, W) in [-1, 1] -> normalized (B, 16, (F - 1) / 4 + 1, h, w)."""
+        return frame_vae.encode_clip(c.vae, pixels)
+
     def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
                 cond: Conditioning) -> torch.Tensor:
         """Velocity (noise - x0) for noisy latents at t in [0, 1] (1 = pure noise), as
-        WanPipeline calls the transformer: one frame, timestep = sigma x 1000 (in float32, as
-        the time embedding computes it), the prompt padded to 512 positions."""
-        dtype = noisy.dtype
-        out = c.denoiser(hidden_states=noisy.unsqueeze(2), timestep=(t.float() * 1000),
+        WanPipeline calls the transformer: an image as one frame, timestep = sigma x 1000 (in
+        float32, as the time embedding computes it), the prompt padded to 512 positions."""
+        dtype, image = noisy.dtype, noisy.dim() == 4  # a clip is (B, C, f, h, w) already
+        out = c.denoiser(hidden_states=noisy.unsqueeze(2) if image else noisy,
+                         timestep=(t.float() * 1000),
                          encoder_hidden_states=padded_prompt(embeds, self._length).to(dtype),
                          return_dict=False)[0]
-        return out.squeeze(2)
+        return out.squeeze(2) if image else out
 
     def pipeline(self, c: Components) -> "DiffusionPipeline":
         """WanPipeline over the components; the 2.2 low-noise expert as its `transformer_2`,
@@ -118,6 +124,14 @@ class WanFamily(FamilyBase):
     def pipeline_image(self, result: Any) -> np.ndarray:
         """The first frame of the first video (WanPipeline returns `frames`)."""
         return np.asarray(result.frames[0][0])
+
+    def clip_inputs(self, frames: int) -> dict[str, Any]:
+        """WanPipeline's frame count (a 4N+1 count: the runner rounds to `frame_rule`)."""
+        return {"num_frames": frames}
+
+    def pipeline_clip(self, result: Any) -> np.ndarray:
+        """Every frame of the first video, (F, H, W, 3) in [0, 1]."""
+        return np.asarray(result.frames[0])
 
     def model_spec(self, c: Components) -> ModelSpec:
         """Wan 2.1 (1.3B or 14B) or Wan 2.2's low-noise expert, as model sites name them."""

@@ -94,6 +94,10 @@ T2V_13B = FamilySpec(
     denoiser_part="transformer",
     encoder_parts=(("umt5", "text_encoder", "tokenizer"),),
     pipeline_class="WanPipeline",
+    # AutoencoderKLWan keeps the first frame and folds each next 4 into one latent frame;
+    # Wan 2.1 and 2.2 A14B were trained at (and sample at) 16 frames a second.
+    frame_rule=(4, 1),
+    fps=16.0,
     # WanTransformer3DModel of 30 blocks of width 1536 (12 heads of 128, FFN 8960); the VAE
     # downscales 8x and the transformer patches 2x2.
     sizes=(ModelSize("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", 1.42, UMT5_SIZE, 30, 1536),),

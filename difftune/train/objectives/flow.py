@@ -107,8 +107,9 @@ class FlowMatching:
     def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
         """Noise from `generator` (CPU, then moved), then t drawn by `train.timesteps`."""
         noise = torch.randn(latents.shape, generator=generator).to(latents.device)
-        # Image tokens of 2x2 latent patches, as the flow transformers see them (flux_shift).
-        tokens = latents.shape[-1] * latents.shape[-2] // 4
+        # Image tokens of 2x2 latent patches, as the flow transformers see them (flux_shift);
+        # a clip's (B, C, f, h, w) latents have f frames of them.
+        tokens = math.prod(latents.shape[2:]) // 4
         t = sample_timesteps(self.cfg, latents.shape[0], tokens, generator,
                              self.dynamic).to(latents.device)
         noisy, target = noisy_and_target(latents, noise, t)

@@ -33,6 +33,8 @@ class DatasetImageModel(BaseModel):
     height: int | None
     bytes: int
     error: str | None
+    frames: int | None = Field(None, description="a video's frame count (None: an image)")
+    fps: float | None = Field(None, description="a video's frame rate (None: an image)")
 
 
 class BrowseModel(BaseModel):
@@ -172,11 +174,13 @@ def router(ctx: UiContext) -> APIRouter:
              response_class=Response)
     def image(path: str, size: int | None = Query(None, ge=16, le=2048)) -> Response:
         """The image file, or with `size` a JPEG thumbnail at most `size` px on its longer
-        side (422 with check's reason for an unreadable image)."""
+        side (a video's: its first frame; 422 with check's reason for an unreadable file)."""
         from difftune.data.discover import IMAGE_EXTENSIONS
+        from difftune.data.video import VIDEO_EXTENSIONS
 
         target = _resolve(ctx, path)
-        if not target.is_file() or target.suffix.lower() not in IMAGE_EXTENSIONS:
+        if not target.is_file() or target.suffix.lower() not in (IMAGE_EXTENSIONS
+                                                                  | VIDEO_EXTENSIONS):
             raise HTTPException(status_code=404, detail=f"{path} is not an image file")
         if size is None:
             return FileResponse(target)

@@ -20,6 +20,9 @@ from difftune.ui import runs
 from difftune.ui.context import UiContext
 from difftune.ui.security import PathOutsideRoots
 
+# What /image serves inline: sample PNGs, and sampled clips' animated WebP previews.
+SAMPLE_TYPES = {".png": "image/png", ".webp": "image/webp"}
+
 
 class RunSummaryModel(BaseModel):
     """A run's progress and losses (see `difftune.ui.runs.RunSummary`)."""
@@ -52,6 +55,9 @@ class SampleModel(BaseModel):
     path: str
     seed: int | None = Field(None, description="the seed it was drawn with, when the prompt "
                              "file still holds its prompt")
+    preview: str | None = Field(None, description="a sampled clip's animated WebP (fetch it "
+                                "with /image like the PNG, its first frame); its mp4 sits "
+                                "beside it")
 
 
 class SampleSetModel(BaseModel):
@@ -160,14 +166,15 @@ def router(ctx: UiContext) -> APIRouter:
 
     @api.get("/image", response_class=FileResponse, summary="A sample image")
     def image(path: str) -> FileResponse:
-        """A PNG of a run's samples folder or of a "sample with this LoRA" folder, shown
-        inline."""
+        """A PNG of a run's samples folder or of a "sample with this LoRA" folder (or a
+        sampled clip's animated WebP preview), shown inline."""
         target = run_file(ctx, path)
         folder = target.parent
-        if target.suffix.lower() != ".png" or not (
+        kind = SAMPLE_TYPES.get(target.suffix.lower())
+        if kind is None or not (
                 folder.name == "samples" or folder.parent.name == lora_samples.FOLDER):
             raise HTTPException(status_code=404, detail=f"{path} is not a sample image")
-        return FileResponse(target, media_type="image/png")
+        return FileResponse(target, media_type=kind)
 
     @api.get("/lora-samples", response_model=list[SampleSetModel],
              summary="A run's samples made with one of its LoRA files")

@@ -125,8 +125,9 @@ def header_line(path: Path) -> str | None:
         return line
     setup = estimate.Setup.from_values(values)
     peak = estimate.estimate(size, spec, setup).peak
-    return (f"{line}: estimated peak {peak:.1f} GiB ({setup.resolution}x{setup.resolution}, "
-            f"batch {setup.batch}; {estimate.LABEL}).")
+    clip = f", {setup.frames} frames" if setup.frames > 1 else ""
+    return (f"{line}: estimated peak {peak:.1f} GiB ({setup.resolution}x{setup.resolution}"
+            f"{clip}, batch {setup.batch}; {estimate.LABEL}).")
 
 
 def _example_preset(path: Path, gib: int) -> Preset | Refusal | None:

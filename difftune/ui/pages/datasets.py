@@ -143,6 +143,9 @@ class DatasetView:
         with ui.card().classes("p-2 gap-1").props(f'data-testid="image-{n}"'):
             ui.image(image_url(item.image)).classes("w-full").props("fit=contain")
             size = f" · {item.width}x{item.height}" if item.width else ""
+            if item.frames is not None and item.fps:  # a video, shown as its first frame
+                size += f" · {item.frames / item.fps:.1f} s, {item.frames} frames at " \
+                        f"{item.fps:g} fps"
             with ui.row().classes("items-center gap-1"):
                 ui.checkbox(value=item.image in self.tools.selected,
                             on_change=lambda e, p=item.image: self._tick(p, e.value)) \

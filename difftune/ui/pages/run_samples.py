@@ -24,8 +24,9 @@ Images = list[SampleImage]
 
 
 def image_url(image: SampleImage) -> str:
-    """Where the browser fetches a sample image."""
-    return f"/api/runs/image?{urlencode({'path': image.path})}"
+    """Where the browser fetches a sample image: a clip's animated preview, which plays in
+    the <img>, in place of its first frame."""
+    return f"/api/runs/image?{urlencode({'path': image.preview or image.path})}"
 
 
 def by_step(images: Images) -> list[tuple[int, tuple[SampleImage, ...]]]:

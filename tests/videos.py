@@ -1,0 +1,39 @@
+"""Tiny test videos written with PyAV: moving colour bars, each frame different, so a clip's
+frames (and a resampled one's) can be told apart."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+
+def frame(index: int, width: int, height: int) -> np.ndarray:
+    """Frame `index`: a gradient whose brightness and a bar's position move with the index."""
+    img = np.zeros((height, width, 3), np.uint8)
+    img[..., 0] = (index * 9) % 256
+    img[..., 1] = np.linspace(0, 255, width, dtype=np.uint8)[None, :]
+    img[:, (index * 3) % width, 2] = 255
+    return img
+
+
+def write_video(path: Path, frames: int, fps: int = 16, width: int = 64, height: int = 48,
+                caption: str | None = "a moving bar") -> Path:
+    """An H.264 mp4 (or a VP9 webm for a .webm path) of `frames` frames at `fps`, with a
+    same-stem caption file unless `caption` is None."""
+    import av
+
+    codec = "libvpx-vp9" if path.suffix == ".webm" else "libx264"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream(codec, rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            picture = av.VideoFrame.from_ndarray(frame(i, width, height), format="rgb24")
+            for packet in stream.encode(picture):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    if caption is not None:
+        path.with_suffix(".txt").write_text(caption, encoding="utf-8")
+    return path
