@@ -1,0 +1,84 @@
+"""The model a LoRA's original names are read and written against, for the families whose
+original (kohya/ComfyUI) names depend on the model's layout (SDXL's and SD 1.5's block
+numbering, SD3's depth): their keys.py lists the released models' denoiser configs
+(`RELEASED_LAYOUTS`).
+
+A candidate is the family's tiny flavor with its denoiser swapped for one built from a config
+on the meta device (module names and shapes, no weights, under a second even at full size),
+so the family's own readers and writers work on it unchanged. Without `--base` the candidates
+are the released configs, and the first whose modules and widths fit every module of the file
+is used (a file of another model fits none: its widths differ); with `--base` the config is
+the given model's (`<folder>/<denoiser part>/config.json`, or `config.json` in the denoiser's
+own folder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from difftune.errors import ConfigError
+from difftune.families import registry
+from difftune.families.base import Components
+from difftune.lora_tools.names import family_keys, tiny_components
+
+
+def released(family: str) -> dict[str, dict[str, Any]]:
+    """{released model: denoiser config} of a family whose original names need a layout
+    ({} for the others: their tiny flavor's names serve any model of theirs)."""
+    return getattr(family_keys(family), "RELEASED_LAYOUTS", {})
+
+
+@lru_cache(maxsize=8)
+def _model(family: str, config: str) -> Components:
+    """The tiny flavor of `family` with a meta-device denoiser of `config` (JSON text)."""
+    tiny = tiny_components(family)
+    with torch.device("meta"):
+        denoiser = type(tiny.denoiser).from_config(json.loads(config))
+    return dataclasses.replace(tiny, denoiser=denoiser)
+
+
+def model(family: str, config: dict[str, Any]) -> Components:
+    """Components to read and write `family`'s LoRA names against, with `config`'s denoiser."""
+    return _model(family, json.dumps(config, sort_keys=True))
+
+
+def base_config(family: str, base: Path) -> dict[str, Any]:
+    """The denoiser config of the model folder `base` (a diffusers folder, or its denoiser's
+    own folder); anything else is refused naming what `--base` takes."""
+    part = registry.spec(family).denoiser_part
+    for path in (base / part / "config.json", base / "config.json"):
+        if path.is_file():
+            config = json.loads(path.read_text())
+            if "_class_name" in config:  # a diffusers model's config
+                return {k: v for k, v in config.items() if not k.startswith("_")}
+    raise ConfigError(f"--base {base}: not a {family} model folder (no {part}/config.json or "
+                      "config.json in it); give the diffusers folder of the model the LoRA "
+                      "was trained on")
+
+
+def candidates(family: str, base: Path | None) -> list[tuple[str, Components]]:
+    """(where the layout comes from, the model) to try, in order."""
+    if base is not None:
+        return [(f"--base {base}", model(family, base_config(family, base)))]
+    return [(name, model(family, config)) for name, config in released(family).items()]
+
+
+def misfit(state: dict[str, torch.Tensor], comps: Components, prefix: str) -> str | None:
+    """The first of a diffusers-named LoRA's modules that `comps`' denoiser lacks or is
+    not as wide as, said in words; None when all fit."""
+    layers = dict(comps.denoiser.named_modules())
+    for key, value in state.items():
+        module, _, factor = key.removeprefix(f"{prefix}.").rpartition(".lora_")
+        weight = getattr(layers.get(module), "weight", None)
+        if weight is None:
+            return f"it has no module {module}"
+        axis, want = (1, value.shape[1]) if factor == "A.weight" else (0, value.shape[0])
+        if weight.shape[axis] != want:
+            return f"{module} is {weight.shape[axis]} wide there, {want} in the file"
+    return None
