@@ -167,7 +167,8 @@ def _converted(modules: list[Module], family: str, fmt: str, label: str, base: P
     raise ConfigError(f"{label}: its {family} original names depend on the model's layout, "
                       f"and the model it was made for is not "
                       f"{'that' if base else 'a released one'} ({'; '.join(misfits)}); pass "
-                      "--base MODEL_FOLDER, the diffusers folder of the model it was trained on")
+                      "--base MODEL, the diffusers folder or single file of the model it was "
+                      "trained on")
 
 
 def convert(path: Path, to: str, out: Path | None = None, family: str | None = None,

@@ -8,8 +8,9 @@ on the meta device (module names and shapes, no weights, under a second even at 
 so the family's own readers and writers work on it unchanged. Without `--base` the candidates
 are the released configs, and the first whose modules and widths fit every module of the file
 is used (a file of another model fits none: its widths differ); with `--base` the config is
-the given model's (`<folder>/<denoiser part>/config.json`, or `config.json` in the denoiser's
-own folder).
+the given model's (`<folder>/<denoiser part>/config.json`, `config.json` in the denoiser's own
+folder, or derived from an original single file's tensor shapes by the family's keys.py
+`single_file_config`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from difftune.errors import ConfigError
 from difftune.families import registry
 from difftune.families.base import Components
 from difftune.lora_tools.names import family_keys, tiny_components
+
+# Where single files put the denoiser's tensors: a whole checkpoint's, ComfyUI's
+# diffusion_models/ files, or at the root.
+_ROOTS = ("model.diffusion_model.", "diffusion_model.", "")
 
 
 def released(family: str) -> dict[str, dict[str, Any]]:
@@ -48,9 +54,27 @@ def model(family: str, config: dict[str, Any]) -> Components:
     return _model(family, json.dumps(config, sort_keys=True))
 
 
+def _file_config(family: str, base: Path) -> dict[str, Any]:
+    """The denoiser config of an original-layout single file (the whole checkpoint or the
+    denoiser alone), derived by the family's keys.py from the tensors' shapes (read from the
+    header: no weights are loaded)."""
+    with safe_open(str(base), framework="pt", device="cpu") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    root = max(_ROOTS, key=lambda r: sum(k.startswith(r) for k in shapes))
+    sd = {k[len(root):]: torch.empty(s, device="meta") for k, s in shapes.items()
+          if k.startswith(root)}
+    try:
+        return family_keys(family).single_file_config(sd)
+    except (KeyError, StopIteration, IndexError, ValueError, AttributeError):
+        raise ConfigError(f"--base {base}: not a {family} model in its original single-file "
+                          "layout; give that, or the model's diffusers folder") from None
+
+
 def base_config(family: str, base: Path) -> dict[str, Any]:
-    """The denoiser config of the model folder `base` (a diffusers folder, or its denoiser's
-    own folder); anything else is refused naming what `--base` takes."""
+    """The denoiser config of `base`: a diffusers model folder (or its denoiser's own folder)
+    or an original-layout single file; anything else is refused naming what `--base` takes."""
+    if base.is_file():
+        return _file_config(family, base)
     part = registry.spec(family).denoiser_part
     for path in (base / part / "config.json", base / "config.json"):
         if path.is_file():
@@ -58,8 +82,8 @@ def base_config(family: str, base: Path) -> dict[str, Any]:
             if "_class_name" in config:  # a diffusers model's config
                 return {k: v for k, v in config.items() if not k.startswith("_")}
     raise ConfigError(f"--base {base}: not a {family} model folder (no {part}/config.json or "
-                      "config.json in it); give the diffusers folder of the model the LoRA "
-                      "was trained on")
+                      "config.json in it) nor file; give the diffusers folder or the single "
+                      "file of the model the LoRA was trained on")
 
 
 def candidates(family: str, base: Path | None) -> list[tuple[str, Components]]:

@@ -36,8 +36,9 @@ def add_lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]"
     p.add_argument("--to", required=True, choices=["comfy", "diffusers", "kohya"],
                    help="comfy: the layout ComfyUI reads in full; diffusers: PEFT names; "
                    "kohya: lora_unet_ names")
-    p.add_argument("--base", type=Path, metavar="MODEL_FOLDER",
-                   help="the diffusers folder of the model FILE was trained on, whose layout "
+    p.add_argument("--base", type=Path, metavar="MODEL",
+                   help="the diffusers folder or single file of the model FILE was trained "
+                   "on, whose layout "
                    "SDXL/SD 1.5/SD3 original names are read in (default: the released "
                    "model's that fits the file)")
     _common(p, "FILE's name with -<layout>, beside it")

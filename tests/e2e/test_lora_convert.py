@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from difftune.adapters.formats import save_lora
 from difftune.cli import main
+from difftune.files.single import write_layout
 from difftune.families import registry
 from difftune.lora_tools.convert import convert
 
@@ -150,8 +151,8 @@ def _in_original_names(family: str, kohya: dict[str, torch.Tensor]) -> dict[str,
 def test_original_names_convert_with_the_base_models_layout(
         tmp_path: Path, family: str, capsys: pytest.CaptureFixture[str]) -> None:
     """A tiny model's kohya file: its layout is not a released model's, so convert exits 2
-    naming --base; with --base (the tiny model's folder) it converts to diffusers and back
-    exactly, and diffusers loads the converted file as the diffusers-named source, and as
+    naming --base; with --base (the tiny model's folder, or its single file) it converts to
+    diffusers and back exactly, and diffusers loads the converted file as the diffusers-named source, and as
     the original-named file where diffusers reads that (SDXL's)."""
     fam = registry.get(family)
     state = diffusers_lora(family, linear_modules(family, LAYOUT_MODULES[family]))
@@ -160,7 +161,7 @@ def test_original_names_convert_with_the_base_models_layout(
     kohya = save_lora(tmp_path / "k.safetensors", _in_original_names(family, layout), {})
     args = ["lora", "convert", str(kohya), "--to", "diffusers", "--family", family]
     assert main(args) == 2
-    assert "--base" in capsys.readouterr().err
+    assert "pass --base MODEL" in capsys.readouterr().err
     assert main([*args, "--base", str(tmp_path)]) == 2  # a folder of no model
     assert f"--base {tmp_path}: not a {family} model folder" in capsys.readouterr().err
     assert not (tmp_path / "k-diffusers.safetensors").exists()
@@ -171,6 +172,11 @@ def test_original_names_convert_with_the_base_models_layout(
     close(load_file(converted), state)
     back = convert(converted, "kohya", tmp_path / "back.safetensors", family, base=base)
     close(load_file(back.path), layout)
+    single = tmp_path / "model.safetensors"  # the model as its original single file
+    write_layout(single, fam.single_file_layout(tiny(family)), tiny(family).denoiser.state_dict(),
+                 torch.float32)
+    close(load_file(convert(kohya, "diffusers", tmp_path / "f.safetensors", family,
+                            base=single).path), state)
     got = _fused(family, converted)
     for reference in [source] + ([kohya] if family in DIFFUSERS_READS_ORIGINAL else []):
         for key, value in _fused(family, reference).items():

@@ -89,3 +89,12 @@ RELEASED_LAYOUTS: dict[str, dict[str, Any]] = {"stable-diffusion-v1-5": {
     "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
     "block_out_channels": [320, 640, 1280, 1280], "attention_head_dim": 8,
     "cross_attention_dim": 768}}
+
+
+def single_file_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The UNet config of an original (LDM) single file's UNet tensors (root removed; only
+    shapes are read), for `difftune lora convert --base FILE`."""
+    from difftune.families.common.ldm_unet import ldm_unet_config
+    from difftune.families.sd15.files import SD15_HEADS, SD15_SAMPLE_SIZE
+
+    return ldm_unet_config(sd, SD15_SAMPLE_SIZE, SD15_HEADS)

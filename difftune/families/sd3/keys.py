@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -196,3 +197,11 @@ RELEASED_LAYOUTS: dict[str, dict[str, object]] = {
     "stable-diffusion-3.5-large": {**_MMDIT, "num_layers": 38, "num_attention_heads": 38,
                                    "caption_projection_dim": 2432, "pos_embed_max_size": 192},
 }
+
+
+def single_file_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The transformer config of an original (MMDiT) single file's tensors (root removed;
+    only shapes are read), for `difftune lora convert --base FILE`."""
+    from difftune.families.sd3.files import sd3_config
+
+    return sd3_config(sd)

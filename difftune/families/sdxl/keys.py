@@ -260,3 +260,11 @@ RELEASED_LAYOUTS: dict[str, dict[str, Any]] = {"stable-diffusion-xl-base-1.0": {
     "transformer_layers_per_block": [1, 2, 10], "cross_attention_dim": 2048,
     "use_linear_projection": True, "addition_embed_type": "text_time",
     "addition_time_embed_dim": 256, "projection_class_embeddings_input_dim": 2816}}
+
+
+def single_file_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The UNet config of an original (SGM) single file's UNet tensors (root removed; only
+    shapes are read), for `difftune lora convert --base FILE`."""
+    from difftune.families.sdxl.files import unet_config
+
+    return unet_config(sd, None)
