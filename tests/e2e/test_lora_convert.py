@@ -183,14 +183,15 @@ def test_original_names_convert_with_the_base_models_layout(
             torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6, msg=key)
 
 
-def _pair(down: tuple[int, ...], up: tuple[int, ...], seed: int) -> tuple[torch.Tensor, ...]:
-    """Random (down, up) factors of rank 2."""
+def _pair(down: tuple[int, ...], rows: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random (down, up) factors of rank 2 (a conv's when `down` has a kernel)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(2, *down, generator=gen), torch.randn(*up, 2, generator=gen)
+    return (torch.randn(2, *down, generator=gen),
+            torch.randn(rows, 2, *[1] * (len(down) - 1), generator=gen))
 
 
 # Released models' modules, (diffusers name, original name as kohya/A1111/ComfyUI write it,
-# input width, output width, whether the original's output halves are swapped), from the
+# input width (a conv's: with its kernel), output width, whether the original's output halves are swapped), from the
 # released checkpoints' layouts: SDXL's up level 0 is output_blocks 0-2 (10-deep attention),
 # its level-1 resnet 1 input_blocks.5; SD 1.5's last attention output_blocks.11; SD3.5
 # large's 38th block pre-only, its context modulation (shift, scale) where diffusers' is
@@ -199,7 +200,9 @@ RELEASED = {
     "sdxl": [("up_blocks.0.attentions.2.transformer_blocks.9.attn1.to_q",
               "output_blocks_2_1_transformer_blocks_9_attn1_to_q", 1280, 1280, False),
              ("down_blocks.1.resnets.1.time_emb_proj", "input_blocks_5_0_emb_layers_1",
-              1280, 640, False)],
+              1280, 640, False),
+             ("down_blocks.1.resnets.1.conv1", "input_blocks_5_0_in_layers_2", (640, 3, 3),
+              640, False)],  # a LoCon's conv
     "sd15": [("up_blocks.3.attentions.2.transformer_blocks.0.ff.net.2",
               "output_blocks_11_1_transformer_blocks_0_ff_net_2", 1280, 320, False),
              ("down_blocks.0.attentions.1.transformer_blocks.0.attn2.to_k",
@@ -222,7 +225,7 @@ def test_original_names_of_a_released_model_convert_without_base(tmp_path: Path,
     family = model.partition("-")[0]
     original, want = {}, {}
     for i, (module, name, width, rows, swap) in enumerate(RELEASED[model]):
-        down, up = _pair((width,), (rows,), i)
+        down, up = _pair(width if isinstance(width, tuple) else (width,), rows, i)
         original |= {f"lora_unet_{name}.lora_down.weight": down,
                      f"lora_unet_{name}.lora_up.weight": up,
                      f"lora_unet_{name}.alpha": torch.tensor(1.0)}
