@@ -16,7 +16,7 @@ from difftune.files.single import write_layout
 from difftune.families import registry
 from difftune.lora_tools.convert import convert
 
-from ..lora_files import TRAINERS, diffusers_lora, linear_modules, tiny
+from ..lora_files import TRAINERS, diffusers_lora, in_original_names, linear_modules, tiny
 
 
 def close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -130,23 +130,6 @@ def _fused(family: str, path: Path) -> dict[str, torch.Tensor]:
             if ".lora_" not in k}
 
 
-def _in_original_names(family: str, kohya: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A kohya file in the original checkpoint's module names: as written for SDXL and SD3;
-    SD 1.5's kohya names are diffusers', spelled here in the LDM names A1111-era tools use."""
-    if family != "sd15":
-        return kohya
-    layout = registry.get(family).single_file_layout(tiny(family))
-    ldm = {p.sources[0].removesuffix(".weight").replace(".", "_"):
-           k.removeprefix("model.diffusion_model.").removesuffix(".weight").replace(".", "_")
-           for k, p in layout.items() if k.endswith(".weight")}
-    out = {}
-    for key, value in kohya.items():
-        stem, _, tensor = key.partition(".")
-        module = stem.removeprefix("lora_unet_")
-        out[f"lora_unet_{ldm[module]}.{tensor}"] = value
-    return out
-
-
 @pytest.mark.parametrize("family", sorted(LAYOUT_MODULES))
 def test_original_names_convert_with_the_base_models_layout(
         tmp_path: Path, family: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -158,7 +141,7 @@ def test_original_names_convert_with_the_base_models_layout(
     state = diffusers_lora(family, linear_modules(family, LAYOUT_MODULES[family]))
     source = save_lora(tmp_path / "source.safetensors", state, {})
     layout = fam.lora_to_format(tiny(family), state, "kohya", 4, 4.0)
-    kohya = save_lora(tmp_path / "k.safetensors", _in_original_names(family, layout), {})
+    kohya = save_lora(tmp_path / "k.safetensors", in_original_names(family, layout), {})
     args = ["lora", "convert", str(kohya), "--to", "diffusers", "--family", family]
     assert main(args) == 2
     assert "pass --base MODEL" in capsys.readouterr().err

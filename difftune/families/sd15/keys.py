@@ -77,8 +77,15 @@ _PROCESSOR_ONLY = (r".*\.to_(?:q|k|v|out\.0)", "ComfyUI reads diffusers' attenti
                    "without kohya's prefix only in the old processor form (attn1.processor.to_q)")
 COMFYUI_FORMS = ("lora_unet_", "lycoris_", ("", *_PROCESSOR_ONLY), ("unet.", *_PROCESSOR_ONLY))
 # diffusers' StableDiffusionLoraLoaderMixin reads PEFT names, and `lora_unet_` files in either
-# naming through _convert_non_diffusers_lora_to_diffusers.
-DIFFUSERS_READS = (("unet.", "diffusers", "", ""), ("lora_unet_", "original", "", ""),
+# naming through _convert_non_diffusers_lora_to_diffusers; but its load_lora_weights passes no
+# UNet config, so its SGM remapper never runs and original block names (input_blocks_4_1_...)
+# land on modules the UNet lacks: of the original names only conv_in's, the time embedding's
+# and conv_out's are read (diffusers 0.42).
+DIFFUSERS_READS = (("unet.", "diffusers", "", ""),
+                   ("lora_unet_", "original",
+                    r"(?:down_blocks|mid_block|up_blocks)\..*",  # (the layers they adapt)
+                    "diffusers' SD 1.5 loader does not renumber the original blocks (its "
+                    "load_lora_weights passes no UNet config)"),
                    ("lora_unet_", "diffusers", "", ""))
 FORGE_READS = (("lora_unet_", "original", "", ""), ("lora_unet_", "diffusers", "", ""))
 # The original (LDM) names depend on the UNet's layout, so `difftune lora convert` reads them
