@@ -47,6 +47,7 @@ class Converted:
     family: str
     layout: str
     alpha: str
+    names_of: str = ""  # which model's layout original names were read/written in, if any
     applies: dict[str, str] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, object]:
@@ -144,15 +145,18 @@ def _layout_free(modules: list[Module], family: str, fmt: str, label: str
 
 
 def _converted(modules: list[Module], family: str, fmt: str, label: str, base: Path | None
-               ) -> dict[str, torch.Tensor]:
+               ) -> tuple[dict[str, torch.Tensor], str]:
     """The LoRA modules in layout `fmt`, read and written against the model they fit
-    (`layouts`: the tiny flavor's names, a released model's, or --base's)."""
+    (`layouts`: the tiny flavor's names, a released model's, or --base's), and which model
+    that was ("" where no name depends on it)."""
     if not layouts.released(family):
-        return _write_layout(diffusers_state(modules, family, label), family, fmt, label)
+        state = diffusers_state(modules, family, label)
+        unused = f"--base ignored: {family}'s names do not depend on the model" if base else ""
+        return _write_layout(state, family, fmt, label), unused
     if base is None:
         free = _layout_free(modules, family, fmt, label)
         if free is not None:
-            return free
+            return free, ""
     misfits = []
     for where, comps in layouts.candidates(family, base):
         try:
@@ -162,7 +166,7 @@ def _converted(modules: list[Module], family: str, fmt: str, label: str, base: P
             continue
         wrong = layouts.misfit(state, comps, registry.get(family).denoiser_prefix)
         if wrong is None:
-            return _write_layout(state, family, fmt, label, comps)
+            return _write_layout(state, family, fmt, label, comps), f"original names in the layout of {where}"
         misfits.append(f"{where}: {wrong}")
     raise ConfigError(f"{label}: its {family} original names depend on the model's layout, "
                       f"and the model it was made for is not "
@@ -186,14 +190,15 @@ def convert(path: Path, to: str, out: Path | None = None, family: str | None = N
     fmt = registry.spec(name).default_format if to == "comfy" else to
     if lycoris and to == "comfy":
         written, alpha = _lycoris_for_comfy(denoiser, name, str(path)), "kept as written"
+        model = "--base ignored: LyCORIS kinds keep their names" if base else ""
         fmt = "ComfyUI's LyCORIS names"
     else:
-        written = _converted(denoiser, name, fmt, str(path), base)
+        written, model = _converted(denoiser, name, fmt, str(path), base)
         alpha = "folded into the up factors (scale 1; alpha = rank where the layout has it)"
     keep = {k: v for k, v in metadata.items() if k.startswith(("ss_", "modelspec."))}
     keep["difftune.converted"] = f"{path.name} -> {fmt}"
     save_lora(target, written, keep)
-    report = Converted(str(target), name, fmt, alpha)
+    report = Converted(str(target), name, fmt, alpha, model)
     for result in verify_modules(*read_modules(written, family_names(name)), name):
         report.applies[result.program] = (f"{result.applied} {result.unit}, drops "
                                           f"{len(result.dropped)} key(s)")

@@ -46,7 +46,8 @@ def test_every_spelling_converts_back_to_the_same_diffusers_lora(tmp_path: Path,
 def test_round_trips_through_kohya_and_comfy(tmp_path: Path) -> None:
     state = diffusers_lora("flux", linear_modules("flux"))
     source = save_lora(tmp_path / "d.safetensors", state, {})
-    kohya = convert(source, "kohya", tmp_path / "k.safetensors")
+    kohya = convert(source, "kohya", tmp_path / "k.safetensors", base=tmp_path)
+    assert kohya.names_of.startswith("--base ignored")  # (FLUX.1's names need no model)
     assert kohya.applies["ComfyUI (4f874c5e: comfy/lora.py, comfy/weight_adapter)"].endswith(
         "drops 0 key(s)")
     close(load_file(convert(Path(kohya.path), "diffusers", tmp_path / "back.safetensors").path),
@@ -151,6 +152,7 @@ def test_original_names_convert_with_the_base_models_layout(
     base = tmp_path / "model"
     tiny(family).denoiser.save_config(base / fam.spec.denoiser_part)
     assert main([*args, "--base", str(base)]) == 0
+    assert f"original names in the layout of --base {base}" in capsys.readouterr().out
     converted = tmp_path / "k-diffusers.safetensors"
     close(load_file(converted), state)
     back = convert(converted, "kohya", tmp_path / "back.safetensors", family, base=base)
@@ -218,6 +220,7 @@ def test_original_names_of_a_released_model_convert_without_base(tmp_path: Path,
         want[f"{prefix}.lora_B.weight"] = (torch.cat(halves[::-1]) if swap else up) / 2
     source = save_lora(tmp_path / "o.safetensors", original, {})
     converted = convert(source, "diffusers", family=family)
+    assert converted.names_of.startswith("original names in the layout of stable-diffusion-")
     close(load_file(converted.path), want)
     if family != "sd15":  # (SD 1.5's kohya layout is in diffusers' names)
         back = convert(Path(converted.path), "kohya", tmp_path / "b.safetensors", family)
