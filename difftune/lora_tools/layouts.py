@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from difftune.errors import ConfigError
 from difftune.families import registry
@@ -58,8 +58,12 @@ def _file_config(family: str, base: Path) -> dict[str, Any]:
     """The denoiser config of an original-layout single file (the whole checkpoint or the
     denoiser alone), derived by the family's keys.py from the tensors' shapes (read from the
     header: no weights are loaded)."""
-    with safe_open(str(base), framework="pt", device="cpu") as f:
-        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    try:
+        with safe_open(str(base), framework="pt", device="cpu") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise ConfigError(f"--base {base}: not a readable .safetensors file ({err}); give "
+                          "the model's single file or its diffusers folder") from None
     root = max(_ROOTS, key=lambda r: sum(k.startswith(r) for k in shapes))
     sd = {k[len(root):]: torch.empty(s, device="meta") for k, s in shapes.items()
           if k.startswith(root)}

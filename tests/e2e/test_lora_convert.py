@@ -148,6 +148,11 @@ def test_original_names_convert_with_the_base_models_layout(
     assert "pass --base MODEL" in capsys.readouterr().err
     assert main([*args, "--base", str(tmp_path)]) == 2  # a folder of no model
     assert f"--base {tmp_path}: not a {family} model folder" in capsys.readouterr().err
+    assert main([*args, "--base", str(kohya)]) == 2  # a file of no model
+    assert f"--base {kohya}: not a {family} model" in capsys.readouterr().err
+    (tmp_path / "model.ckpt").write_bytes(b"not safetensors")
+    assert main([*args, "--base", str(tmp_path / "model.ckpt")]) == 2
+    assert "not a readable .safetensors file" in capsys.readouterr().err
     assert not (tmp_path / "k-diffusers.safetensors").exists()
     base = tmp_path / "model"
     tiny(family).denoiser.save_config(base / fam.spec.denoiser_part)
