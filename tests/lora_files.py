@@ -73,3 +73,20 @@ TRAINERS = {
     "simpletuner-lycoris": lambda s, p: spelled(s, "lycoris_", True, 4.0, KOHYA_FACTORS),
     "musubi": lambda s, p: spelled(s, "lora_unet_", True, 4.0, KOHYA_FACTORS),
 }
+
+
+def in_original_names(family: str, kohya: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A kohya file (`Family.lora_to_format`) in the original checkpoint's module names: as
+    written where the family's kohya names are the original ones (SDXL, SD3); SD 1.5's kohya
+    names are diffusers', spelled here in the LDM names A1111-era tools write."""
+    if family != "sd15":
+        return kohya
+    layout = registry.get(family).single_file_layout(tiny(family))
+    ldm = {p.sources[0].removesuffix(".weight").replace(".", "_"):
+           k.removeprefix("model.diffusion_model.").removesuffix(".weight").replace(".", "_")
+           for k, p in layout.items() if k.endswith(".weight")}
+    out = {}
+    for key, value in kohya.items():
+        stem, _, tensor = key.partition(".")
+        out[f"lora_unet_{ldm[stem.removeprefix('lora_unet_')]}.{tensor}"] = value
+    return out

@@ -147,9 +147,10 @@ def run(args: argparse.Namespace) -> tuple[str, int]:
     if args.tool == "inspect":
         return run_inspect(args.file, args.family, args.json), 0
     if args.tool == "convert":
-        report = convert(args.file, args.to, args.out, args.family, args.overwrite)
+        report = convert(args.file, args.to, args.out, args.family, args.overwrite, args.base)
         text = (f"wrote {report.path}: {report.family}, {report.layout}; alpha "
-                f"{report.alpha}" + "".join(f"\n  {k}: {v}" for k, v in report.applies.items()))
+                f"{report.alpha}" + (f"; {report.names_of}" if report.names_of else "")
+                + "".join(f"\n  {k}: {v}" for k, v in report.applies.items()))
         return (json.dumps(report.as_json(), indent=2) if args.json else text), 0
     if args.tool == "resize":
         return run_resize(args.file, args.rank, args.energy, args.out, args.overwrite,

@@ -36,6 +36,11 @@ def add_lora_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]"
     p.add_argument("--to", required=True, choices=["comfy", "diffusers", "kohya"],
                    help="comfy: the layout ComfyUI reads in full; diffusers: PEFT names; "
                    "kohya: lora_unet_ names")
+    p.add_argument("--base", type=Path, metavar="MODEL",
+                   help="the diffusers folder or single file of the model FILE was trained "
+                   "on, whose layout "
+                   "SDXL/SD 1.5/SD3 original names are read in (default: the released "
+                   "model's that fits the file)")
     _common(p, "FILE's name with -<layout>, beside it")
     text = "a LoRA at another rank (SVD per module)"
     p = tools.add_parser("resize", help=text, description=text)

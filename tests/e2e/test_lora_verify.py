@@ -21,7 +21,7 @@ from difftune.families import registry
 from difftune.lora_tools.verify import verify_file
 
 from ..comfy_keymap import unmapped
-from ..lora_files import TRAINERS, diffusers_lora, linear_modules, tiny
+from ..lora_files import TRAINERS, diffusers_lora, in_original_names, linear_modules, tiny
 
 FAMILIES = list(registry.names())
 # FLUX.1's single blocks are left out of its files: diffusers' kohya converter splits them by
@@ -97,3 +97,14 @@ def test_lycoris_kinds_are_not_claimed_for_diffusers(tmp_path: Path) -> None:
     result = verify_file(path, "z_image").results[1]
     assert (result.applied, result.dropped) == (0, [])
     assert result.unmodelled == ["diffusion_model.layers.0.attention.to_k"]
+
+
+def test_diffusers_reads_sd15_original_names_only_outside_the_blocks(tmp_path: Path) -> None:
+    """An SD 1.5 file in the original (LDM) names: diffusers' loader applies its time
+    embedding and nothing in the numbered blocks, as verify counts."""
+    fam, comps = registry.get("sd15"), tiny("sd15")
+    state = diffusers_lora("sd15", linear_modules("sd15", r"attn1\.to_q$|time_embedding"))
+    path = save_lora(tmp_path / "ldm.safetensors", in_original_names(
+        "sd15", fam.lora_to_format(comps, state, "kohya", 4, 4.0)), {})
+    counted = verify_file(path, "sd15").results[1]
+    assert counted.applied == injected(fam.pipeline(comps), comps.denoiser, path) == 2

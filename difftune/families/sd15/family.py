@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from difftune.families.base import Conditioning, Components, TextEmbeds
+from difftune.families.common.components import UNET_PREFIX
 from difftune.families.common.diffusers_layout import diffusers_names
 from difftune.families.common.family import Loaders
 from difftune.families.common.unet import DDPMUNetFamily
@@ -68,7 +69,11 @@ class SD15Family(DDPMUNetFamily):
             from difftune.families.common.text import model_clip_roots
             from difftune.families.sd15.keys import kohya_to_diffusers
 
-            return kohya_to_diffusers(tensors, modules, model_clip_roots(self, c))
+            original = {k.removeprefix(UNET_PREFIX).removesuffix(".weight"):
+                        piece.sources[0].removesuffix(".weight")
+                        for k, piece in self.single_file_layout(c).items()
+                        if k.endswith(".weight")}
+            return kohya_to_diffusers(tensors, modules, model_clip_roots(self, c), original)
         return diffusers_names(tensors, modules, self.denoiser_prefix)
 
     def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float

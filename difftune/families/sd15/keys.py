@@ -13,6 +13,7 @@ own module names.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -33,9 +34,14 @@ TEXT_ENCODERS = {"text_encoder": "lora_te_"}
 class UnderscoredNames:
     """kohya's SD 1.5 UNet names: the diffusers module name with dots as underscores."""
 
-    def __init__(self, modules: Iterable[str]) -> None:
-        """`modules`: the UNet's module names (reading needs them to undo the underscores)."""
-        self.flat = {m.replace(".", "_"): m for m in modules if m}
+    def __init__(self, modules: Iterable[str], original: Mapping[str, str] | None = None
+                 ) -> None:
+        """`modules`: the UNet's module names (reading needs them to undo the underscores);
+        `original`: {LDM module name: UNet module} of the same UNet, so files named after the
+        original checkpoint's modules (`lora_unet_input_blocks_1_1_proj_in`, as A1111-era
+        tools and ComfyUI also write SD 1.5) read too."""
+        self.flat = {o.replace(".", "_"): m for o, m in (original or {}).items()}
+        self.flat |= {m.replace(".", "_"): m for m in modules if m}
 
     def kohya(self, module: str) -> str:
         """The kohya name (without `lora_unet_`) of a diffusers UNet module."""
@@ -56,12 +62,13 @@ def diffusers_to_kohya(state: dict[str, torch.Tensor], alpha: float | dict[str, 
 
 
 def kohya_to_diffusers(state: dict[str, torch.Tensor], unet_modules: Iterable[str],
-                       text_roots: Mapping[str, str] | None = None
+                       text_roots: Mapping[str, str] | None = None,
+                       original: Mapping[str, str] | None = None
                        ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """A kohya/ComfyUI SD 1.5 LoRA in diffusers names, and each module's alpha;
-    `unet_modules` are the loaded UNet's module names."""
-    return lora_from_kohya(state, UnderscoredNames(unet_modules), TEXT_ENCODERS, text_roots,
-                           "SD 1.5")
+    `unet_modules` are the loaded UNet's module names, `original` its LDM names' modules."""
+    return lora_from_kohya(state, UnderscoredNames(unet_modules, original), TEXT_ENCODERS,
+                           text_roots, "SD 1.5")
 
 
 # `difftune lora verify`'s rules (lora_tools.programs), as SDXL's (the same readers: ComfyUI's
@@ -70,10 +77,31 @@ _PROCESSOR_ONLY = (r".*\.to_(?:q|k|v|out\.0)", "ComfyUI reads diffusers' attenti
                    "without kohya's prefix only in the old processor form (attn1.processor.to_q)")
 COMFYUI_FORMS = ("lora_unet_", "lycoris_", ("", *_PROCESSOR_ONLY), ("unet.", *_PROCESSOR_ONLY))
 # diffusers' StableDiffusionLoraLoaderMixin reads PEFT names, and `lora_unet_` files in either
-# naming through _convert_non_diffusers_lora_to_diffusers.
-DIFFUSERS_READS = (("unet.", "diffusers", "", ""), ("lora_unet_", "original", "", ""),
+# naming through _convert_non_diffusers_lora_to_diffusers; but its load_lora_weights passes no
+# UNet config, so its SGM remapper never runs and original block names (input_blocks_4_1_...)
+# land on modules the UNet lacks: of the original names only conv_in's, the time embedding's
+# and conv_out's are read (diffusers 0.42).
+DIFFUSERS_READS = (("unet.", "diffusers", "", ""),
+                   ("lora_unet_", "original",
+                    r"(?:down_blocks|mid_block|up_blocks)\..*",  # (the layers they adapt)
+                    "diffusers' SD 1.5 loader does not renumber the original blocks (its "
+                    "load_lora_weights passes no UNet config)"),
                    ("lora_unet_", "diffusers", "", ""))
 FORGE_READS = (("lora_unet_", "original", "", ""), ("lora_unet_", "diffusers", "", ""))
-# The original (kohya) names' reading depends on the model's layout, which `difftune lora
-# convert` does not read: it converts this family's files within one naming.
-LAYOUT_NEEDS_MODEL = True
+# The original (LDM) names depend on the UNet's layout, so `difftune lora convert` reads them
+# against a model config: the released one's (stable-diffusion-v1-5 unet/config.json, the
+# fields that differ from diffusers' defaults), or `--base`'s.
+RELEASED_LAYOUTS: dict[str, dict[str, Any]] = {"stable-diffusion-v1-5": {
+    "sample_size": 64, "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+    "block_out_channels": [320, 640, 1280, 1280], "attention_head_dim": 8,
+    "cross_attention_dim": 768}}
+
+
+def single_file_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The UNet config of an original (LDM) single file's UNet tensors (root removed; only
+    shapes are read), for `difftune lora convert --base FILE`."""
+    from difftune.families.common.ldm_unet import ldm_unet_config
+    from difftune.families.sd15.files import SD15_HEADS, SD15_SAMPLE_SIZE
+
+    return ldm_unet_config(sd, SD15_SAMPLE_SIZE, SD15_HEADS)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -181,6 +182,26 @@ def _split_entry(entry: Entry, pair: LoraPair) -> dict[str, LoraPair]:
 COMFYUI_FORMS = ("transformer.", "base_model.model.", "lora_transformer_", "lycoris_")
 # diffusers' SD3LoraLoaderMixin reads PEFT names only.
 DIFFUSERS_READS = (("transformer.", "diffusers", "", ""),)
-# The original (kohya) names' reading depends on the model's layout (its depth), which
-# `difftune lora convert` does not read: it converts this family's files within one naming.
-LAYOUT_NEEDS_MODEL = True
+# The original (MMDiT) names depend on the transformer's depth (the last block is pre-only),
+# so `difftune lora convert` reads and writes them against a model config: a released one's
+# (transformer/config.json of stabilityai/stable-diffusion-3.5-medium and -large; SD3 medium's
+# names are 3.5 medium's without attn2), the first whose modules and widths fit the file, or
+# `--base`'s.
+_MMDIT = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16,
+          "attention_head_dim": 64, "joint_attention_dim": 4096, "pooled_projection_dim": 2048,
+          "qk_norm": "rms_norm"}
+RELEASED_LAYOUTS: dict[str, dict[str, object]] = {
+    "stable-diffusion-3.5-medium": {**_MMDIT, "num_layers": 24, "num_attention_heads": 24,
+                                    "caption_projection_dim": 1536, "pos_embed_max_size": 384,
+                                    "dual_attention_layers": list(range(13))},
+    "stable-diffusion-3.5-large": {**_MMDIT, "num_layers": 38, "num_attention_heads": 38,
+                                   "caption_projection_dim": 2432, "pos_embed_max_size": 192},
+}
+
+
+def single_file_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The transformer config of an original (MMDiT) single file's tensors (root removed;
+    only shapes are read), for `difftune lora convert --base FILE`."""
+    from difftune.families.sd3.files import sd3_config
+
+    return sd3_config(sd)

@@ -249,6 +249,22 @@ DIFFUSERS_READS = (
 # Forge and A1111 (extensions-builtin/Lora: network names by the SGM original names, and
 # diffusers' names converted by convert_diffusers_name_to_compvis).
 FORGE_READS = (("lora_unet_", "original", "", ""), ("lora_unet_", "diffusers", "", ""))
-# The original (kohya) names' reading depends on the model's layout (its depth), which
-# `difftune lora convert` does not read: it converts this family's files within one naming.
-LAYOUT_NEEDS_MODEL = True
+# The original (SGM) names depend on the UNet's layout, so `difftune lora convert` reads and
+# writes them against a model config: the released one's (stabilityai/stable-diffusion-xl-base-1.0
+# unet/config.json, the fields that differ from diffusers' defaults), or `--base`'s.
+RELEASED_LAYOUTS: dict[str, dict[str, Any]] = {"stable-diffusion-xl-base-1.0": {
+    "sample_size": 128, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D",
+                                             "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "block_out_channels": [320, 640, 1280], "attention_head_dim": [5, 10, 20],
+    "transformer_layers_per_block": [1, 2, 10], "cross_attention_dim": 2048,
+    "use_linear_projection": True, "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 256, "projection_class_embeddings_input_dim": 2816}}
+
+
+def single_file_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The UNet config of an original (SGM) single file's UNet tensors (root removed; only
+    shapes are read), for `difftune lora convert --base FILE`."""
+    from difftune.families.sdxl.files import unet_config
+
+    return unet_config(sd, None)
