@@ -267,3 +267,21 @@ def test_qwen_vl_sees_a_videos_frames_in_one_message(tmp_path: Path) -> None:
     assert prompt.count("<|image_pad|>") == 4 and clean(answer)
     assert _captions(data)["clip"] == clean(answer) + "\n"
     assert (data / "red.txt").read_text(encoding="utf-8").strip()
+
+
+def test_llava_captions_a_video_from_its_middle_sampled_frame(tmp_path: Path) -> None:
+    import av
+
+    model = captioners.llava_folder(tmp_path / "model")
+    data = tmp_path / "data"
+    data.mkdir()
+    # Frame 5 blue, the others red (the tiny model answers the two colours differently).
+    write_video(data / "clip.mp4", 8, caption=None, paint=lambda i, w, h: np.full(
+        (h, w, 3), (0, 0, 255) if i == 5 else (255, 0, 0), np.uint8))
+    assert main(["caption", str(data), "--model", str(model), "--max-tokens", "6",
+                 "--device", "cpu", "--no-progress"]) == 0
+    with av.open(str(data / "clip.mp4")) as container:
+        frames = [f.to_image() for f in container.decode(video=0)]
+    frames[5].save(tmp_path / "middle.png")  # sampled: 1, 3, 5, 7; the middle one: 5
+    assert _captions(data) == {"clip": _bare_generate(model, [tmp_path / "middle.png"], 6)[0]
+                               + "\n"}
