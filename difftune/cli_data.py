@@ -15,7 +15,7 @@ def add_parsers(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
 
 def _caption_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """`difftune caption DATASET_FOLDER --model PATH`: the verb's arguments."""
-    text = "write a caption file beside each image, with a local captioning model"
+    text = "write a caption file beside each image and video, with a local captioning model"
     p = verbs.add_parser("caption", help=text, description=text)
     p.add_argument("folder", type=Path, nargs="?", metavar="DATASET_FOLDER",
                    help="the folder of images (or give --config)")
@@ -33,6 +33,8 @@ def _caption_parser(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]"
     p.add_argument("--max-tokens", type=int, default=160, metavar="N",
                    help="longest answer in tokens (default 160)")
     p.add_argument("--batch-size", type=int, default=4, metavar="N", help="images a batch")
+    p.add_argument("--video-frames", type=int, default=4, metavar="N",
+                   help="frames sampled evenly over each video to caption it (default 4)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="weights' dtype (default: bf16 on CUDA, fp32 on the CPU)")
@@ -112,8 +114,8 @@ def caption(args: argparse.Namespace) -> int:
 
     if (args.folder is None) == (args.config is None):
         raise ConfigError("give either DATASET_FOLDER or --config RUN.toml (its datasets)")
-    if args.max_tokens < 1 or args.batch_size < 1:
-        raise ConfigError("--max-tokens and --batch-size must be at least 1")
+    if min(args.max_tokens, args.batch_size, args.video_frames) < 1:
+        raise ConfigError("--max-tokens, --batch-size and --video-frames must be at least 1")
     from difftune.verbs.caption import CaptionJob, Folder, folders_of, run_caption
     from difftune.caption.run import WritePolicy
     from difftune.caption.vlm import Hardware
@@ -128,7 +130,7 @@ def caption(args: argparse.Namespace) -> int:
     job = CaptionJob(args.model, args.style, args.prompt, args.max_tokens, args.batch_size,
                      Hardware(args.device, args.precision, args.quantize),
                      WritePolicy(mode, args.prefix, args.trigger), args.threshold,
-                     args.character_threshold)
+                     args.character_threshold, args.video_frames)
     def written(image: Path, text: str) -> None:
         print(f"captioned {image}: {text}", flush=True)  # a log's line per caption
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -19,9 +20,11 @@ def frame(index: int, width: int, height: int) -> np.ndarray:
 
 
 def write_video(path: Path, frames: int, fps: int = 16, width: int = 64, height: int = 48,
-                caption: str | None = "a moving bar") -> Path:
-    """An H.264 mp4 (or a VP9 webm for a .webm path) of `frames` frames at `fps`, with a
-    same-stem caption file unless `caption` is None."""
+                caption: str | None = "a moving bar",
+                paint: Callable[[int, int, int], np.ndarray] | None = None) -> Path:
+    """An H.264 mp4 (or a VP9 webm for a .webm path) of `frames` frames at `fps` (each made by
+    `paint(index, width, height)`, `frame` by default), with a same-stem caption file unless
+    `caption` is None."""
     import av
 
     codec = "libvpx-vp9" if path.suffix == ".webm" else "libx264"
@@ -29,7 +32,8 @@ def write_video(path: Path, frames: int, fps: int = 16, width: int = 64, height:
         stream = out.add_stream(codec, rate=Fraction(fps))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(frames):
-            picture = av.VideoFrame.from_ndarray(frame(i, width, height), format="rgb24")
+            picture = av.VideoFrame.from_ndarray((paint or frame)(i, width, height),
+                                                  format="rgb24")
             for packet in stream.encode(picture):
                 out.mux(packet)
         for packet in stream.encode():

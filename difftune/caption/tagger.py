@@ -73,13 +73,24 @@ class OnnxTagger:
         return np.asarray(square, dtype=np.float32)[:, :, ::-1]
 
     def caption(self, images: list[Image.Image]) -> list[str]:
-        """Each image's tags above the thresholds, by falling probability, ", "-joined (one
-        image a run for a model exported with a batch of 1)."""
+        """Each image's tags above the thresholds, by falling probability, ", "-joined."""
+        return [", ".join(self._kept(row)) for row in self._probs(images)]
+
+    def caption_frames(self, clips: list[list[Image.Image]]) -> list[str]:
+        """Each clip's tags: a tag is kept when its mean probability over the clip's frames
+        passes its threshold (a tag seen in one frame of four is not the video's)."""
+        probs = self._probs([im for frames in clips for im in frames])
+        ends = np.cumsum([len(frames) for frames in clips])
+        return [", ".join(self._kept(probs[end - len(frames):end].mean(axis=0)))
+                for frames, end in zip(clips, ends, strict=True)]
+
+    def _probs(self, images: list[Image.Image]) -> Any:
+        """(images, tags) probabilities (one image a run for a model exported with a batch
+        of 1)."""
         batch = np.stack([self._pixels(im) for im in images])
         step = len(batch) if self.batch != 1 else 1
-        probs = np.concatenate([self.session.run(None, {self.input: batch[i:i + step]})[0]
-                                for i in range(0, len(batch), step)])
-        return [", ".join(self._kept(row)) for row in probs]
+        return np.concatenate([self.session.run(None, {self.input: batch[i:i + step]})[0]
+                               for i in range(0, len(batch), step)])
 
     def _kept(self, row: Any) -> list[str]:
         """The tag names of one image's probabilities that pass their category's threshold."""

@@ -32,8 +32,8 @@ MAX_PIXELS = 1024 * 1024
 LLAVA_SYSTEM = "You are a helpful image captioner."
 # ChatML with an image, for Qwen-VL tokenizers saved without a chat template (Qwen-Image's
 # tokenizer/ folder): the format the Qwen-VL instruct models were trained on.
-QWEN_CHATML = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{text}<|im_end|>\n"
-               "<|im_start|>assistant\n")
+QWEN_CHATML = "<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @dataclass(frozen=True)
@@ -150,10 +150,11 @@ def _processor(files: CaptionerFiles) -> Any:
     return proc
 
 
-def _chat_prompt(proc: Any, kind: str, text: str) -> str:
-    """The prompt for one image: the model's chat template with an image and `text` (no
-    thinking), or, without a usable template, the format the model was trained on."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+def _chat_prompt(proc: Any, kind: str, text: str, images: int = 1) -> str:
+    """The prompt for `images` images (a video's frames, for Qwen-VL) and `text`: the model's
+    chat template (no thinking), or, without a usable template, the format it was trained on."""
+    content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+    messages = [{"role": "user", "content": content}]
     if kind == "llava":
         messages.insert(0, {"role": "system", "content": [{"type": "text",
                                                            "text": LLAVA_SYSTEM}]})
@@ -169,7 +170,9 @@ def _chat_prompt(proc: Any, kind: str, text: str) -> str:
         prompt = ""
     if isinstance(prompt, str) and image_token in prompt:
         return prompt
-    return QWEN_CHATML.format(text=text) if kind == "qwen_vl" else f"USER: {image_token}\n{text} ASSISTANT:"
+    if kind == "qwen_vl":
+        return QWEN_CHATML.format(images=QWEN_IMAGE * images, text=text)
+    return f"USER: {image_token}\n{text} ASSISTANT:"
 
 
 class VisionLanguageCaptioner:
@@ -186,16 +189,34 @@ class VisionLanguageCaptioner:
             self.model.to(self.device)
         _quantize(self.model, hardware.quantize, self.dtype, self.device)
         self.model.to(self.device)
-        self.prompt = (instruction if files.kind == "florence2"
-                       else _chat_prompt(self.processor, files.kind, instruction))
+        self.instruction = instruction
+        self.prompt = self._prompt(1)
 
-    @torch.inference_mode()
+    def _prompt(self, images: int) -> str:
+        """The prompt for `images` images (Florence-2 takes the bare task instruction)."""
+        if self.kind == "florence2":
+            return self.instruction
+        return _chat_prompt(self.processor, self.kind, self.instruction, images)
+
     def caption(self, images: list[Any]) -> list[str]:
         """One raw answer per image (PIL images), greedy, at most `max_tokens` tokens each."""
         if self.kind == "qwen_vl":
             images = [_at_most(im, MAX_PIXELS) for im in images]
-        inputs = self.processor(text=[self.prompt] * len(images), images=images,
-                                return_tensors="pt", padding=True)
+        return self._generate([self.prompt] * len(images), images)
+
+    def caption_frames(self, clips: list[list[Any]]) -> list[str]:
+        """One raw answer per clip (a video's sampled frames): Qwen-VL sees all its frames in
+        one message; Florence-2 and LLaVA, which read one image, its middle frame."""
+        if self.kind != "qwen_vl":
+            return self.caption([frames[len(frames) // 2] for frames in clips])
+        # A clip's frames share the megapixel one image gets: the prompt stays as long.
+        images = [_at_most(im, MAX_PIXELS // len(frames)) for frames in clips for im in frames]
+        return self._generate([self._prompt(len(frames)) for frames in clips], images)
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[str], images: list[Any]) -> list[str]:
+        """The answers to `prompts`, whose image slots take `images` in order."""
+        inputs = self.processor(text=prompts, images=images, return_tensors="pt", padding=True)
         inputs = {k: v.to(self.device, dtype=self.dtype) if v.is_floating_point()
                   else v.to(self.device) for k, v in inputs.items()}
         out = self.model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False,

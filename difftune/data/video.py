@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Iterator, Literal
 
 import torch
 
 from difftune.data.buckets import Bucket
-from difftune.data.images import IMAGE_EXTENSIONS, fit_pixels, load_pixels, probe_image
+from difftune.data.images import (IMAGE_EXTENSIONS, fit_pixels, load_pixels, load_rgb,
+                                  probe_image)
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -168,8 +169,6 @@ def read_clip(path: Path, clip: Clip, bucket: Bucket, box: tuple[int, int, int, 
     Streams: frames are decoded in order and only the clip's are kept (resized at once);
     decoding stops after its last. Raises ValueError when the video ends before the clip does.
     """
-    import av
-
     wanted = clip.source_frames()
     if path.is_dir():  # a folder of frames: read only the clip's
         files = frame_files(path)
@@ -178,15 +177,53 @@ def read_clip(path: Path, clip: Clip, bucket: Bucket, box: tuple[int, int, int, 
                              f"the clip's {wanted[-1] + 1} (frames removed since the run "
                              "started?)")
         return torch.stack([load_pixels(files[i], bucket, box, flip) for i in wanted], dim=1)
-    out: list[torch.Tensor] = []
-    with av.open(str(path)) as container:
-        for index, frame in enumerate(container.decode(video=0)):
-            if index < wanted[len(out)]:
-                continue
-            image = frame.to_image()
-            while len(out) < len(wanted) and wanted[len(out)] == index:
-                out.append(fit_pixels(image, bucket, box, flip, path))
-            if len(out) == len(wanted):
-                return torch.stack(out, dim=1)
+    out = [fit_pixels(image, bucket, box, flip, path) for image in _stream(path, wanted)]
+    if len(out) == len(wanted):
+        return torch.stack(out, dim=1)
     raise ValueError(f"video {path} ends before frame {wanted[len(out)]} (it was shortened "
                      "since the run started?)")
+
+
+def _stream(path: Path, wanted: list[int]) -> Iterator["Image.Image"]:
+    """The frames of `path` at the `wanted` indices (ascending, repeats allowed) as RGB images,
+    decoded in order and one at a time; decoding stops after the last wanted frame, and a video
+    that ends sooner yields fewer."""
+    import av
+
+    with av.open(str(path)) as container:
+        k = 0
+        for index, frame in enumerate(container.decode(video=0)):
+            if index < wanted[k]:
+                continue
+            image = frame.to_image()
+            while k < len(wanted) and wanted[k] == index:
+                yield image
+                k += 1
+            if k == len(wanted):
+                return
+
+
+def even_frames(total: int, count: int) -> list[int]:
+    """`count` frame indices spread evenly over `total` frames (the middle of each of `count`
+    equal spans; fewer, without repeats, when the video has fewer frames)."""
+    return sorted({min(total - 1, int((i + 0.5) * total / count)) for i in range(count)})
+
+
+def sample_frames(path: Path, count: int) -> list["Image.Image"]:
+    """`count` frames spread evenly over a video or a folder of frames, as RGB images (what a
+    captioner looks at). Streams: only the sampled frames are kept. Raises ValueError with a
+    short reason when the video cannot be read."""
+    import av
+
+    info = probe_frames(path, 1.0) if path.is_dir() else probe_video(path)
+    wanted = even_frames(max(info.frames, 1), count)
+    if path.is_dir():
+        files = frame_files(path)
+        return [load_rgb(files[i]) for i in wanted]
+    try:
+        frames = list(_stream(path, wanted))
+    except av.FFmpegError as err:
+        raise ValueError(f"unreadable video ({err})") from None
+    if not frames:
+        raise ValueError("unreadable video (no frame decoded)")
+    return frames

@@ -3,7 +3,7 @@
 One captioning process per folder, started through the job wrapper (jobs/launch.py: its own
 session, its output in a log, its exit in a record), so the app never blocks and neither
 closing the app nor a page reload stops it. Its files live in the app's folder
-(`captions/<key>/`); the page reads its state from them: the log's "captioning N image(s)"
+(`captions/<key>/`); the page reads its state from them: the log's "captioning N file(s)"
 line gives the total, each "captioned IMAGE: TEXT" line a caption written, the record how it
 ended. Stop sends SIGINT (every caption written is kept); starting again resumes, since the
 CLI skips captioned images.
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from difftune.dataset_report.checks import Report
     from difftune.ui.security import Roots
 
-TOTAL = re.compile(r"captioning (\d+) image\(s\) \((\d+) already captioned\)")
+TOTAL = re.compile(r"captioning (\d+) (?:image|file)\(s\) \((\d+) already captioned\)")
 WROTE = re.compile(r"^captioned (.+?): (.*)$")
 RECENT = 8
 STARTING_S = 10.0  # a start whose pid file is not written yet, for at most this long

@@ -1,5 +1,5 @@
-"""`difftune caption`: write a caption file beside each image of a folder or of a run's
-datasets, with a local captioning model (caption/)."""
+"""`difftune caption`: write a caption file beside each image and video of a folder or of a
+run's datasets, with a local captioning model (caption/)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class CaptionJob:
     policy: WritePolicy = WritePolicy()
     threshold: float = 0.35
     character_threshold: float = 0.85
+    video_frames: int = 4
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,25 @@ def load_captioner(job: CaptionJob) -> Captioner:
     return VisionLanguageCaptioner(files, job.hardware, text, job.max_tokens)
 
 
+def files_of(folder: Folder) -> list[Path]:
+    """What `folder` holds to caption, by relative path: its images, its videos, and its
+    folders of frames (those the dataset loader reads as clips: a caption file beside them),
+    whose images are the clip's frames, not images of their own."""
+    from difftune.data.clips import frame_folders
+    from difftune.data.discover import list_images
+    from difftune.data.video import VIDEO_EXTENSIONS
+
+    clips = frame_folders(folder.path, folder.recursive, folder.ext)
+    images = [p for p in list_images(folder.path, folder.recursive)
+              if not any(p.is_relative_to(c) for c in clips)]
+    videos = list_images(folder.path, folder.recursive, VIDEO_EXTENSIONS)
+    return sorted(images + videos + clips, key=lambda p: p.relative_to(folder.path).as_posix())
+
+
 def run_caption(job: CaptionJob, folders: list[Folder], show_progress: bool = True,
                 on_caption: Callable[[Path, str], None] | None = None) -> tuple[Outcome, list[str]]:
-    """Caption every folder's images; returns the combined outcome and the lines to print."""
-    from difftune.data.discover import list_images
-
+    """Caption every folder's images and videos; returns the combined outcome and the lines
+    to print."""
     for f in folders:
         if not f.path.is_dir():
             raise DataError(f"dataset folder {f.path} does not exist or is not a folder; give "
@@ -102,14 +117,13 @@ def run_caption(job: CaptionJob, folders: list[Folder], show_progress: bool = Tr
     captioner = load_captioner(job)
     total, lines = Outcome(), []
     for f in folders:
-        images = list_images(f.path, f.recursive)
-        got = caption_images(captioner, images, f.ext, job.policy, job.batch_size,
-                             show_progress, on_caption)
+        got = caption_images(captioner, files_of(f), f.ext, job.policy, job.batch_size,
+                             show_progress, on_caption, job.video_frames)
         total.written += got.written
         total.kept += got.kept
         total.unreadable += got.unreadable
         lines.append(f"{f.path}: {got.written} caption(s) written, {got.kept} already captioned"
-                     + (f", {len(got.unreadable)} unreadable image(s) skipped"
+                     + (f", {len(got.unreadable)} unreadable file(s) skipped"
                         if got.unreadable else ""))
         if got.stopped:
             total.stopped = True

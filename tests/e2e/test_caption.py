@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -16,6 +17,7 @@ from difftune.caption.vlm import Hardware, VisionLanguageCaptioner
 from difftune.cli import main
 from tests import captioners
 from tests.e2e.conftest import run_toml
+from tests.videos import write_video
 
 COLORS = {"red": (255, 0, 0), "blue": (0, 0, 255), "mix": (255, 0, 255)}
 
@@ -207,7 +209,79 @@ def test_what_is_not_a_captioner_exits_2_naming_what_was_expected(
         if model != untied and model != no_tags:
             assert "WD14 tagger folder" in err  # what a captioner folder is
     for extra, says in ((["--style", "detailed"], "tags only"),
-                        (["--style", "prompt"], "--prompt TEXT")):
+                        (["--style", "prompt"], "--prompt TEXT"),
+                        (["--video-frames", "0"], "--video-frames must be at least 1")):
         assert main(["caption", str(data), "--model", str(tagger), *extra]) == 2
         assert says in capsys.readouterr().err
     assert not list(data.glob("*.txt"))
+
+
+def _red_then_blue(index: int, width: int, height: int) -> np.ndarray:
+    """Frames 0-5 red, 6-7 blue: of 4 frames sampled over 8 (1, 3, 5, 7), three are red."""
+    return np.full((height, width, 3), (255, 0, 0) if index < 6 else (0, 0, 255), np.uint8)
+
+
+def test_videos_and_frame_folders_are_tagged_from_sampled_frames(
+        tmp_path: Path, tagger: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = captioners.images_folder(tmp_path / "data", {"blue": (0, 0, 255)})
+    write_video(data / "clip.mp4", 8, caption=None, paint=_red_then_blue)
+    (data / "broken.mp4").write_bytes(b"not a video" * 40)
+    walk = captioners.images_folder(data / "walk", {"f1": (0, 0, 255), "f2": (0, 0, 255)})
+    (data / "walk.txt").write_text("my clip\n", encoding="utf-8")  # a clip of frames
+    assert main(["caption", str(data), "--model", str(tagger), "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert "broken.mp4" in out.err  # the corrupt video named, skipped, the rest captioned
+    assert "2 caption(s) written, 1 already captioned, 1 unreadable file(s)" in out.out
+    # A tag is kept at its mean over the frames: red hair (3 of 4 frames) passes 0.35, blue
+    # sky (1 of 4) does not, nor the character tag at 0.85 (which each red frame passes).
+    assert _captions(data) == {"blue": "blue sky, ^_^\n", "clip": "red hair\n",
+                               "walk": "my clip\n"}
+    assert main(["caption", str(data), "--model", str(tagger), "--overwrite",
+                 "--video-frames", "1", "--no-progress"]) == 0
+    assert _captions(data)["clip"] == "red hair, hatsune miku\n"  # frame 4 alone, red
+    assert _captions(data)["walk"] == "blue sky, ^_^\n" and not _captions(walk)
+    assert not (data / "broken.txt").exists() and not list(data.glob(".*.tmp"))
+
+
+def test_qwen_vl_sees_a_videos_frames_in_one_message(tmp_path: Path) -> None:
+    import av
+
+    model = captioners.qwen25_vl_folder(tmp_path / "model")
+    data = captioners.images_folder(tmp_path / "data", {"red": (255, 0, 0)})
+    write_video(data / "clip.mp4", 8, caption=None)
+    assert main(["caption", str(data), "--model", str(model), "--max-tokens", "6",
+                 "--device", "cpu", "--batch-size", "2", "--no-progress"]) == 0
+    # The same answer from a message of the 4 frames at 1, 3, 5, 7, decoded here in full.
+    cap = VisionLanguageCaptioner(detect(model), Hardware("cpu"), "", 6)
+    with av.open(str(data / "clip.mp4")) as container:
+        frames = [f.to_image() for f in container.decode(video=0)]
+    text = instruction("qwen_vl", "short", None)
+    prompt = cap.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}] * 4 + [{"type": "text", "text": text}]}],
+        add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    inputs = cap.processor(text=[prompt], images=[frames[i] for i in (1, 3, 5, 7)],
+                           return_tensors="pt")
+    out = cap.model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    answer = cap.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:],
+                                        skip_special_tokens=True)[0]
+    assert prompt.count("<|image_pad|>") == 4 and clean(answer)
+    assert _captions(data)["clip"] == clean(answer) + "\n"
+    assert (data / "red.txt").read_text(encoding="utf-8").strip()
+
+
+def test_llava_captions_a_video_from_its_middle_sampled_frame(tmp_path: Path) -> None:
+    import av
+
+    model = captioners.llava_folder(tmp_path / "model")
+    data = tmp_path / "data"
+    data.mkdir()
+    # Frame 5 blue, the others red (the tiny model answers the two colours differently).
+    write_video(data / "clip.mp4", 8, caption=None, paint=lambda i, w, h: np.full(
+        (h, w, 3), (0, 0, 255) if i == 5 else (255, 0, 0), np.uint8))
+    assert main(["caption", str(data), "--model", str(model), "--max-tokens", "6",
+                 "--device", "cpu", "--no-progress"]) == 0
+    with av.open(str(data / "clip.mp4")) as container:
+        frames = [f.to_image() for f in container.decode(video=0)]
+    frames[5].save(tmp_path / "middle.png")  # sampled: 1, 3, 5, 7; the middle one: 5
+    assert _captions(data) == {"clip": _bare_generate(model, [tmp_path / "middle.png"], 6)[0]
+                               + "\n"}
