@@ -95,6 +95,15 @@ def _written(model: type[BaseModel], name: str, prefix: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def _closest(key: str, names: list[str]) -> list[str]:
+    """The one or two names nearest `key` (difflib, cutoff 0.6); a second only when it is
+    about as near as the first, so a clear typo gets one answer ("repaets": repeats, not
+    also frames)."""
+    close = difflib.get_close_matches(key, names, n=2, cutoff=0.6)
+    score = [difflib.SequenceMatcher(None, key, c).ratio() for c in close]
+    return close[:1] + [c for c, r in zip(close[1:], score[1:]) if r >= score[0] - 0.1]
+
+
 def did_you_mean(root: type[BaseModel], loc: tuple[Any, ...], prefix: str) -> str | None:
     """A suggestion for the unknown key at `loc` ("did you mean train.lr?"), or None.
 
@@ -106,7 +115,7 @@ def did_you_mean(root: type[BaseModel], loc: tuple[Any, ...], prefix: str) -> st
     if model is None:
         return None
     names = _names(model)
-    close = difflib.get_close_matches(key.lower(), list(names), n=2, cutoff=0.6)
+    close = _closest(key.lower(), list(names))
     if close:
         words = " or ".join(_written(model, names[c], prefix) for c in close)
         return f"did you mean {words}?"

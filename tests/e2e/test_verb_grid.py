@@ -34,7 +34,6 @@ from PIL import Image
 
 from difftune import families
 from difftune.cli import main
-from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
 from difftune.families.common.family import FamilyBase
 
 from .conftest import pairwise
@@ -242,7 +241,7 @@ def written(family: str, fmt: str) -> bool:
     """Whether the family's code writes `fmt` (its class overrides the writer that refuses)."""
     cls = type(families.get(family))
     if fmt == "kohya":
-        return cls.to_kohya is not DiffusersLayoutFamily.to_kohya
+        return cls.to_kohya is not FamilyBase.to_kohya
     return fmt == "diffusers" or cls.to_original is not FamilyBase.to_original
 
 

@@ -14,7 +14,6 @@ from collections.abc import Iterable
 
 import torch
 
-from difftune.errors import ConfigError
 from difftune.families.base import Components
 from difftune.families.common.family import FamilyBase
 
@@ -83,9 +82,3 @@ class DiffusersLayoutFamily(FamilyBase):
         modules = (n for n, _ in c.denoiser.named_modules() if n)
         return diffusers_names(tensors, modules, self.denoiser_prefix)
 
-    def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
-                 ) -> dict[str, torch.Tensor]:
-        """Refused: the diffusers layout is the one ComfyUI and diffusers read."""
-        raise ConfigError(f'save.format = "kohya" is not written for model.family = '
-                          f'"{self.spec.name}": ComfyUI and diffusers both read its diffusers '
-                          'layout; use save.format = "diffusers"')

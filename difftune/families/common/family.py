@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 import torch
 
-from difftune.errors import DataError
+from difftune.errors import ConfigError, DataError
 from difftune.families.base import Components, ModelSpec, TextEmbeds
 from difftune.families.common import text
 from difftune.families.common.kohya import has_original_prefix, original_to_kohya
@@ -338,8 +338,13 @@ class FamilyBase:
 
     def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
                  ) -> dict[str, torch.Tensor]:
-        """diffusers-named LoRA -> kohya / ComfyUI keys (family-specific)."""
-        raise NotImplementedError
+        """diffusers-named LoRA -> kohya / ComfyUI keys (family-specific). Here: refused, for
+        the families that write no kohya layout (config validation refuses it first where
+        `spec.formats` lacks it), naming the layout ComfyUI and diffusers both read."""
+        layout = self.spec.default_format
+        raise ConfigError(f'save.format = "kohya" is not written for model.family = '
+                          f'"{self.spec.name}": ComfyUI and diffusers both read its {layout} '
+                          f'layout; use save.format = "{layout}"')
 
 
 class BlockTableFamily(FamilyBase):

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from difftune.errors import ConfigError
 from difftune.families.base import Components, Conditioning, ModelSpec, TextEmbeds
 from difftune.families.common import frame_vae
 from difftune.families.common.family import FamilyBase, Loaders
@@ -172,9 +171,3 @@ class WanFamily(FamilyBase):
 
         return to_original(state, rank=rank, alpha=alpha, prefix=self.denoiser_prefix)
 
-    def to_kohya(self, c: Components, state: dict[str, torch.Tensor], rank: int, alpha: float
-                 ) -> dict[str, torch.Tensor]:
-        """Refused: Wan's original layout is the one ComfyUI and diffusers both read."""
-        raise ConfigError('save.format = "kohya" is not written for model.family = "wan": '
-                          'ComfyUI and diffusers both read its original layout; use '
-                          'save.format = "original"')
