@@ -441,3 +441,21 @@ def test_sd15_names_of_other_trainers(trainer: str, name: str, text: str, tmp_pa
     code, _, err = _import(capsys, trainer, tmp_path / name, "--out", tmp_path / "run.toml")
     assert code == 0, err
     assert load_config(tmp_path / "run.toml").model.family == "sd15"
+
+
+def test_ai_toolkit_wan21_is_a_wan_run_and_wan22_still_stops(
+        tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ai-toolkit's arch wan21 imports as model.family = "wan"; wan22_14b (both A14B experts in
+    one run, which difftune does not train yet) stops with exit 2."""
+    (tmp_path / "wan").mkdir()
+    job = ("config:\n  process:\n    - type: sd_trainer\n      model: "
+           "{arch: ARCH, name_or_path: wan}\n      datasets: [{folder_path: IMAGES}]\n")
+    (tmp_path / "a.yaml").write_text(job.replace("ARCH", "wan21").replace(
+        "IMAGES", images.as_posix()), encoding="utf-8")
+    code, _, err = _import(capsys, "ai-toolkit", tmp_path / "a.yaml", "--out", tmp_path / "a.toml")
+    assert code == 0, err
+    assert load_config(tmp_path / "a.toml").model.family == "wan"
+    (tmp_path / "b.yaml").write_text(job.replace("ARCH", "wan22_14b").replace(
+        "IMAGES", images.as_posix()), encoding="utf-8")
+    code, _, err = _import(capsys, "ai-toolkit", tmp_path / "b.yaml", "--out", tmp_path / "b.toml")
+    assert code == 2 and "difftune does not train this model" in err

@@ -140,5 +140,8 @@ SPEC = replace(T2V_13B, variant=None, variants=(("2.1-t2v-1.3b", T2V_13B),
 # An I2V LoRA's image cross-attention projections, which no T2V (2.1 or 2.2) model has.
 I2V_MODULES = re.compile(r"(?:cross_attn[._](?:k_img|v_img)|attn2[._]add_[kv]_proj|img_emb)")
 
-# No OTHER_TRAINERS yet: ai-toolkit's `wan21` configs train video clips, which difftune does
-# not read yet, so `difftune import` still stops on them (importers/families.py NOT_TRAINED).
+# What other trainers call this family (trainer -> their name -> variant, None: difftune picks
+# it), read by `difftune import`. ai-toolkit's `wan21` covers 1.3B and 14B (the folder or
+# model.variant tells); its `wan22_14b` trains both A14B experts at once, which difftune does
+# not yet, so that name still stops an import (importers/families.py NOT_TRAINED).
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {"ai-toolkit": {"wan21": None}}
