@@ -191,3 +191,18 @@ def _group_kohya(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
         if DOWN not in parts or UP not in parts:
             raise CheckpointError(f"kohya LoRA entry {base} lacks its lora_down or lora_up weight.")
     return groups
+
+
+# `difftune lora verify`'s rules shared by the UNet families (lora_tools.programs). ComfyUI
+# (4f874c5e) reads the diffusers UNet names its table (comfy/utils.py unet_to_diffusers) maps
+# under these prefixes (comfy/lora.py model_lora_keys_unet, UNet branch), besides its generic
+# original-name map; bare and `unet.` names too, but attention projections there only in the
+# old processor form (`attn1.processor.to_q`), so `attn1.to_q` under them is not loaded:
+# (prefix, skipped, why).
+_PROCESSOR_ONLY = (r".*\.to_(?:q|k|v|out\.0)", "ComfyUI reads diffusers' attention names "
+                   "without kohya's prefix only in the old processor form (attn1.processor.to_q)")
+UNET_COMFYUI_FORMS = ("lora_unet_", "lycoris_", ("", *_PROCESSOR_ONLY),
+                      ("unet.", *_PROCESSOR_ONLY))
+# Forge and A1111 (extensions-builtin/Lora: network names by the original names, and diffusers'
+# names converted by convert_diffusers_name_to_compvis).
+UNET_FORGE_READS = (("lora_unet_", "original", "", ""), ("lora_unet_", "diffusers", "", ""))

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from difftune.errors import CheckpointError
-from difftune.families.common.unet_keys import (KOHYA_UNET, lora_from_kohya, lora_to_kohya)
+from difftune.families.common.unet_keys import (KOHYA_UNET, UNET_COMFYUI_FORMS,
+                                                UNET_FORGE_READS, lora_from_kohya,
+                                                lora_to_kohya)
 
 # How kohya sd-scripts names SD 1.5 in its LoRA files' metadata: `ss_base_model_version`
 # (library/model_util.py "sd_v1"), `ss_network_module`, and the model-spec architecture and
@@ -73,9 +75,7 @@ def kohya_to_diffusers(state: dict[str, torch.Tensor], unet_modules: Iterable[st
 
 # `difftune lora verify`'s rules (lora_tools.programs), as SDXL's (the same readers: ComfyUI's
 # UNet branch over unet_to_diffusers, diffusers' kohya converter, A1111/Forge's Lora extension).
-_PROCESSOR_ONLY = (r".*\.to_(?:q|k|v|out\.0)", "ComfyUI reads diffusers' attention names "
-                   "without kohya's prefix only in the old processor form (attn1.processor.to_q)")
-COMFYUI_FORMS = ("lora_unet_", "lycoris_", ("", *_PROCESSOR_ONLY), ("unet.", *_PROCESSOR_ONLY))
+COMFYUI_FORMS = UNET_COMFYUI_FORMS
 # diffusers' StableDiffusionLoraLoaderMixin reads PEFT names, and `lora_unet_` files in either
 # naming through _convert_non_diffusers_lora_to_diffusers; but its load_lora_weights passes no
 # UNet config, so its SGM remapper never runs and original block names (input_blocks_4_1_...)
@@ -87,7 +87,7 @@ DIFFUSERS_READS = (("unet.", "diffusers", "", ""),
                     "diffusers' SD 1.5 loader does not renumber the original blocks (its "
                     "load_lora_weights passes no UNet config)"),
                    ("lora_unet_", "diffusers", "", ""))
-FORGE_READS = (("lora_unet_", "original", "", ""), ("lora_unet_", "diffusers", "", ""))
+FORGE_READS = UNET_FORGE_READS
 # The original (LDM) names depend on the UNet's layout, so `difftune lora convert` reads them
 # against a model config: the released one's (stable-diffusion-v1-5 unet/config.json, the
 # fields that differ from diffusers' defaults), or `--base`'s.

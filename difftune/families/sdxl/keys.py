@@ -44,8 +44,9 @@ from typing import Any
 import torch
 
 from difftune.errors import CheckpointError
-from difftune.families.common.unet_keys import (KOHYA_UNET, lora_from_kohya, lora_to_kohya,
-                                                translate)
+from difftune.families.common.unet_keys import (KOHYA_UNET, UNET_COMFYUI_FORMS,
+                                                UNET_FORGE_READS, lora_from_kohya,
+                                                lora_to_kohya, translate)
 
 # How kohya sd-scripts names SDXL in its LoRA files' metadata: `ss_base_model_version`
 # (library/sdxl_model_util.py MODEL_VERSION_SDXL_BASE_V1_0), `ss_network_module`, and the
@@ -229,14 +230,9 @@ def kohya_to_diffusers(
     return lora_from_kohya(state, layout, TEXT_ENCODERS, text_roots, "SDXL")
 
 
-# `difftune lora verify`'s rules (lora_tools.programs). ComfyUI (4f874c5e) reads the diffusers
-# UNet names its table (comfy/utils.py unet_to_diffusers) maps under these prefixes
-# (comfy/lora.py model_lora_keys_unet, UNet branch), besides its generic original-name map;
-# bare and `unet.` names too, but attention projections there only in the old processor form
-# (`attn1.processor.to_q`), so `attn1.to_q` under them is not loaded: (prefix, skipped, why).
-_PROCESSOR_ONLY = (r".*\.to_(?:q|k|v|out\.0)", "ComfyUI reads diffusers' attention names "
-                   "without kohya's prefix only in the old processor form (attn1.processor.to_q)")
-COMFYUI_FORMS = ("lora_unet_", "lycoris_", ("", *_PROCESSOR_ONLY), ("unet.", *_PROCESSOR_ONLY))
+# `difftune lora verify`'s rules (lora_tools.programs); ComfyUI's and Forge/A1111's are the
+# UNet families' (common/unet_keys.py).
+COMFYUI_FORMS = UNET_COMFYUI_FORMS
 # diffusers' StableDiffusionXLLoraLoaderMixin reads PEFT names, and `lora_unet_` files in either
 # naming through _convert_non_diffusers_lora_to_diffusers, whose renaming turns diffusers'
 # `add_embedding` into `add.embedding`, a module the UNet lacks.
@@ -246,9 +242,7 @@ DIFFUSERS_READS = (
     ("lora_unet_", "diffusers", r"add_embedding\.linear_[12]", "diffusers' kohya converter "
      "renames add_embedding to add.embedding, which the UNet lacks"),
 )
-# Forge and A1111 (extensions-builtin/Lora: network names by the SGM original names, and
-# diffusers' names converted by convert_diffusers_name_to_compvis).
-FORGE_READS = (("lora_unet_", "original", "", ""), ("lora_unet_", "diffusers", "", ""))
+FORGE_READS = UNET_FORGE_READS
 # The original (SGM) names depend on the UNet's layout, so `difftune lora convert` reads and
 # writes them against a model config: the released one's (stabilityai/stable-diffusion-xl-base-1.0
 # unet/config.json, the fields that differ from diffusers' defaults), or `--base`'s.
