@@ -37,6 +37,14 @@ SPEC = FamilySpec(
     # alpha = rank is folded in, see `ErnieImageFamily`).
     default_format="diffusers",
     formats=("diffusers",),
+    # LyCORIS-kind files (and DoRA): ComfyUI's ERNIE-Image branch maps no `lycoris_` names, but
+    # its generic map reads `lora_unet_<module>` (its model's names are diffusers').
+    lycoris_prefix="lora_unet",
+    lora_unread=(
+        ("lycoris", "LyCORIS's create_lycoris_from_weights on the diffusers model", r".*",
+         "the file names them for ComfyUI, `lora_unet_<module>`; difftune's --init-lora and "
+         "sample --lora read them"),
+    ),
     text_encoder_prefixes={"mistral3": "text_encoder"},
     # Kept out of fp8 storage and quantization: the patch and text input projections, the
     # timestep embedding, the shared modulation and the output layers.
@@ -59,7 +67,7 @@ SPEC = FamilySpec(
         folder="baidu/ERNIE-Image (or ERNIE-Image-Turbo)",
         singles=(("transformer", "ernie-image.safetensors"), ("vae", "flux2-vae.safetensors"),
                  ("text_encoder", "ministral-3-3b.safetensors")),
-        folder_holds="tokenizer/ (Ministral 3's; no single file holds it) and scheduler/"),
+        folder_holds="tokenizer/ (Ministral 3's; no single file holds it)"),
     # ErnieImageLoraLoaderMixin loads transformer LoRAs only (no text-encoder part).
     text_encoder_lora_refused=(("mistral3", "ErnieImagePipeline.load_lora_weights reads "
                                             "transformer LoRAs only; train the transformer "
