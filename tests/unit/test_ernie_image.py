@@ -119,3 +119,34 @@ def test_released_config_builds_on_meta() -> None:
     assert 3.4e9 < n_te < 3.5e9, n_te  # Ministral 3 3B's language model
     spec = families.spec("ernie_image").sizes[0]
     assert round(n_dit / 1e9, 2) == spec.denoiser and round(n_te / 1e9, 2) == spec.encoders
+
+
+def test_other_trainers_lora_files_read_as_diffusers() -> None:
+    """`--init-lora` reads ERNIE-Image LoRAs as other trainers write them: ai-toolkit's
+    `diffusion_model.` PEFT keys, PEFT's `base_model.model.`, kohya-style `lora_unet_` and
+    OneTrainer's older files (diffusers' module names with `lora_down`/`lora_up` and `.alpha`,
+    which ErnieImagePipeline.load_lora_weights refuses: its keys must all contain "lora")."""
+    import pytest
+
+    pipe, family, comps = _pipe_and_family()
+    module = "layers.1.self_attention.to_q"
+    a, b = torch.randn(4, 64), torch.randn(64, 4)
+    want = {f"transformer.{module}.lora_A.weight": a, f"transformer.{module}.lora_B.weight": b}
+    files = {
+        "ai-toolkit": ({f"diffusion_model.{module}.lora_A.weight": a,
+                        f"diffusion_model.{module}.lora_B.weight": b}, {}),
+        "peft": ({f"base_model.model.{module}.lora_A.weight": a,
+                  f"base_model.model.{module}.lora_B.weight": b}, {}),
+        "kohya": ({f"lora_unet_{module.replace('.', '_')}.lora_down.weight": a,
+                   f"lora_unet_{module.replace('.', '_')}.lora_up.weight": b,
+                   f"lora_unet_{module.replace('.', '_')}.alpha": torch.tensor(2.0)},
+                  {f"transformer.{module}": 2.0}),
+        "onetrainer": ({f"transformer.{module}.lora_down.weight": a,
+                        f"transformer.{module}.lora_up.weight": b,
+                        f"transformer.{module}.alpha": torch.tensor(2.0)},
+                       {f"transformer.{module}": 2.0}),
+    }
+    for name, (tensors, alphas) in files.items():
+        assert family.lora_from_format(comps, tensors) == (want, alphas), name
+    with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):
+        pipe.load_lora_weights(files["onetrainer"][0])
