@@ -35,8 +35,15 @@ def _pipe_and_family() -> tuple[object, object, object]:
 
 
 def test_embeddings_equal_encode_prompt_exactly() -> None:
+    """Equal to ErnieImagePipeline.encode_prompt and to the modular pipeline's text step
+    (ErnieImageTextEncoderStep), which encode each prompt alone."""
+    from diffusers.modular_pipelines.ernie_image.encoders import ErnieImageTextEncoderStep
+
     pipe, family, comps = _pipe_and_family()
     want = pipe.encode_prompt(list(PROMPTS), device="cpu")
+    modular = ErnieImageTextEncoderStep._encode(pipe.text_encoder, pipe.tokenizer, list(PROMPTS),
+                                                torch.device("cpu"))
+    assert all(torch.equal(m, w) for m, w in zip(modular, want, strict=True))
     # As a batch (sampling) and one caption at a time, batched back (the cache's entries).
     batch = family.encode_text(comps, list(PROMPTS))
     single = TextEmbeds.cat([family.encode_text(comps, [p]) for p in PROMPTS])
