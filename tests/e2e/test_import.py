@@ -443,6 +443,25 @@ def test_sd15_names_of_other_trainers(trainer: str, name: str, text: str, tmp_pa
     assert load_config(tmp_path / "run.toml").model.family == "sd15"
 
 
+@pytest.mark.parametrize("trainer, name, text", [
+    ("onetrainer", "ot.json", json.dumps({
+        "model_type": "ERNIE", "training_method": "LORA", "base_model_name": "ernie",
+        "output_model_destination": "out/x.safetensors", "concepts": [{"path": "IMAGES"}]})),
+    ("ai-toolkit", "job.yaml", "config:\n  process:\n    - type: sd_trainer\n      model: "
+     "{arch: ernie_image, name_or_path: ernie}\n      datasets: [{folder_path: IMAGES}]\n"),
+])
+def test_ernie_image_names_of_other_trainers(trainer: str, name: str, text: str, tmp_path: Path,
+                                             images: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """OneTrainer's ERNIE (which difftune refused as untrained before) and ai-toolkit's arch
+    ernie_image are ERNIE-Image runs."""
+    (tmp_path / "ernie").mkdir()
+    (tmp_path / name).write_text(text.replace("IMAGES", images.as_posix()), encoding="utf-8")
+    code, _, err = _import(capsys, trainer, tmp_path / name, "--out", tmp_path / "run.toml")
+    assert code == 0, err
+    assert load_config(tmp_path / "run.toml").model.family == "ernie_image"
+
+
 def test_ai_toolkit_wan21_is_a_wan_run_and_wan22_still_stops(
         tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """ai-toolkit's arch wan21 imports as model.family = "wan"; wan22_14b (both A14B experts in

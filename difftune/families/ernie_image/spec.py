@@ -79,5 +79,6 @@ SPEC = FamilySpec(
 # What other trainers call this family (trainer -> their name -> variant, None: difftune
 # picks it), read by `difftune import` (importers/families.py).
 OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
-    "ai-toolkit": {"ernie_image": None},
+    "ai-toolkit": {"ernie_image": None},  # its model.arch
+    "onetrainer": {"ERNIE": None},  # its model_type (modules/util/enum/ModelType.py)
 }
