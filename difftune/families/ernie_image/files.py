@@ -59,8 +59,9 @@ TEXT_ENCODER_CONFIG: dict[str, Any] = {
 }
 _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 # Where a Ministral 3 language model's tensors sit in the files users have: ComfyUI's
-# (`model.`), or a Mistral3 checkpoint's (transformers 5 and 4 names).
-_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+# (`model.`), or a Mistral3 checkpoint's (transformers 5's and 4's names, a bare
+# Mistral3Model's); the more specific prefix first.
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
 
 def rope_axes(head_dim: int) -> tuple[int, int, int]:
