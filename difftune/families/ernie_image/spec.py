@@ -32,9 +32,9 @@ SPEC = FamilySpec(
     # ComfyUI's ERNIE-Image model keeps diffusers' module names (comfy/ldm/ernie/model.py) and
     # its LoRA key map reads `transformer.<module>` (comfy/lora.py, the ErnieImage branch);
     # diffusers' ErnieImageLoraLoaderMixin reads the same names. So the diffusers layout is
-    # the one both read, and no `.alpha` entry is written (the mixin refuses keys without
-    # "lora"; the scale travels in the PEFT metadata diffusers reads and ComfyUI's default
-    # alpha = rank is folded in, see `ErnieImageFamily`).
+    # the one both read. It has no `.alpha` entries (the mixin refuses keys without "lora"):
+    # as in every diffusers-layout file, the scale is folded into the up factors (alpha =
+    # rank; train/checkpoint/lora.py), so both apply the trained strength.
     default_format="diffusers",
     formats=("diffusers",),
     # LyCORIS-kind files (and DoRA): ComfyUI's ERNIE-Image branch maps no `lycoris_` names, but
