@@ -72,8 +72,10 @@ SPEC = FamilySpec(
     text_encoder_lora_refused=(("mistral3", "ErnieImagePipeline.load_lora_weights reads "
                                             "transformer LoRAs only; train the transformer "
                                             "only"),),
-    embeddings_refused=("ERNIE-Image's Mistral 3 encoder is read through a decoder LLM's "
-                        "hidden states; textual inversion is not supported for it"),
+    # ErnieImagePipeline has no textual-inversion loader, so nothing in diffusers would read
+    # an embedding file trained for it.
+    embeddings_refused=("ErnieImagePipeline has no textual-inversion loader (no reader for "
+                        "the file); textual inversion is not supported for ERNIE-Image"),
 )
 
 # What other trainers call this family (trainer -> their name -> variant, None: difftune
