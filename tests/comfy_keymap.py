@@ -19,6 +19,7 @@ read from its source: silveroxides/ComfyUI at commit 4f874c5e3a2fafb9938273c5f3f
   FLUX.2 with `global_modulation`: the shared `double_stream_modulation_img/txt.lin` and
   `single_stream_modulation.lin`, no `vector_in`), comfy/ldm/chroma, comfy/ldm/qwen_image
   (diffusers' names), comfy/ldm/lumina (Z-Image), comfy/ldm/krea2, comfy/ldm/modules/mmdit.py,
+  comfy/ldm/ernie/model.py (ERNIE-Image: diffusers' names; its branch adds `transformer.<k>`),
   comfy/ldm/wan/model.py (Wan 2.1/2.2's WanModel: `blocks.N.self_attn.q`, `cross_attn`,
   `ffn.0`/`ffn.2`, `time_projection.1`, `head.head`; model_base.WAN21 has no branch in
   `model_lora_keys_unet`, so Wan's keys are the generic map's only),
@@ -195,9 +196,18 @@ WAN = KeyMap("WAN21", (
 # openaimodel.py's UNet without SDXL's label_emb.
 SD15 = KeyMap("SD15", SDXL.weights, SDXL.table, SDXL.table_forms, extra=SDXL.extra)
 
+# comfy/ldm/ernie/model.py ErnieImageModel keeps diffusers' ErnieImageTransformer2DModel names;
+# comfy/lora.py's ErnieImage branch adds `transformer.<k>` over them.
+ERNIE_IMAGE = KeyMap("ErnieImage", (
+    r"layers\.\d+\.(?:self_attention\.(?:to_q|to_k|to_v|to_out\.0|norm_q|norm_k)|"
+    r"adaLN_sa_ln|adaLN_mlp_ln|mlp\.(?:gate_proj|up_proj|linear_fc2))",
+    r"x_embedder\.proj|text_proj|time_embedding\.linear_[12]|adaLN_modulation\.1|"
+    r"final_norm\.linear|final_linear"), weight_forms=("transformer.{}",))
+
 # difftune family -> the ComfyUI model class that loads its denoiser (variants share it).
 MAPS = {"flux": FLUX, "chroma": CHROMA, "flux2": FLUX2, "sd3": SD3, "sdxl": SDXL,
         "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2, "wan": WAN, "sd15": SD15}
+MAPS["ernie_image"] = ERNIE_IMAGE
 
 
 def split_key(key: str) -> tuple[str, str]:

@@ -31,6 +31,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "krea2": ("difftune.families.krea2.spec", "difftune.families.krea2.family.Krea2Family"),
     "wan": ("difftune.families.wan.spec", "difftune.families.wan.family.WanFamily"),
     "sd15": ("difftune.families.sd15.spec", "difftune.families.sd15.family.SD15Family"),
+    "ernie_image": ("difftune.families.ernie_image.spec",
+                    "difftune.families.ernie_image.family.ErnieImageFamily"),
 }
 
 

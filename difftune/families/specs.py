@@ -38,7 +38,9 @@ class TextEncoderSpec:
     them per token along the feature dimension, "axis" stacks them on a new axis after the
     sequence, (batch, seq, layers, dim). `pad` pads a batch to the spec's `max_length`
     ("max_length") or to its longest text ("longest", with `max_length` as the truncation
-    limit), as the family's pipeline does. `valid_positions` > 0 passes position ids that count
+    limit), or encodes each text on its own, unpadded ("each", truncated at `max_length`: a
+    pipeline that loops over its prompts; padded texts' states differ in the last bits), as the
+    family's pipeline does. `valid_positions` > 0 passes position ids that count
     only the masked tokens (padding takes no position), repeated over that many rotary axes (3
     for Qwen-VL's mRoPE). `image_prompt` (None: text only) makes a vision-language encoder
     read the item's control images with its caption, through the processor held as its
@@ -65,7 +67,7 @@ class TextEncoderSpec:
     drop: int = 0
     layers: tuple[int, ...] = ()
     stack: Literal["features", "axis"] = "features"
-    pad: Literal["max_length", "longest"] = "max_length"
+    pad: Literal["max_length", "longest", "each"] = "max_length"
     valid_positions: int = 0
     image_prompt: str | None = None
     clean: bool = False

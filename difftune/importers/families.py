@@ -32,7 +32,7 @@ NOT_TRAINED: dict[str, tuple[str, ...]] = {
         "STABLE_DIFFUSION_20_DEPTH", "STABLE_DIFFUSION_21", "STABLE_DIFFUSION_21_BASE",
         "STABLE_DIFFUSION_XL_10_BASE_INPAINTING", "FLUX_FILL_DEV_1", "WUERSTCHEN_2",
         "STABLE_CASCADE_1", "PIXART_ALPHA", "PIXART_SIGMA", "SANA", "HUNYUAN_VIDEO",
-        "HI_DREAM_FULL", "ANIMA", "ERNIE", "IDEOGRAM_4"),
+        "HI_DREAM_FULL", "ANIMA", "IDEOGRAM_4"),
 }
 
 # Names one script serves for several models, read as the one difftune trains: the import

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import diffusers
 import pytest
 from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxKontextPipeline, FluxPipeline,
                        Krea2Pipeline, QwenImageEditPipeline,
@@ -21,6 +22,7 @@ from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxKontextPipeline, 
 from difftune.cli import main
 from difftune.verbs.demo import demo_dir
 from difftune.families.chroma.tiny import build_tiny_chroma
+from difftune.families.ernie_image.tiny import build_tiny_ernie_image
 from difftune.families.flux.tiny import build_tiny_flux
 from difftune.families.flux2.tiny import build_tiny_flux2
 from difftune.families.krea2.tiny import build_tiny_krea2
@@ -52,6 +54,7 @@ PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "wan21-image-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.1-t2v-14b")),
              "wan21-video-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.1-t2v-14b")),
              "z-image-lora.toml": (ZImagePipeline, build_tiny_z_image)}
+PIPELINES["ernie-image-lora.toml"] = (diffusers.ErnieImagePipeline, build_tiny_ernie_image)
 # Single-file overrides of the folder (the FLUX.1 example's ComfyUI files) are dropped: the
 # folder then provides those components. Single files are checked in tests/unit/test_flux_files.py.
 SINGLE_FILE = re.compile(r'^(transformer|vae|clip_l|clip_g|t5|text_encoder) = ".*$',

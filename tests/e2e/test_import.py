@@ -426,21 +426,31 @@ def test_a_run_difftune_still_refuses_is_written_with_what_to_fix(
     assert "lora_alpha (onetrainer's default, not in the file) = 1.0" in report
 
 
-@pytest.mark.parametrize("trainer, name, text", [
+@pytest.mark.parametrize("trainer, name, text, family", [
     ("onetrainer", "ot.json", json.dumps({
         "model_type": "STABLE_DIFFUSION_15", "training_method": "LORA", "base_model_name": "sd",
-        "output_model_destination": "out/x.safetensors", "concepts": [{"path": "IMAGES"}]})),
+        "output_model_destination": "out/x.safetensors", "concepts": [{"path": "IMAGES"}]}),
+     "sd15"),
     ("ai-toolkit", "job.yaml", "config:\n  process:\n    - type: sd_trainer\n      model: "
-     "{arch: sd1, name_or_path: sd}\n      datasets: [{folder_path: IMAGES}]\n"),
+     "{arch: sd1, name_or_path: sd}\n      datasets: [{folder_path: IMAGES}]\n", "sd15"),
+    ("onetrainer", "ot.json", json.dumps({
+        "model_type": "ERNIE", "training_method": "LORA", "base_model_name": "sd",
+        "output_model_destination": "out/x.safetensors", "concepts": [{"path": "IMAGES"}]}),
+     "ernie_image"),
+    ("ai-toolkit", "job.yaml", "config:\n  process:\n    - type: sd_trainer\n      model: "
+     "{arch: ernie_image, name_or_path: sd}\n      datasets: [{folder_path: IMAGES}]\n",
+     "ernie_image"),
 ])
-def test_sd15_names_of_other_trainers(trainer: str, name: str, text: str, tmp_path: Path,
-                                      images: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """OneTrainer's STABLE_DIFFUSION_15 and ai-toolkit's arch sd1 are SD 1.5 runs."""
+def test_family_names_of_other_trainers(trainer: str, name: str, text: str, family: str,
+                                        tmp_path: Path, images: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """OneTrainer's STABLE_DIFFUSION_15 and ai-toolkit's arch sd1 are SD 1.5 runs; OneTrainer's
+    ERNIE (refused as untrained before) and ai-toolkit's ernie_image are ERNIE-Image runs."""
     (tmp_path / "sd").mkdir()
     (tmp_path / name).write_text(text.replace("IMAGES", images.as_posix()), encoding="utf-8")
     code, _, err = _import(capsys, trainer, tmp_path / name, "--out", tmp_path / "run.toml")
     assert code == 0, err
-    assert load_config(tmp_path / "run.toml").model.family == "sd15"
+    assert load_config(tmp_path / "run.toml").model.family == family
 
 
 def test_ai_toolkit_wan21_is_a_wan_run_and_wan22_still_stops(

@@ -25,6 +25,7 @@ FLAVORS = [("flux", None, None, "base"), ("sd3", None, None, None), ("sdxl", Non
            ("qwen_image", "edit", None, "edit"), ("flux2", "klein", "klein", "klein"),
            ("flux2", "dev", "dev", "dev"), ("krea2", None, None, None),
            ("wan", "2.1-t2v-1.3b", None, None), ("sd15", None, None, None)]
+FLAVORS.append(("ernie_image", None, None, None))
 
 
 def _tiny(family: str, variant: str | None) -> dict[str, Any]:

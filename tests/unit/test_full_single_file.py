@@ -43,13 +43,14 @@ def _written(fam: object, model: torch.nn.Module, folder: Path, dtype: torch.dty
 @pytest.mark.parametrize("family, dtype", [
     ("sdxl", torch.float32), ("sd3", torch.bfloat16), ("z_image", torch.float32),
     ("flux2", torch.bfloat16), ("krea2", torch.float32), ("wan", torch.bfloat16),
-    pytest.param("qwen_image", torch.float32, marks=pytest.mark.full_only)])
+    pytest.param("qwen_image", torch.float32, marks=pytest.mark.full_only),
+    ("ernie_image", torch.bfloat16)])
 def test_single_file_loads_with_from_single_file(tmp_path: Path, family: str,
                                                  dtype: torch.dtype) -> None:
     fam, model = _randomized(family)
     path = _written(fam, model, tmp_path, dtype)
     keys = load_file(str(path)).keys()  # a valid safetensors file, in the original names
-    unprefixed = ("qwen_image", "z_image", "flux2", "krea2", "wan")
+    unprefixed = ("qwen_image", "z_image", "flux2", "krea2", "wan", "ernie_image")
     assert family in unprefixed or all(k.startswith("model.diffusion_model.") for k in keys)
     theirs = type(model).from_single_file(str(path), config=str(tmp_path / "config"),
                                           local_files_only=True, torch_dtype=dtype).state_dict()

@@ -42,6 +42,12 @@ def _krea2(path: Path) -> Callable[[], Any]:
     return lambda: load_text_encoder_file(path, F32)
 
 
+def _ernie_image(path: Path) -> Callable[[], Any]:
+    from difftune.families.ernie_image.files import load_text_encoder_file
+
+    return lambda: load_text_encoder_file(path, F32)
+
+
 def _clip(path: Path) -> Callable[[], Any]:
     from difftune.families.common.components import load_clip_file
     from difftune.families.flux.tiny import build_tiny_flux
@@ -57,6 +63,7 @@ def _t5(path: Path) -> Callable[[], Any]:
 
 def _tiny(family: str, part: str) -> dict[str, torch.Tensor]:
     """The tiny flavor's `part` (a text encoder) as a state dict of contiguous tensors."""
+    from difftune.families.ernie_image.tiny import build_tiny_ernie_image
     from difftune.families.flux.tiny import build_tiny_flux
     from difftune.families.flux2.tiny import build_tiny_flux2
     from difftune.families.krea2.tiny import build_tiny_krea2
@@ -65,7 +72,7 @@ def _tiny(family: str, part: str) -> dict[str, torch.Tensor]:
 
     build = {"flux2": lambda: build_tiny_flux2("klein"), "z_image": build_tiny_z_image,
              "qwen_image": build_tiny_qwen_image, "krea2": build_tiny_krea2,
-             "flux": build_tiny_flux}[family]
+             "flux": build_tiny_flux, "ernie_image": build_tiny_ernie_image}[family]
     # A tied tensor (an LM head, T5's embeddings) saved once, as released files hold it.
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -84,6 +91,9 @@ CASES = [  # family, component, loader, field, a tensor no size is read from
     ("krea2", "text_encoder", _krea2, "model.text_encoder", "layers.0.mlp.down_proj.weight"),
     ("flux", "text_encoder", _clip, "model.clip_l", "layers.0.mlp.fc2.weight"),
     ("flux", "text_encoder_2", _t5, "model.t5", "block.0.layer.1.DenseReluDense.wo.weight"),
+    # a bare Mistral3Model's state (its vision tower's tensors beside the language model's)
+    ("ernie_image", "text_encoder", _ernie_image, "model.text_encoder",
+     "layers.0.mlp.down_proj.weight"),
 ]
 
 

@@ -18,9 +18,10 @@ from difftune.families.base import Components
 from difftune.families.common.family import FamilyBase
 
 # Prefixes other tools put before the diffusers module names (ComfyUI-style; ai-toolkit's PEFT
-# keys without alpha), underscored module names (kohya/musubi-tuner's `lora_unet_`, SimpleTuner's
+# keys without alpha; PEFT's own `base_model.model.`), underscored module names
+# (kohya/musubi-tuner's `lora_unet_`, SimpleTuner's
 # LyCORIS `lycoris_`), and the factor names of `lora_down`/`lora_up` files.
-FOREIGN_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+FOREIGN_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.")
 UNDERSCORED = ("lora_unet_", "lycoris_")
 FACTORS = {".lora_down.weight": ".lora_A.weight", ".lora_up.weight": ".lora_B.weight"}
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_down.weight", ".lora_up.weight", ".alpha")

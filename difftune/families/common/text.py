@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from difftune.adapters.formats import CLIP_ROOT
-from difftune.families.base import Components, Family
+from difftune.families.base import Components, Family, pad_cat
 from difftune.families.specs import TextEncoderSpec
 
 
@@ -139,7 +139,7 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int, pad: str = "max_
     extra = {} if specials else {"add_special_tokens": False}
     enc = tokenizer(
         texts,
-        padding=pad,
+        padding="longest" if pad == "each" else pad,
         max_length=max_length,
         truncation=True,
         return_tensors="pt",
@@ -231,7 +231,11 @@ def encode(
     the chat template first (`spec_tokens`: template, suffix); a trimming spec returns only the
     masked positions (`trimmed`), then `drop` leading positions go (`dropped`).
     Gradients follow the caller's grad mode, so a trained encoder can run here with autograd on.
+    A spec that pads "each" encodes the texts one by one and pads the outputs (`pad_cat`).
     """
+    if spec.pad == "each" and len(texts) > 1:
+        return pad_cat([encode(spec, model, tokenizer, [t], max_length, mask, clip_skip)
+                        for t in texts])
     tokens = spec_tokens(spec, tokenizer, texts, max_length)
     device = module_device(model)
     ids = tokens["input_ids"].to(device)

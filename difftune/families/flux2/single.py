@@ -17,22 +17,16 @@ import torch
 
 from difftune.errors import ModelFileError
 from difftune.families.common.bfl import transformer_from_file
-from difftune.families.common.components import (
-    norm_groups,
-    pretrained_from_state,
-    vae_config,
-)
+from difftune.families.common.bn_vae import load_vae_file  # noqa: F401 (files.py reads it here)
+from difftune.families.common.components import pretrained_from_state
 from difftune.families.common.single_file import (
-    assign_state,
     cast_state,
     count_blocks,
     missing_error,
     read_safetensors,
-    strip_prefix,
 )
 
 ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-VAE_PREFIXES = ("first_stage_model.", "vae.")
 # Qwen3-4B's settings that single files do not record (Qwen3-8B shares them).
 QWEN3_CONFIG: dict[str, Any] = {"max_position_embeddings": 40960, "rope_theta": 1000000.0,
                                 "rms_norm_eps": 1e-6}
@@ -71,33 +65,6 @@ def load_transformer_file(path: Path, dtype: torch.dtype) -> Any:
     return transformer_from_file(path, dtype, "FLUX.2 transformer", ORIGINAL_PREFIXES,
                                  lambda sd: convert_flux2_transformer_checkpoint_to_diffusers(
                                      dict(sd)), build)
-
-
-def load_vae_file(path: Path, dtype: torch.dtype) -> Any:
-    """AutoencoderKLFlux2 from one file: the original layout (`encoder.down.*`, converted with
-    diffusers' LDM autoencoder converter; `bn.*` kept as is) or the diffusers layout."""
-    from diffusers import AutoencoderKLFlux2
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-
-    sd = strip_prefix(read_safetensors(path, "FLUX.2 autoencoder"), VAE_PREFIXES)
-    ldm = any(k.startswith("encoder.down.") for k in sd)
-    if not ldm and not any(k.startswith("encoder.down_blocks.") for k in sd):
-        raise ModelFileError(f"{path} does not look like a FLUX.2 autoencoder: no encoder.down.* "
-                             "or encoder.down_blocks.* tensors")
-    if "bn.running_mean" not in sd:
-        raise ModelFileError(f"{path} has no bn.running_mean: it is not a FLUX.2 autoencoder "
-                             "(FLUX.2 normalizes latents by its batch-norm statistics)")
-    try:
-        config = vae_config(sd, ldm=ldm)
-        config.update(norm_num_groups=norm_groups(sd["encoder.conv_in.weight"].shape[0]))
-        if ldm:
-            bn = {k: v for k, v in sd.items() if k.startswith("bn.")}
-            sd = {**convert_ldm_vae_checkpoint(sd, config), **bn}
-    except KeyError as err:
-        raise missing_error(path, "a FLUX.2 autoencoder", err) from None
-    with torch.device("meta"):
-        model = AutoencoderKLFlux2(**config)
-    return assign_state(model, cast_state(sd, dtype), path, "FLUX.2 autoencoder")
 
 
 def load_text_encoder_file(path: Path, dtype: torch.dtype, variant: str) -> Any:

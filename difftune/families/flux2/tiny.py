@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from difftune.families.common.bn_vae import TINY_LATENT_CHANNELS as LATENT_CHANNELS
+from difftune.families.common.bn_vae import tiny_vae
 from difftune.families.flux2.files import SCHEDULER_CONFIG
 
 SEED = 2024
 WIDTH = 16  # the encoders' hidden size; the transformer reads three layers: 3 * WIDTH features
-LATENT_CHANNELS = 8  # patchified 2x2: 32 transformer input channels
 QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_THINK = ("<think>", "</think>")
 # Qwen3's ChatML prompt format for the turns a text encoder sees, with the empty think block
@@ -56,12 +57,6 @@ def tiny_transformer_config(variant: str) -> dict[str, Any]:
             "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 3 * WIDTH,
             "timestep_guidance_channels": 32, "axes_dims_rope": (4, 4, 4, 4),
             "guidance_embeds": variant == "dev"}
-
-
-TINY_VAE_CONFIG: dict[str, Any] = {
-    "block_out_channels": (16, 16, 16, 16), "layers_per_block": 1, "norm_num_groups": 8,
-    "latent_channels": LATENT_CHANNELS,
-}
 
 
 def tiny_qwen_tokenizer() -> Any:
@@ -132,20 +127,13 @@ def tiny_mistral3(tok: Any) -> Any:
 def build_tiny_flux2(variant: str) -> dict[str, Any]:
     """All components of a tiny FLUX.2 `variant` ("klein" or "dev"), keyed as its pipeline
     names them. Deterministic: the same weights on every call, whatever the caller's RNG."""
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2Transformer2DModel,
-    )
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
     tok = tiny_mistral_tokenizer() if variant == "dev" else tiny_qwen_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         transformer = Flux2Transformer2DModel(**tiny_transformer_config(variant))
-        vae = AutoencoderKLFlux2(**TINY_VAE_CONFIG)
-        with torch.no_grad():  # statistics away from (0, 1) so the normalization shows
-            vae.bn.running_mean.normal_(0.0, 0.5)
-            vae.bn.running_var.uniform_(0.5, 2.0)
+        vae = tiny_vae()
         encoder = tiny_mistral3(tok) if variant == "dev" else tiny_qwen3(tok)
     return {"transformer": transformer.eval(), "vae": vae.eval(), "text_encoder": encoder.eval(),
             "tokenizer": tok, "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)}
