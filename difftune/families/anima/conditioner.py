@@ -22,10 +22,10 @@ class AnimaTokenEmbedding(torch.nn.Module):
     (`last_hidden_state`), so that the generic encoding and caching read it (the mask and
     other arguments a transformers encoder takes are accepted and change nothing)."""
 
-    def __init__(self, vocab_size: int, width: int) -> None:
-        """An embedding table of `vocab_size` rows of `width` (the adapter's target_dim)."""
+    def __init__(self, table: torch.Tensor) -> None:
+        """A copy of the adapter's (vocabulary, target_dim) table (no random init)."""
         super().__init__()
-        self.embed = torch.nn.Embedding(vocab_size, width)
+        self.embed = torch.nn.Embedding.from_pretrained(table.detach().clone(), freeze=True)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -40,15 +40,6 @@ class AnimaTokenEmbedding(torch.nn.Module):
                 output_hidden_states: bool = False, **_: Any) -> BaseModelOutput:
         """The rows of `input_ids`."""
         return BaseModelOutput(last_hidden_state=self.embed(input_ids))
-
-
-def token_embedding(conditioner: torch.nn.Module) -> AnimaTokenEmbedding:
-    """A copy of a conditioner's T5-token table as an `AnimaTokenEmbedding`."""
-    table = conditioner.embed.weight
-    module = AnimaTokenEmbedding(table.shape[0], table.shape[1]).to(table.dtype)
-    with torch.no_grad():
-        module.embed.weight.copy_(table)
-    return module
 
 
 def _at_least_one(hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

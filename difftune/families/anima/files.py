@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.anima.conditioner import token_embedding
+from difftune.families.anima.conditioner import AnimaTokenEmbedding
 from difftune.families.anima.cosmos_compat import ensure_padding_mask_resize
 from difftune.families.common import frame_vae
 from difftune.families.common.folders import check_folder, folder_files, from_folder
@@ -164,7 +164,7 @@ def load_anima_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict
     subs = [sub for sub, file in given.items() if file is None and (folder / sub).is_dir()]
     return {"transformer": transformer, "text_conditioner": conditioner, "vae": vae,
             "scheduler": scheduler, **_tokenizers(folder),
-            **_text_encoders(cfg, folder, dtypes["text_encoders"], conditioner),
+            **_text_encoders(cfg, folder, dtypes["text_encoders"], conditioner.embed.weight),
             "name": Path(cfg.transformer).stem if cfg.transformer is not None else folder.name,
             "fingerprint": fingerprint(
                 folder_files(folder, ["tokenizer", "t5_tokenizer", *subs])[1:] + singles)}
@@ -178,24 +178,36 @@ def _tokenizers(folder: Path) -> dict[str, Any]:
             for name in ("tokenizer", "t5_tokenizer")}
 
 
-def _text_encoders(cfg: "ModelConfig", folder: Path, dtype: torch.dtype, conditioner: Any
+def _text_encoders(cfg: "ModelConfig", folder: Path, dtype: torch.dtype, table: torch.Tensor
                    ) -> dict[str, Any]:
-    """Qwen3 (`model.text_encoder` if given, else the folder's) and the conditioner's T5-token
-    table as its own module, in the text encoders' dtype."""
+    """Qwen3 (`model.text_encoder` if given, else the folder's) and the LLM adapter's T5-token
+    `table` as its own module, in the text encoders' dtype."""
     from transformers import Qwen3Model
 
     qwen = (load_qwen3_file(Path(cfg.text_encoder), dtype, TEXT_ENCODER_CONFIG)
             if cfg.text_encoder is not None
             else from_folder(Qwen3Model, folder, "text_encoder", dtype, WHAT))
-    return {"text_encoder": qwen, "t5_embedding": token_embedding(conditioner).to(dtype)}
+    return {"text_encoder": qwen, "t5_embedding": AnimaTokenEmbedding(table).to(dtype)}
 
 
 def load_anima_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
     """The text encoders alone (a reload after unloading), from the same files as
-    `load_anima_files`."""
+    `load_anima_files`: of the transformer file, only the adapter's T5 table is read."""
+    from diffusers import AnimaTextConditioner
+    from safetensors import safe_open
+
     folder = _folder(cfg)
-    conditioner = _denoiser(cfg, folder, dtype)[1]
-    return _text_encoders(cfg, folder, dtype, conditioner)
+    if cfg.transformer is None:
+        conditioner = from_folder(AnimaTextConditioner, folder, "text_conditioner", dtype, WHAT)
+        return _text_encoders(cfg, folder, dtype, conditioner.embed.weight)
+    path = Path(cfg.transformer)
+    with safe_open(str(path), framework="pt") as f:
+        key = next((k for k in f.keys() if k.endswith(f"{ADAPTER}embed.weight")), None)
+        if key is None:
+            raise ModelFileError(f"{path} has no llm_adapter.embed.weight: it is not an Anima "
+                                 "transformer file")
+        table = f.get_tensor(key)
+    return _text_encoders(cfg, folder, dtype, table)
 
 
 def single_file_layout(model: torch.nn.Module) -> "Layout":

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from difftune.families.anima.conditioner import token_embedding
+from difftune.families.anima.conditioner import AnimaTokenEmbedding
 from difftune.families.anima.cosmos_compat import ensure_padding_mask_resize
 from difftune.families.anima.files import (CONDITIONER_CONFIG, SCHEDULER_CONFIG,
                                            TEXT_ENCODER_CONFIG, TRANSFORMER_CONFIG)
@@ -74,5 +74,5 @@ def build_tiny_anima() -> dict[str, Any]:
         vae = AutoencoderKLQwenImage(**TINY_VAE_CONFIG)
     return {"transformer": transformer.eval(), "text_conditioner": conditioner.eval(),
             "text_encoder": encoder.eval(), "tokenizer": tok, "t5_tokenizer": t5_tok,
-            "t5_embedding": token_embedding(conditioner).eval(), "vae": vae.eval(),
+            "t5_embedding": AnimaTokenEmbedding(conditioner.embed.weight).eval(), "vae": vae.eval(),
             "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)}
