@@ -77,8 +77,9 @@ SPEC = FamilySpec(
     # (0.033B). Counted on the meta device (tests/unit/test_anima_files.py).
     sizes=(ModelSize("circlestone-labs/Anima", 1.96, 0.76, 28, 2048),),
     files=ModelFiles(
-        folder="circlestone-labs/Anima (diffusers layout: transformer/, text_conditioner/, "
-               "vae/, text_encoder/, tokenizer/, t5_tokenizer/)",
+        # AnimaModularPipeline's layout (modular_model_index.json; transformer/,
+        # text_conditioner/, vae/, text_encoder/, tokenizer/, t5_tokenizer/).
+        folder="circlestone-labs/Anima-Base-v1.0-Diffusers",
         singles=(("transformer", "anima-base-v1.0.safetensors"),
                  ("vae", "qwen_image_vae.safetensors"),
                  ("text_encoder", "qwen_3_06b_base.safetensors")),
