@@ -111,6 +111,25 @@ class AnimaFamily(FamilyBase):
         """The first image of the pipeline state's `images`."""
         return result.images[0]
 
+    def single_file_extras(self, c: Components) -> dict[str, torch.Tensor]:
+        """The LLM adapter under `llm_adapter.` (frozen, as loaded): Anima's files hold it, and
+        ComfyUI tells Anima from Cosmos-Predict2 by it (comfy/model_detection.py)."""
+        conditioner = c.extras["text_conditioner"].state_dict()
+        return {f"llm_adapter.{k}": v for k, v in conditioner.items()}
+
+    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
+        """A LoRA that also adapts the LLM adapter (`llm_adapter.*`, which sd-scripts can
+        train): difftune trains and samples Anima's transformer only, so starting from it or
+        sampling with it would drop that part unseen; the modules are named."""
+        found = sorted({k.rsplit(".", 2)[0] for k in tensors if "llm_adapter" in k})
+        if not found:
+            return None
+        return (f"this LoRA also adapts Anima's LLM adapter ({', '.join(found[:3])}"
+                f"{', ...' if len(found) > 3 else ''}), which difftune neither trains nor "
+                "applies (its text conditioning runs the adapter as released); ComfyUI applies "
+                "the whole file. To start from its transformer part, save a copy without the "
+                "llm_adapter keys")
+
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """A LoRA file in diffusers names and per-module alphas where the file has them (the
