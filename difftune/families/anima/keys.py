@@ -23,6 +23,7 @@ import torch
 
 from difftune.adapters.formats import group_modules
 from difftune.errors import CheckpointError
+from difftune.families.anima.spec import BLOCK_NAMES, TOP_NAMES
 
 # Model-spec architecture / implementation and kohya's base-model names for Anima.
 ARCHITECTURE = "anima"
@@ -30,25 +31,6 @@ IMPLEMENTATION = "https://huggingface.co/circlestone-labs/Anima"
 BASE_VERSION = "anima"
 NETWORK_MODULE = "networks.lora_anima"
 
-# (diffusers name, original name) of each linear layer: block parts (after the block index)
-# and whole paths outside the blocks.
-BLOCK_NAMES = (
-    ("attn1.to_q", "self_attn.q_proj"), ("attn1.to_k", "self_attn.k_proj"),
-    ("attn1.to_v", "self_attn.v_proj"), ("attn1.to_out.0", "self_attn.output_proj"),
-    ("attn2.to_q", "cross_attn.q_proj"), ("attn2.to_k", "cross_attn.k_proj"),
-    ("attn2.to_v", "cross_attn.v_proj"), ("attn2.to_out.0", "cross_attn.output_proj"),
-    ("ff.net.0.proj", "mlp.layer1"), ("ff.net.2", "mlp.layer2"),
-    ("norm1.linear_1", "adaln_modulation_self_attn.1"),
-    ("norm1.linear_2", "adaln_modulation_self_attn.2"),
-    ("norm2.linear_1", "adaln_modulation_cross_attn.1"),
-    ("norm2.linear_2", "adaln_modulation_cross_attn.2"),
-    ("norm3.linear_1", "adaln_modulation_mlp.1"), ("norm3.linear_2", "adaln_modulation_mlp.2"))
-TOP_NAMES = (("patch_embed.proj", "x_embedder.proj.1"),
-             ("time_embed.t_embedder.linear_1", "t_embedder.1.linear_1"),
-             ("time_embed.t_embedder.linear_2", "t_embedder.1.linear_2"),
-             ("norm_out.linear_1", "final_layer.adaln_modulation.1"),
-             ("norm_out.linear_2", "final_layer.adaln_modulation.2"),
-             ("proj_out", "final_layer.linear"))
 # The other weights (q/k RMSNorms, the time embedding's norm), for the single-file layout.
 NORM_NAMES = (("attn1.norm_q", "self_attn.q_norm"), ("attn1.norm_k", "self_attn.k_norm"),
               ("attn2.norm_q", "cross_attn.q_norm"), ("attn2.norm_k", "cross_attn.k_norm"))

@@ -14,6 +14,32 @@ from __future__ import annotations
 from difftune.families.specs import (VAE_KEEP_HIGH, FamilySpec, ModelFiles, ModelSize,
                                      TextEncoderSpec)
 
+# (diffusers name, original name) of each linear layer: block parts (after the block index)
+# and whole paths outside the blocks.
+BLOCK_NAMES = (
+    ("attn1.to_q", "self_attn.q_proj"), ("attn1.to_k", "self_attn.k_proj"),
+    ("attn1.to_v", "self_attn.v_proj"), ("attn1.to_out.0", "self_attn.output_proj"),
+    ("attn2.to_q", "cross_attn.q_proj"), ("attn2.to_k", "cross_attn.k_proj"),
+    ("attn2.to_v", "cross_attn.v_proj"), ("attn2.to_out.0", "cross_attn.output_proj"),
+    ("ff.net.0.proj", "mlp.layer1"), ("ff.net.2", "mlp.layer2"),
+    ("norm1.linear_1", "adaln_modulation_self_attn.1"),
+    ("norm1.linear_2", "adaln_modulation_self_attn.2"),
+    ("norm2.linear_1", "adaln_modulation_cross_attn.1"),
+    ("norm2.linear_2", "adaln_modulation_cross_attn.2"),
+    ("norm3.linear_1", "adaln_modulation_mlp.1"), ("norm3.linear_2", "adaln_modulation_mlp.2"))
+TOP_NAMES = (("patch_embed.proj", "x_embedder.proj.1"),
+             ("time_embed.t_embedder.linear_1", "t_embedder.1.linear_1"),
+             ("time_embed.t_embedder.linear_2", "t_embedder.1.linear_2"),
+             ("norm_out.linear_1", "final_layer.adaln_modulation.1"),
+             ("norm_out.linear_2", "final_layer.adaln_modulation.2"),
+             ("proj_out", "final_layer.linear"))
+# LyCORIS-kind files name every module `lora_unet_<original name, dots as underscores>`: the
+# generic name ComfyUI maps for any model's weights (it has no diffusers-name table for Anima).
+LYCORIS_RENAMES = tuple(
+    (f"transformer_blocks.{{n}}.{ours}", f"lora_unet_blocks_{{n}}_{orig.replace('.', '_')}")
+    for ours, orig in BLOCK_NAMES) + tuple(
+    (ours, f"lora_unet_{orig.replace('.', '_')}") for ours, orig in TOP_NAMES)
+
 # AnimaTextEncoderStep's max_sequence_length (both tokenizations are cut there), and the
 # conditioner's min_sequence_length (its output is zero-padded to it).
 MAX_TOKENS = 512
@@ -52,10 +78,13 @@ SPEC = FamilySpec(
     # alpha / rank is folded into its up factor (both readers then apply scale 1).
     default_format="original",
     formats=("original", "diffusers"),
-    lycoris_renames=(),
+    lycoris_renames=LYCORIS_RENAMES,
     lora_unread=(
         ("diffusers", "ComfyUI", r".*", "ComfyUI maps Anima LoRAs by the original module names "
          "only (comfy/lora.py has no diffusers-name table for Anima)"),
+        ("lycoris", "LyCORIS's create_lycoris_from_weights on the diffusers model", r".*",
+         "the file names them for ComfyUI, `lora_unet_<original name>`; difftune's --init-lora "
+         "and sample --lora read them"),
     ),
     text_encoder_prefixes={"qwen3": "text_encoder", "t5_tokens": "text_conditioner"},
     # Kept out of fp8 storage and quantization: what diffusers keeps out of layerwise casting
@@ -97,4 +126,5 @@ SPEC = FamilySpec(
 
 # What other trainers call this family (trainer -> their name -> variant), read by
 # `difftune import` (importers/families.py).
-OTHER_TRAINERS: dict[str, dict[str, str | None]] = {}
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    "kohya": {"networks.lora_anima": None}, "onetrainer": {"ANIMA": None}}

@@ -94,3 +94,27 @@ def test_full_finetune_single_file_is_an_anima_file(images: Path, tmp_path: Path
         a, b = got.state_dict(), want.state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(trained.proj_out.weight, base["transformer"].proj_out.weight)
+
+
+def test_an_sd_scripts_anima_config_imports_as_an_anima_run(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    """anima_train_network.py's config (its network module names the model) becomes an Anima
+    run with its three files in place."""
+    (tmp_path / "ds.toml").write_text('[[datasets]]\n[[datasets.subsets]]\nimage_dir = "img"\n',
+                                      encoding="utf-8")
+    files = {key: (tmp_path / name).as_posix() for key, name in (
+        ("transformer", "anima-base-v1.0.safetensors"),
+        ("text_encoder", "qwen_3_06b_base.safetensors"), ("vae", "qwen_image_vae.safetensors"))}
+    (tmp_path / "kohya.toml").write_text(
+        'network_module = "networks.lora_anima"\n'
+        f'pretrained_model_name_or_path = "{files["transformer"]}"\n'
+        f'qwen3 = "{files["text_encoder"]}"\nvae = "{files["vae"]}"\n'
+        f'dataset_config = "{(tmp_path / "ds.toml").as_posix()}"\n', encoding="utf-8")
+    out = tmp_path / "run.toml"
+    assert main(["import", "kohya", str(tmp_path / "kohya.toml"), "--out", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert 'family = "anima"' in text
+    for key, path in files.items():
+        line = f'{key} = "{path}"'
+        assert line in text, line
