@@ -85,7 +85,7 @@ class AnimaFamily(FamilyBase):
         return out.squeeze(2)
 
     def pipeline(self, c: Components) -> "DiffusionPipeline":
-        """AnimaModularPipeline over the components (`sampling.AnimaSamplingPipeline`: from
+        """AnimaModularPipeline over the components (`sampling.AnimaModularPipeline`: from
         prompts as released, or from difftune's embeddings)."""
         from difftune.families.anima.sampling import sampling_pipeline
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from diffusers.guiders import ClassifierFreeGuidance
-from diffusers.modular_pipelines import (AnimaAutoBlocks, AnimaModularPipeline,
-                                         SequentialPipelineBlocks)
+from diffusers.modular_pipelines import AnimaAutoBlocks, SequentialPipelineBlocks
+from diffusers.modular_pipelines import AnimaModularPipeline as ReleasedPipeline
 from diffusers.modular_pipelines.anima.before_denoise import (AnimaPrepareLatentsStep,
                                                               AnimaSetTimestepsStep,
                                                               AnimaTextInputStep)
@@ -35,10 +35,12 @@ def _post_text_blocks() -> SequentialPipelineBlocks:
         "decode": AnimaDecodeStep()})
 
 
-class AnimaSamplingPipeline(AnimaModularPipeline):
-    """AnimaModularPipeline over AnimaAutoBlocks that also samples from precomputed
-    `prompt_embeds` (see the module docstring); LoRA loading is its own
-    (AnimaLoraLoaderMixin: into the transformer and the text conditioner)."""
+class AnimaModularPipeline(ReleasedPipeline):
+    """diffusers' AnimaModularPipeline over AnimaAutoBlocks that also samples from
+    precomputed `prompt_embeds` (see the module docstring); LoRA loading is its own
+    (AnimaLoraLoaderMixin: into the transformer and the text conditioner). It keeps the
+    released class's name, which `save_pretrained` records in modular_model_index.json, so a
+    saved folder loads with diffusers' own class."""
 
     def __call__(self, *args: Any, guidance_scale: float = 4.0, **kwargs: Any) -> Any:
         """Run with classifier-free guidance at `guidance_scale` (1: none, no negative
@@ -47,13 +49,13 @@ class AnimaSamplingPipeline(AnimaModularPipeline):
         if "prompt_embeds" not in kwargs:
             self.update_components(guider=guider)
             return super().__call__(*args, **kwargs)
-        post = AnimaModularPipeline(blocks=_post_text_blocks())
+        post = ReleasedPipeline(blocks=_post_text_blocks())
         post.update_components(guider=guider, **{n: getattr(self, n) for n in _DENOISING})
         return post(*args, **kwargs)
 
 
-def sampling_pipeline(parts: dict[str, Any]) -> AnimaSamplingPipeline:
+def sampling_pipeline(parts: dict[str, Any]) -> AnimaModularPipeline:
     """The pipeline over the loaded components (by AnimaModularPipeline's names)."""
-    pipe = AnimaSamplingPipeline(blocks=AnimaAutoBlocks())
+    pipe = AnimaModularPipeline(blocks=AnimaAutoBlocks())
     pipe.update_components(**parts)
     return pipe
