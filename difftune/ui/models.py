@@ -3,8 +3,9 @@ family (and variant) from what the files hold, never from their names.
 
 A diffusers folder (one holding `model_index.json`, or a modular pipeline's
 `modular_model_index.json`) is recognised by the pipeline class it names (`_class_name`, the
-family's `pipeline_class`, a variant's through `variant_of_pipeline`); a single `.safetensors` file by its tensors' names, read from the file's JSON header alone (no
-tensor is loaded; the header is bounded) and matched against each family's `files.markers`
+family's `pipeline_class`, a variant's through `variant_of_pipeline`); a single
+`.safetensors` file by its tensors' names, read from the file's JSON header alone (no tensor
+is loaded; the header is bounded) and matched against each family's `files.markers`
 (families/*/spec.py). A file no family's markers fit, a text encoder or an autoencoder
 included, is "unknown". The walk is bounded in depth and in entries, follows no links out of
 the roots, and runs off the event loop (the page calls it through `run.io_bound`).
