@@ -120,3 +120,12 @@ def test_other_trainers_files_read_back_as_ours(kohya: bool) -> None:
     got, alphas = family.lora_from_format(comps, spelled)
     assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
     assert set(alphas) == {k.rsplit(".", 2)[0] for k in state} and set(alphas.values()) == {8.0}
+
+
+def test_a_lora_of_the_llm_adapter_is_refused_in_either_naming() -> None:
+    family, comps, state = _lora()
+    assert family.lora_refusal(comps, state) is None
+    for key in ("diffusion_model.llm_adapter.blocks.0.cross_attn.q_proj.lora_A.weight",
+                "text_conditioner.blocks.0.cross_attn.q_proj.lora_A.weight"):
+        why = family.lora_refusal(comps, {**state, key: torch.zeros(4, 32)})
+        assert why is not None and key.rsplit(".", 2)[0] in why

@@ -118,10 +118,12 @@ class AnimaFamily(FamilyBase):
         return {f"llm_adapter.{k}": v for k, v in conditioner.items()}
 
     def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
-        """A LoRA that also adapts the LLM adapter (`llm_adapter.*`, which sd-scripts can
-        train): difftune trains and samples Anima's transformer only, so starting from it or
-        sampling with it would drop that part unseen; the modules are named."""
-        found = sorted({k.rsplit(".", 2)[0] for k in tensors if "llm_adapter" in k})
+        """A LoRA that also adapts the LLM adapter (`llm_adapter.*` in the original names,
+        which sd-scripts can train; `text_conditioner.*` in diffusers'): difftune trains and
+        samples Anima's transformer only, so starting from it or sampling with it would drop
+        that part unseen; the modules are named."""
+        found = sorted({k.rsplit(".", 2)[0] for k in tensors
+                        if "llm_adapter" in k or k.startswith("text_conditioner.")})
         if not found:
             return None
         return (f"this LoRA also adapts Anima's LLM adapter ({', '.join(found[:3])}"
