@@ -204,9 +204,22 @@ ERNIE_IMAGE = KeyMap("ErnieImage", (
     r"x_embedder\.proj|text_proj|time_embedding\.linear_[12]|adaLN_modulation\.1|"
     r"final_norm\.linear|final_linear"), weight_forms=("transformer.{}",))
 
+# Anima (comfy/supported_models.py Anima, model_base.Anima over comfy/ldm/anima/model.py: the
+# Cosmos-Predict2 MiniTrainDIT of comfy/ldm/cosmos/predict2.py plus `llm_adapter`): its weights;
+# comfy/lora.py has no Anima branch in `model_lora_keys_unet`, so the generic map only.
+ANIMA = KeyMap("Anima", (
+    r"blocks\.\d+\.(?:(?:self_attn|cross_attn)\.(?:q_proj|k_proj|v_proj|output_proj|q_norm|"
+    r"k_norm)|mlp\.layer[12]|adaln_modulation_(?:self_attn|cross_attn|mlp)\.[12])",
+    r"x_embedder\.proj\.1|t_embedder\.1\.linear_[12]|t_embedding_norm|final_layer\.linear|"
+    r"final_layer\.adaln_modulation\.[12]",
+    r"llm_adapter\.(?:embed|out_proj|norm|blocks\.\d+\.(?:norm_self_attn|norm_cross_attn|"
+    r"norm_mlp|mlp\.[02]|(?:self_attn|cross_attn)\.(?:q_proj|k_proj|v_proj|o_proj|q_norm|"
+    r"k_norm)))"))
+
 # difftune family -> the ComfyUI model class that loads its denoiser (variants share it).
 MAPS = {"flux": FLUX, "chroma": CHROMA, "flux2": FLUX2, "sd3": SD3, "sdxl": SDXL,
-        "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2, "wan": WAN, "sd15": SD15}
+        "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2, "wan": WAN, "sd15": SD15,
+        "anima": ANIMA}
 MAPS["ernie_image"] = ERNIE_IMAGE
 
 

@@ -319,6 +319,11 @@ class Family(Protocol):
         tensors it is made of) as ComfyUI and Forge load it, or None where there is none."""
         ...
 
+    def single_file_extras(self, c: Components) -> dict[str, torch.Tensor]:
+        """Frozen tensors the denoiser's single file also holds, by their name in it (Anima's
+        LLM adapter, without which ComfyUI takes the file for another model); none for most."""
+        ...
+
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
     ) -> dict[str, torch.Tensor]:

@@ -33,6 +33,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "sd15": ("difftune.families.sd15.spec", "difftune.families.sd15.family.SD15Family"),
     "ernie_image": ("difftune.families.ernie_image.spec",
                     "difftune.families.ernie_image.family.ErnieImageFamily"),
+    "anima": ("difftune.families.anima.spec", "difftune.families.anima.family.AnimaFamily"),
 }
 
 

@@ -21,7 +21,7 @@ Target = tuple[str, str | None]
 # flux_train_network's --model_type) tells the script; ai-toolkit names it by model.arch or an
 # older is_* flag; OneTrainer by model_type (modules/util/enum/ModelType.py).
 NOT_TRAINED: dict[str, tuple[str, ...]] = {
-    "kohya": ("networks.lora_lumina", "networks.lora_hunyuan_image", "networks.lora_anima"),
+    "kohya": ("networks.lora_lumina", "networks.lora_hunyuan_image"),
     "ai-toolkit": (
         "sd2", "pixart", "pixart_sigma", "auraflow", "lumina2", "hidream",
         "wan22_14b", "wan22_5b", "omnigen2", "flex2", "chroma_radiance", "ltx2",
@@ -32,7 +32,7 @@ NOT_TRAINED: dict[str, tuple[str, ...]] = {
         "STABLE_DIFFUSION_20_DEPTH", "STABLE_DIFFUSION_21", "STABLE_DIFFUSION_21_BASE",
         "STABLE_DIFFUSION_XL_10_BASE_INPAINTING", "FLUX_FILL_DEV_1", "WUERSTCHEN_2",
         "STABLE_CASCADE_1", "PIXART_ALPHA", "PIXART_SIGMA", "SANA", "HUNYUAN_VIDEO",
-        "HI_DREAM_FULL", "ANIMA", "IDEOGRAM_4"),
+        "HI_DREAM_FULL", "IDEOGRAM_4"),
 }
 
 # Names one script serves for several models, read as the one difftune trains: the import

@@ -112,6 +112,7 @@ ARGS: dict[str, Rule] = {
     "pretrained_model_name_or_path": _model,
     "ae": _file("model.vae"), "vae": _file("model.vae"), "clip_l": _file("model.clip_l"),
     "t5xxl": _file("model.t5"),
+    "qwen3": _file("model.text_encoder"),  # anima_train_network.py's Qwen3 file
     "clip_g": Drop("difftune reads SD3's CLIP-G from model.path (a diffusers folder)"),
     "network_module": USED,
     "model_type": USED,

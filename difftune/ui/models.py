@@ -1,10 +1,11 @@
 """The model picker's scan: model folders and files under the app's roots, each recognised as a
 family (and variant) from what the files hold, never from their names.
 
-A diffusers folder (one holding `model_index.json`) is recognised by the pipeline class it names
-(`_class_name`, the family's `pipeline_class`, a variant's through `variant_of_pipeline`); a
-single `.safetensors` file by its tensors' names, read from the file's JSON header alone (no
-tensor is loaded; the header is bounded) and matched against each family's `files.markers`
+A diffusers folder (one holding `model_index.json`, or a modular pipeline's
+`modular_model_index.json`) is recognised by the pipeline class it names (`_class_name`, the
+family's `pipeline_class`, a variant's through `variant_of_pipeline`); a single
+`.safetensors` file by its tensors' names, read from the file's JSON header alone (no tensor
+is loaded; the header is bounded) and matched against each family's `files.markers`
 (families/*/spec.py). A file no family's markers fit, a text encoder or an autoencoder
 included, is "unknown". The walk is bounded in depth and in entries, follows no links out of
 the roots, and runs off the event loop (the page calls it through `run.io_bound`).
@@ -114,24 +115,35 @@ def _single_keys() -> tuple[str, ...]:
                          for _, spec in registry.variant_specs(family) for k in spec.files.keys}))
 
 
+# The files that make a diffusers folder and name its pipeline: a pipeline's, and a modular
+# pipeline's (families diffusers ships as modular pipelines only, such as Anima).
+INDEXES = ("model_index.json", "modular_model_index.json")
+
+
+def _index(folder: Path) -> Path | None:
+    """The folder's pipeline index (`INDEXES`, in that order), or None: not a model folder."""
+    return next((folder / n for n in INDEXES if (folder / n).is_file()), None)
+
+
 def recognise_folder(folder: Path) -> Found:
-    """A diffusers folder, recognised by its model_index.json (its fields unset the single
-    files a run file may name, which would be read over the folder)."""
+    """A diffusers folder, recognised by its model_index.json (or a modular pipeline's
+    modular_model_index.json; its fields unset the single files a run file may name, which
+    would be read over the folder)."""
     found = Found(path=str(folder), kind="folder")
-    index = folder / "model_index.json"
+    index = _index(folder) or folder / INDEXES[0]
     try:
         if index.stat().st_size > MAX_INDEX:
             raise ValueError("too large to be a model_index.json")
         pipeline = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
     except (OSError, ValueError, AttributeError) as err:
-        found.why = f"model_index.json cannot be read ({err})"
+        found.why = f"{index.name} cannot be read ({err})"
         return found
     known = recognise_pipeline(str(pipeline))
     if known is None:
         found.why = f"its pipeline {pipeline!r} is no family's"
         return found
     found.family, found.variant = known
-    found.why = f"model_index.json names {pipeline}"
+    found.why = f"{index.name} names {pipeline}"
     found.fields = {"model.family": found.family, "model.variant": found.variant,
                     "model.path": str(folder), **{f"model.{k}": None for k in _single_keys()}}
     return found
@@ -170,7 +182,7 @@ def scan(roots: Roots, depth: int = MAX_DEPTH, entries: int = MAX_ENTRIES) -> li
 
 def _walk(roots: Roots, folder: Path, depth: int, budget: list[int], out: list[Found]) -> None:
     """Scan `folder` into `out`, spending `budget[0]` entries."""
-    if (folder / "model_index.json").is_file():
+    if _index(folder) is not None:
         out.append(recognise_folder(folder))
         return
     try:

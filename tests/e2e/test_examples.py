@@ -21,6 +21,8 @@ from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxKontextPipeline, 
 
 from difftune.cli import main
 from difftune.verbs.demo import demo_dir
+from difftune.families.anima.sampling import sampling_pipeline
+from difftune.families.anima.tiny import build_tiny_anima
 from difftune.families.chroma.tiny import build_tiny_chroma
 from difftune.families.ernie_image.tiny import build_tiny_ernie_image
 from difftune.families.flux.tiny import build_tiny_flux
@@ -34,7 +36,9 @@ from difftune.families.wan.tiny import build_tiny_wan
 from difftune.families.z_image.tiny import build_tiny_z_image
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
+PIPELINES = {"anima-lora.toml": (lambda t5_embedding, **parts: sampling_pipeline(parts),
+                                 build_tiny_anima),
+             "chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "flux-dev-lora.toml": (FluxPipeline, build_tiny_flux),
              "flux-dev-full.toml": (FluxPipeline, build_tiny_flux),
              "flux-kontext-lora.toml": (FluxKontextPipeline, lambda: build_tiny_flux("kontext")),

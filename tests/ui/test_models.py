@@ -24,7 +24,8 @@ FLAVORS = [("flux", None, None, "base"), ("sd3", None, None, None), ("sdxl", Non
            ("chroma", None, None, None), ("z_image", None, None, None),
            ("qwen_image", "edit", None, "edit"), ("flux2", "klein", "klein", "klein"),
            ("flux2", "dev", "dev", "dev"), ("krea2", None, None, None),
-           ("wan", "2.1-t2v-1.3b", None, None), ("sd15", None, None, None)]
+           ("wan", "2.1-t2v-1.3b", None, None), ("sd15", None, None, None),
+           ("anima", None, None, None)]
 FLAVORS.append(("ernie_image", None, None, None))
 
 
@@ -39,6 +40,12 @@ def _save_folder(family: str, variant: str | None, tiny: dict[str, Any], path: P
     import diffusers
 
     pipeline = getattr(diffusers, registry.spec(family, variant).pipeline_class)
+    if issubclass(pipeline, diffusers.ModularPipeline):  # components by its blocks' names
+        pipe = pipeline(blocks=getattr(diffusers, pipeline.default_blocks_name)())
+        names = {c.name for c in pipe.blocks.expected_components}
+        pipe.update_components(**{k: v for k, v in tiny.items() if k in names})
+        pipe.save_pretrained(str(path))  # modular_model_index.json
+        return
     wanted = inspect.signature(pipeline.__init__).parameters
     args = {k: v for k, v in tiny.items() if k in wanted}
     # components no tiny flavor builds (SD 1.5's safety checker and feature extractor)

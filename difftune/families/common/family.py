@@ -319,6 +319,10 @@ class FamilyBase:
         layout = getattr(importlib.import_module(f"{package}.files"), "single_file_layout", None)
         return layout(c.denoiser) if layout is not None else None
 
+    def single_file_extras(self, c: Components) -> dict[str, torch.Tensor]:
+        """Frozen tensors the denoiser's single file also holds: none by default."""
+        return {}
+
     def lora_to_format(
         self, c: Components, state: dict[str, torch.Tensor], fmt: str, rank: int, alpha: float
     ) -> dict[str, torch.Tensor]:

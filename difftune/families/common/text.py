@@ -145,7 +145,13 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int, pad: str = "max_
         return_tensors="pt",
         **extra,
     )
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    if ids.shape[-1] == 0:
+        # Empty captions through a tokenizer that adds no special tokens (Qwen3's, untemplated)
+        # give no position at all, which no model can run on: one masked position of id 0, as
+        # AnimaTextEncoderStep substitutes.
+        ids, mask = ids.new_zeros(ids.shape[0], 1), mask.new_zeros(mask.shape[0], 1)
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 def spec_tokens(spec: TextEncoderSpec, tokenizer: Any, texts: list[str], max_length: int

@@ -17,12 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from difftune.errors import ModelFileError
-from difftune.families.common.components import (
-    VAE_PREFIX,
-    pretrained_from_state,
-    vae_from_state,
-)
+from difftune.families.common.components import VAE_PREFIX, vae_from_state
 from difftune.families.common.folders import check_folder, from_folder
+from difftune.families.common.qwen3 import load_qwen3_file
 from difftune.families.common.single_file import (
     assign_state,
     cast_state,
@@ -165,23 +162,7 @@ def load_z_image_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[s
 def load_text_encoder_file(path: Path, dtype: torch.dtype) -> Any:
     """Qwen3 from one file as ComfyUI keeps it (`qwen_3_4b.safetensors`: the causal LM's
     `model.*` tensors, any `lm_head` dropped) or a bare Qwen3Model state; sizes from shapes."""
-    from transformers import Qwen3Config, Qwen3Model
-
-    sd = strip_prefix(read_safetensors(path, "Qwen3 text encoder"), ("model.",))
-    sd = {k: v for k, v in sd.items() if not k.startswith("lm_head.")}
-    try:
-        vocab, hidden = sd["embed_tokens.weight"].shape
-        head = sd["layers.0.self_attn.q_norm.weight"].shape[0]
-        config = Qwen3Config(**{
-            **TEXT_ENCODER_CONFIG, "vocab_size": vocab, "hidden_size": hidden, "head_dim": head,
-            "num_hidden_layers": count_blocks(sd, "layers."),
-            "num_attention_heads": sd["layers.0.self_attn.q_proj.weight"].shape[0] // head,
-            "num_key_value_heads": sd["layers.0.self_attn.k_proj.weight"].shape[0] // head,
-            "intermediate_size": sd["layers.0.mlp.gate_proj.weight"].shape[0]})
-    except KeyError as err:
-        raise missing_error(path, "a Qwen3 text encoder", err) from None
-    return pretrained_from_state(Qwen3Model, config, cast_state(sd, dtype), dtype, path, "Qwen3",
-                                 "model.text_encoder")
+    return load_qwen3_file(path, dtype, TEXT_ENCODER_CONFIG)
 
 
 _Z_RENAMES = (("all_final_layer.2-1.", "final_layer."), ("all_x_embedder.2-1.", "x_embedder."),

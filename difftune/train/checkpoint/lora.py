@@ -28,7 +28,7 @@ from difftune.adapters.lora import lora_state
 from difftune.adapters.lycoris_files import FULL_PRECISION, adapted_layers, to_file
 from difftune.adapters.metadata import FileFacts, embedding_keys, lora_keys, lycoris_keys
 from difftune.config import RunConfig, SaveConfig
-from difftune.files.single import write_layout
+from difftune.files.single import Piece, write_layout
 from difftune.files.space import check_free, writing
 from difftune.families.base import Components, Family
 from difftune.families.common.text import file_clip_roots
@@ -189,8 +189,11 @@ class LoraFiles:
                 meta = {"format": "pt", "difftune.version": __version__,
                         "difftune.family": self.family.name, "difftune.base_model": self.base_name,
                         "difftune.steps": str(step)}
-                denoiser = states[self.family.denoiser_prefix]
-                write_layout(file, layout, denoiser, dtype, meta)
+                # the frozen tensors the file also holds (Anima's LLM adapter), as they are
+                extras = self.family.single_file_extras(self.comps)
+                layout = {**layout, **{name: Piece((name,)) for name in extras}}
+                write_layout(file, layout, {**states[self.family.denoiser_prefix], **extras},
+                             dtype, meta)
         log.info("saved the fine-tuned model %s%s", folder,
                  f" and {file.name}" if layout is not None else "")
         return folder
