@@ -1,0 +1,83 @@
+"""Which expert of a two-expert model (Wan 2.2 A14B) trains at each step, and on which times.
+
+Each optimizer step trains one expert: its times are drawn only from its side of the boundary
+(`FlowMatching.window`), so the batch's rows all run that expert (`families/common/experts.py`
+routes by timestep as the pipeline does) and only its LoRA gets gradients; the idle expert's
+LoRA and optimizer state stay as they are (AdamW skips parameters without a gradient). The
+experts take turns every `train.expert_switch_every` steps, in `train.experts`' order. The
+turn is a function of the step count alone, so a resumed run continues the alternation
+exactly where the stopped one was.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from difftune.config import RunConfig
+from difftune.families.specs import ExpertSpec, FamilySpec
+
+
+@dataclass(frozen=True)
+class Turns:
+    """The experts that train, in turn order, `every` steps each, split at `boundary` (the
+    fraction of the schedule, the pipeline's boundary_ratio)."""
+
+    experts: tuple[ExpertSpec, ...]
+    every: int
+    boundary: float
+
+    def at(self, done: int) -> ExpertSpec:
+        """The expert that trains the step after `done` optimizer steps."""
+        return self.experts[(done // self.every) % len(self.experts)]
+
+    def window(self, done: int) -> tuple[float, float]:
+        """The times [low, high) that step draws from (the objective's units, 1 = noise)."""
+        return self.at(done).window(self.boundary)
+
+    def patterns(self, patterns: list[str]) -> list[str]:
+        """LoRA target regexes of one expert's module names, over the trained experts' (the
+        two-expert module names them `<part>.<module>`)."""
+        parts = "|".join(re.escape(e.part) for e in self.experts)
+        return [rf"(?:{parts})\.(?:{p})" for p in patterns]
+
+    def describe(self) -> list[str]:
+        """`check`'s lines: each trained expert's timestep range and the alternation."""
+        lines = []
+        for e in self.experts:
+            low, high = e.window(self.boundary)
+            side = f"t >= {low:g}" if e.noisy else f"t < {high:g}"
+            lines.append(f"expert {e.name} ({e.part}): timesteps {side} of the shifted "
+                         f"schedule ({low * 1000:g} to {high * 1000:g} of 1000), its own LoRA "
+                         f"file (*{e.suffix}.safetensors)")
+        if len(self.experts) > 1:
+            order = " -> ".join(e.name for e in self.experts)
+            lines.append(f"alternation: {order}, {self.every} step(s) each; the idle expert "
+                         "waits in host memory, its LoRA and optimizer state kept")
+        else:
+            lines.append(f"only expert {self.experts[0].name} trains "
+                         "(train.experts); the other is used as it is by samples")
+        return lines
+
+
+def turns(cfg: RunConfig, spec: FamilySpec) -> Turns | None:
+    """The run's turns, or None for a model of one denoiser (validated at config load)."""
+    if not spec.experts:
+        return None
+    by_name = {e.name: e for e in spec.experts}
+    names = cfg.train.experts or list(by_name)
+    boundary = cfg.train.expert_boundary or spec.boundary
+    assert boundary is not None, "a spec with experts declares its boundary"
+    return Turns(tuple(by_name[n] for n in names), cfg.train.expert_switch_every, boundary)
+
+
+def trained(cfg: RunConfig, spec: FamilySpec) -> tuple[ExpertSpec, ...]:
+    """The experts this run trains, in the spec's order (empty for one denoiser)."""
+    names = cfg.train.experts or [e.name for e in spec.experts]
+    return tuple(e for e in spec.experts if e.name in names)
+
+
+def file_suffixes(cfg: RunConfig, spec: FamilySpec) -> tuple[str, ...]:
+    """What ends the stems of the files one save writes: one per trained expert
+    (`_high_noise`, `_low_noise`), or "" for a model of one denoiser."""
+    return tuple(e.suffix for e in trained(cfg, spec)) or ("",)
