@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
+from difftune.adapters.formats import load_lora_file
 from difftune.config import RunConfig
+from difftune.errors import CheckpointError
+from difftune.families.base import Family
 from difftune.families.specs import ExpertSpec, FamilySpec
 
 
@@ -81,3 +85,21 @@ def file_suffixes(cfg: RunConfig, spec: FamilySpec) -> tuple[str, ...]:
     """What ends the stems of the files one save writes: one per trained expert
     (`_high_noise`, `_low_noise`), or "" for a model of one denoiser."""
     return tuple(e.suffix for e in trained(cfg, spec)) or ("",)
+
+
+def expert_part(family: Family, path: Path) -> str | None:
+    """The pipeline part a LoRA file of a two-expert model belongs to: the expert its
+    metadata names (`difftune.expert`, what difftune writes), else the one whose suffix ends
+    its name (`_high_noise`, `_low_noise`, as users name ComfyUI's pair); None for a model of
+    one denoiser. Raises `CheckpointError` when neither tells."""
+    if not family.experts:
+        return None
+    named = load_lora_file(path)[1].get("difftune.expert")
+    stem = path.name.removesuffix(".safetensors")
+    for e in family.experts:
+        if named == e.name or (named is None and stem.endswith(e.suffix)):
+            return e.part
+    choices = ", ".join(f"*{e.suffix}.safetensors ({e.name})" for e in family.experts)
+    raise CheckpointError(f"--lora {path}: which expert of {family.spec.variant} is it for? "
+                          f"Neither its metadata (difftune.expert) nor its name says; name it "
+                          f"{choices}")

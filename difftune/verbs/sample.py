@@ -38,6 +38,7 @@ from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.precision import lowbit
 from difftune.precision.policy import PrecisionPolicy, resolve_device
 from difftune.sample.runner import SampleRunner
+from difftune.train.experts import expert_part
 
 log = logging.getLogger("difftune")
 
@@ -155,8 +156,9 @@ def _pipeline_with(family: Family, pipe: object,
     for i, (lora, tensors) in enumerate(loras):
         name = f"lora{i}"
         source = tensors if tensors is not None else str(lora.path)
+        part = expert_part(family, lora.path)
         try:
-            family.load_pipeline_lora(pipe, source, name)
+            family.load_pipeline_lora(pipe, source, name, part)
         except (ValueError, KeyError, RuntimeError, OSError, AssertionError) as err:
             # AssertionError: diffusers' converters assert on shapes they do not expect
             raise CheckpointError(

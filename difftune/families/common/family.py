@@ -313,10 +313,12 @@ class FamilyBase:
         than leaving readers to skip its modules ("lora key not loaded")."""
         return None
 
-    def load_pipeline_lora(self, pipe: Any, source: Any, name: str) -> None:
+    def load_pipeline_lora(self, pipe: Any, source: Any, name: str,
+                           part: str | None = None) -> None:
         """Load a LoRA (a file path, or tensors in diffusers names) into the sampling pipeline
         `pipe` as adapter `name`, with diffusers' own loader (a family whose pipeline holds
-        the trained transformer elsewhere overrides this)."""
+        the trained transformer elsewhere, or several (`part`: the one it is for), overrides
+        this)."""
         pipe.load_lora_weights(source, adapter_name=name)
 
     def distilled(self, c: Components) -> bool:

@@ -176,6 +176,6 @@ I2V_MODULES = re.compile(r"(?:cross_attn[._](?:k_img|v_img)|attn2[._]add_[kv]_pr
 
 # What other trainers call this family (trainer -> their name -> variant, None: difftune picks
 # it), read by `difftune import`. ai-toolkit's `wan21` covers 1.3B and 14B (the folder or
-# model.variant tells); its `wan22_14b` trains both A14B experts at once, which difftune does
-# not yet, so that name still stops an import (importers/families.py NOT_TRAINED).
-OTHER_TRAINERS: dict[str, dict[str, str | None]] = {"ai-toolkit": {"wan21": None}}
+# model.variant tells); its `wan22_14b` trains both A14B T2V experts in one run.
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    "ai-toolkit": {"wan21": None, "wan22_14b": "2.2-t2v-a14b"}}

@@ -1,0 +1,101 @@
+"""Wan 2.2 A14B's two experts as one module: each expert's timesteps drawn from its side of
+the boundary with the schedule's own density there, each row routed to the expert WanPipeline
+would run at its timestep, a sample running both experts, and keep_best keeping pairs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftune import families
+from difftune.config import ModelConfig, PrecisionConfig, TrainConfig
+from difftune.families.common.experts import Experts
+from difftune.families.wan.files import SCHEDULER_CONFIG
+from difftune.precision.policy import PrecisionPolicy
+from difftune.train.objectives.flow import sample_timesteps, scheduler_shift, window_timesteps
+
+BOUNDARY = 0.875
+TOKENS = 1024
+
+
+@pytest.mark.parametrize("mode", ["uniform", "sigmoid", "shift", "flux_shift"])
+def test_each_side_draws_the_schedule_restricted_to_it(mode: str) -> None:
+    """Every draw of the high-noise side is at or above 875 of 1000 as the model is given it
+    (t x 1000 in float32) and every low-noise one below; each side's draws follow the whole
+    schedule's distribution there (its quantiles match rejection sampling's)."""
+    cfg = TrainConfig(timesteps=mode)
+    dynamic = scheduler_shift(SCHEDULER_CONFIG)  # Wan's fixed flow_shift 3
+    full = sample_timesteps(cfg, 200_000, TOKENS, torch.Generator().manual_seed(0), dynamic)
+    for window in ((BOUNDARY, 1.0), (0.0, BOUNDARY)):
+        t = window_timesteps(cfg, 20_000, TOKENS, torch.Generator().manual_seed(1), window,
+                             dynamic)
+        steps = t.float() * 1000
+        assert bool((steps >= 875).all()) if window[0] else bool((steps < 875).all())
+        kept = full[(full >= window[0]) & (full < window[1])]
+        q = torch.tensor([0.1, 0.5, 0.9])
+        torch.testing.assert_close(torch.quantile(t, q), torch.quantile(kept, q), atol=6e-3,
+                                   rtol=0)
+
+
+def _tiny_experts() -> Experts:
+    from difftune.families.wan.tiny import build_tiny_wan
+
+    parts = build_tiny_wan("2.2-t2v-a14b")
+    return Experts.of(families.spec("wan", "2.2-t2v-a14b").experts, parts, BOUNDARY, 1000)
+
+
+def test_each_row_runs_the_expert_the_pipeline_would_run() -> None:
+    experts = _tiny_experts()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, 1, 4, 4, generator=gen)
+    text = torch.randn(3, 7, experts.config.text_dim, generator=gen)
+    steps = torch.tensor([950.0, 500.0, 875.0])  # 875 itself is the high-noise expert's
+    with torch.no_grad():
+        out = experts(hidden_states=x, timestep=steps, encoder_hidden_states=text)[0]
+        for row, part in enumerate(("transformer", "transformer_2", "transformer")):
+            alone = experts.expert(part)(hidden_states=x[row:row + 1],
+                                         timestep=steps[row:row + 1],
+                                         encoder_hidden_states=text[row:row + 1],
+                                         return_dict=False)[0]
+            torch.testing.assert_close(out[row:row + 1], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sample_runs_both_experts() -> None:
+    """The family's pipeline holds both experts and switches at the boundary: a 4-step
+    sample calls the high-noise expert first, then the low-noise one."""
+    family = families.get("wan", "2.2-t2v-a14b")
+    policy = PrecisionPolicy.from_config(PrecisionConfig(mixed="no"), torch.device("cpu"))
+    comps = family.load(ModelConfig(family="wan", variant="2.2-t2v-a14b", flavor="tiny"), policy)
+    pipe = family.pipeline(comps)
+    assert pipe.config.boundary_ratio == BOUNDARY
+    calls: list[str] = []
+    for part in ("transformer", "transformer_2"):
+        getattr(pipe, part).register_forward_pre_hook(lambda *_, p=part: calls.append(p))
+    embeds = family.encode_text(comps, ["a red circle"])
+    pipe(**family.pipeline_inputs(embeds, None, 1.0, 1.0), height=16, width=16,
+         num_inference_steps=4, generator=torch.Generator().manual_seed(0), output_type="np")
+    assert calls[0] == "transformer" and calls[-1] == "transformer_2"
+    assert calls == sorted(calls)  # one switch, at the boundary
+
+
+def test_keep_best_keeps_each_experts_file(tmp_path: Path) -> None:
+    """A pair of candidates becomes `<name>-best_high_noise` / `_low_noise` together."""
+    from difftune.config.keep_best import Measure
+    from difftune.train.best import BestKeeper
+
+    keeper = BestKeeper(Measure("val_loss"), tmp_path, "lora", None,
+                        ("_high_noise", "_low_noise"))
+
+    def save(step: int, path: Path) -> Path:
+        for suffix in keeper.suffixes:
+            path.with_name(f"{path.stem}{suffix}.safetensors").write_text(str(step))
+        return path
+
+    for step, loss in ((1, 2.0), (2, 1.0), (3, 3.0)):
+        keeper.candidate(step, save)
+        keeper.record(step, {"val_loss": loss})
+    for suffix in ("_high_noise", "_low_noise"):
+        assert (tmp_path / f"lora-best{suffix}.safetensors").read_text() == "2"
+    assert not list(keeper.candidates.glob("*"))
