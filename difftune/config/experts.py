@@ -42,6 +42,12 @@ def expert_problems(cfg: "RunConfig") -> list[str]:
         problems.append(f'adapter.type = "full" with {m.variant}: a full fine-tune of two '
                         "14B experts is not supported; train LoRAs (one per expert), or train "
                         "one expert alone with model.variant = \"2.2-t2v-a14b-low\"")
+    if t.blocks_to_swap:
+        problems.append(f"train.blocks_to_swap with {m.variant}: block swap over two experts "
+                        "is not supported yet (the idle expert waits in host memory, the "
+                        "active one is on the GPU whole); set blocks_to_swap = 0 and fit the "
+                        "expert with precision.quantize.denoiser = \"int8\" (or fp8 storage), "
+                        "fewer frames or a lower resolution (check says what fits)")
     if cfg.adapter.type in ("locon", "loha", "lokr") or cfg.adapter.dora:
         kind = "adapter.dora" if cfg.adapter.dora else f'adapter.type = "{cfg.adapter.type}"'
         problems.append(f"{kind} with {m.variant}: the LyCORIS layout is not written per "

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from difftune.errors import ConfigError
 from difftune.ui.file_cache import StampCache
 from difftune.ui.security import PathOutsideRoots, Roots
 
@@ -244,14 +245,30 @@ def _updated(run_dir: Path, roots: Roots | None) -> float | None:
     return max(times) if times else None
 
 
+def final_lora(run_dir: Path, cfg: dict[str, Any]) -> Path | None:
+    """Where the run's final LoRA is written (by its resolved config): `<name>.safetensors`,
+    or of a two-expert model's pair the first trained expert's (`<name>_high_noise`)."""
+    from difftune.families import registry
+
+    name, model = cfg.get("save", {}).get("name"), cfg.get("model", {})
+    if not isinstance(name, str) or not name:
+        return None
+    try:
+        experts = registry.spec(str(model.get("family")), model.get("variant")).experts
+    except (KeyError, ValueError, ConfigError):  # a family or variant unknown here
+        experts = ()
+    trained = cfg.get("train", {}).get("experts") or [e.name for e in experts]
+    suffix = next((e.suffix for e in experts if e.name in trained), "")
+    return run_dir / f"{name}{suffix}.safetensors"
+
+
 def summary(run_dir: Path, roots: Roots | None = None) -> RunSummary:
     """The state of the run in `run_dir`, read from its files (those under `roots`)."""
     run_dir = Path(run_dir)
     cfg = resolved_config(run_dir, roots)
     rows = metrics(run_dir, 0, roots)
     total = cfg.get("train", {}).get("steps")
-    name = cfg.get("save", {}).get("name")
-    lora = run_dir / f"{name}.safetensors" if isinstance(name, str) and name else None
+    lora = final_lora(run_dir, cfg)
     held = readable(lora, run_dir, roots) if lora is not None else None
     out = RunSummary(name=run_dir.name, path=str(run_dir), total_steps=total,
                      updated=_updated(run_dir, roots), family=cfg.get("model", {}).get("family"),

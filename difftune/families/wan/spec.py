@@ -160,7 +160,8 @@ A14B = replace(
     keep_high={**A14B_LOW.keep_high, "denoiser": _either(A14B_LOW.keep_high["denoiser"])},
     swap_blocks=(), compile_blocks=("transformer.blocks", "transformer_2.blocks"),
     # two experts of 14.29 B, one on the accelerator at a time
-    sizes=(ModelSize("Wan-AI/Wan2.2-T2V-A14B-Diffusers", 14.29, UMT5_SIZE, 40, 5120),),
+    sizes=(ModelSize("Wan-AI/Wan2.2-T2V-A14B-Diffusers (one expert at a time)", 14.29,
+                     UMT5_SIZE, 40, 5120),),
     files=replace(A14B_LOW.files,
                   singles=(("transformer", "wan2.2_t2v_high_noise_14B_fp16.safetensors"),
                            ("transformer_2", "wan2.2_t2v_low_noise_14B_fp16.safetensors"),
