@@ -33,6 +33,7 @@ from difftune.data.captions import Captions
 from difftune.data.clips import clip_rule
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family, blocks_of
+from difftune.families.common.experts import Experts
 from difftune.families.common.text import EncodeOptions
 from difftune.memory import savers
 from difftune.precision.policy import PrecisionPolicy, resolve_device
@@ -149,6 +150,8 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
                            cfg.train.seed, a.peft_kind, adapter_options(a), convs)
     elif a.type == "full":
         targets = full.make_trainable(comps.denoiser, a.train_blocks)
+    if isinstance(comps.denoiser, Experts):  # both LoRAs stay on the accelerator
+        comps.denoiser.trained_to_device()
     if cfg.train.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
     savers.apply(cfg, family, comps.denoiser, policy.device)

@@ -99,3 +99,30 @@ def test_keep_best_keeps_each_experts_file(tmp_path: Path) -> None:
     for suffix in ("_high_noise", "_low_noise"):
         assert (tmp_path / f"lora-best{suffix}.safetensors").read_text() == "2"
     assert not list(keeper.candidates.glob("*"))
+
+
+def test_only_the_running_expert_is_on_the_device_and_both_loras_always_are() -> None:
+    """Off the CPU (the meta device stands in for an accelerator here; nothing comes back
+    from it, so one arrival is shown): both experts start in host memory, the expert called
+    arrives whole, the other's frozen weights stay in host memory, and both experts' LoRA
+    parameters are on the device, where their optimizer states are made."""
+    from difftune.adapters.lora import add_lora
+
+    experts = _tiny_experts()
+    add_lora(experts, [r"(?:transformer|transformer_2)\.blocks\.\d+\.attn1\.to_q"], 2, 2.0,
+             0.0, 0)
+    experts.keep_one_on(torch.device("meta"))
+    experts.trained_to_device()
+
+    def devices(part: str, trained: bool) -> set[str]:
+        return {p.device.type for p in experts.expert(part).parameters()
+                if p.requires_grad == trained}
+
+    assert devices("transformer", False) == devices("transformer_2", False) == {"cpu"}
+    assert devices("transformer", True) == devices("transformer_2", True) == {"meta"}
+    x = torch.zeros(1, 16, 1, 4, 4, device="meta")  # called as the pipeline calls it
+    experts.expert("transformer")(hidden_states=x, timestep=torch.ones(1, device="meta"),
+                                  encoder_hidden_states=torch.zeros(1, 3, experts.config.text_dim,
+                                                                    device="meta"))
+    assert experts.resident == "transformer"
+    assert devices("transformer", False) == {"meta"} and devices("transformer_2", False) == {"cpu"}

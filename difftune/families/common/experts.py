@@ -13,15 +13,11 @@ pipeline, which calls the experts directly, moves them too).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from difftune.families.specs import ExpertSpec
-
-Mover = Callable[[torch.nn.Module], Any]
-
 
 class Experts(torch.nn.Module):
     """The experts by pipeline part (`high`: the noisy one, then `low`), switched at `ratio`
@@ -38,7 +34,6 @@ class Experts(torch.nn.Module):
                 lambda _m, _a, _k, part=part: self.arrive(part), with_kwargs=True)
         self.device: torch.device | None = None  # None: the experts stay where they are
         self.resident: str | None = None
-        self.movers: dict[str, Mover] = {}
 
     @classmethod
     def of(cls, experts: tuple[ExpertSpec, ...], parts: dict[str, Any], ratio: float,
@@ -73,28 +68,29 @@ class Experts(torch.nn.Module):
         for part in (self.high, self.low):
             self.expert(part).enable_gradient_checkpointing()
 
-    def keep_one_on(self, device: torch.device, movers: dict[str, Mover] | None = None) -> None:
-        """From now on only the expert that runs stays on `device` (an accelerator): each
-        arrives there as it is called, by `movers[part]` where given (block swap places an
-        expert its own way), and the other leaves for host memory. Both start in host memory.
-        """
-        self.device, self.movers = torch.device(device), dict(movers or {})
-        self.resident = None
+    def keep_one_on(self, device: torch.device) -> None:
+        """From now on only the expert that runs keeps its weights on `device` (an
+        accelerator): each arrives there as it is called, and the other's frozen weights
+        leave for host memory. Both start in host memory."""
+        self.device, self.resident = torch.device(device), None
         for part in (self.high, self.low):
             self.expert(part).to("cpu")
 
+    def trained_to_device(self) -> None:
+        """Put every trained parameter (both experts' LoRAs: a few MB) on the device for good,
+        so their optimizer states live there too, whichever expert runs (called once the
+        adapters are attached; a no-op on the CPU)."""
+        if self.device is not None:
+            _move(self, self.device, trained=True)
+
     def arrive(self, part: str) -> None:
-        """Have expert `part` on the device and the other in host memory (a no-op on the CPU
-        or when it is there already). Trained parameters keep their identity (Module.to)."""
+        """Have expert `part` on the device and the other's frozen weights in host memory (a
+        no-op on the CPU or when it is there already). Parameters keep their identity."""
         if self.device is None or self.resident == part:
             return
         other = self.low if part == self.high else self.high
-        self.expert(other).to("cpu")
-        mover = self.movers.get(part)
-        if mover is not None:
-            mover(self.expert(part))
-        else:
-            self.expert(part).to(self.device)
+        _move(self.expert(other), torch.device("cpu"), trained=False)
+        self.expert(part).to(self.device)
         self.resident = part
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -120,3 +116,22 @@ class Experts(torch.nn.Module):
             order.append(at)
         inverse = torch.argsort(torch.cat(order))
         return (torch.cat(outs)[inverse],)
+
+
+def _move(module: torch.nn.Module, device: torch.device, trained: bool) -> None:
+    """Move `module`'s trained parameters (`trained`), or its frozen parameters and buffers,
+    to `device`, module by module as `Module.to` does (quantized tensor subclasses convert
+    their own way); the others stay where they are."""
+    for sub in module.modules():
+        kept = {n: p for n, p in sub._parameters.items()
+                if p is not None and p.requires_grad != trained}
+        buffers = dict(sub._buffers) if trained else {}
+        for name in kept:  # `_apply` skips None entries
+            sub._parameters[name] = None
+        for name in buffers:
+            sub._buffers[name] = None
+        try:
+            sub._apply(lambda t: t.to(device), recurse=False)
+        finally:
+            sub._parameters.update(kept)
+            sub._buffers.update(buffers)
