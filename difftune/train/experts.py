@@ -11,15 +11,20 @@ exactly where the stopped one was.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from difftune.adapters.formats import load_lora_file
 from difftune.config import RunConfig
 from difftune.errors import CheckpointError
 from difftune.families.base import Family
 from difftune.families.specs import ExpertSpec, FamilySpec
+
+log = logging.getLogger("difftune")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,3 +108,29 @@ def expert_part(family: Family, path: Path) -> str | None:
     raise CheckpointError(f"--lora {path}: which expert of {family.spec.variant} is it for? "
                           f"Neither its metadata (difftune.expert) nor its name says; name it "
                           f"{choices}")
+
+
+def pair(family: Family, path: Path) -> list[tuple[Path, str]]:
+    """A LoRA file of a two-expert model and its twin beside it (the other expert's suffix
+    in place of its own, where that file exists), each with its pipeline part."""
+    part = expert_part(family, path)
+    own = next(e for e in family.experts if e.part == part)
+    stem = path.name.removesuffix(".safetensors")
+    base = stem.removesuffix(own.suffix) if stem.endswith(own.suffix) else None
+    out = [(path, own.part)]
+    for e in family.experts:
+        twin = path.with_name(f"{base}{e.suffix}.safetensors") if base is not None else None
+        if e is not own and twin is not None and twin.is_file():
+            out.append((twin, e.part))
+        elif e is not own:
+            log.warning("%s has no %s twin beside it: expert %s starts from zero", path,
+                        e.suffix, e.name)
+    return out
+
+
+def under(named: dict[str, T], prefix: str, part: str) -> dict[str, T]:
+    """One expert's LoRA keys (`<prefix>.<module>...`) as the two-expert module names them
+    (`<prefix>.<part>.<module>...`)."""
+    head = f"{prefix}."
+    return {(f"{head}{part}.{k[len(head):]}" if k.startswith(head) else k): v
+            for k, v in named.items()}

@@ -180,3 +180,19 @@ def test_check_reports_the_plan_and_refuses_bad_expert_settings(
         err = capsys.readouterr().err
         assert named in err and "Traceback" not in err, (setting, err)
 
+
+
+def test_init_lora_reads_a_pair_each_file_into_its_expert(runs: dict, images: Path,
+                                                          tmp_path: Path) -> None:
+    """`--init-lora <name>_high_noise.safetensors` starts each expert from its file of the pair
+    (the low-noise twin found beside it): one step at a negligible lr writes them back."""
+    out = runs["a"]
+    cfg = run_toml(tmp_path, images, steps=1, fmt=None, family="wan", model=A14B)
+    assert main(["train", str(cfg), "--no-progress", "--set", "train.lr=1e-12", "--init-lora",
+                 str(out / "lora_high_noise.safetensors")]) == 0
+    for suffix in ("_high_noise", "_low_noise"):
+        start, again = (load_file(str(d / f"lora{suffix}.safetensors"))
+                        for d in (out, tmp_path / "out"))
+        assert start.keys() == again.keys()
+        for key in start:
+            torch.testing.assert_close(again[key], start[key], rtol=1e-5, atol=1e-7)
