@@ -8,7 +8,7 @@ run does not do yet, naming the field and the fix.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from difftune.families import registry
 
@@ -53,3 +53,18 @@ def expert_problems(cfg: "RunConfig") -> list[str]:
         problems.append(f"{kind} with {m.variant}: the LyCORIS layout is not written per "
                         "expert yet; train adapter.type = \"lora\"")
     return problems
+
+
+def file_suffix(resolved: dict[str, Any]) -> str:
+    """What ends the stem of a run's first LoRA file, read from its resolved config (a dict:
+    the web app and `runs rank` read run folders): a two-expert model's first trained
+    expert's suffix (`_high_noise`), or "" for one denoiser (or a model unknown here)."""
+    from difftune.errors import ConfigError
+
+    model = resolved.get("model", {})
+    try:
+        experts = registry.spec(str(model.get("family")), model.get("variant")).experts
+    except (KeyError, ValueError, ConfigError):
+        return ""
+    trained = resolved.get("train", {}).get("experts") or [e.name for e in experts]
+    return next((e.suffix for e in experts if e.name in trained), "")

@@ -136,11 +136,11 @@ class Components:
 
 
 def blocks_of(denoiser: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Module]:
-    """The blocks under the denoiser's attributes `names`, in order (a single block counts
-    as a list of one)."""
+    """The blocks under the denoiser's submodules `names` (dotted paths: a two-expert model's
+    `transformer.blocks`), in order (a single block counts as a list of one)."""
     out: list[torch.nn.Module] = []
     for name in names:
-        part = getattr(denoiser, name)
+        part = denoiser.get_submodule(name)
         out += list(part) if isinstance(part, torch.nn.ModuleList) else [part]
     return out
 

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from difftune.errors import ConfigError
 from difftune.ui.file_cache import StampCache
 from difftune.ui.security import PathOutsideRoots, Roots
 
@@ -248,18 +247,12 @@ def _updated(run_dir: Path, roots: Roots | None) -> float | None:
 def final_lora(run_dir: Path, cfg: dict[str, Any]) -> Path | None:
     """Where the run's final LoRA is written (by its resolved config): `<name>.safetensors`,
     or of a two-expert model's pair the first trained expert's (`<name>_high_noise`)."""
-    from difftune.families import registry
+    from difftune.config.experts import file_suffix
 
-    name, model = cfg.get("save", {}).get("name"), cfg.get("model", {})
+    name = cfg.get("save", {}).get("name")
     if not isinstance(name, str) or not name:
         return None
-    try:
-        experts = registry.spec(str(model.get("family")), model.get("variant")).experts
-    except (KeyError, ValueError, ConfigError):  # a family or variant unknown here
-        experts = ()
-    trained = cfg.get("train", {}).get("experts") or [e.name for e in experts]
-    suffix = next((e.suffix for e in experts if e.name in trained), "")
-    return run_dir / f"{name}{suffix}.safetensors"
+    return run_dir / f"{name}{file_suffix(cfg)}.safetensors"
 
 
 def summary(run_dir: Path, roots: Roots | None = None) -> RunSummary:

@@ -126,3 +126,13 @@ def test_only_the_running_expert_is_on_the_device_and_both_loras_always_are() ->
                                                                     device="meta"))
     assert experts.resident == "transformer"
     assert devices("transformer", False) == {"meta"} and devices("transformer_2", False) == {"cpu"}
+
+
+def test_both_experts_blocks_compile() -> None:
+    """`train.compile` compiles the spec's `compile_blocks`: both experts' blocks, named by
+    their paths in the two-expert module."""
+    from difftune.families.base import blocks_of
+
+    experts = _tiny_experts()
+    blocks = blocks_of(experts, families.spec("wan", "2.2-t2v-a14b").compile_blocks)
+    assert blocks == [*experts.expert("transformer").blocks, *experts.expert("transformer_2").blocks]

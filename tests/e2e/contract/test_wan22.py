@@ -196,3 +196,20 @@ def test_init_lora_reads_a_pair_each_file_into_its_expert(runs: dict, images: Pa
         assert start.keys() == again.keys()
         for key in start:
             torch.testing.assert_close(again[key], start[key], rtol=1e-5, atol=1e-7)
+
+
+def test_runs_rank_and_the_web_app_find_the_pairs(runs: dict) -> None:
+    """`difftune runs rank` lists each saved step by its pair's high-noise file, and the web
+    app's summary finds the final pair."""
+    import json
+
+    from difftune.ui.runs import summary
+    from difftune.verbs.rank import checkpoints
+
+    out = runs["a"]
+    cfg = json.loads((out / "config.resolved.json").read_text(encoding="utf-8"))
+    found = checkpoints(out, cfg, metrics_rows(out))
+    assert {s: p.name for s, p in found.items()} == {
+        2: "lora-step000002_high_noise.safetensors", 4: "lora-step000004_high_noise.safetensors",
+        6: "lora_high_noise.safetensors"}
+    assert summary(out).lora == str(out / "lora_high_noise.safetensors")
