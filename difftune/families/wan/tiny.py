@@ -7,8 +7,8 @@ attention bias, as UMT5-XXL) over the shipped offline T5 tokenizer (a SentencePi
 T5TokenizerFast, the class UMT5's tokenizer is), and UniPCMultistepScheduler with Wan's released
 settings. Each variant has its own weights (the 14B kinds one head wider); the 2.2 low-noise
 expert comes as the pipeline's `transformer_2`, and the 2.2 A14B pair as both (the high-noise
-expert in `transformer`, each with its own weights). Nothing is downloaded; weights are random from a
-fixed seed inside a forked RNG.
+expert in `transformer`, each with its own weights). Nothing is downloaded; weights are random
+from a fixed seed inside a forked RNG.
 """
 
 from __future__ import annotations
