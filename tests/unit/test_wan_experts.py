@@ -137,3 +137,18 @@ def test_both_experts_blocks_compile() -> None:
     blocks = blocks_of(experts, families.spec("wan", "2.2-t2v-a14b").compile_blocks)
     high, low = (experts.expert(p).blocks for p in ("transformer", "transformer_2"))
     assert blocks == [*high, *low]
+
+
+def test_fp8_storage_keeps_both_experts_embedders_high() -> None:
+    """The family's keep-high patterns reach each expert under its name in the two-expert
+    module: both experts' condition embedders and output projections stay as they are."""
+    from difftune.precision.lowbit import Fp8Linear, store_fp8
+
+    experts = _tiny_experts()
+    keep = families.spec("wan", "2.2-t2v-a14b").keep_high["denoiser"]
+    store_fp8(experts, torch.float32, keep)
+    for part in ("transformer", "transformer_2"):
+        expert = experts.expert(part)
+        assert isinstance(expert.blocks[0].attn1.to_q, Fp8Linear)
+        assert type(expert.condition_embedder.time_proj) is torch.nn.Linear
+        assert type(expert.proj_out) is torch.nn.Linear
