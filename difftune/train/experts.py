@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from difftune.adapters.formats import load_lora_file
+from safetensors import SafetensorError, safe_open
+
 from difftune.config import RunConfig
 from difftune.errors import CheckpointError
 from difftune.families.base import Family
+from difftune.families.common.experts import Experts
 from difftune.families.specs import ExpertSpec, FamilySpec
 
 log = logging.getLogger("difftune")
@@ -80,6 +82,13 @@ def turns(cfg: RunConfig, spec: FamilySpec) -> Turns | None:
     return Turns(tuple(by_name[n] for n in names), cfg.train.expert_switch_every, boundary)
 
 
+def set_boundary(cfg: RunConfig, denoiser: object) -> None:
+    """Where a two-expert model's pipeline switches: `train.expert_boundary` where set (the
+    model's own boundary_ratio otherwise), so samples switch where the run trains apart."""
+    if isinstance(denoiser, Experts) and cfg.train.expert_boundary is not None:
+        denoiser.ratio = cfg.train.expert_boundary
+
+
 def trained(cfg: RunConfig, spec: FamilySpec) -> tuple[ExpertSpec, ...]:
     """The experts this run trains, in the spec's order (empty for one denoiser)."""
     names = cfg.train.experts or [e.name for e in spec.experts]
@@ -99,13 +108,17 @@ def expert_part(family: Family, path: Path) -> str | None:
     one denoiser. Raises `CheckpointError` when neither tells."""
     if not family.experts:
         return None
-    named = load_lora_file(path)[1].get("difftune.expert")
+    try:
+        with safe_open(str(path), "pt") as f:  # the header only
+            named = (f.metadata() or {}).get("difftune.expert")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path} is not a readable .safetensors LoRA ({err})") from None
     stem = path.name.removesuffix(".safetensors")
     for e in family.experts:
         if named == e.name or (named is None and stem.endswith(e.suffix)):
             return e.part
     choices = ", ".join(f"*{e.suffix}.safetensors ({e.name})" for e in family.experts)
-    raise CheckpointError(f"--lora {path}: which expert of {family.spec.variant} is it for? "
+    raise CheckpointError(f"{path}: which expert of {family.spec.variant} is it for? "
                           f"Neither its metadata (difftune.expert) nor its name says; name it "
                           f"{choices}")
 

@@ -139,8 +139,7 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
     a = cfg.adapter
     targets: list[str] = []
     turns = experts.turns(cfg, families.spec(cfg.model.family, cfg.model.variant))
-    if turns is not None:  # the pipeline switches where the run trains the experts apart
-        comps.denoiser.ratio = turns.boundary
+    experts.set_boundary(cfg, comps.denoiser)
     if a.peft_kind is not None:
         patterns = (suffix_patterns(a.target_modules) if a.target_modules
                     else family.lora_targets(a.targets))

@@ -152,3 +152,23 @@ def test_fp8_storage_keeps_both_experts_embedders_high() -> None:
         assert isinstance(expert.blocks[0].attn1.to_q, Fp8Linear)
         assert type(expert.condition_embedder.time_proj) is torch.nn.Linear
         assert type(expert.proj_out) is torch.nn.Linear
+
+
+def test_a_moved_boundary_moves_the_sides_and_the_samples_switch(tmp_path: Path) -> None:
+    """`train.expert_boundary = 0.5`: the high-noise expert trains t >= 0.5, the low one
+    below, in turns of `expert_switch_every`, and the sampling pipeline switches at 0.5."""
+    from difftune.config import load_config
+    from difftune.train import experts as turns_of
+    from tests.unit.test_config import GOOD, write
+
+    text = GOOD.replace('flavor = "tiny"', 'family = "wan"\nvariant = "2.2-t2v-a14b"\n'
+                        'flavor = "tiny"').replace(
+        "steps = 10", "steps = 10\nexpert_boundary = 0.5\nexpert_switch_every = 3")
+    cfg = load_config(write(tmp_path, text))
+    turns = turns_of.turns(cfg, families.spec("wan", "2.2-t2v-a14b"))
+    assert turns is not None
+    assert [turns.window(done) for done in (0, 2, 3, 5, 6)] == [
+        (0.5, 1.0), (0.5, 1.0), (0.0, 0.5), (0.0, 0.5), (0.5, 1.0)]
+    experts = _tiny_experts()
+    turns_of.set_boundary(cfg, experts)
+    assert experts.boundary == 500.0

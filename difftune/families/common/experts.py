@@ -19,6 +19,7 @@ import torch
 
 from difftune.families.specs import ExpertSpec
 
+
 class Experts(torch.nn.Module):
     """The experts by pipeline part (`high`: the noisy one, then `low`), switched at `ratio`
     (the pipeline's boundary_ratio) of the scheduler's `timesteps` (num_train_timesteps)."""
