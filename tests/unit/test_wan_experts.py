@@ -172,3 +172,21 @@ def test_a_moved_boundary_moves_the_sides_and_the_samples_switch(tmp_path: Path)
     experts = _tiny_experts()
     turns_of.set_boundary(cfg, experts)
     assert experts.boundary == 500.0
+
+
+def test_a_file_of_neither_expert_is_refused_naming_the_names(tmp_path: Path) -> None:
+    """A LoRA whose header and name say no expert cannot be routed: the error names the
+    pair's file names; a ComfyUI-style name alone routes it."""
+    from safetensors.torch import save_file
+
+    from difftune.errors import CheckpointError
+    from difftune.train.experts import expert_part
+
+    family = families.get("wan", "2.2-t2v-a14b")
+    plain = tmp_path / "style.safetensors"
+    save_file({"x": torch.zeros(1)}, str(plain))
+    with pytest.raises(CheckpointError, match=r"\*_high_noise.safetensors \(high\)"):
+        expert_part(family, plain)
+    named = tmp_path / "style_low_noise.safetensors"
+    save_file({"x": torch.zeros(1)}, str(named))
+    assert expert_part(family, named) == "transformer_2"
