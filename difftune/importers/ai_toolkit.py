@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from difftune.errors import ConfigError
+from difftune.families import registry
 from difftune.importers.notes import USED, Drop, NoEquivalent, Rule, To, Translation, src
 from difftune.importers.values import (dtype, family, model_source, number, optimizer,
                                        optimizer_args, put_path, scheduler, sides, tables)
@@ -233,8 +234,12 @@ def translate(data: dict[str, Any], path: Path, t: Translation) -> None:
 
 
 def _defaults(t: Translation, process: dict[str, Any]) -> None:
-    """ai-toolkit's defaults where difftune's differ, for the keys the job leaves out."""
-    for section, defaults in DEFAULTS.items():
+    """ai-toolkit's defaults where difftune's differ, for the keys the job leaves out (a
+    two-stage model's: experts switched every step)."""
+    every = dict(DEFAULTS)
+    if registry.spec(str(t.get("model.family")), t.get("model.variant")).experts:
+        every["train"] = {**DEFAULTS["train"], "switch_boundary_every": 1}
+    for section, defaults in every.items():
         table = process.setdefault(section, {})
         if isinstance(table, dict):
             given = {k: v for k, v in defaults.items()

@@ -466,3 +466,10 @@ def test_ai_toolkit_wan21_and_wan22_14b_are_wan_runs(
     cfg = load_config(tmp_path / "b.toml")
     assert (cfg.model.family, cfg.model.variant) == ("wan", "2.2-t2v-a14b")
     assert (cfg.train.experts, cfg.train.expert_switch_every) == (["low"], 5)
+    # without switch_boundary_every: ai-toolkit's default, every step
+    (tmp_path / "c.yaml").write_text(a14b.replace("switch_boundary_every: 5", "lr: 0.0001"),
+                                     encoding="utf-8")
+    code, _, err = _import(capsys, "ai-toolkit", tmp_path / "c.yaml", "--out",
+                           tmp_path / "c.toml")
+    assert code == 0, err
+    assert load_config(tmp_path / "c.toml").train.expert_switch_every == 1
