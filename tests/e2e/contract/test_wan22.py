@@ -171,6 +171,8 @@ def test_check_reports_the_plan_and_refuses_bad_expert_settings(
     bad = {"train.expert_switch_every=0": "train.expert_switch_every",
            'train.experts=["mid"]': "'mid' is no expert",
            "train.expert_boundary=1.5": "train.expert_boundary",
+           "train.blocks_to_swap=1": "train.blocks_to_swap with 2.2-t2v-a14b",
+           'adapter.type="lokr"': 'adapter.type = "lokr" with 2.2-t2v-a14b',
            'model.variant="2.1-t2v-14b"': "train.experts"}
     for setting, named in bad.items():
         sets = ["--set", setting]
@@ -179,7 +181,6 @@ def test_check_reports_the_plan_and_refuses_bad_expert_settings(
         assert main(["check", str(cfg), *sets]) == 2
         err = capsys.readouterr().err
         assert named in err and "Traceback" not in err, (setting, err)
-
 
 
 def test_init_lora_reads_a_pair_each_file_into_its_expert(runs: dict, images: Path,
