@@ -156,7 +156,7 @@ def _train(args: argparse.Namespace) -> int:
         return _step_failed(failed, args)
     if current().main:
         what = "fine-tuned model" if cfg.adapter.type == "full" else "LoRA"
-        print(f"{what} written to {result.lora}")
+        print(f"{what} written to {' and '.join(str(p) for p in result.loras or [result.lora])}")
     return 0
 
 

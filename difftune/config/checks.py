@@ -314,7 +314,7 @@ def memory_problems(cfg: "RunConfig") -> list[str]:
     if optimizer_specs.OPTIMIZERS[t.optimizer].cuda_only and t.device == "cpu":
         problems.append(cuda_only(t.optimizer))
     spec = registry.spec(cfg.model.family, cfg.model.variant)
-    if t.blocks_to_swap and not spec.swap_blocks:
+    if t.blocks_to_swap and not spec.swap_blocks and not spec.experts:  # experts: their own
         problems.append(no_swap(spec.name))
     if t.blocks_to_swap and t.compile:
         problems.append("train.compile with train.blocks_to_swap: a compiled block's weights "

@@ -6,6 +6,7 @@ from pydantic import Field, model_validator
 
 from difftune.config import checks, objectives
 from difftune.config.base import Section as _Section
+from difftune.config.experts import expert_problems
 from difftune.config.full import full_problems
 from difftune.config.sharding import sharding_problems
 from difftune.config.preservation import PreservationConfig, preservation_problems
@@ -53,6 +54,7 @@ class RunConfig(_Section):
         problems += checks.warmup_problems(self)
         problems += checks.memory_problems(self)
         problems += full_problems(self)
+        problems += expert_problems(self)
         problems += checks.optimizer_problems(self)
         problems += sharding_problems(self)
         problems += preservation_problems(self)

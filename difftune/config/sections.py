@@ -39,6 +39,8 @@ class ModelConfig(_Section):
     path: Path | None = Field(None, description=model_source.path_help())
     transformer: Path | None = Field(
         None, description=model_source.single_help("transformer", "denoiser or checkpoint"))
+    transformer_2: Path | None = Field(
+        None, description=model_source.single_help("transformer_2", "second expert"))
     vae: Path | None = Field(None, description=model_source.single_help("vae", "autoencoder"))
     clip_l: Path | None = Field(
         None, description=model_source.single_help("clip_l", "CLIP-L text encoder"))
@@ -207,6 +209,19 @@ class TrainConfig(_Section):
     sigmoid_mean: float = Field(0.0, description="Logit-normal mean (sigmoid, shift).")
     sigmoid_std: float = Field(1.0, gt=0, description="Logit-normal std (sigmoid, shift).")
     shift: float = Field(3.0, gt=0, description="Fixed shift for timesteps = \"shift\".")
+    experts: list[str] | None = Field(
+        None, description="Models of two experts (Wan 2.2 A14B: \"high\", \"low\"): the "
+        "experts to train, in turn order, each with its own LoRA file; one name trains that "
+        "expert alone. Default: all of them.")
+    expert_switch_every: int = Field(
+        10, ge=1, description="Models of two experts: optimizer steps each expert trains "
+        "before the other takes its turn (each step trains one expert, on its side of the "
+        "boundary; the idle one waits in host memory).")
+    expert_boundary: float | None = Field(
+        None, gt=0, lt=1, description="Models of two experts: the fraction of the schedule "
+        "where the pipeline switches experts (its boundary_ratio; default the model's, 0.875 "
+        "for Wan 2.2 T2V A14B): the high-noise expert trains the timesteps at or above it, "
+        "the low-noise one those below, and samples switch there.")
     guidance: float = Field(1.0, ge=0, description="Guidance input for guidance-distilled models.")
     prediction: Literal["auto", "epsilon", "v_prediction"] = Field(
         "auto", description="DDPM families: the target (auto: the model's scheduler config)."

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from difftune.families.specs import TextEncoderSpec
+from difftune.families.specs import ExpertSpec, TextEncoderSpec
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -136,11 +136,11 @@ class Components:
 
 
 def blocks_of(denoiser: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Module]:
-    """The blocks under the denoiser's attributes `names`, in order (a single block counts
-    as a list of one)."""
+    """The blocks under the denoiser's submodules `names` (dotted paths: a two-expert model's
+    `transformer.blocks`), in order (a single block counts as a list of one)."""
     out: list[torch.nn.Module] = []
     for name in names:
-        part = getattr(denoiser, name)
+        part = denoiser.get_submodule(name)
         out += list(part) if isinstance(part, torch.nn.ModuleList) else [part]
     return out
 
@@ -176,6 +176,10 @@ class Family(Protocol):
     lycoris_renames: tuple[tuple[str, str], ...]
     lora_unread: tuple[tuple[str, str, str, str], ...]
     formats: tuple[str, ...]  # the save.format values the family writes
+    # A model of two experts its pipeline switches by timestep (`ExpertSpec`s; empty: one
+    # denoiser), and where it switches (the pipeline's boundary_ratio).
+    experts: tuple[ExpertSpec, ...]
+    boundary: float | None
     # How many control/reference images an edit pair or an edit sample prompt may give it
     # (0: it is no edit model).
     control_images: int
@@ -299,9 +303,11 @@ class Family(Protocol):
         video pipeline's first frame."""
         ...
 
-    def load_pipeline_lora(self, pipe: Any, source: Any, name: str) -> None:
+    def load_pipeline_lora(self, pipe: Any, source: Any, name: str,
+                           part: str | None = None) -> None:
         """Load a LoRA (file path or diffusers-named tensors) into the sampling pipeline as
-        adapter `name`, into the transformer the family trains."""
+        adapter `name`, into the transformer the family trains (of a two-expert model's, the
+        pipeline part `part`)."""
         ...
 
     def model_spec(self, c: Components) -> ModelSpec:

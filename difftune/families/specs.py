@@ -12,6 +12,27 @@ from typing import Literal
 
 
 @dataclass(frozen=True)
+class ExpertSpec:
+    """One of the denoisers of a model whose pipeline switches them by timestep (Wan 2.2
+    A14B: the high-noise expert in `transformer`, the low-noise one in `transformer_2`).
+
+    `name` is what `train.experts` calls it, `part` the pipeline's component (and the
+    diffusers folder's subfolder), `suffix` ends its LoRA file's stem (`<name>_high_noise`),
+    `noisy` says which side of the spec's `boundary` it runs: True, the timesteps t (the
+    objective's units, 1 = pure noise) with t >= boundary; False, those with t < boundary.
+    """
+
+    name: str
+    part: str
+    suffix: str
+    noisy: bool
+
+    def window(self, boundary: float) -> tuple[float, float]:
+        """The times [low, high) this expert runs (the noisy one's includes 1)."""
+        return (boundary, 1.0) if self.noisy else (0.0, boundary)
+
+
+@dataclass(frozen=True)
 class TextEncoderSpec:
     """What a family needs from one text encoder, declared rather than sniffed.
 
@@ -210,6 +231,11 @@ family's files would load, with the reason.
     fps: float | None = None
     variants: tuple[tuple[str, "FamilySpec"], ...] = ()
     variant: str | None = None
+    # A model of several experts its pipeline switches by timestep (empty: one denoiser):
+    # the first the default of `train.experts`' order; `boundary` the pipeline's
+    # boundary_ratio (the fraction of its num_train_timesteps where it switches).
+    experts: tuple[ExpertSpec, ...] = ()
+    boundary: float | None = None
     # What training a step-distilled checkpoint of this family does, and what to train on
     # instead (None: the family has none). `Family.distilled` tells a loaded model apart;
     # check, cache and train warn with this text when it is one.

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from difftune.errors import ConfigError
+from difftune.families import registry
 from difftune.importers.notes import USED, Drop, NoEquivalent, Rule, To, Translation, src
 from difftune.importers.values import (dtype, family, model_source, number, optimizer,
                                        optimizer_args, put_path, scheduler, sides, tables)
@@ -54,6 +55,22 @@ def _quantize(t: Translation, key: str, value: Any, where: str) -> None:
 
 def _model(t: Translation, key: str, value: Any, where: str) -> None:
     model_source(t, value, src(key, value), t.base)
+
+
+# model.model_kwargs of a two-stage model (wan22_14b): which stages train (both by default).
+STAGES = {"train_high_noise": "high", "train_low_noise": "low"}
+
+
+def _model_kwargs(t: Translation, key: str, value: Any, where: str) -> None:
+    """A two-stage model's train_high_noise / train_low_noise are train.experts; other model
+    kwargs are noted one by one."""
+    kwargs = dict(value or {})
+    given = {k: kwargs.pop(k) for k in STAGES if k in kwargs}
+    if given:
+        chosen = [name for k, name in STAGES.items() if given.get(k, True)]
+        t.put("train.experts", chosen, ", ".join(src(f"model.{key}.{k}", v)
+                                                 for k, v in given.items()))
+    t.apply({}, kwargs, prefix=f"model.{key}.")
 
 
 def _ema(t: Translation, key: str, value: Any, where: str) -> None:
@@ -137,6 +154,9 @@ TRAIN: dict[str, Rule] = {
     "noise_scheduler": Drop("difftune trains each family by its own objective", builtin=True),
     "content_or_style": Drop("difftune draws timesteps by train.timesteps"),
     "linear_timesteps": Drop("difftune draws timesteps by train.timesteps"),
+    "switch_boundary_every": To("train.expert_switch_every", guess=(
+        "ai-toolkit switches experts between micro-batches, difftune between optimizer steps "
+        "(the same without gradient accumulation)")),
     "diff_output_preservation": USED,
     "diff_output_preservation_multiplier": To("preservation.weight"),
     "diff_output_preservation_class": To("preservation.replacement"),
@@ -144,7 +164,7 @@ TRAIN: dict[str, Rule] = {
 MODEL: dict[str, Rule] = {
     "name_or_path": _model, "arch": SD, **{flag: SD for flag in FLAGS},
     "quantize": _quantize, "quantize_te": _quantize,
-    "qtype": USED, "qtype_te": USED,
+    "qtype": USED, "qtype_te": USED, "model_kwargs": _model_kwargs,
     "low_vram": Drop("difftune's memory savers: train.blocks_to_swap, cache.offload"),
     "layer_offloading": Drop("difftune's memory saver is train.blocks_to_swap"),
     "assistant_lora_path": Drop("difftune trains without an assistant LoRA; train on a base "
@@ -214,8 +234,12 @@ def translate(data: dict[str, Any], path: Path, t: Translation) -> None:
 
 
 def _defaults(t: Translation, process: dict[str, Any]) -> None:
-    """ai-toolkit's defaults where difftune's differ, for the keys the job leaves out."""
-    for section, defaults in DEFAULTS.items():
+    """ai-toolkit's defaults where difftune's differ, for the keys the job leaves out (a
+    two-stage model's: experts switched every step)."""
+    every = dict(DEFAULTS)
+    if registry.spec(str(t.get("model.family")), t.get("model.variant")).experts:
+        every["train"] = {**DEFAULTS["train"], "switch_boundary_every": 1}
+    for section, defaults in every.items():
         table = process.setdefault(section, {})
         if isinstance(table, dict):
             given = {k: v for k, v in defaults.items()

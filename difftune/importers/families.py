@@ -24,7 +24,7 @@ NOT_TRAINED: dict[str, tuple[str, ...]] = {
     "kohya": ("networks.lora_lumina", "networks.lora_hunyuan_image"),
     "ai-toolkit": (
         "sd2", "pixart", "pixart_sigma", "auraflow", "lumina2", "hidream",
-        "wan22_14b", "wan22_5b", "omnigen2", "flex2", "chroma_radiance", "ltx2",
+        "wan22_5b", "omnigen2", "flex2", "chroma_radiance", "ltx2",
         "is_v2", "is_lumina2", "is_pixart", "is_pixart_sigma", "is_auraflow"),
     "onetrainer": (
         "STABLE_DIFFUSION_15_INPAINTING", "STABLE_DIFFUSION_20",

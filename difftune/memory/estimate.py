@@ -199,7 +199,10 @@ def estimate(size: ModelSize, spec: FamilySpec, s: Setup) -> Estimate:
     activations = layer * (2 * size.layers + per) if s.checkpointing else layer * per * \
         size.layers
     encoders = _gib(size.encoders, BYTES[s.encoders])
-    loading = (0 if swapped else _gib(size.denoiser, BYTES[s.denoiser_load])) + \
+    # Swapped blocks, and a two-expert model's experts, load in host memory (an expert
+    # moves in, quantized, when it runs).
+    on_host = swapped or spec.experts
+    loading = (0 if on_host else _gib(size.denoiser, BYTES[s.denoiser_load])) + \
         _gib(size.encoders, BYTES[s.encoders_load]) + CONTEXT_GIB
     caching = weights + encoders + ENCODE_GIB + CONTEXT_GIB
     training = weights + trained + activations + CONTEXT_GIB + (encoders if s.text_resident

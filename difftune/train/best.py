@@ -31,9 +31,13 @@ CANDIDATES = ".best-candidates"
 class BestKeeper:
     """Scores measured steps by the keep_best measure and keeps the best step's LoRA."""
 
-    def __init__(self, measure: Measure, out: Path, name: str, resumed_at: int | None) -> None:
+    def __init__(self, measure: Measure, out: Path, name: str, resumed_at: int | None,
+                 suffixes: tuple[str, ...] = ("",)) -> None:
+        """`suffixes` end the stems of the files one save writes (a two-expert model's
+        `_high_noise` and `_low_noise`; one file: "")."""
         self.measure, self.out = measure, out
-        self.file = out / f"{name}-best.safetensors"
+        self.suffixes = suffixes
+        self.file = out / f"{name}-best{suffixes[0]}.safetensors"
         self.candidates = out / CANDIDATES
         self.figures: dict[int, dict[str, float]] = {}
         self.scores: dict[int, float] = {}
@@ -63,7 +67,7 @@ class BestKeeper:
         """Write the LoRA of `step` as a candidate (training thread; `save` is the checkpoint
         manager's save_lora, called with the weights the run saves in place)."""
         path = self.candidates / f"step-{step:06d}.safetensors"
-        if not path.exists():
+        if not self._files(path)[0].exists():
             self.candidates.mkdir(parents=True, exist_ok=True)
             save(step, path=path)
 
@@ -80,16 +84,17 @@ class BestKeeper:
                 score = self.measure.value(have)
             except ZeroDivisionError:
                 score = math.nan
-            candidate = self.candidates / f"step-{step:06d}.safetensors"
+            candidates = self._files(self.candidates / f"step-{step:06d}.safetensors")
             if not math.isfinite(score):
                 log.warning("keep_best: %s is not finite at step %d; step skipped",
                             self.measure.text, step)
-                candidate.unlink(missing_ok=True)
+                self._drop(candidates)
                 return
             previous = self.best_step()
             self.scores[step] = score
-            if self.best_step() == step and candidate.is_file():
-                os.replace(candidate, self.file)
+            if self.best_step() == step and all(c.is_file() for c in candidates):
+                for candidate, best in zip(candidates, self._files(self.file)):
+                    os.replace(candidate, best)
                 log.info("keep_best: step %d is the best so far (%s = %.6g): %s", step,
                          self.measure.text, score, self.file.name)
             elif self.best_step() == step:  # no candidate: the scores say so, the file cannot
@@ -97,9 +102,21 @@ class BestKeeper:
                 log.warning("keep_best: no LoRA of step %d was kept to compare (step skipped)",
                             step)
             else:
-                candidate.unlink(missing_ok=True)
+                self._drop(candidates)
             if self.best_step() != previous:
                 self._write()
+
+    def _files(self, path: Path) -> list[Path]:
+        """The files a save at `path` writes, one per suffix (`path` itself for "")."""
+        stem = path.name.removesuffix(".safetensors")
+        base = stem.removesuffix(self.suffixes[0]) if self.suffixes[0] else stem
+        return [path.with_name(f"{base}{s}.safetensors") for s in self.suffixes]
+
+    @staticmethod
+    def _drop(files: list[Path]) -> None:
+        """Delete candidates that lost (or could not be scored)."""
+        for file in files:
+            file.unlink(missing_ok=True)
 
     def summary(self) -> dict[str, Any]:
         """Which step won, its score, and its margin over the last measured step and the

@@ -32,6 +32,7 @@ from difftune.families.common.text import file_clip_roots, model_clip_roots
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.lora import BUNDLE
+from difftune.train.experts import pair, under
 
 log = logging.getLogger("difftune")
 
@@ -51,11 +52,22 @@ def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 
 def load_init_lora(path: Path, manager: CheckpointManager) -> None:
-    """Copy a LoRA file's factors into this run's trainable parameters.
+    """Copy a LoRA file's factors into this run's trainable parameters; of a two-expert
+    model, the file's into its expert and its twin's beside it (`<name>_low_noise` beside
+    `<name>_high_noise`) into the other (`train.experts.pair`).
 
     CLIP modules are matched whether the file names them under `text_model.` (what every
     reader maps, and difftune writes) or not (difftune's files before that), and a file
     holding NaN or inf, or a bad alpha, is refused before anything is copied."""
+    if not manager.family.experts:
+        _load_one(path, manager, None)
+        return
+    for file, part in pair(manager.family, path):
+        _load_one(file, manager, part)
+
+
+def _load_one(path: Path, manager: CheckpointManager, part: str | None) -> None:
+    """One file into the trainable parameters (of the expert in pipeline part `part`)."""
     if manager.cfg.adapter.type == "full":
         raise ConfigError(f"--init-lora {path}: adapter.type = \"full\" trains the weights "
                           "themselves; merge the LoRA into the base model first, or train a LoRA")
@@ -82,6 +94,9 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
         log.info("initialized %d %s modules from %s", len(layers) - len(missing), a.type, path)
         return
     tensors, alphas = manager.family.lora_from_format(manager.comps, raw)
+    if part is not None:  # the two-expert module names each expert's modules `<part>.<...>`
+        tensors, alphas = (under(d, manager.family.denoiser_prefix, part)
+                           for d in (tensors, alphas))
     roots = model_clip_roots(manager.family, manager.comps)
     tensors, alphas = with_clip_root(tensors, roots), with_clip_root(alphas, roots)
     for module, alpha in alphas.items():

@@ -82,6 +82,7 @@ class Result:
 
     losses: list[float] = field(default_factory=list)
     lora: Path | None = None
+    loras: list[Path] = field(default_factory=list)  # all of the final save (a pair: experts)
 
 
 def _due(step: int, every: int | None) -> bool:
@@ -124,6 +125,7 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
     asked = requests.take_requests(run.out) if run.dist.main else set()
     with state.eval_weights(), using(state.ema, "saves"):
         result.lora = hooks.checkpoints.save_lora(state.step, final=True)
+    result.loras = list(hooks.checkpoints.written) or [result.lora]
     hooks.checkpoints.save(state)
     if cfg.sample.at_end or requests.SAMPLE in asked:  # the other processes have gone on
         sample_event(run, hooks, state, state.step, every_process=False)
@@ -131,8 +133,7 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
 
 
 def train_plain(run: Run) -> Result:
-    """Train a prepared run with metrics and checkpoints but no sampler, validator or stop
-    signal: what benches and tests that measure the training itself need."""
+    """Train with metrics and checkpoints but no sampler, validator or stop (benches, tests)."""
     cfg = run.cfg
     reporter = Reporter(cfg.save.dir, cfg.train.steps, bar=False)
     try:
@@ -231,7 +232,8 @@ def _rescue(hooks: Hooks, state: TrainState, snap: Snapshot) -> Path | None:
 
 def _step(run: Run, hooks: Hooks, state: TrainState, batches: Iterator[Batch],
           step: int) -> tuple[float, int, float]:
-    """One optimizer step (or a skipped one); returns (loss, epoch, lr used)."""
+    """One optimizer step (or a skipped one) of the turn's expert; returns (loss, epoch, lr)."""
+    run.objective.window = run.turns.window(step - 1) if run.turns else None
     loss, epoch = _accumulate(run, batches, state.generator, state.scaler, step - 1)
     loss = run.dist.average(state.params, loss)  # one process: nothing to do
     if not state.guard.skip(step, loss):

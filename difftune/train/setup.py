@@ -33,10 +33,11 @@ from difftune.data.captions import Captions
 from difftune.data.clips import clip_rule
 from difftune.data.discover import DataSet
 from difftune.families.base import Components, Family, blocks_of
+from difftune.families.common.experts import Experts
 from difftune.families.common.text import EncodeOptions
 from difftune.memory import savers
 from difftune.precision.policy import PrecisionPolicy, resolve_device
-from difftune.train import preservation, sharding
+from difftune.train import experts, preservation, sharding
 from difftune.train.dist import Dist, current
 from difftune.train.objectives import Objective
 
@@ -63,6 +64,9 @@ class Run:
     controls: ControlSource = field(init=False)
     # Per-step figures besides the loss (e.g. loss_preservation), one value per micro-batch.
     extras: dict[str, list[float]] = field(default_factory=dict)
+    # A two-expert model's turns (which expert trains each step, on which times); None: one
+    # denoiser.
+    turns: experts.Turns | None = None
 
     def __post_init__(self) -> None:
         """Edit pairs' control latents share the latent store (their keys are their own)."""
@@ -134,14 +138,19 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
         dataset = load_data(cfg, family)  # the new class images join the data
     a = cfg.adapter
     targets: list[str] = []
+    turns = experts.turns(cfg, families.spec(cfg.model.family, cfg.model.variant))
+    experts.set_boundary(cfg, comps.denoiser)
     if a.peft_kind is not None:
         patterns = (suffix_patterns(a.target_modules) if a.target_modules
                     else family.lora_targets(a.targets))
+        patterns = turns.patterns(patterns) if turns is not None else patterns
         convs = list(family.conv_targets) if a.conv_rank is not None else None
         targets = add_lora(comps.denoiser, patterns, a.rank, a.scale_alpha, a.dropout,
                            cfg.train.seed, a.peft_kind, adapter_options(a), convs)
     elif a.type == "full":
         targets = full.make_trainable(comps.denoiser, a.train_blocks)
+    if isinstance(comps.denoiser, Experts):  # both LoRAs stay on the accelerator
+        comps.denoiser.trained_to_device()
     if cfg.train.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
     savers.apply(cfg, family, comps.denoiser, policy.device)
@@ -163,7 +172,7 @@ def prepare(cfg: RunConfig, dataset: DataSet | None = None, show_progress: bool 
         log.warning("preservation.trigger %r is in no caption: output preservation will not "
                     "act; check its spelling", cfg.preservation.trigger)
     return Run(cfg, family, policy, dataset, comps, latents, texts, targets, objective,
-               captions, text_targets, embeddings, current())
+               captions, text_targets, embeddings, current(), turns=turns)
 
 
 def reload_text_encoders(cfg: RunConfig, family: Family, policy: PrecisionPolicy

@@ -21,7 +21,9 @@ from difftune.ui.security import Roots
 log = logging.getLogger("difftune")
 SAMPLE_NAME = re.compile(r"^(?P<label>.+?)_(?P<index>\d{2,})_(?P<slug>.+)\.png$")
 STEP_LABEL = re.compile(r"^step-(\d+)$")
-FILE_STEP = re.compile(r"-step(\d+)$")
+# `<name>-step000123`, and a two-expert model's `<name>-step000123_high_noise` (its pairs' suffix).
+FILE_STEP = re.compile(r"-step(\d+)(?:_[a-z]+_noise)?$")
+BEST = re.compile(r"-best(?:_[a-z]+_noise)?$")  # validation.keep_best's / save.keep_best's file
 WEIGHT_NAME = re.compile(r"^[^.].*\.safetensors$")  # (not a hidden temporary file)
 CHECKPOINT_NAME = re.compile(r"^step-")
 
@@ -232,7 +234,7 @@ def _weight_file(path: Path, real: Path) -> RunFile:
     named = FILE_STEP.search(stem)
     steps = meta.get("difftune.steps")
     step = int(named[1]) if named else int(steps) if steps and steps.isdigit() else None
-    final = named is None and not stem.endswith("-best")  # (validation.keep_best's file)
+    final = named is None and BEST.search(stem) is None
     return RunFile(_kind(meta), str(path), step, real.stat().st_size, meta, final=final)
 
 

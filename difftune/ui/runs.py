@@ -244,14 +244,24 @@ def _updated(run_dir: Path, roots: Roots | None) -> float | None:
     return max(times) if times else None
 
 
+def final_lora(run_dir: Path, cfg: dict[str, Any]) -> Path | None:
+    """Where the run's final LoRA is written (by its resolved config): `<name>.safetensors`,
+    or of a two-expert model's pair the first trained expert's (`<name>_high_noise`)."""
+    from difftune.config.experts import file_suffix
+
+    name = cfg.get("save", {}).get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    return run_dir / f"{name}{file_suffix(cfg)}.safetensors"
+
+
 def summary(run_dir: Path, roots: Roots | None = None) -> RunSummary:
     """The state of the run in `run_dir`, read from its files (those under `roots`)."""
     run_dir = Path(run_dir)
     cfg = resolved_config(run_dir, roots)
     rows = metrics(run_dir, 0, roots)
     total = cfg.get("train", {}).get("steps")
-    name = cfg.get("save", {}).get("name")
-    lora = run_dir / f"{name}.safetensors" if isinstance(name, str) and name else None
+    lora = final_lora(run_dir, cfg)
     held = readable(lora, run_dir, roots) if lora is not None else None
     out = RunSummary(name=run_dir.name, path=str(run_dir), total_steps=total,
                      updated=_updated(run_dir, roots), family=cfg.get("model", {}).get("family"),

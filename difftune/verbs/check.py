@@ -24,6 +24,7 @@ from difftune.errors import ConfigError, DataError
 from difftune.files.names import COMFYUI_DORA
 from difftune.verbs.dataset_report import check_summary
 from difftune.families.base import blocks_of
+from difftune.families.common.experts import Experts
 from difftune.memory import clips, estimate, savers
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.lora import lora_format
@@ -129,6 +130,7 @@ def run_check(cfg: RunConfig, init_lora: Path | None = None) -> list[str]:
     report.append(optimizer_line(run))
     report.append(savers.describe(cfg, run.family, run.comps.denoiser))
     report += memory_lines(run)
+    report += _expert_lines(run)
     if init_lora is not None:
         load_init_lora(init_lora, CheckpointManager(cfg, run.family, run.comps, run.targets,
                                                     {}, run.embeddings, writes=False))
@@ -192,8 +194,8 @@ def memory_lines(run: Run) -> list[str]:
     parameter counts (memory/estimate.py); for a run of clips, the longest clip's tokens and
     what fits it on each card (memory/clips.py)."""
     spec = run.family.spec
-    counts = [sum(p.numel() for n, p in m.named_parameters() if not is_adapter_parameter(n))
-              for m in (run.comps.denoiser, *run.comps.text_encoders.values()) if m is not None]
+    counts = [_base_count(m) for m in (_on_device(run), *run.comps.text_encoders.values())
+              if m is not None]
     layers = len(blocks_of(run.comps.denoiser, spec.swap_blocks)) if spec.swap_blocks else None
     size = estimate.counted(spec, counts[0] / 1e9, sum(counts[1:]) / 1e9, layers)
     trained = sum(p.numel() for g in param_groups(run) for p in g["params"]) / 1e9
@@ -205,6 +207,35 @@ def memory_lines(run: Run) -> list[str]:
     line = (f"{estimate.estimate(size, spec, setup).describe(setup)}; "
             f"{estimate.advice(size, spec, values, trained)} (sizes: {size.name})")
     return [line] + ([clips.clip_line(values, size, spec, trained)] if frames else [])
+
+
+def _base_count(module: torch.nn.Module) -> int:
+    """A module's base parameters (its LoRA factors apart)."""
+    return sum(p.numel() for n, p in module.named_parameters() if not is_adapter_parameter(n))
+
+
+def _on_device(run: Run) -> torch.nn.Module:
+    """The denoiser the accelerator holds at a time: a two-expert model's larger expert."""
+    den = run.comps.denoiser
+    if not isinstance(den, Experts):
+        return den
+    return max((den.expert(den.high), den.expert(den.low)), key=_base_count)
+
+
+def _expert_lines(run: Run) -> list[str]:
+    """A two-expert model's plan: which expert trains which timesteps, the alternation, and
+    the experts' memory (one on the accelerator at a time, the other in host memory)."""
+    if run.turns is None:
+        return []
+    den = run.comps.denoiser
+    assert isinstance(den, Experts)
+    idle = min((den.expert(den.high), den.expert(den.low)), key=_base_count)
+    host = sum(p.numel() * p.element_size() for n, p in idle.named_parameters()
+               if not is_adapter_parameter(n))
+    return run.turns.describe() + [
+        f"experts: two of {_amount(_base_count(_on_device(run)))} parameters; the memory "
+        f"estimate above holds one, the idle one waits in host memory ({_bytes(host)} "
+        f"as stored) and moves in when its turn or a sample needs it"]
 
 
 def _adapter_line(run: Run) -> str:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from difftune.config.experts import file_suffix
 from difftune.config.keep_best import SAMPLE_METRICS, Measure
 from difftune.errors import ConfigError
 
@@ -62,16 +63,18 @@ def _config(run: Path) -> dict[str, Any]:
 def checkpoints(run: Path, cfg: dict[str, Any], rows: list[dict[str, Any]]) -> dict[int, Path]:
     """Every step with a saved LoRA, and that file (a step's own file before a checkpoint's)."""
     name = cfg.get("save", {}).get("name", "lora")
+    suffix = file_suffix(cfg)  # a two-expert model's pair: its first file stands for it
     found: dict[int, Path] = {}
     ckpts = run / "checkpoints"
     for folder in sorted(ckpts.iterdir()) if ckpts.is_dir() else []:
         m = STEP_DIR.match(folder.name)
-        if m and (folder / f"{name}.safetensors").is_file():
-            found[int(m.group(1))] = folder / f"{name}.safetensors"
-    for path in sorted(run.glob(f"{name}-step*.safetensors")):
-        if (m := STEP_FILE.search(path.name)) and not path.name.endswith("-comfyui.safetensors"):
+        if m and (folder / f"{name}{suffix}.safetensors").is_file():
+            found[int(m.group(1))] = folder / f"{name}{suffix}.safetensors"
+    for path in sorted(run.glob(f"{name}-step*{suffix}.safetensors")):
+        stem = path.name.removesuffix(f"{suffix}.safetensors")
+        if (m := STEP_FILE.search(f"{stem}.safetensors")) and not stem.endswith("-comfyui"):
             found[int(m.group(1))] = path
-    final = run / f"{name}.safetensors"
+    final = run / f"{name}{suffix}.safetensors"
     steps = [r["step"] for r in rows if "loss" in r]
     if final.is_file():
         found[max(steps) if steps else int(cfg.get("train", {}).get("steps", 0))] = final

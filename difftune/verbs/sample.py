@@ -38,6 +38,7 @@ from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.precision import lowbit
 from difftune.precision.policy import PrecisionPolicy, resolve_device
 from difftune.sample.runner import SampleRunner
+from difftune.train.experts import expert_part, set_boundary
 
 log = logging.getLogger("difftune")
 
@@ -89,6 +90,7 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     family = families.get(cfg.model.family, cfg.model.variant)
     policy = PrecisionPolicy.from_config(cfg.precision, resolve_device(cfg.train.device))
     comps = family.load(cfg.model, policy)
+    set_boundary(cfg, comps.denoiser)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
     for lora in loras:
         check_fit(f"--lora {lora.path}", load_lora_file(lora.path)[0], family, comps)
@@ -155,8 +157,9 @@ def _pipeline_with(family: Family, pipe: object,
     for i, (lora, tensors) in enumerate(loras):
         name = f"lora{i}"
         source = tensors if tensors is not None else str(lora.path)
+        part = expert_part(family, lora.path)
         try:
-            family.load_pipeline_lora(pipe, source, name)
+            family.load_pipeline_lora(pipe, source, name, part)
         except (ValueError, KeyError, RuntimeError, OSError, AssertionError) as err:
             # AssertionError: diffusers' converters assert on shapes they do not expect
             raise CheckpointError(

@@ -18,6 +18,7 @@ from difftune.config.keep_best import Measure
 from difftune.report.logs import attach_run_log
 from difftune.report.metric_worker import MetricWorker, training_images
 from difftune.report.metrics import Reporter, SilentReporter
+from difftune.train import experts
 from difftune.train.best import BestKeeper
 from difftune.train.checkpoint import Checkpoint, CheckpointManager
 from difftune.train.dist import Dist
@@ -111,7 +112,8 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
             if line:
                 log.info("%s", line)
             report_bad_entries(run)
-    log.info("done in %.1f s: %s", time.perf_counter() - started, result.lora)
+    log.info("done in %.1f s: %s", time.perf_counter() - started,
+             ", ".join(str(p) for p in result.loras or [result.lora]))
     return result
 
 
@@ -135,8 +137,10 @@ def best_keeper(cfg: RunConfig, checkpoint: Checkpoint | None) -> BestKeeper | N
     """The save.keep_best rule of the run (None when unset)."""
     if cfg.save.keep_best is None:
         return None
+    spec = families.spec(cfg.model.family, cfg.model.variant)
     return BestKeeper(Measure(cfg.save.keep_best, cfg.save.keep_best_mode), cfg.save.dir,
-                      cfg.save.name, checkpoint.step if checkpoint else None)
+                      cfg.save.name, checkpoint.step if checkpoint else None,
+                      experts.file_suffixes(cfg, spec))
 
 
 def _open_run(cfg: RunConfig, resume: str | None, dist: Dist,

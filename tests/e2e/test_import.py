@@ -453,10 +453,11 @@ def test_family_names_of_other_trainers(trainer: str, name: str, text: str, fami
     assert load_config(tmp_path / "run.toml").model.family == family
 
 
-def test_ai_toolkit_wan21_is_a_wan_run_and_wan22_still_stops(
+def test_ai_toolkit_wan21_and_wan22_14b_are_wan_runs(
         tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """ai-toolkit's arch wan21 imports as model.family = "wan"; wan22_14b (both A14B experts in
-    one run, which difftune does not train yet) stops with exit 2."""
+    """ai-toolkit's arch wan21 imports as model.family = "wan"; wan22_14b as both A14B experts
+    in one run (variant 2.2-t2v-a14b), its stages (model_kwargs.train_high_noise /
+    train_low_noise) as train.experts and switch_boundary_every as train.expert_switch_every."""
     (tmp_path / "wan").mkdir()
     job = ("config:\n  process:\n    - type: sd_trainer\n      model: "
            "{arch: ARCH, name_or_path: wan}\n      datasets: [{folder_path: IMAGES}]\n")
@@ -465,7 +466,20 @@ def test_ai_toolkit_wan21_is_a_wan_run_and_wan22_still_stops(
     code, _, err = _import(capsys, "ai-toolkit", tmp_path / "a.yaml", "--out", tmp_path / "a.toml")
     assert code == 0, err
     assert load_config(tmp_path / "a.toml").model.family == "wan"
-    (tmp_path / "b.yaml").write_text(job.replace("ARCH", "wan22_14b").replace(
-        "IMAGES", images.as_posix()), encoding="utf-8")
-    code, _, err = _import(capsys, "ai-toolkit", tmp_path / "b.yaml", "--out", tmp_path / "b.toml")
-    assert code == 2 and "difftune does not train this model" in err
+    a14b = job.replace("ARCH", "wan22_14b, model_kwargs: {train_high_noise: false, "
+                       "train_low_noise: true}").replace("IMAGES", images.as_posix())
+    a14b += "      train: {switch_boundary_every: 5}\n"
+    (tmp_path / "b.yaml").write_text(a14b, encoding="utf-8")
+    code, out, err = _import(capsys, "ai-toolkit", tmp_path / "b.yaml", "--out",
+                             tmp_path / "b.toml")
+    assert code == 0, err
+    cfg = load_config(tmp_path / "b.toml")
+    assert (cfg.model.family, cfg.model.variant) == ("wan", "2.2-t2v-a14b")
+    assert (cfg.train.experts, cfg.train.expert_switch_every) == (["low"], 5)
+    # without switch_boundary_every: ai-toolkit's default, every step
+    (tmp_path / "c.yaml").write_text(a14b.replace("switch_boundary_every: 5", "lr: 0.0001"),
+                                     encoding="utf-8")
+    code, _, err = _import(capsys, "ai-toolkit", tmp_path / "c.yaml", "--out",
+                           tmp_path / "c.toml")
+    assert code == 0, err
+    assert load_config(tmp_path / "c.toml").train.expert_switch_every == 1

@@ -106,6 +106,17 @@ def test_variant_choices_come_from_the_spec() -> None:
     assert "original" not in applies.choices({"model.family": "sd3"})["save.format"]
 
 
+def test_expert_fields_show_for_a_model_of_two_experts() -> None:
+    """train.experts and its options (and the second expert's file) apply to Wan 2.2 A14B
+    only, whose experts are the choices."""
+    both = {"model.family": "wan", "model.variant": "2.2-t2v-a14b"}
+    assert not {"train.experts", "train.expert_switch_every", "train.expert_boundary",
+                "model.transformer_2"} & set(applies.hidden(both))
+    assert applies.choices(both)["train.experts"] == ["high", "low"]
+    one = applies.hidden({"model.family": "wan", "model.variant": "2.1-t2v-14b"})
+    assert "one denoiser" in one["train.experts"] and "model.transformer_2" in one
+
+
 def test_presets_scale_from_the_examples() -> None:
     made, refused = presets.build()
     by_name = {p.name: p for p in made}

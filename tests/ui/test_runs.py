@@ -143,3 +143,30 @@ def test_compare_chart_draws_smoothed_and_val_loss_per_run(run_dir: Path) -> Non
                                           if "val_loss" in r]
     assert chart["series"][0]["itemStyle"] == chart["series"][1]["itemStyle"]  # one colour a run
     assert len(loss_chart({"a": rows}, raw=True)["series"]) == 3
+
+
+def test_a_two_expert_runs_pair_is_listed_and_finishes_it(tmp_path: Path) -> None:
+    """Wan 2.2 A14B writes `<name>_high_noise` and `<name>_low_noise`: the summary's final LoRA
+    is the high-noise file, and the files list shows both of each save, steps and finals
+    told apart (intermediate `<name>-step000002_<expert>` files are not final)."""
+    from safetensors.torch import save_file
+    import torch
+
+    cfg = {"model": {"family": "wan", "variant": "2.2-t2v-a14b"}, "save": {"name": "clips"},
+           "train": {"steps": 4}}
+    (tmp_path / "config.resolved.json").write_text(json.dumps(cfg))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 0.5}) + "\n")
+    for stem, step in (("clips-step000002", 2), ("clips", 4), ("clips-best", 2)):
+        for expert in ("high", "low"):
+            save_file({"x": torch.zeros(1)}, str(tmp_path / f"{stem}_{expert}_noise.safetensors"),
+                      {"difftune.rank": "4", "difftune.steps": str(step),
+                       "difftune.expert": expert})
+    s = runs.summary(tmp_path)
+    assert s.finished and s.lora == str(tmp_path / "clips_high_noise.safetensors")
+    listed = {Path(f.path).name: (f.step, f.final) for f in outputs.files(tmp_path)}
+    assert listed == {"clips-step000002_high_noise.safetensors": (2, False),
+                      "clips-step000002_low_noise.safetensors": (2, False),
+                      "clips-best_high_noise.safetensors": (2, False),
+                      "clips-best_low_noise.safetensors": (2, False),
+                      "clips_high_noise.safetensors": (4, True),
+                      "clips_low_noise.safetensors": (4, True)}

@@ -23,6 +23,7 @@ from .test_qwen_image_files import _equal, to_wan_vae
 FP32 = {"transformer": torch.float32, "transformer_2": torch.float32,
         "text_encoders": torch.float32, "vae": torch.float32}
 LOW = "2.2-t2v-a14b-low"
+BOTH = "2.2-t2v-a14b"
 
 
 def _randomized(model: torch.nn.Module) -> torch.nn.Module:
@@ -102,8 +103,26 @@ def test_a14b_folder_trains_its_low_noise_expert(a14b: tuple[dict, Path]) -> Non
 
 def test_a14b_folder_as_wan21_is_refused_naming_the_variant(a14b: tuple[dict, Path]) -> None:
     _, folder = a14b
-    with pytest.raises(ModelFileError, match=f'two experts.*model.variant = "{LOW}"'):
+    with pytest.raises(ModelFileError,
+                       match=f'two experts.*model.variant = "{BOTH}".*"{LOW}"'):
         load_wan_files(ModelConfig(family="wan", path=folder), FP32)
+
+
+def test_a14b_folder_and_comfyui_files_give_both_experts(a14b: tuple[dict, Path]) -> None:
+    """The two-expert variant reads transformer/ (high noise) and transformer_2/ (low) from
+    the released folder, or each from its ComfyUI single file (Wan's names) over it."""
+    tiny, folder = a14b
+    parts = load_wan_files(ModelConfig(family="wan", variant=BOTH, path=folder), FP32)
+    _equal(parts["transformer"], tiny["high"])
+    _equal(parts["transformer_2"], tiny["transformer_2"])
+    files = {}
+    for part, name, model in (("transformer", "high", tiny["high"]),
+                              ("transformer_2", "low", tiny["transformer_2"])):
+        files[part] = folder.parent / f"wan2.2_t2v_{name}_noise_14B_fp16.safetensors"
+        write_layout(files[part], single_file_layout(model), model.state_dict(), torch.float32)
+    parts = load_wan_files(ModelConfig(family="wan", variant=BOTH, path=folder, **files), FP32)
+    _equal(parts["transformer"], tiny["high"])
+    _equal(parts["transformer_2"], tiny["transformer_2"])
 
 
 def test_an_image_to_video_transformer_is_refused(saved: tuple[dict, Path],

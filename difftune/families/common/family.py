@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 FACTS = ("name", "text_encoders", "bucket_step", "denoiser_prefix", "default_cfg",
          "text_encoder_prefixes", "keep_high", "swap_blocks", "compile_blocks", "default_format",
          "control_images", "lycoris_prefix", "conv_targets", "lycoris_renames", "lora_unread",
-         "formats", "frame_rule", "fps")
+         "formats", "frame_rule", "fps", "experts", "boundary")
 
 
 def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -140,6 +140,7 @@ class FamilyBase:
             parts.update(name=f"difftune/tiny-{name}", fingerprint=f"tiny-{kind}-v1")
             return parts
         dtypes = {self.spec.denoiser_part: policy.denoiser,
+                  **{e.part: policy.denoiser for e in self.spec.experts},
                   "text_encoders": policy.text_encoders, "vae": policy.vae}
         return self._role("files", self.loaders.files)(cfg, dtypes)
 
@@ -161,7 +162,7 @@ class FamilyBase:
         if "t5_max_length" in parts:
             extras["max_length"] = {"t5": int(parts["t5_max_length"])}
         comps = Components(
-            denoiser=place(parts[spec.denoiser_part], policy.denoiser_home, policy.denoiser),
+            denoiser=self._denoiser(parts, policy),
             vae=place(parts["vae"], policy.device, policy.vae),
             text_encoders={name: place(parts[te], policy.device, policy.text_encoders)
                            for name, te, _ in spec.encoder_parts},
@@ -173,6 +174,22 @@ class FamilyBase:
         )
         freeze(comps.denoiser, comps.vae, *comps.text_encoders.values())
         return comps
+
+    def _denoiser(self, parts: dict[str, Any], policy: "PrecisionPolicy") -> torch.nn.Module:
+        """The denoiser placed where the policy says; a model of two experts as one module
+        (`Experts`), in host memory with only the running expert on an accelerator."""
+        spec = self.spec
+        if not spec.experts:
+            return place(parts[spec.denoiser_part], policy.denoiser_home, policy.denoiser)
+        from difftune.families.common.experts import Experts
+
+        assert spec.boundary is not None, "a spec with experts declares its boundary"
+        experts = Experts.of(spec.experts, parts, spec.boundary,
+                             int(parts["scheduler"].config.num_train_timesteps))
+        place(experts, torch.device("cpu"), policy.denoiser)
+        if policy.denoiser_home.type != "cpu":
+            experts.keep_one_on(policy.denoiser_home)
+        return experts
 
     def load_text_encoders(self, cfg: "ModelConfig", policy: "PrecisionPolicy"
                            ) -> dict[str, torch.nn.Module]:
@@ -274,12 +291,18 @@ class FamilyBase:
         they now live), for sampling."""
         import diffusers
 
-        spec = self.spec
-        parts: dict[str, Any] = {spec.denoiser_part: c.denoiser, "vae": c.vae,
-                                 "scheduler": c.scheduler}
+        from difftune.families.common.experts import Experts
+
+        spec, den = self.spec, c.denoiser
+        experts = isinstance(den, Experts)
+        parts: dict[str, Any] = ({den.high: den.expert(den.high), den.low: den.expert(den.low)}
+                                 if experts else {spec.denoiser_part: den})
+        parts.update(vae=c.vae, scheduler=c.scheduler)
         for name, te, tok in spec.encoder_parts:
             parts.update({te: c.text_encoders[name], tok: c.tokenizers[name]})
         pipe = getattr(diffusers, spec.pipeline_class)(**parts, **self.pipeline_extras)
+        if experts:  # the pipeline switches experts where the run trained them apart
+            pipe.register_to_config(boundary_ratio=den.ratio)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -290,10 +313,12 @@ class FamilyBase:
         than leaving readers to skip its modules ("lora key not loaded")."""
         return None
 
-    def load_pipeline_lora(self, pipe: Any, source: Any, name: str) -> None:
+    def load_pipeline_lora(self, pipe: Any, source: Any, name: str,
+                           part: str | None = None) -> None:
         """Load a LoRA (a file path, or tensors in diffusers names) into the sampling pipeline
         `pipe` as adapter `name`, with diffusers' own loader (a family whose pipeline holds
-        the trained transformer elsewhere overrides this)."""
+        the trained transformer elsewhere, or several (`part`: the one it is for), overrides
+        this)."""
         pipe.load_lora_weights(source, adapter_name=name)
 
     def distilled(self, c: Components) -> bool:

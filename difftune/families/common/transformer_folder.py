@@ -47,6 +47,9 @@ class FolderLayout:
     scheduler: Any = None
     denoiser: str = "transformer"
     scheduler_unknown: str | None = None
+    # Further denoisers read the same way, by pipeline name (a two-expert model's second,
+    # `transformer_2`: the folder's subfolder, or the single file `model.<name>`).
+    others: tuple[str, ...] = ()
 
 
 def _component(folder: Path, file: Path | None, sub: str, cls: Any, load_file: FileLoader,
@@ -73,6 +76,9 @@ def load_components(cfg: "ModelConfig", dtypes: dict[str, torch.dtype], folder: 
     transformer = _component(folder, cfg.transformer, layout.denoiser, layout.transformer,
                              layout.transformer_file, dtypes[layout.denoiser], layout.what,
                              used, subs)
+    others = {part: _component(folder, getattr(cfg, part), part, layout.transformer,
+                               layout.transformer_file, dtypes[part], layout.what, used, subs)
+              for part in layout.others}
     vae = _component(folder, cfg.vae, "vae", layout.vae, layout.vae_file, dtypes["vae"],
                      layout.what, used, subs)
     scheduler_class = layout.scheduler or FlowMatchEulerDiscreteScheduler
@@ -84,7 +90,7 @@ def load_components(cfg: "ModelConfig", dtypes: dict[str, torch.dtype], folder: 
         if layout.scheduler_unknown:
             log.warning("%s", layout.scheduler_unknown)
     return {
-        layout.denoiser: transformer, "vae": vae, "scheduler": scheduler,
+        layout.denoiser: transformer, **others, "vae": vae, "scheduler": scheduler,
         "tokenizer": from_folder(AutoTokenizer, folder, "tokenizer", None, layout.what),
         **text_encoders(cfg, dtypes["text_encoders"]),
         "name": Path(cfg.transformer).stem if cfg.transformer is not None else folder.name,

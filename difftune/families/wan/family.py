@@ -97,11 +97,17 @@ class WanFamily(FamilyBase):
             pipe.register_to_config(boundary_ratio=1.0)
         return pipe
 
-    def load_pipeline_lora(self, pipe: Any, source: Any, name: str) -> None:
-        """diffusers' loader, into `transformer_2` for the 2.2 low-noise expert: what
+    def load_pipeline_lora(self, pipe: Any, source: Any, name: str,
+                           part: str | None = None) -> None:
+        """diffusers' loader: into `transformer_2` for the 2.2 low-noise expert, what
         `load_lora_weights(..., load_into_transformer_2=True)` does, less its first step (it
         widens a T2V LoRA for an I2V `transformer`, and reads that transformer's config, which
-        is None here)."""
+        is None there); of both A14B experts, into the `part` the file is for, as users load
+        the pair (`load_into_transformer_2` for the low-noise file)."""
+        if self.spec.experts:
+            pipe.load_lora_weights(source, adapter_name=name,
+                                   load_into_transformer_2=part == "transformer_2")
+            return
         if self.spec.denoiser_part != "transformer_2":
             super().load_pipeline_lora(pipe, source, name)
             return

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 WHAT = "Wan"
 LOW_NOISE = "2.2-t2v-a14b-low"
+BOTH = "2.2-t2v-a14b"  # both experts: transformer/ (high noise) and transformer_2/ (low)
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (UniPC over flow sigmas,
 # shift 3); the 14B and 2.2 A14B releases use the same.
 SCHEDULER_CONFIG: dict[str, Any] = {
@@ -138,9 +139,9 @@ def _folder(cfg: "ModelConfig") -> Path:
 
 def _check_expert(folder: Path, variant: str | None) -> None:
     """A Wan 2.2 A14B folder holds two experts: refuse to read its `transformer/` (the
-    high-noise expert) as a Wan 2.1 model, naming the variant that trains its low-noise one."""
+    high-noise expert) as a Wan 2.1 model, naming the variants that train them."""
     index = folder / "model_index.json"
-    if variant == LOW_NOISE or not index.is_file():
+    if variant in (LOW_NOISE, BOTH) or not index.is_file():
         return
     try:
         experts = json.loads(index.read_text(encoding="utf-8")).get("transformer_2")
@@ -148,18 +149,20 @@ def _check_expert(folder: Path, variant: str | None) -> None:
         return  # the folder's own reader reports a bad index
     if isinstance(experts, list) and experts[0] is not None:
         raise ModelFileError(f"{folder} holds Wan 2.2 A14B's two experts (transformer/ and "
-                             f"transformer_2/); set model.variant = \"{LOW_NOISE}\" to train "
-                             "its low-noise expert")
+                             f"transformer_2/); set model.variant = \"{BOTH}\" to train "
+                             f"both (one LoRA each), or \"{LOW_NOISE}\" for its low-noise "
+                             "expert alone")
 
 
 def _layout(variant: str | None) -> FolderLayout:
     """Wan's classes and single-file loaders (the low-noise expert is the folder's
-    transformer_2/)."""
+    transformer_2/; both experts: transformer/ and transformer_2/)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
     return FolderLayout(WHAT, WanTransformer3DModel, AutoencoderKLWan, load_transformer_file,
                         load_vae_file, SCHEDULER_CONFIG, UniPCMultistepScheduler,
-                        "transformer_2" if variant == LOW_NOISE else "transformer")
+                        "transformer_2" if variant == LOW_NOISE else "transformer",
+                        others=("transformer_2",) if variant == BOTH else ())
 
 
 def load_wan_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:

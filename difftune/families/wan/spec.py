@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from difftune.families.specs import (T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles,
-                                     ModelSize, TextEncoderSpec)
+from difftune.families.specs import (T5_KEEP_HIGH, VAE_KEEP_HIGH, ExpertSpec, FamilySpec,
+                                     ModelFiles, ModelSize, TextEncoderSpec)
 
 # (diffusers name, Wan's name) of each linear layer: block parts (after `blocks.N.`) and whole
 # paths outside the blocks, one to one (diffusers' convert_wan_transformer_to_diffusers).
@@ -133,15 +133,50 @@ A14B_LOW = replace(
                   singles=(("transformer", "wan2.2_t2v_low_noise_14B_fp16.safetensors"),
                            *T2V_13B.files.singles[1:])))
 
+# Wan 2.2's boundary_ratio (the released model_index.json's): WanPipeline runs `transformer`,
+# the high-noise expert, at the timesteps t >= boundary_ratio x num_train_timesteps of its
+# shifted schedule, and `transformer_2`, the low-noise one, below. I2V A14B's is 0.9 (its
+# variant is not trained yet).
+BOUNDARY = {"t2v": 0.875, "i2v": 0.9}
+EXPERTS = (ExpertSpec("high", "transformer", "_high_noise", noisy=True),
+           ExpertSpec("low", "transformer_2", "_low_noise", noisy=False))
+# The two-expert model is one module holding both experts under their pipeline names
+# (families/common/experts.py): module-name patterns anchored at the start gain that prefix.
+_EITHER = r"(?:transformer|transformer_2)\."
+
+
+def _either(patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """`patterns` over the experts' module names (anchored ones after an expert's name)."""
+    return tuple("^" + _EITHER + p[1:] if p.startswith("^") else p for p in patterns)
+
+
+# Both experts of Wan 2.2 T2V A14B in one run: one LoRA each (`<name>_high_noise` and
+# `<name>_low_noise`, the files ComfyUI's two model branches and WanPipeline's `transformer` /
+# `transformer_2` load), each step training one expert on its side of the boundary.
+A14B = replace(
+    A14B_LOW, variant="2.2-t2v-a14b", denoiser_part="transformer", experts=EXPERTS,
+    boundary=BOUNDARY["t2v"],
+    default_cfg=4.0,  # Wan 2.2 A14B's sample_guide_scale for its high-noise expert
+    keep_high={**A14B_LOW.keep_high, "denoiser": _either(A14B_LOW.keep_high["denoiser"])},
+    swap_blocks=(), compile_blocks=("transformer.blocks", "transformer_2.blocks"),
+    # two experts of 14.29 B, one on the accelerator at a time
+    sizes=(ModelSize("Wan-AI/Wan2.2-T2V-A14B-Diffusers (one expert at a time)", 14.29,
+                     UMT5_SIZE, 40, 5120),),
+    files=replace(A14B_LOW.files,
+                  singles=(("transformer", "wan2.2_t2v_high_noise_14B_fp16.safetensors"),
+                           ("transformer_2", "wan2.2_t2v_low_noise_14B_fp16.safetensors"),
+                           *T2V_13B.files.singles[1:])))
+
 SPEC = replace(T2V_13B, variant=None, variants=(("2.1-t2v-1.3b", T2V_13B),
                                                 ("2.1-t2v-14b", T2V_14B),
-                                                ("2.2-t2v-a14b-low", A14B_LOW)))
+                                                ("2.2-t2v-a14b-low", A14B_LOW),
+                                                ("2.2-t2v-a14b", A14B)))
 
 # An I2V LoRA's image cross-attention projections, which no T2V (2.1 or 2.2) model has.
 I2V_MODULES = re.compile(r"(?:cross_attn[._](?:k_img|v_img)|attn2[._]add_[kv]_proj|img_emb)")
 
 # What other trainers call this family (trainer -> their name -> variant, None: difftune picks
 # it), read by `difftune import`. ai-toolkit's `wan21` covers 1.3B and 14B (the folder or
-# model.variant tells); its `wan22_14b` trains both A14B experts at once, which difftune does
-# not yet, so that name still stops an import (importers/families.py NOT_TRAINED).
-OTHER_TRAINERS: dict[str, dict[str, str | None]] = {"ai-toolkit": {"wan21": None}}
+# model.variant tells); its `wan22_14b` trains both A14B T2V experts in one run.
+OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
+    "ai-toolkit": {"wan21": None, "wan22_14b": "2.2-t2v-a14b"}}

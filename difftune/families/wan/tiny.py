@@ -6,8 +6,9 @@ the released depth but 12x narrower, a UMT5EncoderModel (gated-GELU, untied, per
 attention bias, as UMT5-XXL) over the shipped offline T5 tokenizer (a SentencePiece unigram
 T5TokenizerFast, the class UMT5's tokenizer is), and UniPCMultistepScheduler with Wan's released
 settings. Each variant has its own weights (the 14B kinds one head wider); the 2.2 low-noise
-expert comes as the pipeline's `transformer_2`. Nothing is downloaded; weights are random from a
-fixed seed inside a forked RNG.
+expert comes as the pipeline's `transformer_2`, and the 2.2 A14B pair as both (the high-noise
+expert in `transformer`, each with its own weights). Nothing is downloaded; weights are random
+from a fixed seed inside a forked RNG.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from difftune.families.common.tiny import TEXT_WIDTH, load_tiny_tokenizers
 from difftune.families.wan.files import SCHEDULER_CONFIG, TEXT_ENCODER_CONFIG
 
 # Each variant's weights are its own (a LoRA of one does not fit another's tiny model alike).
-SEEDS = {"2.1-t2v-1.3b": 2468, "2.1-t2v-14b": 2469, "2.2-t2v-a14b-low": 2470}
+SEEDS = {"2.1-t2v-1.3b": 2468, "2.1-t2v-14b": 2469, "2.2-t2v-a14b-low": 2470,
+         "2.2-t2v-a14b": 2471}
 DEFAULT = "2.1-t2v-1.3b"
 # diffusers' tests/pipelines/wan/test_wan.py transformer (rope_max_seq_len raised from 32 so
 # that tiny runs at 512 pixels, 32 patches a side, still fit).
@@ -45,6 +47,7 @@ VARIANT_CONFIGS: dict[str, dict[str, Any]] = {
     "2.1-t2v-1.3b": TINY_TRANSFORMER_CONFIG,
     "2.1-t2v-14b": {**TINY_TRANSFORMER_CONFIG, **WIDER},
     "2.2-t2v-a14b-low": {**TINY_TRANSFORMER_CONFIG, **WIDER},
+    "2.2-t2v-a14b": {**TINY_TRANSFORMER_CONFIG, **WIDER},
 }
 TINY_VAE_CONFIG: dict[str, Any] = {**VAE_CONFIG, "base_dim": 8}  # released depth, 12x narrower
 
@@ -76,8 +79,15 @@ def build_tiny_wan(variant: str | None = None) -> dict[str, Any]:
         encoder = UMT5EncoderModel(tiny_umt5_config(len(tok), tok.pad_token_id,
                                                     tok.eos_token_id)).eval()
         vae = AutoencoderKLWan(**TINY_VAE_CONFIG).eval()
-    expert = variant == "2.2-t2v-a14b-low"
-    return {"transformer": None if expert else transformer,
-            "transformer_2": transformer if expert else None,
+    if variant == "2.2-t2v-a14b":  # both experts: the low-noise one of its own weights
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEEDS[variant] + 1000)
+            low = WanTransformer3DModel(**VARIANT_CONFIGS[variant]).eval()
+        pair = {"transformer": transformer, "transformer_2": low}
+    else:
+        expert = variant == "2.2-t2v-a14b-low"
+        pair = {"transformer": None if expert else transformer,
+                "transformer_2": transformer if expert else None}
+    return {**pair,
             "text_encoder": encoder, "tokenizer": tok, "vae": vae,
             "scheduler": UniPCMultistepScheduler(**SCHEDULER_CONFIG)}

@@ -31,9 +31,11 @@ from difftune.config import RunConfig, SaveConfig
 from difftune.files.single import Piece, write_layout
 from difftune.files.space import check_free, writing
 from difftune.families.base import Components, Family
+from difftune.families.common.experts import Experts
 from difftune.families.common.text import file_clip_roots
 from difftune.files.names import embedding_stem
 from difftune.precision.policy import DTYPES
+from difftune.train.experts import trained
 from difftune.train.sharding import full_state
 
 log = logging.getLogger("difftune")
@@ -61,6 +63,8 @@ class LoraFiles:
         self.out: Path = cfg.save.dir
         self.base_name, self.targets = comps.name, targets
         self.dataset_summary = dataset_summary
+        # The adapter files the last save wrote (two for a model of two experts).
+        self.written: list[Path] = []
         # Resolved once, so the files, config.resolved.json and checkpoints all say the same.
         # LyCORIS kinds have one layout, and save.format stays unset (it is refused with them).
         self.lycoris = uses_lycoris_layout(cfg.adapter.type, cfg.adapter.dora)
@@ -124,11 +128,28 @@ class LoraFiles:
             return files[0]
         if self.cfg.adapter.type == "full":
             return self.save_full(step, final, path)
+        target = path or self.lora_path(step, final)
+        if not isinstance(self.comps.denoiser, Experts):
+            self.written = [self._save_adapter(step, target, self.modules())]
+            return self.written[0]
+        stem = target.name.removesuffix(".safetensors")
+        self.written = [self._save_adapter(step, target.with_name(f"{stem}{e.suffix}.safetensors"),
+                                           self.modules(), e.part, {"difftune.expert": e.name})
+                        for e in trained(self.cfg, self.family.spec)]
+        return self.written[0]
+
+    def _save_adapter(self, step: int, path: Path, modules: dict[str, torch.nn.Module],
+                      part: str | None = None, extra: dict[str, str] | None = None) -> Path:
+        """One adapter file of `modules` at `path` in the configured layout; with `part`,
+        only that expert's LoRA of a two-expert model (`<name>_high_noise`,
+        `<name>_low_noise`: each a whole LoRA of one transformer, as ComfyUI's model
+        branches and WanPipeline's `transformer` / `transformer_2` load it)."""
         a, fmt = self.cfg.adapter, str(self.cfg.save.format)
-        modules = self.modules()
-        if self.lycoris:
-            return self._save_lycoris(step, final, path, modules)
+        if self.lycoris:  # refused with two experts at config load
+            return self._save_lycoris(step, path, modules)
         state = {k: v for prefix, m in modules.items() for k, v in lora_state(m, prefix).items()}
+        if part is not None:
+            state = _expert_state(state, self.family.denoiser_prefix, part)
         # CLIP modules as every reader maps them (`text_encoder.text_model.encoder...`).
         state = with_clip_root(state, file_clip_roots(self.family))
         alpha, meta = a.scale_alpha, {}
@@ -139,17 +160,15 @@ class LoraFiles:
             state, alpha = fold_scale(state, a.scale_alpha / a.rank), float(a.rank)
         if fmt == "diffusers":
             meta = merged_adapter_metadata(state, a.rank, alpha, list(modules))
-        meta |= self.metadata(step, alpha)
+        meta |= self.metadata(step, alpha) | (extra or {})
         tensors = self.family.lora_to_format(self.comps, state, fmt, a.rank, alpha)
-        return self._write_file(tensors, meta, path or self.lora_path(step, final))
+        return self._write_file(tensors, meta, path)
 
-    def _save_lycoris(self, step: int, final: bool, path: Path | None,
-                      modules: dict[str, torch.nn.Module]) -> Path:
+    def _save_lycoris(self, step: int, path: Path, modules: dict[str, torch.nn.Module]) -> Path:
         """Write a LoCon/LoHa/LoKr/DoRA adapter in the LyCORIS layout (`lycoris_files`)."""
         layers = adapted_layers(self.family, modules, file_clip_roots(self.family))
         tensors = to_file(layers)
         meta = self.metadata(step, self.cfg.adapter.scale_alpha) | lycoris_keys(self.cfg.adapter)
-        path = path or self.lora_path(step, final)
         if not self.cfg.adapter.dora:
             return self._write_file(tensors, meta, path)
         written = self._write_file(tensors, meta | formula_keys(PEFT), path)
@@ -253,6 +272,14 @@ class LoraFiles:
         """Refuse to start when save.dir has no room for one save."""
         if self.writes:
             check_free(self.out, "checkpoints and the LoRA", self.bytes_needed(), FIX)
+
+
+def _expert_state(state: dict[str, torch.Tensor], prefix: str, part: str
+                  ) -> dict[str, torch.Tensor]:
+    """One expert's LoRA out of a two-expert model's (`<prefix>.<part>.<module>...` keys), named
+    as a LoRA of that transformer alone (`<prefix>.<module>...`)."""
+    head = f"{prefix}.{part}."
+    return {f"{prefix}.{k[len(head):]}": v for k, v in state.items() if k.startswith(head)}
 
 
 FIX = "free space there, or set save.dir to a folder with room"

@@ -26,7 +26,11 @@ class Draw:
 
 
 class Objective(Protocol):
-    """How a family is trained: noise, timesteps, target and weighting for clean latents."""
+    """How a family is trained: noise, timesteps, target and weighting for clean latents.
+    `window` keeps the next draws' times to [low, high) (a two-expert model's active expert's
+    side; flow matching, the objective of the only such models), None for all."""
+
+    window: tuple[float, float] | None
 
     def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
         """Noise a batch of clean latents (randomness from `generator` only)."""

@@ -223,6 +223,7 @@ class DDPMObjective:
         check_prediction(schedule, prediction)
         self.schedule, self.prediction = schedule, prediction
         self.noise_offset, self.min_snr_gamma = noise_offset, min_snr_gamma
+        self.window: tuple[float, float] | None = None  # none of its families has experts
 
     def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
         """Noise (with offset), then t uniform over the training steps (all from `generator`)."""

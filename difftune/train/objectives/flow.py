@@ -69,6 +69,46 @@ def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
 
+def _shift_of(cfg: TrainConfig, image_tokens: int, dynamic: DynamicShift) -> float:
+    """The shift the configured method applies after its logit-normal draw (1: none)."""
+    if cfg.timesteps == "shift":
+        return cfg.shift
+    return math.exp(dynamic.mu(image_tokens)) if cfg.timesteps == "flux_shift" else 1.0
+
+
+def _quantile(cfg: TrainConfig, u: torch.Tensor, shift: float) -> torch.Tensor:
+    """The t at probability `u` of the configured distribution (its inverse CDF)."""
+    if cfg.timesteps == "uniform":
+        return u
+    t = torch.sigmoid(torch.special.ndtri(u) * cfg.sigmoid_std + cfg.sigmoid_mean)
+    return shift_time(t, shift)
+
+
+def _cdf(cfg: TrainConfig, t: float, shift: float) -> float:
+    """The probability that the configured distribution draws below `t` (its CDF)."""
+    if cfg.timesteps == "uniform" or t <= 0.0 or t >= 1.0:
+        return min(max(t, 0.0), 1.0)
+    x = t / (shift - (shift - 1) * t)  # the shift undone
+    z = (math.log(x / (1 - x)) - cfg.sigmoid_mean) / cfg.sigmoid_std
+    return 0.5 * math.erfc(-z / math.sqrt(2))
+
+
+def window_timesteps(cfg: TrainConfig, batch: int, image_tokens: int,
+                     generator: torch.Generator, window: tuple[float, float],
+                     dynamic: DynamicShift = FLUX_SHIFT) -> torch.Tensor:
+    """Draw t in [low, high) (`window`; high 1 includes it, less the ends' margin) from the
+    configured distribution restricted to it: a uniform draw between the CDF's values at
+    the window's ends, through the inverse CDF, so each expert of a two-expert model trains
+    its side of the boundary with the same density the whole schedule has there."""
+    low, high = window
+    shift = _shift_of(cfg, image_tokens, dynamic)
+    a, b = _cdf(cfg, low, shift), _cdf(cfg, high, shift)
+    u = a + torch.rand(batch, generator=generator, dtype=torch.float64) * (b - a)
+    t = _quantile(cfg, u.clamp(1e-12, 1 - 1e-12), shift).float()
+    top = (1 - 1e-5) if high >= 1.0 else high - 1e-5  # below the boundary, as the pipeline
+    return t.clamp(max(low, 1e-5), top)
+
+
 def sample_timesteps(
     cfg: TrainConfig, batch: int, image_tokens: int, generator: torch.Generator,
     dynamic: DynamicShift = FLUX_SHIFT,
@@ -103,6 +143,9 @@ class FlowMatching:
     def __init__(self, cfg: TrainConfig, dynamic: DynamicShift = FLUX_SHIFT) -> None:
         self.cfg = cfg
         self.dynamic = dynamic
+        # The times [low, high) the next draws keep to (a two-expert model's active expert's
+        # side of the boundary, set before each step by `train/experts.py`); None: all.
+        self.window: tuple[float, float] | None = None
 
     def draw(self, latents: torch.Tensor, generator: torch.Generator) -> Draw:
         """Noise from `generator` (CPU, then moved), then t drawn by `train.timesteps`."""
@@ -110,8 +153,12 @@ class FlowMatching:
         # Image tokens of 2x2 latent patches, as the flow transformers see them (flux_shift);
         # a clip's (B, C, f, h, w) latents have f frames of them.
         tokens = math.prod(latents.shape[2:]) // 4
-        t = sample_timesteps(self.cfg, latents.shape[0], tokens, generator,
-                             self.dynamic).to(latents.device)
+        if self.window is None:
+            t = sample_timesteps(self.cfg, latents.shape[0], tokens, generator, self.dynamic)
+        else:
+            t = window_timesteps(self.cfg, latents.shape[0], tokens, generator, self.window,
+                                 self.dynamic)
+        t = t.to(latents.device)
         noisy, target = noisy_and_target(latents, noise, t)
         return Draw(t, noisy, target)
 

@@ -161,6 +161,10 @@ RULES: tuple[Rule, ...] = (
          lambda f: "used by train.timesteps = \"shift\""),
     Rule(("train.blocks_to_swap",), lambda f: _known(f, lambda s: s.swap_blocks),
          lambda f: f"{_family(f)} cannot swap blocks"),
+    Rule(("train.experts", "train.expert_switch_every", "train.expert_boundary",
+          "model.transformer_2"), lambda f: _known(f, lambda s: s.experts),
+         lambda f: f"{_family(f)} (variant \"{f.get('model.variant')}\") has one denoiser, "
+                   "no experts"),
     Rule(("train.huber_delta", "train.huber_schedule"), lambda f: f.get("train.loss") != "l2",
          lambda f: "used by train.loss = \"huber\" or \"smooth_l1\""),
     Rule(tuple(f"train.ema.{n}" for n in _EMA), lambda f: bool(f.get("train.ema.enabled")),
@@ -229,4 +233,6 @@ def choices(values: dict[str, Any]) -> dict[str, list[Any]]:
         out["adapter.text_encoders"] = list(facts.spec.encoder_names)
         out["adapter.embeddings[0].encoders"] = list(facts.spec.encoder_names)
         out["save.format"] = list(facts.spec.formats)
+        if facts.spec.experts:
+            out["train.experts"] = [e.name for e in facts.spec.experts]
     return out
