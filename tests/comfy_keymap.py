@@ -195,9 +195,14 @@ WAN = KeyMap("WAN21", (
 # openaimodel.py's UNet without SDXL's label_emb.
 SD15 = KeyMap("SD15", SDXL.weights, SDXL.table, SDXL.table_forms, extra=SDXL.extra)
 
+# FLUX.3: ComfyUI at 4f874c5e has no model for it (no comfy/ldm entry, nothing in
+# comfy/model_detection.py or comfy/supported_models.py), so it loads no FLUX.3 LoRA key.
+FLUX3 = KeyMap("none (no FLUX.3 model)", ())
+
 # difftune family -> the ComfyUI model class that loads its denoiser (variants share it).
 MAPS = {"flux": FLUX, "chroma": CHROMA, "flux2": FLUX2, "sd3": SD3, "sdxl": SDXL,
-        "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2, "wan": WAN, "sd15": SD15}
+        "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2, "wan": WAN, "sd15": SD15,
+        "flux3": FLUX3}
 
 
 def split_key(key: str) -> tuple[str, str]:

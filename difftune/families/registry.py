@@ -31,6 +31,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "krea2": ("difftune.families.krea2.spec", "difftune.families.krea2.family.Krea2Family"),
     "wan": ("difftune.families.wan.spec", "difftune.families.wan.family.WanFamily"),
     "sd15": ("difftune.families.sd15.spec", "difftune.families.sd15.family.SD15Family"),
+    "flux3": ("difftune.families.flux3.spec", "difftune.families.flux3.family.Flux3Family"),
 }
 
 

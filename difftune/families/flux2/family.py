@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from difftune.families.base import Components, Conditioning, ModelSpec, TextEmbeds
+from difftune.families.common import bn_latents
+from difftune.families.common.bn_latents import patchify, unpatchify
 from difftune.families.common.family import FamilyBase, Loaders
 from difftune.families.flux2 import reference
 from difftune.families.flux2.spec import SPEC
@@ -31,20 +33,6 @@ PRESETS: dict[str, list[str]] = {
     "attention_mlp": _ATTENTION + _MLP,
     "all_linear": _ATTENTION + _MLP + _MODULATION,
 }
-
-
-def patchify(z: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, 4C, H/2, W/2): each 2x2 patch's values as channels (c, dy, dx)."""
-    b, c, h, w = z.shape
-    z = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
-    return z.reshape(b, c * 4, h // 2, w // 2)
-
-
-def unpatchify(z: torch.Tensor) -> torch.Tensor:
-    """The inverse of `patchify`: (B, 4C, h, w) -> (B, C, 2h, 2w)."""
-    b, c, h, w = z.shape
-    z = z.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
-    return z.reshape(b, c // 4, h * 2, w * 2)
 
 
 def latent_ids(b: int, h: int, w: int, device: torch.device) -> torch.Tensor:
@@ -93,19 +81,11 @@ class Flux2Family(FamilyBase):
         (out,) = outputs.values()
         return TextEmbeds({"prompt_embeds": out["hidden"]})
 
-    @torch.no_grad()
     def encode_images(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels in [-1, 1] -> latents normalized by the VAE's batch-norm running statistics
         (Flux2KleinPipeline._encode_vae_image, with the distribution's mode), kept in the
-        autoencoder's (C, H/8, W/8) layout: `patchify` of them is what the pipeline makes, and
-        per-element noise is the same distribution in either layout."""
-        from difftune.families.common.text import module_device
-
-        vae = c.vae
-        z = patchify(vae.encode(pixels.to(module_device(vae), vae.dtype)).latent_dist.mode())
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-        return unpatchify((z - mean) / std.to(z.device, z.dtype))
+        autoencoder's (C, H/8, W/8) layout (`bn_latents.encode`)."""
+        return bn_latents.encode(c.vae, pixels)
 
     def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
                 cond: Conditioning) -> torch.Tensor:

@@ -129,23 +129,28 @@ def tiny_mistral3(tok: Any) -> Any:
         image_token_index=tok.convert_tokens_to_ids("[IMG]")))
 
 
+def tiny_vae() -> Any:
+    """AutoencoderKLFlux2 at the tiny size from the caller's RNG, its batch-norm statistics
+    away from (0, 1) so the latent normalization shows."""
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(**TINY_VAE_CONFIG)
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(0.0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
+
+
 def build_tiny_flux2(variant: str) -> dict[str, Any]:
     """All components of a tiny FLUX.2 `variant` ("klein" or "dev"), keyed as its pipeline
     names them. Deterministic: the same weights on every call, whatever the caller's RNG."""
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2Transformer2DModel,
-    )
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
     tok = tiny_mistral_tokenizer() if variant == "dev" else tiny_qwen_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         transformer = Flux2Transformer2DModel(**tiny_transformer_config(variant))
-        vae = AutoencoderKLFlux2(**TINY_VAE_CONFIG)
-        with torch.no_grad():  # statistics away from (0, 1) so the normalization shows
-            vae.bn.running_mean.normal_(0.0, 0.5)
-            vae.bn.running_var.uniform_(0.5, 2.0)
+        vae = tiny_vae()
         encoder = tiny_mistral3(tok) if variant == "dev" else tiny_qwen3(tok)
     return {"transformer": transformer.eval(), "vae": vae.eval(), "text_encoder": encoder.eval(),
             "tokenizer": tok, "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)}

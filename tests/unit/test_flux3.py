@@ -1,0 +1,121 @@
+"""FLUX.3: what difftune trains on equals the modular pipeline's own steps exactly (CPU): the
+text encoder step's embeddings (its 80-token windows and padding positions), the transformer
+call of its denoise loop, its CFG and its decode; the step-distilled (flow-map) checkpoint is
+told apart and trained at target = timestep."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from difftune import families
+from difftune.families.base import Conditioning, TextEmbeds
+from difftune.families.common.bn_latents import patchify
+from difftune.families.flux3.tiny import build_tiny_flux3
+
+SHORT = "a red circle on a blue background"
+LONG = "a very long caption " + "with many words " * 8  # over 80 tokens: a 160-token window
+
+
+def _cpu_policy() -> object:
+    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
+                               "denoiser": torch.float32, "vae": torch.float32,
+                               "text_encoders": torch.float32})()
+
+
+def _components(parts: dict[str, Any]) -> tuple[Any, Any]:
+    family = families.get("flux3")
+    comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
+                              type("Cfg", (), {"name": None})(), _cpu_policy())
+    return family, comps
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple[dict[str, Any], Any, Any]:
+    """The tiny parts, the family and its components (the same modules)."""
+    parts = build_tiny_flux3()
+    return (parts, *_components(parts))
+
+
+def reference_embeds(parts: dict[str, Any], prompt: str) -> torch.Tensor:
+    """Flux3TextEncoderStep's own encoding of `prompt`, through a Qwen3-VL processor over the
+    tiny tokenizer (the step's `tokenizer` component is the processor)."""
+    from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+
+    from difftune.families.common.vl_processor import without_video
+
+    tok = parts["tokenizer"]
+    processor = without_video(Qwen3VLProcessor, Qwen2VLImageProcessor(), tok, tok.chat_template)
+    return Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds(
+        parts["text_encoder"], processor, prompt, device=torch.device("cpu"))
+
+
+def test_embeddings_equal_the_text_encoder_step_exactly(setup: Any) -> None:
+    parts, family, comps = setup
+    for prompt, window in ((SHORT, 80), (LONG, 160)):
+        want = reference_embeds(parts, prompt)
+        got = family.encode_text(comps, [prompt]).tensors["prompt_embeds"]
+        assert want.shape == (1, window, 8 * 32)
+        assert torch.equal(got, want)
+
+
+def test_predict_is_the_velocity_the_pipeline_steps_with(setup: Any) -> None:
+    """One step of the modular pipeline from pure noise (sigma 1 -> 0, guidance off) moves
+    the latents by -velocity: the transformer call is the pipeline's."""
+    parts, family, comps = setup
+    latents = torch.randn(1, 8, 4, 4, generator=torch.Generator().manual_seed(3))
+    embeds = family.encode_text(comps, [SHORT])
+    cond = Conditioning(1.0, [], [], [])
+    velocity = family.predict(comps, latents, embeds, torch.tensor([1.0]), cond)
+    from diffusers import ClassifierFreeGuidance
+
+    pipe = family.pipeline(comps).embedded
+    pipe.update_components(guider=ClassifierFreeGuidance(enabled=False))
+    stepped = pipe(prompt_embeds=embeds.tensors["prompt_embeds"], latents=patchify(latents),
+                        height=32, width=32, num_inference_steps=1, output="latents")
+    torch.testing.assert_close(stepped, patchify(latents - velocity), rtol=0, atol=1e-6)
+
+
+def test_cfg_runs_the_negative_pass(setup: Any) -> None:
+    """CFG > 1 with a negative prompt changes the image; without one the guider is off."""
+    parts, family, comps = setup
+    pipe = family.pipeline(comps)
+    pos, neg = (family.encode_text(comps, [p]) for p in (SHORT, "blurry"))
+
+    def image(negative: TextEmbeds | None, cfg: float) -> Any:
+        return pipe(**family.pipeline_inputs(pos, negative, 1.0, cfg), width=32, height=32,
+                    output_type="np", num_inference_steps=2,
+                    generator=torch.Generator().manual_seed(0)).images[0]
+
+    plain = image(None, 4.0)
+    assert plain.shape == (32, 32, 3)
+    assert (image(neg, 1.0) == plain).all()
+    assert not (image(neg, 4.0) == plain).all()
+    # The whole modular pipeline, its own text encoder step reading the prompt (and "" as the
+    # negative under its default CFG 3.5), samples what difftune's embeddings sample.
+    own = pipe(prompt=SHORT, width=32, height=32, output_type="np", num_inference_steps=2,
+               generator=torch.Generator().manual_seed(0)).images[0]
+    assert (own == image(family.encode_text(comps, [""]), 3.5)).all()
+
+
+def test_distilled_is_told_apart_and_trained_at_its_own_time() -> None:
+    """The flow-map transformer: `distilled` says so (train warns), predict passes
+    target_timestep = timestep, and sampling uses the distilled pipeline (no guider)."""
+    from diffusers import Flux3DistilledModularPipeline
+
+    parts = build_tiny_flux3(flow_map=True)
+    family, comps = _components(parts)
+    base = _components(build_tiny_flux3())[1]
+    assert family.distilled(comps) and not family.distilled(base)
+    assert family.spec.distilled_note
+    seen: dict[str, Any] = {}
+    comps.denoiser.register_forward_pre_hook(
+        lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    t = torch.tensor([0.3])
+    family.predict(comps, torch.randn(1, 8, 4, 4), family.encode_text(comps, [SHORT]), t,
+                   Conditioning(1.0, [], [], []))
+    assert torch.equal(seen["target_timestep"], seen["timestep"])
+    assert isinstance(family.pipeline(comps).pipe, Flux3DistilledModularPipeline)
