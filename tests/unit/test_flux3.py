@@ -119,3 +119,39 @@ def test_distilled_is_told_apart_and_trained_at_its_own_time() -> None:
                    Conditioning(1.0, [], [], []))
     assert torch.equal(seen["target_timestep"], seen["timestep"])
     assert isinstance(family.pipeline(comps).pipe, Flux3DistilledModularPipeline)
+
+
+def test_lora_files_of_other_trainers_read_back(setup: Any) -> None:
+    """--init-lora's reader: the diffusers names, ai-toolkit's (`diffusion_model.<diffusers
+    name>`), BFL's original names under `diffusion_model.` and kohya-style `lora_unet_` names
+    with `.alpha` all come back as the same diffusers-named LoRA; diffusers' own converter
+    reads BFL's block modules to the same names."""
+    from diffusers.loaders import Flux3LoraLoaderMixin
+
+    from difftune.families.flux3.files import original_name
+
+    _, family, comps = setup
+    gen = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {}
+    bfl: dict[str, torch.Tensor] = {}
+    kohya: dict[str, torch.Tensor] = {}
+    for name, layer in comps.denoiser.named_modules():
+        if not isinstance(layer, torch.nn.Linear) or name == "norm_out.linear":
+            continue  # BFL's final modulation is (shift, scale): not a renaming
+        a, b = torch.randn(2, layer.in_features, generator=gen), torch.randn(layer.out_features, 2)
+        state |= {f"transformer.{name}.lora_A.weight": a, f"transformer.{name}.lora_B.weight": b}
+        bfl_name = original_name(f"{name}.weight").removesuffix(".weight")
+        bfl |= {f"diffusion_model.{bfl_name}.lora_A.weight": a,
+                f"diffusion_model.{bfl_name}.lora_B.weight": b}
+        flat = "lora_unet_" + name.replace(".", "_")
+        kohya |= {f"{flat}.lora_down.weight": a, f"{flat}.lora_up.weight": b,
+                  f"{flat}.alpha": torch.tensor(2.0)}
+    assert "diffusion_model.content_mode_blocks.image.0.q_proj.lora_A.weight" in bfl
+    ai_toolkit = {k.replace("transformer.", "diffusion_model.", 1): v for k, v in state.items()}
+    for tensors in (state, ai_toolkit, bfl, kohya):
+        got, alphas = family.lora_from_format(comps, tensors)
+        assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in got)
+        assert set(alphas.values()) <= {2.0}
+    theirs = Flux3LoraLoaderMixin.lora_state_dict(dict(bfl))
+    blocks = [k for k in state if "blocks." in k]
+    assert all(torch.equal(theirs[k], state[k]) for k in blocks)
