@@ -43,14 +43,11 @@ def reference_embeds(parts: dict[str, Any], prompt: str) -> torch.Tensor:
     """Flux3TextEncoderStep's own encoding of `prompt`, through a Qwen3-VL processor over the
     tiny tokenizer (the step's `tokenizer` component is the processor)."""
     from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
 
-    from difftune.families.common.vl_processor import without_video
+    from difftune.families.flux3.sampling import processor
 
-    tok = parts["tokenizer"]
-    processor = without_video(Qwen3VLProcessor, Qwen2VLImageProcessor(), tok, tok.chat_template)
     return Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds(
-        parts["text_encoder"], processor, prompt, device=torch.device("cpu"))
+        parts["text_encoder"], processor(parts["tokenizer"]), prompt, device=torch.device("cpu"))
 
 
 def test_embeddings_equal_the_text_encoder_step_exactly(setup: Any) -> None:
@@ -118,7 +115,11 @@ def test_distilled_is_told_apart_and_trained_at_its_own_time() -> None:
     family.predict(comps, torch.randn(1, 8, 4, 4), family.encode_text(comps, [SHORT]), t,
                    Conditioning(1.0, [], [], []))
     assert torch.equal(seen["target_timestep"], seen["timestep"])
-    assert isinstance(family.pipeline(comps).pipe, Flux3DistilledModularPipeline)
+    pipe = family.pipeline(comps)
+    assert isinstance(pipe.pipe, Flux3DistilledModularPipeline)
+    image = pipe(**family.pipeline_inputs(family.encode_text(comps, [SHORT]), None, 1.0, 3.5),
+                 width=32, height=32, output_type="np", num_inference_steps=2).images[0]
+    assert image.shape == (32, 32, 3)
 
 
 def test_lora_files_of_other_trainers_read_back(setup: Any) -> None:

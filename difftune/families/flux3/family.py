@@ -12,10 +12,25 @@ different windows is zero-padded to the longest, as the transformer takes no mas
 one, and sampling, match the reference exactly). Sampling runs diffusers' modular pipeline
 (`sampling.py`).
 
-diffusers 0.42.1's modular pieces used here all work; what difftune does instead of them:
-the AutoBlocks' text encoder step takes one `prompt` string and always runs, so embeddings
-cannot be passed to them (difftune removes the step and passes its own, encoded as the step
-does), and the prompt upsampler and reference-image encoder are removed (no edit training).
+What of diffusers 0.42.1's FLUX.3 pieces difftune does not use as they are, and why:
+- the AutoBlocks' text encoder step takes one `prompt` string and always runs, so embeddings
+  cannot be passed to the whole AutoBlocks: difftune removes it (and the reference-image
+  encoder: no FLUX.3 edit training yet) from the pipeline it passes its own embeddings to,
+  encoded as the step encodes (tested equal);
+- the AutoBlocks' first step, the prompt upsampler (a Qwen3.5-9B fine-tune that rewrites a
+  prompt into the detailed caption FLUX.3 was trained on), is removed as diffusers documents
+  for encoding a prompt as given: captions and sample prompts are used as written (so write
+  detailed ones), and no 9B model is loaded;
+- ModularPipeline.set_progress_bar_config reaches only the top-level blocks, not the denoise
+  loop nested in the denoise step (`sampling.quiet` walks them all);
+- Flux3LoraLoaderMixin's converter for `diffusion_model.` files
+  (_convert_non_diffusers_flux3_lora_to_diffusers) renames BFL's block modules only: BFL's
+  modulation heads (`early_stream_modulations.image.lin`), embedders (`emb_in`, `txt_in`,
+  `time_in`), `final_layer` stay unmapped and are dropped with an "unexpected keys" warning,
+  so difftune writes the diffusers layout and reads those names itself (`keys.py`);
+- convert_flux3_transformer_checkpoint_to_diffusers (from_single_file) keeps ComfyUI's
+  `model.diffusion_model.` prefix (as FLUX.2's does), so such a file fails there: difftune
+  strips it before converting (`single.py`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Flux3ModularPipeline (Flux3DistilledModularPipeline for the step-distilled model) is built
 twice over the same components from its own AutoBlocks: once whole but for the prompt
-upsampler (a Qwen3-VL generation pass difftune does not run), which encodes `prompt` strings
+upsampler (a Qwen3.5-9B fine-tune that rewrites prompts; removed, as diffusers documents, to
+encode prompts as given), which encodes `prompt` strings
 itself, and once without the text encoder step and the reference-image encoder, for the
 embeddings difftune encodes as that step does (the step takes one `prompt` string and always
 runs, so embeddings cannot be passed to the whole AutoBlocks). What runs is diffusers' code
@@ -25,11 +26,12 @@ WITH_EMBEDDINGS = ("text_encoder", "vae_encoder")
 def processor(tokenizer: Any) -> Any:
     """A Qwen3-VL processor over `tokenizer` (the text encoder step's `tokenizer` component is
     the processor: it renders the chat template, then tokenizes with `.tokenizer`)."""
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
 
     from difftune.families.common.vl_processor import without_video
 
-    return without_video(Qwen3VLProcessor, Qwen2VLImageProcessor(), tokenizer,
+    # the PIL image processor: text never reads images, and the default one wants torchvision
+    return without_video(Qwen3VLProcessor, Qwen2VLImageProcessorPil(), tokenizer,
                          tokenizer.chat_template)
 
 

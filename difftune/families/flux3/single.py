@@ -19,8 +19,11 @@ import torch
 from difftune.families.common.bfl import transformer_from_file
 from difftune.families.common.single_file import count_blocks, missing_error
 from difftune.families.flux2.single import ORIGINAL_PREFIXES
-from difftune.families.flux2.single import load_vae_file as load_vae_file  # noqa: F401 (re-export)
-from difftune.families.krea2.single import load_text_encoder_file as load_text_encoder_file  # noqa: F401
+# FLUX.2's autoencoder and Krea 2's Qwen3-VL-4B readers, used as FLUX.3's (re-exported)
+from difftune.families.flux2.single import load_vae_file as load_vae_file  # noqa: F401
+from difftune.families.krea2.single import (  # noqa: F401
+    load_text_encoder_file as load_text_encoder_file,
+)
 
 
 def transformer_config(sd: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
