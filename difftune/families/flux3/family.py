@@ -10,13 +10,13 @@ time it jumps to, which training sets to the time itself (a flow map's jump of l
 the velocity). Text: see `spec.py`; each prompt's window is its own (a batch of captions with
 different windows is zero-padded to the longest, as the transformer takes no mask; a batch of
 one, and sampling, match the reference exactly). Sampling runs diffusers' modular pipeline
-(`sampling.py`).
+(`sampling.py`). Edit pairs: one reference image a pair, kept whole on its canvas as the
+pipeline keeps a single reference (`reference.py`).
 
 What of diffusers 0.42.1's FLUX.3 pieces difftune does not use as they are, and why:
 - the AutoBlocks' text encoder step takes one `prompt` string and always runs, so embeddings
-  cannot be passed to the whole AutoBlocks: difftune removes it (and the reference-image
-  encoder: no FLUX.3 edit training yet) from the pipeline it passes its own embeddings to,
-  encoded as the step encodes (tested equal);
+  cannot be passed to the whole AutoBlocks: difftune removes it from the pipeline it passes
+  its own embeddings to, encoded as the step encodes (tested equal);
 - the AutoBlocks' first step, the prompt upsampler (a Qwen3.5-9B fine-tune that rewrites a
   prompt into the detailed caption FLUX.3 was trained on), is removed as diffusers documents
   for encoding a prompt as given: captions and sample prompts are used as written (so write
@@ -36,6 +36,7 @@ What of diffusers 0.42.1's FLUX.3 pieces difftune does not use as they are, and 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,7 @@ from difftune.families.common import bn_latents
 from difftune.families.common.bn_latents import patchify, unpatchify
 from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
 from difftune.families.common.family import Loaders
+from difftune.families.flux3 import reference
 from difftune.families.flux3.spec import SPEC
 from difftune.train.objectives.flow import BASE_SEQ, MAX_SEQ, DynamicShift, FlowMatching
 
@@ -66,11 +68,11 @@ PRESETS: dict[str, list[str]] = {
 }
 
 
-def image_ids(h: int, w: int, device: torch.device) -> torch.Tensor:
-    """(h*w, 4) position ids (0, row/2, col/2, 0) of the latent tokens, row-major (the
-    pipeline's `_prepare_image_ids` for the generated image)."""
+def image_ids(h: int, w: int, device: torch.device, layer: int = 0) -> torch.Tensor:
+    """(h*w, 4) position ids (0, row/2, col/2, layer) of latent tokens, row-major (the
+    pipeline's `_prepare_image_ids`: layer 0 the generated image, -1 the reference)."""
     ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w),
-                               torch.zeros(1, dtype=torch.long)).float()
+                               torch.tensor([layer])).float()
     ids[:, 1:3] *= IMAGE_ROPE_SCALE
     return ids.to(device)
 
@@ -88,6 +90,27 @@ class Flux3Family(DiffusersLayoutFamily):
     spec = SPEC
     presets = PRESETS
     loaders = Loaders("build_tiny_flux3", "load_flux3_files", "load_flux3_text_encoders")
+    control_rule = reference.RULE
+
+    def control_size(self, image_size: tuple[int, int], target_bucket: tuple[int, int],
+                     resolution: int) -> tuple[int, int]:
+        """A reference's canvas (`reference.control_size`): its own size under the area cap
+        4 x resolution squared, rounded up to the token grid, whatever the target's bucket."""
+        return reference.control_size(image_size, resolution)
+
+    def control_pixels(self, path: Path, size: tuple[int, int], resolution: int
+                       ) -> torch.Tensor:
+        """The reference scaled and reflect-padded to its canvas as the pipeline's image
+        processor does (`reference.load_pixels`)."""
+        return reference.load_pixels(path, size, resolution)
+
+    def control_key(self, resolution: int) -> str:
+        """The rule and the resolution: the scaling depends on the area cap."""
+        return f"{self.control_rule}/{resolution}"
+
+    def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
+        """The pipeline's `image`: the reference on its canvas (`reference.pipeline_images`)."""
+        return reference.pipeline_images(images, width, height)
 
     def objective(self, c: Components, cfg: "TrainConfig") -> FlowMatching:
         """Rectified flow; `flux_shift` shifts t by the scheduler's constant shift (6.93) at
@@ -118,6 +141,12 @@ class Flux3Family(DiffusersLayoutFamily):
         prompt = embeds.tensors["prompt_embeds"].to(dtype)
         t = t.to(dtype).expand(b)
         extra = {"target_timestep": t} if model.config.flow_map else {}
+        if cond.controls:  # the reference's tokens and ids (Flux3PrepareImageCondLatentsStep)
+            refs = [patchify(r.to(noisy.device, dtype)) for r in cond.controls]
+            extra["image_cond_hidden_states"] = torch.cat(
+                [r.flatten(2).transpose(1, 2) for r in refs], dim=1)
+            extra["image_cond_ids"] = torch.cat(
+                [image_ids(*r.shape[2:], noisy.device, -(1 + i)) for i, r in enumerate(refs)])
         out = model(hidden_states=patches.flatten(2).transpose(1, 2),
                     encoder_hidden_states=prompt, timestep=t,
                     img_ids=image_ids(h, w, noisy.device),

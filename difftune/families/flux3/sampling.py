@@ -1,14 +1,13 @@
 """Sampling FLUX.3 through diffusers' modular pipeline, called as a diffusers pipeline is.
 
 Flux3ModularPipeline (Flux3DistilledModularPipeline for the step-distilled model) is built
-twice over the same components from its own AutoBlocks: once whole but for the prompt
-upsampler (a Qwen3.5-9B fine-tune that rewrites prompts; removed, as diffusers documents, to
-encode prompts as given), which encodes `prompt` strings
-itself, and once without the text encoder step and the reference-image encoder, for the
-embeddings difftune encodes as that step does (the step takes one `prompt` string and always
-runs, so embeddings cannot be passed to the whole AutoBlocks). What runs is diffusers' code
-unchanged. Classifier-free guidance is the pipeline's guider component (ClassifierFreeGuidance),
-set per call.
+twice over the same components from its own AutoBlocks, both without the prompt upsampler (a
+Qwen3.5-9B fine-tune that rewrites prompts; removed, as diffusers documents, to encode prompts
+as given): one encodes `prompt` strings itself, the other also lacks the text encoder step and
+takes the embeddings difftune encodes as that step does (the step takes one `prompt` string
+and always runs, so embeddings cannot be passed to the whole AutoBlocks). Both take a
+reference `image` (edit sampling). What runs is diffusers' code unchanged. Classifier-free
+guidance is the pipeline's guider component (ClassifierFreeGuidance), set per call.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 
 # AutoBlocks steps left out of both pipelines, and of the one that takes embeddings.
 NEVER = ("prompt_upsampler",)
-WITH_EMBEDDINGS = ("text_encoder", "vae_encoder")
+WITH_EMBEDDINGS = ("text_encoder",)
 
 
 def processor(tokenizer: Any) -> Any:

@@ -88,6 +88,9 @@ SPEC = FamilySpec(
                  ("text_encoder", "qwen3vl_4b.safetensors")),
         folder_holds="tokenizer/ (Qwen3-VL's; no single file holds it)",
         markers=MARKERS),
+    # Edit pairs: one reference a pair, kept whole on its canvas (reference.py), as the
+    # pipeline keeps a single `image`; several (its "crop" rule) are not trained yet.
+    control_images=1,
     text_encoder_lora_refused=(("qwen3vl", "Flux3LoraLoaderMixin.load_lora_weights reads "
                                            "transformer LoRAs only; train the transformer "
                                            "only"),),
