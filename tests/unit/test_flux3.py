@@ -57,6 +57,12 @@ def test_embeddings_equal_the_text_encoder_step_exactly(setup: Any) -> None:
         got = family.encode_text(comps, [prompt]).tensors["prompt_embeds"]
         assert want.shape == (1, window, 8 * 32)
         assert torch.equal(got, want)
+    # A batch is its captions' own windows zero-padded to the longest, as the cache's entries
+    # are batched (the transformer takes no mask; batch 1 is the reference exactly).
+    batch = family.encode_text(comps, [SHORT, LONG]).tensors["prompt_embeds"]
+    assert torch.equal(batch[0, :80], reference_embeds(parts, SHORT)[0])
+    assert not batch[0, 80:].any()
+    assert torch.equal(batch[1], reference_embeds(parts, LONG)[0])
 
 
 def test_predict_is_the_velocity_the_pipeline_steps_with(setup: Any) -> None:

@@ -245,6 +245,13 @@ def encode(
     masked positions (`trimmed`), then `drop` leading positions go (`dropped`).
     Gradients follow the caller's grad mode, so a trained encoder can run here with autograd on.
     """
+    if spec.window and len(texts) > 1:
+        # Each text in its own window, as the cache's one-caption entries are, zero-padded to
+        # the longest (`pad_cat`): a window-sizing pipeline encodes one prompt a call.
+        from difftune.families.base import pad_cat
+
+        return pad_cat([encode(spec, model, tokenizer, [t], max_length, mask, clip_skip)
+                        for t in texts])
     tokens = spec_tokens(spec, tokenizer, texts, max_length)
     device = module_device(model)
     ids = tokens["input_ids"].to(device)
