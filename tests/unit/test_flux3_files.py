@@ -96,3 +96,32 @@ def test_folder_and_single_files_over_it(tmp_path: Path) -> None:
     lm = singles["text_encoder"].language_model.state_dict()
     assert lm.keys() == comps.text_encoders["qwen3vl"].language_model.state_dict().keys()
     assert singles["fingerprint"] != parts["fingerprint"]
+
+
+@pytest.mark.full_only  # as the other families' extract cells (tests/e2e/test_lora_extract.py)
+def test_lora_extract_reads_the_diffusers_named_file(tmp_path: Path) -> None:
+    """`difftune lora extract` on FLUX.3: from diffusers-named files (a folder's transformer/
+    weights) the LoRA is diffusers-named and diffusers applies all of it; from BFL-named
+    files it is refused, naming the file to pass (no reader takes BFL names in full)."""
+    from difftune.errors import ConfigError
+    from difftune.lora_tools.extract import extract
+    from difftune.lora_tools.verify import verify_file
+
+    model = build_tiny_flux3()["transformer"]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tuned = dict(state)
+    key = "single_transformer_blocks.0.attn.to_q.weight"
+    tuned[key] = state[key] + torch.ones(32, 1) @ torch.ones(1, 32)
+    save_file(state, tmp_path / "base.safetensors")
+    save_file(tuned, tmp_path / "tuned.safetensors")
+    report = extract(tmp_path / "base.safetensors", tmp_path / "tuned.safetensors", rank=1,
+                     out=tmp_path / "lora.safetensors", family="flux3")
+    assert report.family == "flux3" and report.spelling == "transformer.<diffusers name>"
+    comfy, diffusers = verify_file(report.path, "flux3").results[:2]
+    assert diffusers.applied == 1 and not diffusers.dropped and comfy.applied == 0
+    bfl = single_file_layout(model)
+    for name, which in (("base", state), ("tuned", tuned)):
+        write_layout(tmp_path / f"bfl-{name}.safetensors", bfl, which, torch.float32)
+    with pytest.raises(ConfigError, match="diffusers-named denoiser file"):
+        extract(tmp_path / "bfl-base.safetensors", tmp_path / "bfl-tuned.safetensors", rank=1,
+                out=tmp_path / "bfl-lora.safetensors", family="flux3")
