@@ -46,8 +46,9 @@ class TextEncoderSpec:
     before the caption, and the processor expands its image tokens. `clean` tidies each
     caption first as a pipeline's `prompt_clean` does (ftfy's fixes where ftfy is installed,
     HTML entities unescaped twice, runs of whitespace made one space, ends stripped).
-    `window` > 0 pads a batch to its longest text rounded up to a multiple of `window` tokens
-    (at most `max_length`), as pipelines that size the text window per prompt do; `pad_position`
+    `window` > 0 pads each text to its length rounded up to a multiple of `window` tokens (at
+    most `max_length`), as pipelines that size the text window per prompt do (a batch is encoded
+    text by text and zero-padded to the longest, as cache entries are batched); `pad_position`
     (None: the model's own) passes position ids 0, 1, ... with every padding token at this
     position.
     """
