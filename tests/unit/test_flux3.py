@@ -15,6 +15,8 @@ from difftune.families.base import Conditioning, TextEmbeds
 from difftune.families.common.bn_latents import patchify
 from difftune.families.flux3.tiny import build_tiny_flux3
 
+from ..lora_files import tiny
+
 SHORT = "a red circle on a blue background"
 LONG = "a very long caption " + "with many words " * 8  # over 80 tokens: a 160-token window
 
@@ -34,9 +36,12 @@ def _components(parts: dict[str, Any]) -> tuple[Any, Any]:
 
 @pytest.fixture(scope="module")
 def setup() -> tuple[dict[str, Any], Any, Any]:
-    """The tiny parts, the family and its components (the same modules)."""
-    parts = build_tiny_flux3()
-    return (parts, *_components(parts))
+    """The tiny text encoder and tokenizer, the family and its components (the session's tiny
+    flavor, shared with the other files' FLUX.3 tests)."""
+    comps = tiny("flux3")
+    parts = {"text_encoder": comps.text_encoders["qwen3vl"],
+             "tokenizer": comps.tokenizers["qwen3vl"]}
+    return parts, families.get("flux3"), comps
 
 
 def reference_embeds(parts: dict[str, Any], prompt: str) -> torch.Tensor:
@@ -104,14 +109,14 @@ def test_cfg_runs_the_negative_pass(setup: Any) -> None:
     assert (own == image(family.encode_text(comps, [""]), 3.5)).all()
 
 
-def test_distilled_is_told_apart_and_trained_at_its_own_time() -> None:
+def test_distilled_is_told_apart_and_trained_at_its_own_time(setup: Any) -> None:
     """The flow-map transformer: `distilled` says so (train warns), predict passes
     target_timestep = timestep, and sampling uses the distilled pipeline (no guider)."""
     from diffusers import Flux3DistilledModularPipeline
 
     parts = build_tiny_flux3(flow_map=True)
     family, comps = _components(parts)
-    base = _components(build_tiny_flux3())[1]
+    base = setup[2]
     assert family.distilled(comps) and not family.distilled(base)
     assert family.spec.distilled_note
     seen: dict[str, Any] = {}
