@@ -1,7 +1,8 @@
 """The model picker's scan: model folders and files under the app's roots, each recognised as a
 family (and variant) from what the files hold, never from their names.
 
-A diffusers folder (one holding `model_index.json`) is recognised by the pipeline class it names
+A diffusers folder (one holding `model_index.json`, or a modular pipeline's
+`modular_model_index.json`) is recognised by the pipeline class it names
 (`_class_name`, the family's `pipeline_class`, a variant's through `variant_of_pipeline`); a
 single `.safetensors` file by its tensors' names, read from the file's JSON header alone (no
 tensor is loaded; the header is bounded) and matched against each family's `files.markers`
@@ -114,24 +115,33 @@ def _single_keys() -> tuple[str, ...]:
                          for _, spec in registry.variant_specs(family) for k in spec.files.keys}))
 
 
+def index_file(folder: Path) -> Path | None:
+    """The folder's model_index.json, else its modular_model_index.json (a diffusers modular
+    pipeline's, FLUX.3's form); None when it has neither."""
+    for name in ("model_index.json", "modular_model_index.json"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
 def recognise_folder(folder: Path) -> Found:
     """A diffusers folder, recognised by its model_index.json (its fields unset the single
     files a run file may name, which would be read over the folder)."""
     found = Found(path=str(folder), kind="folder")
-    index = folder / "model_index.json"
+    index = index_file(folder) or folder / "model_index.json"
     try:
         if index.stat().st_size > MAX_INDEX:
             raise ValueError("too large to be a model_index.json")
         pipeline = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
     except (OSError, ValueError, AttributeError) as err:
-        found.why = f"model_index.json cannot be read ({err})"
+        found.why = f"{index.name} cannot be read ({err})"
         return found
     known = recognise_pipeline(str(pipeline))
     if known is None:
         found.why = f"its pipeline {pipeline!r} is no family's"
         return found
     found.family, found.variant = known
-    found.why = f"model_index.json names {pipeline}"
+    found.why = f"{index.name} names {pipeline}"
     found.fields = {"model.family": found.family, "model.variant": found.variant,
                     "model.path": str(folder), **{f"model.{k}": None for k in _single_keys()}}
     return found
@@ -170,7 +180,7 @@ def scan(roots: Roots, depth: int = MAX_DEPTH, entries: int = MAX_ENTRIES) -> li
 
 def _walk(roots: Roots, folder: Path, depth: int, budget: list[int], out: list[Found]) -> None:
     """Scan `folder` into `out`, spending `budget[0]` entries."""
-    if (folder / "model_index.json").is_file():
+    if index_file(folder) is not None:
         out.append(recognise_folder(folder))
         return
     try:

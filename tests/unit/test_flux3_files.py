@@ -80,6 +80,9 @@ def test_folder_and_single_files_over_it(tmp_path: Path) -> None:
     folder = tmp_path / "tiny-flux3"
     registry.get("flux3").pipeline(comps).save_pretrained(str(folder))
     assert (folder / "modular_model_index.json").is_file()
+    from difftune.ui.models import recognise_folder  # the web app's model picker knows it
+
+    assert recognise_folder(folder).family == "flux3"
     parts = load_flux3_files(ModelConfig(family="flux3", path=str(folder)), FP32)
     for name, module in (("transformer", comps.denoiser), ("vae", comps.vae),
                          ("text_encoder", comps.text_encoders["qwen3vl"])):
