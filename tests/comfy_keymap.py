@@ -215,12 +215,14 @@ ANIMA = KeyMap("Anima", (
     r"llm_adapter\.(?:embed|out_proj|norm|blocks\.\d+\.(?:norm_self_attn|norm_cross_attn|"
     r"norm_mlp|mlp\.[02]|(?:self_attn|cross_attn)\.(?:q_proj|k_proj|v_proj|o_proj|q_norm|"
     r"k_norm)))"))
+# FLUX.3: ComfyUI at 4f874c5e has no model for it (no comfy/ldm entry, nothing in
+# comfy/model_detection.py or comfy/supported_models.py), so it loads no FLUX.3 LoRA key.
+FLUX3 = KeyMap("none (no FLUX.3 model)", ())
 
 # difftune family -> the ComfyUI model class that loads its denoiser (variants share it).
 MAPS = {"flux": FLUX, "chroma": CHROMA, "flux2": FLUX2, "sd3": SD3, "sdxl": SDXL,
         "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2, "wan": WAN, "sd15": SD15,
-        "anima": ANIMA}
-MAPS["ernie_image"] = ERNIE_IMAGE
+        "anima": ANIMA, "flux3": FLUX3, "ernie_image": ERNIE_IMAGE}
 
 
 def split_key(key: str) -> tuple[str, str]:

@@ -34,6 +34,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "ernie_image": ("difftune.families.ernie_image.spec",
                     "difftune.families.ernie_image.family.ErnieImageFamily"),
     "anima": ("difftune.families.anima.spec", "difftune.families.anima.family.AnimaFamily"),
+    "flux3": ("difftune.families.flux3.spec", "difftune.families.flux3.family.Flux3Family"),
 }
 
 

@@ -69,6 +69,11 @@ class TextEncoderSpec:
     before the caption, and the processor expands its image tokens. `clean` tidies each
     caption first as a pipeline's `prompt_clean` does (ftfy's fixes where ftfy is installed,
     HTML entities unescaped twice, runs of whitespace made one space, ends stripped).
+    `window` > 0 pads each text to its length rounded up to a multiple of `window` tokens (at
+    most `max_length`), as pipelines that size the text window per prompt do (a batch is encoded
+    text by text and zero-padded to the longest, as cache entries are batched); `pad_position`
+    (None: the model's own) passes position ids 0, 1, ... with every padding token at this
+    position.
     """
 
     name: str
@@ -92,6 +97,8 @@ class TextEncoderSpec:
     valid_positions: int = 0
     image_prompt: str | None = None
     clean: bool = False
+    window: int = 0
+    pad_position: int | None = None
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
@@ -288,7 +295,8 @@ family's files would load, with the reason.
 CLIP_KINDS = ("clip", "clip_projection")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
 DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "suffix",
-                  "drop", "layers", "stack", "pad", "valid_positions", "image_prompt", "clean")
+                  "drop", "layers", "stack", "pad", "valid_positions", "image_prompt", "clean",
+                  "window", "pad_position")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

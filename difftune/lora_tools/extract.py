@@ -22,7 +22,7 @@ from difftune.adapters.formats import save_lora
 from difftune.errors import ConfigError
 from difftune.families import registry
 from difftune.lora_tools.merge_base import base_naming
-from difftune.lora_tools.names import FamilyNames, family_names
+from difftune.lora_tools.names import DIFFUSERS, FamilyNames, family_names
 from difftune.lora_tools.output import model_file, out_path
 from difftune.lora_tools.programs import programs
 
@@ -50,7 +50,10 @@ def best_spelling(family: str, naming: str) -> str:
             if rule.naming == naming and not rule.skips:
                 counts[rule.prefix] = counts.get(rule.prefix, 0) + 1
     if not counts:
-        raise ConfigError(f"no program reads {family} LoRAs in {naming} names")
+        other = "diffusers-named denoiser file (a folder's transformer/ weights)" \
+            if naming != DIFFUSERS else "denoiser's single file"
+        raise ConfigError(f"no program reads {family} LoRAs in {naming} names in full, so a "
+                          f"LoRA extracted from this file would not load; pass the {other}")
     return max(counts, key=lambda p: counts[p])
 
 

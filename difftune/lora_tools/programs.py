@@ -2,6 +2,7 @@
 modules (`keys.Module`).
 
 The program-wide facts are here; the per-family facts are data in each family's keys.py:
+- `COMFYUI_UNKNOWN` (where ComfyUI has no model of the family): why it reads no key.
 - `COMFYUI_FORMS`: the prefixes (or (prefix, skipped names, why)) ComfyUI's model branch (comfy/lora.py `model_lora_keys_unet`)
   puts before the diffusers names its conversion table maps (comfy/utils.py
   `flux_to_diffusers`, `mmdit_to_diffusers`, `unet_to_diffusers`, `z_image_to_diffusers`,
@@ -60,6 +61,12 @@ def comfyui(family: str) -> Program:
     """ComfyUI's rules for `family`: its generic map over original names, and its model
     branch's forms over the diffusers names (minus `lora_unread`'s ComfyUI entries, and a
     form's own skips: an entry of `COMFYUI_FORMS` is a prefix or (prefix, skipped, why))."""
+    name = f"ComfyUI ({COMFYUI_VERSION})"
+    unknown = getattr(family_keys(family), "COMFYUI_UNKNOWN", None)
+    if unknown is not None:  # ComfyUI has no model of the family: it reads no spelling
+        spellings = COMFYUI_GENERIC + (("transformer.", DIFFUSERS),)
+        return Program(name, tuple(ReadRule(p, n, ".*", unknown) for p, n in spellings),
+                       COMFYUI_TENSORS, "keys")
     unread = [(pattern, why) for layout, reader, pattern, why in registry.spec(family).lora_unread
               if layout == DIFFUSERS and reader == "ComfyUI"]
     rules = [ReadRule(p, n) for p, n in COMFYUI_GENERIC]
@@ -68,7 +75,7 @@ def comfyui(family: str) -> Program:
         skips = unread + ([tuple(own)] if own else [])
         rules.append(ReadRule(prefix, DIFFUSERS, "|".join(f"(?:{p})" for p, _ in skips),
                               "; ".join(w for _, w in skips)))
-    return Program(f"ComfyUI ({COMFYUI_VERSION})", tuple(rules), COMFYUI_TENSORS, "keys")
+    return Program(name, tuple(rules), COMFYUI_TENSORS, "keys")
 
 
 def diffusers(family: str) -> Program:

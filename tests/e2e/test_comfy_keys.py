@@ -28,7 +28,8 @@ def saved_file(folder: Path, images: Path, family: str, *sets: str) -> dict[str,
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("family", list(MAPS))
+@pytest.mark.parametrize("family", [f for f, m in MAPS.items() if m.weights])  # ComfyUI has
+# no model for a map without weights (FLUX.3): it loads none of its keys, whatever the layout
 def test_every_key_is_in_comfyuis_key_map(tmp_path: Path, images: Path, family: str,
                                           kind: str) -> None:
     tensors = saved_file(tmp_path, images, family, *KINDS[kind])

@@ -27,6 +27,8 @@ from difftune.families.chroma.tiny import build_tiny_chroma
 from difftune.families.ernie_image.tiny import build_tiny_ernie_image
 from difftune.families.flux.tiny import build_tiny_flux
 from difftune.families.flux2.tiny import build_tiny_flux2
+from difftune.families.flux3.sampling import ModularSampler
+from difftune.families.flux3.tiny import build_tiny_flux3
 from difftune.families.krea2.tiny import build_tiny_krea2
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
 from difftune.families.sd3.tiny import build_tiny_sd3
@@ -45,6 +47,8 @@ PIPELINES = {"anima-lora.toml": (lambda t5_embedding, **parts: sampling_pipeline
              "flux2-lora.toml": (Flux2KleinPipeline, lambda: build_tiny_flux2("klein")),
              "flux2-edit-lora.toml": (Flux2KleinPipeline, lambda: build_tiny_flux2("klein")),
              "krea2-lora.toml": (Krea2Pipeline, build_tiny_krea2),
+             # the modular pipeline (FLUX.3 ships as one), saved with its own save_pretrained
+             "flux3-lora.toml": (lambda **parts: ModularSampler(parts, False), build_tiny_flux3),
              "qwen-image-lora.toml": (QwenImagePipeline, build_tiny_qwen_image),
              "qwen-image-edit-lora.toml": (QwenImageEditPipeline,
                                            lambda: build_tiny_qwen_image("edit")),

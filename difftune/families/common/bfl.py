@@ -75,26 +75,29 @@ def transformer_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
 def transformer_from_file(path: Path, dtype: torch.dtype, what: str,
                               prefixes: tuple[str, ...],
                               convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-                              build: Callable[[dict[str, torch.Tensor], Path], torch.nn.Module]
+                              build: Callable[[dict[str, torch.Tensor], Path], torch.nn.Module],
+                              markers: tuple[str, str] = ("double_blocks.", "transformer_blocks.")
                               ) -> Any:
     """A transformer of the BFL (double/single block) kind from one safetensors file.
 
-    The file may be in the original layout (`double_blocks.*`, converted by `convert`) or in
-    diffusers' (`transformer_blocks.*`); `prefixes` are stripped first (ComfyUI's
+    The file may be in the original layout (tensors under `markers[0]`, `double_blocks.*` by
+    default, converted by `convert`) or in diffusers' (under `markers[1]`,
+    `transformer_blocks.*`); `prefixes` are stripped first (ComfyUI's
     `model.diffusion_model.` and the like). `build` makes the model from the diffusers-named
     tensors on the meta device; the tensors are then assigned in `dtype`.
     """
+    original, diffusers = markers
     sd = strip_prefix(read_safetensors(path, what), prefixes)
-    if any(k.startswith("double_blocks.") for k in sd):
+    if any(k.startswith(original) for k in sd):
         try:
             sd = convert(sd)
         except (KeyError, RuntimeError, IndexError) as err:
             raise ModelFileError(f"{path} has original-layout {what} tensors but could not be "
                                  f"converted ({type(err).__name__}: {err}); the file may be "
                                  "incomplete or another model") from None
-    elif not any(k.startswith("transformer_blocks.") for k in sd):
-        raise ModelFileError(f"{path} does not look like a {what}: no double_blocks.* or "
-                             "transformer_blocks.* tensors")
+    elif not any(k.startswith(diffusers) for k in sd):
+        raise ModelFileError(f"{path} does not look like a {what}: no {original}* or "
+                             f"{diffusers}* tensors")
     with torch.device("meta"):
         model = build(sd, path)
     return assign_state(model, cast_state(sd, dtype), path, what)

@@ -132,11 +132,14 @@ def trimmed(out: dict[str, torch.Tensor], drop: int = 0) -> dict[str, torch.Tens
 
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int, pad: str = "max_length",
-             specials: bool = True) -> dict[str, torch.Tensor]:
+             specials: bool = True, window: int = 0) -> dict[str, torch.Tensor]:
     """Pad/truncate every text to `max_length` tokens (or pad to the longest text with `pad`
     "longest"), as the pipelines do at inference (`specials`: whether the tokenizer adds its
-    own special tokens)."""
+    own special tokens); with `window` > 0, to the longest text rounded up to a multiple of
+    `window` tokens, at most `max_length` (`windowed`)."""
     extra = {} if specials else {"add_special_tokens": False}
+    if window:
+        max_length, pad = windowed(tokenizer, texts, max_length, window, extra), "max_length"
     enc = tokenizer(
         texts,
         padding="longest" if pad == "each" else pad,
@@ -154,6 +157,16 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int, pad: str = "max_
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def windowed(tokenizer: Any, texts: list[str], max_length: int, window: int,
+             extra: dict[str, Any]) -> int:
+    """The longest text's token count (truncated at `max_length`) rounded up to a multiple of
+    `window`, at most `max_length`: the window a pipeline that pads each prompt to a multiple
+    of `window` gives it (FLUX.3's text encoder step, 80 tokens)."""
+    longest = max(len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length,
+                                                **extra)["input_ids"])
+    return min(-(-longest // window) * window, max_length)
+
+
 def spec_tokens(spec: TextEncoderSpec, tokenizer: Any, texts: list[str], max_length: int
                 ) -> dict[str, torch.Tensor]:
     """The token ids and mask an encoder reads: the (templated) texts padded to `max_length`,
@@ -162,7 +175,7 @@ def spec_tokens(spec: TextEncoderSpec, tokenizer: Any, texts: list[str], max_len
     before the assistant turn do), so `max_length` tokens remain after the drop."""
     texts = chat_texts(spec, tokenizer, texts)
     if spec.suffix is None:
-        return tokenize(tokenizer, texts, max_length, spec.pad, spec.specials)
+        return tokenize(tokenizer, texts, max_length, spec.pad, spec.specials, spec.window)
     tail = tokenizer([spec.suffix] * len(texts), return_tensors="pt")
     body = tokenize(tokenizer, texts, max_length + spec.drop - tail["input_ids"].shape[1],
                     spec.pad, spec.specials)
@@ -239,7 +252,9 @@ def encode(
     Gradients follow the caller's grad mode, so a trained encoder can run here with autograd on.
     A spec that pads "each" encodes the texts one by one and pads the outputs (`pad_cat`).
     """
-    if spec.pad == "each" and len(texts) > 1:
+    if (spec.pad == "each" or spec.window) and len(texts) > 1:
+        # Each text on its own (a window-sizing pipeline, FLUX.3's, and ERNIE-Image's encode one
+        # prompt a call), zero-padded to the longest (`pad_cat`).
         return pad_cat([encode(spec, model, tokenizer, [t], max_length, mask, clip_skip)
                         for t in texts])
     tokens = spec_tokens(spec, tokenizer, texts, max_length)
@@ -257,6 +272,9 @@ def encode(
         kwargs["attention_mask"] = attention
     if spec.valid_positions:
         kwargs["position_ids"] = valid_positions(attention, spec.valid_positions)
+    if spec.pad_position is not None:
+        positions = torch.arange(attention.shape[1], device=device).expand_as(attention)
+        kwargs["position_ids"] = positions.masked_fill(attention == 0, spec.pad_position)
     out = model(ids, **kwargs)
     result: dict[str, torch.Tensor] = {}
     if spec.hidden != "none":
