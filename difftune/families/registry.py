@@ -31,6 +31,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "krea2": ("difftune.families.krea2.spec", "difftune.families.krea2.family.Krea2Family"),
     "wan": ("difftune.families.wan.spec", "difftune.families.wan.family.WanFamily"),
     "sd15": ("difftune.families.sd15.spec", "difftune.families.sd15.family.SD15Family"),
+    "qwen_image_21": ("difftune.families.qwen_image_21.spec",
+                      "difftune.families.qwen_image_21.family.QwenImage21Family"),
 }
 
 

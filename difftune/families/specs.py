@@ -46,6 +46,9 @@ class TextEncoderSpec:
     before the caption, and the processor expands its image tokens. `clean` tidies each
     caption first as a pipeline's `prompt_clean` does (ftfy's fixes where ftfy is installed,
     HTML entities unescaped twice, runs of whitespace made one space, ends stripped).
+    `side` is the side a batch is padded on ("left" where the pipeline pads there: each row's
+    own tokens are moved to the front before the trim and drop, as the pipeline splits the
+    rows by their masks); `empty` is the text an empty caption is read as (None: as it is).
     """
 
     name: str
@@ -69,6 +72,8 @@ class TextEncoderSpec:
     valid_positions: int = 0
     image_prompt: str | None = None
     clean: bool = False
+    side: Literal["right", "left"] = "right"
+    empty: str | None = None
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
@@ -260,7 +265,8 @@ family's files would load, with the reason.
 CLIP_KINDS = ("clip", "clip_projection")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
 DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "suffix",
-                  "drop", "layers", "stack", "pad", "valid_positions", "image_prompt", "clean")
+                  "drop", "layers", "stack", "pad", "valid_positions", "image_prompt", "clean",
+                  "side", "empty")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).
