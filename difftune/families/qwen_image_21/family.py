@@ -22,6 +22,7 @@ from difftune.families.common import frame_vae
 from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
 from difftune.families.common.family import Loaders
 from difftune.families.qwen_image.family import true_cfg_inputs
+from difftune.families.qwen_image_21 import keys
 from difftune.families.qwen_image_21.spec import SPEC
 from difftune.train.objectives import FlowMatching
 from difftune.train.objectives.flow import DynamicShift, scheduler_shift
@@ -123,6 +124,19 @@ class QwenImage21Family(DiffusersLayoutFamily):
             return_dict=False,
         )[0]
         return from_tokens(out[:, -h * w:], h, w)
+
+    def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """A LoRA file in diffusers names with per-module alphas: other trainers' prefixes and
+        factor names mapped back, and the original layout's fused `img_mlp.gate_up` split
+        into the gate and up modules it holds."""
+        return keys.split_fused(*super().lora_from_format(c, tensors))
+
+    def to_original(self, c: Components, state: dict[str, torch.Tensor], rank: int,
+                    alpha: float) -> dict[str, torch.Tensor]:
+        """diffusers-named LoRA -> the original checkpoint's names under `diffusion_model.`
+        (gate and up fused), scale folded (`keys.to_original`)."""
+        return keys.to_original(state, rank, alpha, self.denoiser_prefix)
 
     def pipeline(self, c: Components) -> "DiffusionPipeline":
         """QwenImage21Pipeline over the components, its processor, and the folder's sampling

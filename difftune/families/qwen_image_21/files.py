@@ -36,6 +36,7 @@ from difftune.families.qwen_image.files import rope_axes
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
+    from difftune.files.single import Layout
 
 log = logging.getLogger(__name__)
 WHAT = "Qwen-Image 2.1"
@@ -189,3 +190,22 @@ def load_qwen_image_21_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> 
     return {"text_encoder": no_final_norm(from_folder(Qwen3VLForConditionalGeneration,
                                                       _folder(cfg), "text_encoder", dtype,
                                                       WHAT))}
+
+
+def single_file_layout(model: torch.nn.Module) -> "Layout":
+    """The transformer as the original checkpoint keeps it (the inverse of diffusers'
+    converter): the diffusers names, each block's `img_mlp.gate_layer` and `img_mlp.proj`
+    stacked as `img_mlp.gate_up` (gate rows first)."""
+    from difftune.families.qwen_image_21.keys import FUSED, PARTS
+    from difftune.files.single import Piece, check_complete
+
+    names = list(model.state_dict())
+    layout: "Layout" = {}
+    for name in names:
+        part = next((p for p in PARTS if name.endswith(f".{p}.weight")), None)
+        if part is None:
+            layout[name] = Piece((name,))
+        elif part == PARTS[0]:
+            base = name.removesuffix(f"{part}.weight")
+            layout[f"{base}{FUSED}.weight"] = Piece(tuple(f"{base}{p}.weight" for p in PARTS))
+    return check_complete(layout, names, "Qwen-Image 2.1")

@@ -47,8 +47,9 @@ SPEC = FamilySpec(
     ),
     objective="flow",
     kohya_text_encoders_refused="difftune trains Qwen-Image 2.1's transformer only",
-    # diffusers' loader reads the diffusers layout; no kohya one is written.
-    formats=("diffusers",),
+    # diffusers' loader reads the diffusers layout completely (the default); "original" is the
+    # checkpoint's names under `diffusion_model.` (keys.to_original); no kohya layout.
+    formats=("diffusers", "original"),
     # VAE downscale 16, and the transformer's image slots stand for 2 x 2 latent tokens, so the
     # latent sides must be even: bucket sides are multiples of 32 (the pipeline's rule).
     bucket_step=32,
@@ -59,8 +60,10 @@ SPEC = FamilySpec(
     # ComfyUI snapshot read (silveroxides/ComfyUI 4f874c5e) has no Qwen-Image 2.1 model: its
     # model_detection keys Qwen-Image on `txt_norm.weight`, which 2.1 lacks, so no key map of
     # its applies. For Qwen-Image, comfy/lora.py reads the model's own (diffusers) module names
-    # bare, under `transformer.` and as `lycoris_<module_with_underscores>`; the diffusers
-    # layout written here is that form for 2.1's modules.
+    # bare, under `transformer.` and as `lycoris_<module_with_underscores>` (the diffusers
+    # layout is that form for 2.1's modules), and for every model its generic map reads
+    # `diffusion_model.<checkpoint name>`: save.format = "original" writes that form over 2.1's
+    # original checkpoint names (the fused `img_mlp.gate_up`).
     default_format="diffusers",
     text_encoder_prefixes={"qwen3vl": "text_encoder"},
     # Kept out of fp8 storage and quantization: the timestep embedder, the text projection
