@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxKontextPipeline, FluxPipeline,
                        Krea2Pipeline, QwenImageEditPipeline,
-                       QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline,
+                       QwenImage21Pipeline, QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline,
                        StableDiffusionXLPipeline, WanPipeline, ZImagePipeline)
 
 from difftune.cli import main
@@ -25,6 +25,7 @@ from difftune.families.flux.tiny import build_tiny_flux
 from difftune.families.flux2.tiny import build_tiny_flux2
 from difftune.families.krea2.tiny import build_tiny_krea2
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
+from difftune.families.qwen_image_21.tiny import build_tiny_qwen_image_21
 from difftune.families.sd3.tiny import build_tiny_sd3
 from difftune.families.sd15.tiny import build_tiny_sd15
 from difftune.families.sdxl.tiny import build_tiny_sdxl
@@ -42,6 +43,8 @@ PIPELINES = {"chroma-lora.toml": (ChromaPipeline, build_tiny_chroma),
              "qwen-image-lora.toml": (QwenImagePipeline, build_tiny_qwen_image),
              "qwen-image-edit-lora.toml": (QwenImageEditPipeline,
                                            lambda: build_tiny_qwen_image("edit")),
+             "qwen-image-21-lora.toml": (lambda tokenizer, **parts: QwenImage21Pipeline(**parts),
+                                         build_tiny_qwen_image_21),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
              # saved as released, less the safety checker (not part of training)
              "sd15-lora.toml": (lambda **parts: StableDiffusionPipeline(

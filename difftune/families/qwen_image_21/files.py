@@ -138,18 +138,16 @@ def _folder(cfg: "ModelConfig") -> Path:
                              "text encoder from a diffusers folder; set model.path to a folder "
                              "in the Qwen/Qwen-Image-2.1 layout (processor/, vae/, "
                              "text_encoder/; transformer/ unless model.transformer is set)")
-    if cfg.vae is not None:
-        raise ModelFileError(f"model.vae = {cfg.vae}: no single-file layout of Qwen-Image "
-                             "2.1's RGBA autoencoder is defined (by diffusers or ComfyUI); "
-                             "remove model.vae, the folder's vae/ is read")
     folder = Path(cfg.path).expanduser()
     check_folder(folder, WHAT)
     return folder
 
 
 def _no_vae_file(path: Path, dtype: torch.dtype) -> Any:
-    """Never reached: `_folder` refuses model.vae first."""
-    raise ModelFileError(f"{path}: Qwen-Image 2.1's autoencoder is read from the folder only")
+    """Refused (config validation refuses model.vae for this family first): no single-file
+    layout of the RGBA autoencoder is defined, by diffusers or ComfyUI."""
+    raise ModelFileError(f"model.vae = {path}: no single-file layout of Qwen-Image 2.1's "
+                         "autoencoder is defined; remove model.vae, the folder's vae/ is read")
 
 
 def pipeline_options(folder: Path) -> dict[str, Any]:
