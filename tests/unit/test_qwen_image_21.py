@@ -189,3 +189,40 @@ def test_released_configs_build_on_meta() -> None:
     assert all(defaults[k].default == v for k, v in TRANSFORMER_CONFIG.items()), "defaults"
     assert 0.33e9 < count(autoencoder) < 0.34e9, count(autoencoder)  # RGBA, 64 channels
     assert (size.layers, size.width) == (32, 4096)
+
+
+def test_original_layout_fuses_gate_and_up_and_reads_back_exactly() -> None:
+    """save.format = "original": each block's gate and up LoRAs become one LoRA of the
+    checkpoint's fused `img_mlp.gate_up` whose delta is the two deltas stacked (gate rows
+    first, a part not trained contributing zero rows), scale folded; reading it back gives the
+    deltas it was written from."""
+    from difftune.adapters.formats import group_modules
+    from difftune.families.qwen_image_21.keys import split_fused, to_original
+
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    state = {"transformer.transformer_blocks.0.img_mlp.gate_layer.lora_A.weight": rand(2, 8),
+             "transformer.transformer_blocks.0.img_mlp.gate_layer.lora_B.weight": rand(24, 2),
+             "transformer.transformer_blocks.0.img_mlp.proj.lora_A.weight": rand(2, 8),
+             "transformer.transformer_blocks.0.img_mlp.proj.lora_B.weight": rand(24, 2),
+             "transformer.transformer_blocks.1.img_mlp.proj.lora_A.weight": rand(2, 8),
+             "transformer.transformer_blocks.1.img_mlp.proj.lora_B.weight": rand(24, 2),
+             "transformer.transformer_blocks.1.attn.to_q.lora_A.weight": rand(2, 8),
+             "transformer.transformer_blocks.1.attn.to_q.lora_B.weight": rand(8, 2)}
+    ours = group_modules(state, 8.0)  # alpha 8 at rank 2: scale 4
+    written = to_original(state, 2, 8.0)
+    assert not any(k.endswith(".alpha") for k in written)
+    pairs = group_modules({k.replace("diffusion_model.", "transformer.", 1): v
+                           for k, v in written.items()}, 1.0)
+    fused = pairs["transformer.transformer_blocks.0.img_mlp.gate_up"]
+    gate = ours["transformer.transformer_blocks.0.img_mlp.gate_layer"].delta()
+    up = ours["transformer.transformer_blocks.0.img_mlp.proj"].delta()
+    torch.testing.assert_close(fused.up @ fused.down, torch.cat([gate, up]))
+    half = pairs["transformer.transformer_blocks.1.img_mlp.gate_up"]
+    assert not bool((half.up @ half.down)[:24].any())
+    back, alphas = split_fused({k.replace("diffusion_model.", "transformer.", 1): v
+                                for k, v in written.items()}, {})
+    # No alpha in the file: scale 1, alpha = rank (2) for the modules written as they were.
+    read = group_modules(back, {**{m: 2.0 for m in ours}, **alphas})
+    for module, pair in ours.items():
+        torch.testing.assert_close(read[module].delta(), pair.delta())
