@@ -9,11 +9,19 @@ norm. The base checkpoint (QwenImage21Pipeline / QwenImage21ModularPipeline) and
 Turbo (QwenImage21TurboModularPipeline) share the architecture; Turbo's folder ships its
 sampling grid as `sample_sigmas` in model_index.json, which is how diffusers' modular loader
 tells them apart, and so does `QwenImage21Family.distilled`.
+
+Text-to-image only: the pipeline's image-conditioned mode (condition images read by Qwen3-VL
+and their latents put in the vision slots of the text sequence) is not trained yet. In diffusers
+0.42.1, QwenImage21Pipeline.__call__ cannot sample it from precomputed embeddings, which is how
+difftune samples: with `image` and `prompt_embeds`, its `encode_prompt` requires an
+`image_pad_mask` that `__call__` takes no argument for (ValueError "Pass `image_pad_mask`
+alongside `prompt_embeds`...").
 """
 
 from __future__ import annotations
 
-from difftune.families.specs import FamilySpec, ModelFiles, ModelSize, TextEncoderSpec
+from difftune.families.specs import (VAE_KEEP_HIGH, FamilySpec, ModelFiles, ModelSize,
+                                     TextEncoderSpec)
 
 # QwenImage21Pipeline.prompt_template_t2i: the system turn, then the caption as the user turn.
 SYSTEM = "Comprehend and analyze the provided prompt."
@@ -73,8 +81,7 @@ SPEC = FamilySpec(
         "denoiser": (r"^time_text_embed\.", r"^txt_in\.", r"^img_in$", r"^modulation\.",
                      r"^norm_out\.", r"^proj_out$"),
         "text_encoders": (r"embed_tokens", r"norm$", r"^model\.visual\.", r"lm_head"),
-        # The RGBA autoencoder's first and last convolutions and its quant convs.
-        "vae": (r"conv1$", r"conv2$", r"conv_in$", r"conv_out$", r"quant_conv$"),
+        "vae": VAE_KEEP_HIGH,
     },
     swap_blocks=("transformer_blocks",),
     compile_blocks=("transformer_blocks",),
