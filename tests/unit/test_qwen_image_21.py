@@ -89,28 +89,33 @@ def test_tiny_tokenizer_gives_the_real_system_message(setup: tuple[Any, Any, Any
 
 def test_predict_is_the_velocity_the_pipeline_steps_with(setup: tuple[Any, Any, Any]) -> None:
     """The pipeline's first step from pure noise (sigma 1) moves the latents by
-    (sigma_1 - 1) * velocity: our `predict` at t = 1 is that velocity, for a batch of two
-    captions of different lengths (padded, masked)."""
+    (sigma_1 - 1) * velocity: our `predict` at t = 1 is that velocity for each caption of a
+    batch of captions of different lengths (padded, masked), as the pipeline gives it for that
+    caption alone (a padded caption would take other RoPE positions)."""
     pipe, family, comps = setup
-    latents = torch.randn(2, 64, 2, 4, generator=torch.Generator().manual_seed(3))
-    embeds = family.encode_text(comps, ["a red circle", "a pink ring on a blue square"])
+    latents = torch.randn(3, 64, 2, 4, generator=torch.Generator().manual_seed(3))
+    captions = ["a red circle", "a pink ring on a blue square", "a blue circle"]
+    embeds = family.encode_text(comps, captions)
     assert not bool(embeds.tensors["prompt_embeds_mask"].all())
-    seen: list[torch.Tensor] = []
-
-    def grab(p: object, i: int, t: torch.Tensor, kw: dict) -> dict:
-        seen.append(kw["latents"].clone())
-        return {}
-
-    pipe(**family.pipeline_inputs(embeds, None, 1.0, 1.0), latents=to_tokens(latents.clone()),
-         height=32, width=64, num_inference_steps=2, output_type="latent",
-         callback_on_step_end=grab)
-    sigmas = pipe.scheduler.sigmas
-    assert float(sigmas[0]) == 1.0
     cond = Conditioning(guidance=1.0, original_sizes=[], crops=[], target_sizes=[])
     with torch.no_grad():
-        velocity = family.predict(comps, latents, embeds, torch.ones(2), cond)
-    torch.testing.assert_close(from_tokens(seen[0], 2, 4),
-                               latents + (sigmas[1] - sigmas[0]) * velocity, rtol=0, atol=1e-5)
+        velocity = family.predict(comps, latents, embeds, torch.ones(3), cond)
+    for i, caption in enumerate(captions):
+        seen: list[torch.Tensor] = []
+
+        def grab(p: object, step: int, t: torch.Tensor, kw: dict) -> dict:
+            seen.append(kw["latents"].clone())
+            return {}
+
+        alone = family.encode_text(comps, [caption])
+        pipe(**family.pipeline_inputs(alone, None, 1.0, 1.0),
+             latents=to_tokens(latents[i:i + 1].clone()), height=32, width=64,
+             num_inference_steps=2, output_type="latent", callback_on_step_end=grab)
+        sigmas = pipe.scheduler.sigmas
+        assert float(sigmas[0]) == 1.0
+        torch.testing.assert_close(from_tokens(seen[0], 2, 4),
+                                   latents[i:i + 1] + (sigmas[1] - sigmas[0]) * velocity[i:i + 1],
+                                   rtol=0, atol=1e-5)
 
 
 def test_cfg_samples_as_the_pipeline_does_with_prompts(setup: tuple[Any, Any, Any]) -> None:

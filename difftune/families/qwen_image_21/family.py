@@ -8,7 +8,8 @@ row-major order. The transformer reads the text tokens, then one "image slot" pe
 tokens (`img_mask`, True at the slots), which it expands to the target's tokens; its output's
 last h x w tokens are the velocity (noise - x0), with the time as sigma in [0, 1]. Text
 embeddings are variable-length (the system turn's 14 tokens dropped, each caption's own tokens
-kept) and travel padded with a mask, as QwenImage21Pipeline right-pads them.
+kept) and travel padded with a mask, as QwenImage21Pipeline right-pads them; the transformer
+runs each caption length of a batch on its own, unpadded (`predict`).
 """
 
 from __future__ import annotations
@@ -108,21 +109,35 @@ class QwenImage21Family(DiffusersLayoutFamily):
     def predict(self, c: Components, noisy: torch.Tensor, embeds: TextEmbeds, t: torch.Tensor,
                 cond: Conditioning) -> torch.Tensor:
         """Velocity (noise - x0) for noisy latents at t in [0, 1] (1 = pure noise), as
-        QwenImage21Pipeline calls the transformer for text-to-image (no condition images)."""
-        b, _, h, w = noisy.shape
+        QwenImage21Pipeline calls the transformer for one prompt (no condition images).
+
+        The transformer gives text padding RoPE positions (its frame index counts every text
+        slot), so a caption padded to a longer one's length would condition otherwise than it
+        does alone: samples are run in groups of one caption length, each without padding."""
         text = embeds.tensors["prompt_embeds"]
-        mask = embeds.tensors["prompt_embeds_mask"]
+        lengths = embeds.tensors["prompt_embeds_mask"].sum(dim=1)
+        groups = [((lengths == n).nonzero().squeeze(1), int(n)) for n in lengths.unique().tolist()]
+        parts = [self._velocity(c, noisy[rows.to(noisy.device)], text[rows, :n],
+                                t[rows.to(t.device)]) for rows, n in groups]
+        if len(parts) == 1:
+            return parts[0]
+        out = parts[0].new_empty((noisy.shape[0], *parts[0].shape[1:]))
+        for (rows, _), part in zip(groups, parts):
+            out[rows.to(out.device)] = part
+        return out
+
+    @staticmethod
+    def _velocity(c: Components, noisy: torch.Tensor, text: torch.Tensor, t: torch.Tensor
+                  ) -> torch.Tensor:
+        """The transformer's velocity for latents whose captions all have `text`'s length (no
+        padding): the text's slots, then one image slot per 2 x 2 target tokens."""
+        b, _, h, w = noisy.shape
         slots = torch.cat([torch.zeros(b, text.shape[1], dtype=torch.bool),
                            torch.ones(b, h * w // SLOT, dtype=torch.bool)], dim=1)
-        out = c.denoiser(
-            hidden_states=to_tokens(noisy),
-            encoder_hidden_states=text.to(noisy.dtype),
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-            timestep=t.to(noisy.dtype),
-            img_shapes=[[(1, h, w)]] * b,
-            img_mask=slots.to(noisy.device),
-            return_dict=False,
-        )[0]
+        out = c.denoiser(hidden_states=to_tokens(noisy),
+                         encoder_hidden_states=text.to(noisy.device, noisy.dtype),
+                         timestep=t.to(noisy.dtype), img_shapes=[[(1, h, w)]] * b,
+                         img_mask=slots.to(noisy.device), return_dict=False)[0]
         return from_tokens(out[:, -h * w:], h, w)
 
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]

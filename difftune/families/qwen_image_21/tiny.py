@@ -91,9 +91,12 @@ def build_tiny_qwen_image_21() -> dict[str, Any]:
         torch.manual_seed(SEED)
         transformer = QwenImage21Transformer2DModel(**TINY_TRANSFORMER_CONFIG)
         # The text norm is zero-centred (stored as scale - 1, zero in diffusers' init):
-        # random values exercise it in tests.
+        # random values exercise it in tests. The shared modulation's gates (tanh of its
+        # output) are near zero at the default init, so the blocks, and a LoRA on them, would
+        # barely change an image: larger weights make a training step show in samples.
         with torch.no_grad():
             transformer.txt_in.text_norm.weight.normal_(std=0.1)
+            transformer.modulation[1].weight.normal_(std=0.5)
         encoder = tiny_text_encoder(tok)
         vae = AutoencoderKLQwenImage21(**TINY_VAE_CONFIG)
     return {"transformer": transformer.eval(), "text_encoder": encoder.eval(), "tokenizer": tok,
