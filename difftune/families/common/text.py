@@ -115,7 +115,8 @@ def trimmed(out: dict[str, torch.Tensor], drop: int = 0) -> dict[str, torch.Tens
     goes), the padding still left in longer batches zeroed: a batch then equals its captions'
     cache entries padded by `pad_cat`. Sequence tensors are those as long as the mask. The
     first `drop` positions go too (a template prefix every row has: tokenizers pad on the
-    right, so each row's own tokens start at position 0)."""
+    right, or `to_front` moved a left-padded batch's tokens there, so each row's own tokens
+    start at position 0)."""
     mask = out["mask"].bool()
     keep = mask.any(0)
     keep[:drop] = False
