@@ -219,10 +219,16 @@ ANIMA = KeyMap("Anima", (
 # comfy/model_detection.py or comfy/supported_models.py), so it loads no FLUX.3 LoRA key.
 FLUX3 = KeyMap("none (no FLUX.3 model)", ())
 
+# Qwen-Image 2.1: comfy/model_detection.py knows Qwen-Image by `txt_norm.weight` (2.1 has
+# `txt_in.text_norm`), and no other detection matches its blocks: ComfyUI loads no 2.1 model,
+# so its key map for one is empty (every key "lora key not loaded").
+QWEN_IMAGE_21 = KeyMap("none (no Qwen-Image 2.1 model)", ())
+
 # difftune family -> the ComfyUI model class that loads its denoiser (variants share it).
 MAPS = {"flux": FLUX, "chroma": CHROMA, "flux2": FLUX2, "sd3": SD3, "sdxl": SDXL,
         "qwen_image": QWEN_IMAGE, "z_image": Z_IMAGE, "krea2": KREA2, "wan": WAN, "sd15": SD15,
-        "anima": ANIMA, "flux3": FLUX3, "ernie_image": ERNIE_IMAGE}
+        "anima": ANIMA, "flux3": FLUX3, "ernie_image": ERNIE_IMAGE,
+        "qwen_image_21": QWEN_IMAGE_21}
 
 
 def split_key(key: str) -> tuple[str, str]:

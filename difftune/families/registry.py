@@ -35,6 +35,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
                     "difftune.families.ernie_image.family.ErnieImageFamily"),
     "anima": ("difftune.families.anima.spec", "difftune.families.anima.family.AnimaFamily"),
     "flux3": ("difftune.families.flux3.spec", "difftune.families.flux3.family.Flux3Family"),
+    "qwen_image_21": ("difftune.families.qwen_image_21.spec",
+                      "difftune.families.qwen_image_21.family.QwenImage21Family"),
 }
 
 

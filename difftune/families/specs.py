@@ -74,6 +74,9 @@ class TextEncoderSpec:
     text by text and zero-padded to the longest, as cache entries are batched); `pad_position`
     (None: the model's own) passes position ids 0, 1, ... with every padding token at this
     position.
+    `side` is the side a batch is padded on ("left" where the pipeline pads there: each row's
+    own tokens are moved to the front before the trim and drop, as the pipeline splits the
+    rows by their masks); `empty` is the text an empty caption is read as (None: as it is).
     """
 
     name: str
@@ -99,6 +102,8 @@ class TextEncoderSpec:
     clean: bool = False
     window: int = 0
     pad_position: int | None = None
+    side: Literal["right", "left"] = "right"
+    empty: str | None = None
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
@@ -296,7 +301,7 @@ CLIP_KINDS = ("clip", "clip_projection")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
 DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "suffix",
                   "drop", "layers", "stack", "pad", "valid_positions", "image_prompt", "clean",
-                  "window", "pad_position")
+                  "window", "pad_position", "side", "empty")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

@@ -9,6 +9,8 @@ The program-wide facts are here; the per-family facts are data in each family's 
   `krea2_to_diffusers`, or the model's own names); a prefix ending in "_" underscores them.
   The table's names are the diffusers modules the family's single-file layout maps, less
   those its `lora_unread` says ComfyUI drops in the "diffusers" layout.
+- `COMFYUI_LOADS_NOTHING` (optional): why ComfyUI loads no model of the family (none of its
+  LoRA keys can apply then).
 - `DIFFUSERS_READS`: (prefix, naming, modules skipped (regex over diffusers names), why) for
   each spelling the family's diffusers LoRA loader (its `lora_state_dict` and the converter it
   calls) reads; other spellings it refuses or loads nothing of.
@@ -55,27 +57,25 @@ class Program:
     rules: tuple[ReadRule, ...]
     tensors: frozenset[str]
     counts: str  # "keys" (ComfyUI reports each key) or "modules" (layers diffusers adapts)
+    # Why the program loads no model of the family ("": it does); every key is dropped then.
+    absent: str = ""
 
 
 def comfyui(family: str) -> Program:
     """ComfyUI's rules for `family`: its generic map over original names, and its model
     branch's forms over the diffusers names (minus `lora_unread`'s ComfyUI entries, and a
     form's own skips: an entry of `COMFYUI_FORMS` is a prefix or (prefix, skipped, why))."""
-    name = f"ComfyUI ({COMFYUI_VERSION})"
-    unknown = getattr(family_keys(family), "COMFYUI_UNKNOWN", None)
-    if unknown is not None:  # ComfyUI has no model of the family: it reads no spelling
-        spellings = COMFYUI_GENERIC + (("transformer.", DIFFUSERS),)
-        return Program(name, tuple(ReadRule(p, n, ".*", unknown) for p, n in spellings),
-                       COMFYUI_TENSORS, "keys")
     unread = [(pattern, why) for layout, reader, pattern, why in registry.spec(family).lora_unread
               if layout == DIFFUSERS and reader == "ComfyUI"]
     rules = [ReadRule(p, n) for p, n in COMFYUI_GENERIC]
+    absent = getattr(family_keys(family), "COMFYUI_LOADS_NOTHING", "")
     for form in family_keys(family).COMFYUI_FORMS:
         prefix, *own = (form,) if isinstance(form, str) else form
         skips = unread + ([tuple(own)] if own else [])
         rules.append(ReadRule(prefix, DIFFUSERS, "|".join(f"(?:{p})" for p, _ in skips),
                               "; ".join(w for _, w in skips)))
-    return Program(name, tuple(rules), COMFYUI_TENSORS, "keys")
+    return Program(f"ComfyUI ({COMFYUI_VERSION})", tuple(rules), COMFYUI_TENSORS, "keys",
+                   absent)
 
 
 def diffusers(family: str) -> Program:

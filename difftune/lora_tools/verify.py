@@ -115,6 +115,8 @@ def check_module(program: Program, module: Module, names: FamilyNames
         return 0, [Dropped(f"{module.key}.{t}", expected(program, module, names, t), why)
                    for t in sorted(module.tensors)]
 
+    if program.absent:
+        return drop_all(program.absent)
     rule = _rule(program, module)
     if rule is None:
         return drop_all(f"{program.name} does not read modules spelled "

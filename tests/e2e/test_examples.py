@@ -16,7 +16,7 @@ import diffusers
 import pytest
 from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxKontextPipeline, FluxPipeline,
                        Krea2Pipeline, QwenImageEditPipeline,
-                       QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline,
+                       QwenImage21Pipeline, QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline,
                        StableDiffusionXLPipeline, WanPipeline, ZImagePipeline)
 
 from difftune.cli import main
@@ -31,6 +31,7 @@ from difftune.families.flux3.sampling import ModularSampler
 from difftune.families.flux3.tiny import build_tiny_flux3
 from difftune.families.krea2.tiny import build_tiny_krea2
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
+from difftune.families.qwen_image_21.tiny import build_tiny_qwen_image_21
 from difftune.families.sd3.tiny import build_tiny_sd3
 from difftune.families.sd15.tiny import build_tiny_sd15
 from difftune.families.sdxl.tiny import build_tiny_sdxl
@@ -52,6 +53,8 @@ PIPELINES = {"anima-lora.toml": (lambda t5_embedding, **parts: sampling_pipeline
              "qwen-image-lora.toml": (QwenImagePipeline, build_tiny_qwen_image),
              "qwen-image-edit-lora.toml": (QwenImageEditPipeline,
                                            lambda: build_tiny_qwen_image("edit")),
+             "qwen-image-21-lora.toml": (lambda tokenizer, **parts: QwenImage21Pipeline(**parts),
+                                         build_tiny_qwen_image_21),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
              # saved as released, less the safety checker (not part of training)
              "sd15-lora.toml": (lambda **parts: StableDiffusionPipeline(

@@ -92,6 +92,8 @@ def chat_texts(spec: TextEncoderSpec, tokenizer: Any, texts: list[str]) -> list[
     when the spec declares a chat; else the texts as they are. The spec's `strip` substrings
     are removed from each text first."""
     texts = [_stripped(spec, t) for t in texts]
+    if spec.empty is not None:
+        texts = [t or spec.empty for t in texts]
     if spec.template is not None:
         return [spec.template.replace("{}", t, 1) for t in texts]
     if spec.chat is None:
@@ -113,7 +115,8 @@ def trimmed(out: dict[str, torch.Tensor], drop: int = 0) -> dict[str, torch.Tens
     goes), the padding still left in longer batches zeroed: a batch then equals its captions'
     cache entries padded by `pad_cat`. Sequence tensors are those as long as the mask. The
     first `drop` positions go too (a template prefix every row has: tokenizers pad on the
-    right, so each row's own tokens start at position 0)."""
+    right, or `to_front` moved a left-padded batch's tokens there, so each row's own tokens
+    start at position 0)."""
     mask = out["mask"].bool()
     keep = mask.any(0)
     keep[:drop] = False
@@ -132,14 +135,17 @@ def trimmed(out: dict[str, torch.Tensor], drop: int = 0) -> dict[str, torch.Tens
 
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int, pad: str = "max_length",
-             specials: bool = True, window: int = 0) -> dict[str, torch.Tensor]:
+             specials: bool = True, window: int = 0, side: str = "right"
+             ) -> dict[str, torch.Tensor]:
     """Pad/truncate every text to `max_length` tokens (or pad to the longest text with `pad`
     "longest"), as the pipelines do at inference (`specials`: whether the tokenizer adds its
-    own special tokens); with `window` > 0, to the longest text rounded up to a multiple of
-    `window` tokens, at most `max_length` (`windowed`)."""
-    extra = {} if specials else {"add_special_tokens": False}
+    own special tokens; `side`: the side padding goes on); with `window` > 0, to the longest
+    text rounded up to a multiple of `window` tokens, at most `max_length` (`windowed`)."""
+    extra: dict[str, Any] = {} if specials else {"add_special_tokens": False}
     if window:
         max_length, pad = windowed(tokenizer, texts, max_length, window, extra), "max_length"
+    if side != "right":
+        extra["padding_side"] = side
     enc = tokenizer(
         texts,
         padding="longest" if pad == "each" else pad,
@@ -175,11 +181,28 @@ def spec_tokens(spec: TextEncoderSpec, tokenizer: Any, texts: list[str], max_len
     before the assistant turn do), so `max_length` tokens remain after the drop."""
     texts = chat_texts(spec, tokenizer, texts)
     if spec.suffix is None:
-        return tokenize(tokenizer, texts, max_length, spec.pad, spec.specials, spec.window)
+        return tokenize(tokenizer, texts, max_length, spec.pad, spec.specials, spec.window,
+                        spec.side)
     tail = tokenizer([spec.suffix] * len(texts), return_tensors="pt")
     body = tokenize(tokenizer, texts, max_length + spec.drop - tail["input_ids"].shape[1],
                     spec.pad, spec.specials)
     return {k: torch.cat([body[k], tail[k]], dim=1) for k in ("input_ids", "attention_mask")}
+
+
+def to_front(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Outputs of a left-padded batch with each row's masked tokens moved to its front, in
+    order (sequence tensors: as long as the mask), so `trimmed` reads them as right-padded."""
+    mask = out["mask"].bool()
+    # A stable sort on "is padding" keeps the tokens' order and puts the padding last.
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+
+    def move(v: torch.Tensor) -> torch.Tensor:
+        if v.dim() < 2 or v.shape[1] != mask.shape[1]:
+            return v
+        index = order.reshape(*order.shape, *([1] * (v.dim() - 2))).expand_as(v)
+        return torch.gather(v, 1, index.to(v.device))
+
+    return {k: move(v) for k, v in out.items()}
 
 
 def valid_positions(mask: torch.Tensor, axes: int) -> torch.Tensor:
@@ -286,6 +309,8 @@ def encode(
         result["pooled"] = out.text_embeds if projected else out.pooler_output
     if use_mask:
         result["mask"] = attention
+        if spec.side == "left":
+            result = to_front(result)
     if spec.trim and use_mask:
         return trimmed(result, spec.drop)
     return dropped(result, spec.drop)

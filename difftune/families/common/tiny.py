@@ -9,6 +9,7 @@ files in `difftune/assets/tiny/` (made by `difftune/assets/make_tiny_assets.py`)
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -156,3 +157,52 @@ def t5_encoder(tok: Any, width: int) -> Any:
     cfg.update({"d_model": width, "d_ff": width})
     return T5EncoderModel(cfg).eval()
 
+
+
+# Qwen's special tokens (the added tokens of Qwen3-VL's tokenizer that text prompts can hold).
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                       "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def _qwen_words(pre_tokenizer: Any, text: str) -> list[str]:
+    """The byte-level pre-tokenized pieces of `text`, Qwen's special tokens left out."""
+    pattern = "|".join(re.escape(t) for t in QWEN_SPECIAL_TOKENS)
+    return [piece for part in re.split(pattern, text) if part
+            for piece, _ in pre_tokenizer.pre_tokenize_str(part)]
+
+
+def qwen_bpe_tokenizer(text: str, chat_template: str,
+                       splits: dict[str, tuple[str, ...]] | None = None) -> Any:
+    """A Qwen2 byte-level BPE tokenizer (the one Qwen2.5 and Qwen3 models share): the 256 byte
+    symbols, a merge chain making each word of `text` one token, as the real vocabulary has
+    them (a word in `splits` becomes the byte-level pieces listed there instead, where the real
+    vocabulary splits it), Qwen's special tokens (<|endoftext|> pads on the right, <|im_end|>
+    ends) and `chat_template`."""
+    from transformers import AddedToken, Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = sorted(bytes_to_unicode().values())
+
+    def build(vocab: list[str], merges: list[tuple[str, str]]) -> Any:
+        tok = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(vocab)}, merges=merges,
+                             unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+        tok.add_tokens([AddedToken(t, special=True) for t in QWEN_SPECIAL_TOKENS],
+                       special_tokens=True)
+        tok.padding_side = "right"
+        tok.chat_template = chat_template
+        return tok
+
+    pre = build(symbols, []).backend_tokenizer.pre_tokenizer
+    merges: list[tuple[str, str]] = []
+    vocab = list(symbols)
+    words = _qwen_words(pre, text)
+    split = splits or {}
+    # The split words' pieces last: their merges then rank below every whole word's, which
+    # they would otherwise break apart (" provided" after the piece "preh" merged "pr").
+    pieces = [w for w in words if w not in split] + [p for w in words for p in split.get(w, ())]
+    for piece in pieces:
+        for end in range(2, len(piece) + 1):
+            if piece[:end] not in vocab:
+                merges.append((piece[: end - 1], piece[end - 1]))
+                vocab.append(piece[:end])
+    return build(vocab, merges)

@@ -36,7 +36,8 @@ class FolderLayout:
     `scheduler_config` is the released scheduler's config (used when the folder has none),
     `scheduler` its class (None: FlowMatchEulerDiscreteScheduler), `denoiser` the pipeline's
     name (and the folder's subfolder) of the transformer that is trained, `scheduler_unknown`
-    what to warn when the folder has no scheduler, where releases differ only in theirs."""
+    what to warn when the folder has no scheduler, where releases differ only in theirs,
+    `tokenizer` the subfolder the tokenizer is read from."""
 
     what: str
     transformer: Any
@@ -50,6 +51,7 @@ class FolderLayout:
     # Further denoisers read the same way, by pipeline name (a two-expert model's second,
     # `transformer_2`: the folder's subfolder, or the single file `model.<name>`).
     others: tuple[str, ...] = ()
+    tokenizer: str = "tokenizer"
 
 
 def _component(folder: Path, file: Path | None, sub: str, cls: Any, load_file: FileLoader,
@@ -72,7 +74,7 @@ def load_components(cfg: "ModelConfig", dtypes: dict[str, torch.dtype], folder: 
     from transformers import AutoTokenizer
 
     used: list[Path] = [Path(cfg.text_encoder)] if cfg.text_encoder is not None else []
-    subs = ["tokenizer"] + (["text_encoder"] if cfg.text_encoder is None else [])
+    subs = [layout.tokenizer] + (["text_encoder"] if cfg.text_encoder is None else [])
     transformer = _component(folder, cfg.transformer, layout.denoiser, layout.transformer,
                              layout.transformer_file, dtypes[layout.denoiser], layout.what,
                              used, subs)
@@ -91,7 +93,7 @@ def load_components(cfg: "ModelConfig", dtypes: dict[str, torch.dtype], folder: 
             log.warning("%s", layout.scheduler_unknown)
     return {
         layout.denoiser: transformer, **others, "vae": vae, "scheduler": scheduler,
-        "tokenizer": from_folder(AutoTokenizer, folder, "tokenizer", None, layout.what),
+        "tokenizer": from_folder(AutoTokenizer, folder, layout.tokenizer, None, layout.what),
         **text_encoders(cfg, dtypes["text_encoders"]),
         "name": Path(cfg.transformer).stem if cfg.transformer is not None else folder.name,
         "fingerprint": fingerprint(folder_files(folder, subs)[1:] + list(extra_files) + used),

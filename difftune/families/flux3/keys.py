@@ -7,7 +7,7 @@ reads it as it is. Read back besides (`diffusers_names`): other trainers' spelli
 names (`diffusion_model.`, `lora_unet_`, `lycoris_`, `lora_down`/`lora_up` with `.alpha`), and
 BFL's original module names under `diffusion_model.` (what diffusers' converter
 _convert_non_diffusers_flux3_lora_to_diffusers reads), mapped by `ORIGINAL_MODULES`. ComfyUI at
-4f874c5e has no FLUX.3 model, so it reads none of them (`COMFYUI_UNKNOWN`).
+4f874c5e has no FLUX.3 model, so it reads none of them (`COMFYUI_LOADS_NOTHING`).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ ORIGINAL_MODULES: tuple[tuple[str, str], ...] = (
 # `difftune lora verify`'s rules (lora_tools.programs). ComfyUI at 4f874c5e has no FLUX.3 model
 # (nothing under comfy/ldm, comfy/model_detection.py or comfy/supported_models.py names it), so
 # it loads no FLUX.3 checkpoint and no key of a FLUX.3 LoRA.
-COMFYUI_UNKNOWN = ("ComfyUI at 4f874c5e has no FLUX.3 model (comfy/model_detection.py does not "
-                   "detect it), so it loads no FLUX.3 LoRA")
+COMFYUI_LOADS_NOTHING = ("ComfyUI at 4f874c5e has no FLUX.3 model (comfy/model_detection.py does "
+                         "not detect it), so it loads no FLUX.3 LoRA")
 COMFYUI_FORMS: tuple[str, ...] = ()
 # Flux3LoraLoaderMixin reads PEFT names as they are, and `diffusion_model.` files through
 # _convert_non_diffusers_flux3_lora_to_diffusers (diffusers' names, and BFL's block module

@@ -10,21 +10,17 @@ the real tokenizer. Nothing is downloaded; weights come from a fixed seed in a f
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
-from difftune.families.common.tiny import TEXT_WIDTH
+from difftune.families.common.tiny import TEXT_WIDTH, qwen_bpe_tokenizer
 from difftune.families.krea2.files import SCHEDULER_CONFIG
 from difftune.families.common.frame_vae import RELEASED_CONFIG as VAE_CONFIG
 from difftune.families.krea2.released import TEXT_CONFIG, VISION_CONFIG
 from difftune.families.krea2.spec import PREFIX, SUFFIX
 
 SEED = 4321
-# Qwen's special tokens (the added tokens of Qwen3-VL's tokenizer that text prompts can hold).
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
-                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 # Qwen3-VL's ChatML prompt format, for the messages a text encoder sees.
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -42,41 +38,10 @@ TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
 TINY_VAE_CONFIG: dict[str, Any] = {**VAE_CONFIG, "base_dim": 16, "num_res_blocks": 1}
 
 
-def _words(pre_tokenizer: Any, text: str) -> list[str]:
-    """The byte-level pre-tokenized pieces of `text`, its special tokens left out."""
-    pattern = "|".join(re.escape(t) for t in SPECIAL_TOKENS)
-    return [piece for part in re.split(pattern, text) if part
-            for piece, _ in pre_tokenizer.pre_tokenize_str(part)]
-
-
 def tiny_qwen_vl_tokenizer() -> Any:
-    """A Qwen2 byte-level BPE tokenizer: the 256 byte symbols, whole-word merges for the
-    template's words, Qwen's special tokens (<|endoftext|> pads on the right, <|im_end|> ends)
-    and the chat template."""
-    from transformers import AddedToken, Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    symbols = sorted(bytes_to_unicode().values())
-
-    def build(vocab: list[str], merges: list[tuple[str, str]]) -> Any:
-        tok = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(vocab)}, merges=merges,
-                             unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-        tok.add_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS],
-                       special_tokens=True)
-        tok.padding_side = "right"
-        tok.chat_template = CHAT_TEMPLATE
-        return tok
-
-    pre = build(symbols, []).backend_tokenizer.pre_tokenizer
-    merges: list[tuple[str, str]] = []
-    vocab = list(symbols)
-    for word in _words(pre, PREFIX + SUFFIX):
-        for end in range(2, len(word) + 1):
-            pair = (word[: end - 1], word[end - 1])
-            if word[:end] not in vocab:
-                merges.append(pair)
-                vocab.append(word[:end])
-    return build(vocab, merges)
+    """A Qwen2 byte-level BPE tokenizer with whole-word merges for the template's words (see
+    `qwen_bpe_tokenizer`), Qwen's special tokens and the chat template."""
+    return qwen_bpe_tokenizer(PREFIX + SUFFIX, CHAT_TEMPLATE)
 
 
 def tiny_text_encoder(tok: Any) -> Any:

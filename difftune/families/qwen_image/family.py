@@ -47,6 +47,17 @@ def _prompt(embeds: TextEmbeds, prefix: str) -> dict[str, torch.Tensor]:
             f"{prefix}prompt_embeds_mask": embeds.tensors["prompt_embeds_mask"]}
 
 
+def true_cfg_inputs(embeds: TextEmbeds, negative: TextEmbeds | None, cfg: float
+                    ) -> dict[str, Any]:
+    """Precomputed (negative) embeddings with their masks and true CFG (`true_cfg_scale`, on
+    when > 1 with a negative prompt), the arguments the Qwen-Image pipelines (2.1's too)
+    take."""
+    kwargs: dict[str, Any] = {**_prompt(embeds, ""), "true_cfg_scale": cfg}
+    if negative is not None and cfg > 1.0:
+        kwargs.update(_prompt(negative, "negative_"))
+    return kwargs
+
+
 class QwenImageFamily(DiffusersLayoutFamily):
     """The Qwen-Image family."""
 
@@ -150,7 +161,4 @@ class QwenImageFamily(DiffusersLayoutFamily):
         """QwenImagePipeline arguments: precomputed (negative) embeddings with their masks and
         true CFG (`true_cfg_scale`, on when > 1 with a negative prompt; the pipeline rescales
         the combined prediction to the conditional one's norm)."""
-        kwargs: dict[str, Any] = {**_prompt(embeds, ""), "true_cfg_scale": cfg}
-        if negative is not None and cfg > 1.0:
-            kwargs.update(_prompt(negative, "negative_"))
-        return kwargs
+        return true_cfg_inputs(embeds, negative, cfg)

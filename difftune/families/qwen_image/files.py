@@ -87,7 +87,6 @@ def transformer_config(sd: dict[str, torch.Tensor], path: Path) -> dict[str, Any
     try:
         inner, in_channels = sd["img_in.weight"].shape
         head = sd["transformer_blocks.0.attn.norm_q.weight"].shape[0]
-        side = (head - head // 8) // 2 // 2 * 2
         return {**TRANSFORMER_CONFIG, "in_channels": in_channels,
                 "out_channels": sd["proj_out.weight"].shape[0] // 4,
                 "num_layers": count_blocks(sd, "transformer_blocks."),
@@ -95,9 +94,16 @@ def transformer_config(sd: dict[str, torch.Tensor], path: Path) -> dict[str, Any
                 "joint_attention_dim": sd["txt_in.weight"].shape[1],
                 "guidance_embeds": any(k.startswith("time_text_embed.guidance_embedder")
                                        for k in sd),
-                "axes_dims_rope": (head - 2 * side, side, side)}
+                "axes_dims_rope": rope_axes(head)}
     except KeyError as err:
         raise missing_error(path, "a Qwen-Image transformer", err) from None
+
+
+def rope_axes(head: int) -> tuple[int, int, int]:
+    """The (frame, height, width) RoPE dims of a head `head` wide, in the released split
+    ((16, 56, 56) of 128; Qwen-Image 2.1 keeps it): the spatial axes share 7/8 of it evenly."""
+    side = (head - head // 8) // 2 // 2 * 2
+    return (head - 2 * side, side, side)
 
 
 def load_transformer_file(path: Path, dtype: torch.dtype) -> Any:
