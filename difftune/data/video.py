@@ -177,14 +177,14 @@ def read_clip(path: Path, clip: Clip, bucket: Bucket, box: tuple[int, int, int, 
                              f"the clip's {wanted[-1] + 1} (frames removed since the run "
                              "started?)")
         return torch.stack([load_pixels(files[i], bucket, box, flip) for i in wanted], dim=1)
-    out = [fit_pixels(image, bucket, box, flip, path) for image in _stream(path, wanted)]
+    out = [fit_pixels(image, bucket, box, flip, path) for image in stream_images(path, wanted)]
     if len(out) == len(wanted):
         return torch.stack(out, dim=1)
     raise ValueError(f"video {path} ends before frame {wanted[len(out)]} (it was shortened "
                      "since the run started?)")
 
 
-def _stream(path: Path, wanted: list[int]) -> Iterator["Image.Image"]:
+def stream_images(path: Path, wanted: list[int]) -> Iterator["Image.Image"]:
     """The frames of `path` at the `wanted` indices (ascending, repeats allowed) as RGB images,
     decoded in order and one at a time; decoding stops after the last wanted frame, and a video
     that ends sooner yields fewer."""
@@ -221,7 +221,7 @@ def sample_frames(path: Path, count: int) -> list["Image.Image"]:
         files = frame_files(path)
         return [load_rgb(files[i]) for i in wanted]
     try:
-        frames = list(_stream(path, wanted))
+        frames = list(stream_images(path, wanted))
     except av.FFmpegError as err:
         raise ValueError(f"unreadable video ({err})") from None
     if not frames:
