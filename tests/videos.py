@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pytest
 
 
 def frame(index: int, width: int, height: int) -> np.ndarray:
@@ -41,3 +44,20 @@ def write_video(path: Path, frames: int, fps: int = 16, width: int = 64, height:
     if caption is not None:
         path.with_suffix(".txt").write_text(caption, encoding="utf-8")
     return path
+
+
+def record_entries(monkeypatch: "pytest.MonkeyPatch") -> list[tuple[Any, dict]]:
+    """Every (item, entry) the run's `LatentSource` encodes from now on (the test's
+    monkeypatch undoes the recording), to look at the latents and masks it caches."""
+    from difftune.cache.sources import LatentSource
+
+    seen: list[tuple[Any, dict]] = []
+    real = LatentSource._encode
+
+    def recording(self: LatentSource, item: Any, box: Any, flip: bool) -> dict:
+        entry = real(self, item, box, flip)
+        seen.append((item, entry))
+        return entry
+
+    monkeypatch.setattr(LatentSource, "_encode", recording)
+    return seen

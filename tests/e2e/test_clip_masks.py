@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from difftune.cli import main
-from tests.videos import frame, write_video
+from tests.videos import frame, record_entries, write_video
 
 from .conftest import run_toml
 
@@ -64,18 +64,9 @@ def test_clip_masks_fold_onto_the_latent_frames_and_train(
     """Each clip's cached mask is on its latent grid (f, h, w): the mask video's first three
     white frames give latent frame 0 = 1, frame 1 (frames 1-4) = 0.5, frame 2 (5-8) = 0; the
     folder of left-half masks and the still right-half mask hold in every latent frame."""
-    from difftune.cache.sources import LatentSource
-
-    entries: dict[str, dict[str, torch.Tensor]] = {}
-    real = LatentSource._encode
-
-    def recording(self: LatentSource, item: object, box: object, flip: bool) -> dict:
-        entry = real(self, item, box, flip)  # type: ignore[arg-type]
-        entries[item.path.name] = entry  # type: ignore[attr-defined]
-        return entry
-
-    monkeypatch.setattr(LatentSource, "_encode", recording)
+    seen = record_entries(monkeypatch)
     assert main(["train", str(_config(tmp_path, *masked)), "--no-progress"]) == 0
+    entries = {item.path.name: entry for item, entry in seen}
     a, b, folder = entries["a.mp4"]["mask"], entries["b.mp4"]["mask"], entries["frames"]["mask"]
     assert a.shape == (3, 6, 10) and b.shape == folder.shape == (2, 6, 10)
     means = a.mean(dim=(1, 2))
