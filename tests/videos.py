@@ -24,16 +24,20 @@ def frame(index: int, width: int, height: int) -> np.ndarray:
 
 def write_video(path: Path, frames: int, fps: int = 16, width: int = 64, height: int = 48,
                 caption: str | None = "a moving bar",
-                paint: Callable[[int, int, int], np.ndarray] | None = None) -> Path:
+                paint: Callable[[int, int, int], np.ndarray] | None = None,
+                rotation: int = 0) -> Path:
     """An H.264 mp4 (or a VP9 webm for a .webm path) of `frames` frames at `fps` (each made by
     `paint(index, width, height)`, `frame` by default), with a same-stem caption file unless
-    `caption` is None."""
+    `caption` is None. `rotation` (counterclockwise degrees) is written as the stream's display
+    matrix, as phones write portrait videos."""
     import av
 
     codec = "libvpx-vp9" if path.suffix == ".webm" else "libx264"
     with av.open(str(path), "w") as out:
         stream = out.add_stream(codec, rate=Fraction(fps))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if rotation:
+            stream.set_display_rotation(rotation)
         for i in range(frames):
             picture = av.VideoFrame.from_ndarray((paint or frame)(i, width, height),
                                                   format="rgb24")

@@ -171,6 +171,9 @@ def _video_clips(path: Path, ds: DatasetConfig, counts: list[int], fps: float,
                       rule)
     if isinstance(plan, str):
         return plan
+    if info.rotation:
+        _note(out, f"{path}: rotated {info.rotation} degrees by its metadata; decoded upright "
+                   f"at {info.size[0]}x{info.size[1]}")
     if abs(info.fps - fps) > 1e-3:
         _note(out, f"{path}: {info.fps:g} fps resampled to {fps:g} fps (datasets.fps; motion "
                    "trains at the model's speed)")

@@ -67,7 +67,8 @@ def huber_deltas(delta: float, schedule: str, position: torch.Tensor,
 
 def per_sample(err: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """One loss per sample: the mean of its elements' errors or, with `mask` ((B, h, w) weights
-    over the last two axes of `err`, the latent grid; (B, f, h, w) over the last three for clips), their weighted mean
+    over the last two axes of `err`, the latent grid; (B, f, h, w) over the last three for
+    clips), their weighted mean
     sum(mask * err) / sum(mask) over each sample's elements (normalized by the masked area)."""
     if mask is None:
         return err.flatten(1).mean(dim=1) if err.dim() > 1 else err

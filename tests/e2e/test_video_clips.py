@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,3 +132,31 @@ def test_clips_train_at_every_resolution(videos: Path, tmp_path: Path,
     assert main(["train", str(cfg), "--no-progress"]) == 0
     shapes = {tuple(e["latent"].shape) for _, e in seen}
     assert {(16, 3, 6, 10), (16, 3, 10, 14), (16, 2, 10, 14)} <= shapes
+
+
+def _corner(index: int, width: int, height: int) -> np.ndarray:
+    """A black frame with a white square in its top-left corner (as stored)."""
+    img = np.zeros((height, width, 3), np.uint8)
+    img[:16, :16] = 255
+    return img
+
+
+def test_rotated_video_is_decoded_upright(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A phone video stored 64x48 with a 90 degree display rotation is a 48x64 portrait
+    clip: bucketed as one, reported by check, and its frames turned counterclockwise (the
+    stored top-left corner shows bottom left), as players show it."""
+    from difftune.data.video import Clip, first_frame, read_clip
+
+    data = tmp_path / "data"
+    data.mkdir()
+    phone = write_video(data / "phone.mp4", 5, paint=_corner, rotation=90)
+    assert main(["check", str(_config(tmp_path, data))]) == 0
+    out = capsys.readouterr().out
+    assert f"{phone}: rotated 90 degrees by its metadata; decoded upright at 48x64" in out
+    assert "bucket 48x80x5: 1" in out
+    clip = read_clip(phone, Clip(0, 5, 16.0, 16.0), (48, 64), (0, 0, 48, 64), False)
+    assert clip.shape == (3, 5, 64, 48)
+    corners = clip[:, :, [8, 8, -8, -8], [8, -8, 8, -8]].mean(dim=(0, 1))
+    assert corners[2] > 0.8 and (corners[[0, 1, 3]] < -0.8).all(), corners
+    assert first_frame(phone).size == (48, 64)
