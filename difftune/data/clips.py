@@ -114,7 +114,7 @@ def _placed(path: Path, made: tuple[VideoInfo, list[Clip]], mask: Path | None,
     """A video's clip items at every resolution its size fits (skipped, with the reason, at a
     resolution whose buckets are all too far from its shape)."""
     info, clips = made
-    caption, items = caption_of(path, sub, out), []
+    caption, augment, items = caption_of(path, sub, out), CaptionAugment.from_subset(sub), []
     for res, candidates in buckets.items():
         bucket = assign_bucket(info.size, candidates)
         problem = upscale_problem(info.size, bucket)
@@ -124,7 +124,7 @@ def _placed(path: Path, made: tuple[VideoInfo, list[Clip]], mask: Path | None,
             continue
         items += [Item(path=path, caption=caption, size=info.size, bucket=bucket,
                        dataset=where[0], subset=where[1], repeats=sub.repeats, flip=sub.flip,
-                       crop=sub.crop, augment=CaptionAugment.from_subset(sub), resolution=res,
+                       crop=sub.crop, augment=augment, resolution=res,
                        regularization=sub.regularization, loss_weight=sub.loss_weight,
                        clip=clip, mask=mask, unmasked_weight=sub.unmasked_weight)
                   for clip in clips]

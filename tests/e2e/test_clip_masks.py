@@ -16,6 +16,7 @@ from difftune.cli import main
 from tests.videos import frame, record_entries, write_video
 
 from .conftest import run_toml
+from .test_masked_loss import prepared_keeping_predictions
 
 
 def _half(width: int, height: int, left: bool) -> np.ndarray:
@@ -94,3 +95,19 @@ def test_check_reports_clip_masks_and_refuses_mismatched_ones(
     assert "2 video(s) have no usable mask" in err
     assert f"its mask {bad / 'a.mp4'} has 7 frames while {data / 'a.mp4'} has 9" in err
     assert f"its mask {bad / 'b.png'} is 32x48 while {data / 'b.mp4'} is 64x48" in err
+
+
+def test_clip_background_gets_no_gradient(masked: tuple[Path, Path], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With unmasked_weight 0, the prediction of the clip masked by the right-half still mask
+    gets no gradient on the left of any latent frame, and gets one on the right of each: the
+    (f, h, w) mask weighs the (B, C, f, h, w) prediction."""
+    from difftune.train.step import batch_loss
+
+    run, seen = prepared_keeping_predictions(_config(tmp_path, *masked), monkeypatch)
+    index = next(i for i, it in enumerate(run.data.items) if it.path.name == "b.mp4")
+    batch_loss(run, [index], [False], torch.Generator().manual_seed(0)).backward()
+    grad = seen[0].grad
+    assert grad is not None and grad.shape[-3:] == (2, 6, 10)
+    assert torch.all(grad[..., :4] == 0)
+    assert torch.all(grad[..., 6:].abs().sum(dim=(0, 1, 3, 4)) > 0)
