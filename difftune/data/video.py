@@ -94,7 +94,7 @@ _TURNS = {90: Image.Transpose.ROTATE_90, 180: Image.Transpose.ROTATE_180,
 def _turn(frame: Any) -> int:
     """A decoded frame's display rotation (its display-matrix side data, which phones write
     for portrait videos) as counterclockwise degrees 0, 90, 180 or 270 (nearest)."""
-    return round(getattr(frame, "rotation", 0) / 90) % 4 * 90
+    return round(frame.rotation / 90) % 4 * 90
 
 
 def upright(frame: Any) -> Image.Image:
