@@ -6,7 +6,7 @@ aside: a mask video (decoded like the clip: the same source frames, so the same 
 resampling), a folder of mask frames (for a folder of frames, or a video), or one still mask
 image applied to every frame. A mask video or folder must have its source's frame count and
 size, a still mask its size; anything else is a `DataError` naming both files. Each frame then
-goes through the image masks' steps (`masks._fit`), and the (F, H, W) mask is reduced to the
+goes through the image masks' steps (`masks.fit_mask`), and the (F, H, W) mask is reduced to the
 latent grid in space (area averaging) and in time as the video VAE folds frames: latent frame 0
 is frame 0 alone, each later one the mean of the `step` frames it encodes (Wan: frames
 4k-3..4k), `step` following from the frame and latent-frame counts.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from PIL import Image
 
 from difftune.data.buckets import Bucket
 from difftune.data.images import IMAGE_EXTENSIONS
-from difftune.data.masks import _decoded, _fit, to_latent_grid
+from difftune.data.masks import _decoded, fit_mask, to_latent_grid
 from difftune.data.video import (VIDEO_EXTENSIONS, Clip, VideoInfo, even_frames, frame_files,
                                  probe_frames, probe_video, stream_images)
 
@@ -65,20 +66,22 @@ def mask_problem(video: Path, mask: Path, info: VideoInfo) -> str | None:
     return None
 
 
-def clip_mask_frames(mask: Path, wanted: list[int]) -> list[Image.Image]:
+def clip_mask_frames(mask: Path, wanted: list[int]) -> Iterator[Image.Image]:
     """The "L" mask frames at the source frame indices `wanted` (a clip's
-    `source_frames()`): streamed from a mask video, read from a folder, or the still image
-    repeated."""
+    `source_frames()`), one at a time: streamed from a mask video, read from a folder, or the
+    still image repeated. Raises ValueError when a mask video ends before the last."""
     if mask.is_dir():
         files = frame_files(mask)
-        return [_decoded(files[i]).convert("L") for i in wanted]
-    if mask.suffix.lower() in VIDEO_EXTENSIONS:
-        frames = [img.convert("L") for img in stream_images(mask, wanted)]
-        if len(frames) != len(wanted):
-            raise ValueError(f"mask video {mask} ends before frame {wanted[len(frames)]}")
-        return frames
-    still = _decoded(mask).convert("L")
-    return [still] * len(wanted)
+        yield from (_decoded(files[i]).convert("L") for i in wanted)
+    elif mask.suffix.lower() in VIDEO_EXTENSIONS:
+        count = 0
+        for count, img in enumerate(stream_images(mask, wanted), start=1):
+            yield img.convert("L")
+        if count != len(wanted):
+            raise ValueError(f"mask video {mask} ends before frame {wanted[count]}")
+    else:
+        still = _decoded(mask).convert("L")
+        yield from (still for _ in wanted)
 
 
 def mask_area(mask: Path, samples: int = 8) -> float:
@@ -94,9 +97,10 @@ def mask_area(mask: Path, samples: int = 8) -> float:
 def load_clip_mask(mask: Path, clip: Clip, bucket: Bucket, box: tuple[int, int, int, int],
                    flip: bool) -> torch.Tensor:
     """The (F, H, W) float32 mask in [0, 1] of a clip, aligned frame for frame and pixel for
-    pixel with `read_clip(video, clip, bucket, box, flip)`."""
+    pixel with `read_clip(video, clip, bucket, box, flip)`; each frame is fitted as it is
+    decoded, so only the clip's frames at their training size are held."""
     frames = clip_mask_frames(mask, clip.source_frames())
-    return torch.stack([_fit(img, bucket, box, flip) for img in frames])
+    return torch.stack([fit_mask(img, bucket, box, flip) for img in frames])
 
 
 def to_latent_frames(mask: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:

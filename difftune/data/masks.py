@@ -99,10 +99,10 @@ def load_mask(image: Path, mask: Path | None, size: tuple[int, int], bucket: Buc
               box: tuple[int, int, int, int], flip: bool) -> torch.Tensor:
     """The (H, W) float32 mask in [0, 1] of a sample, aligned pixel for pixel with
     `load_pixels(image, bucket, box, flip)`: resized to cover the bucket, cropped, mirrored."""
-    return _fit(mask_image(image, mask, size), bucket, box, flip)
+    return fit_mask(mask_image(image, mask, size), bucket, box, flip)
 
 
-def _fit(img: Image.Image, bucket: Bucket, box: tuple[int, int, int, int], flip: bool
+def fit_mask(img: Image.Image, bucket: Bucket, box: tuple[int, int, int, int], flip: bool
          ) -> torch.Tensor:
     """An "L" mask resized to cover `bucket`, cropped to `box`, mirrored with `flip`, as an
     (H, W) float32 tensor in [0, 1] (the steps `load_pixels` applies to the image)."""
