@@ -50,7 +50,7 @@ def masked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return data, masks
 
 
-def _config(folder: Path, data: Path, masks: Path, steps: int = 2) -> Path:
+def _config(folder: Path, data: Path, masks: Path, steps: int = 1) -> Path:
     """A tiny Wan run on `data`, masked by `masks` with unmasked_weight 0, clips of 5 or 9."""
     cfg = run_toml(folder, data, family="wan", steps=steps, fmt=None)
     text = cfg.read_text(encoding="utf-8").replace(
