@@ -66,7 +66,7 @@ def latent_fields(
         "flip": flip,
     }
     if mask is not None:
-        fields["mask_sha256"] = file_hash(mask)
+        fields["mask_sha256"] = content_hash(mask)
     if alpha_mask:
         fields["alpha_mask"] = True
     if clip is not None:

@@ -24,6 +24,7 @@ from difftune.cache.store import Store
 from difftune.cache.text_images import TextImage
 from difftune.data.discover import Item
 from difftune.data.images import crop_box, load_pixels
+from difftune.data.clip_masks import load_clip_mask, to_latent_frames
 from difftune.data.masks import load_mask, to_latent_grid
 from difftune.data.video import read_clip
 from difftune.families.base import Components, Family, TextEmbeds, pad_cat
@@ -96,7 +97,7 @@ class LatentSource:
                ) -> dict[str, torch.Tensor]:
         """The entry of item `index`, horizontally flipped or not: "latent" (C, h, w), (C, f, h,
         w) for a clip, and, for
-        a masked item, "mask" (h, w) on the latent grid.
+        a masked item, "mask" (h, w) on the latent grid ((f, h, w) for a clip).
 
         With `fresh_crops`, a random-crop item gets a crop drawn from `sample_seed` (the
         sampler's per-occurrence seed) and is encoded live, never cached.
@@ -147,7 +148,11 @@ class LatentSource:
         masked item's mask reduced to the latent's grid (fp32)."""
         if item.clip is not None:  # (3, F, H, W) frames, streamed from the video
             clip = read_clip(item.path, item.clip, item.bucket, box, flip)
-            return {"latent": self.family.encode_clips(self.comps, clip[None])[0].cpu()}
+            latent = self.family.encode_clips(self.comps, clip[None])[0].cpu()
+            if item.mask is None:
+                return {"latent": latent}
+            mask = load_clip_mask(item.mask, item.clip, item.bucket, box, flip)
+            return {"latent": latent, "mask": to_latent_frames(mask, latent.shape[-3:])}
         pixels = load_pixels(item.path, item.bucket, box, flip)
         latent = self.family.encode_images(self.comps, pixels[None])[0].cpu()
         if not item.masked:

@@ -182,7 +182,7 @@ def build(datasets: list[DatasetConfig], bucket_step: int,
                 clips and sub.path.is_dir()) else []
             made = _subset_items(sub, d, s, buckets, out, control_size, folders)
             videos = list_images(sub.path, sub.recursive, VIDEO_EXTENSIONS) + folders
-            clipped = clip_items(videos, sub, ds, (d, s), buckets[ds.resolutions[0]], clips, out)
+            clipped = clip_items(videos, sub, ds, (d, s), buckets, clips, out)
             if not made and not clipped:
                 log.warning("datasets[%d].subsets[%d].path: no usable image or video in %s",
                             d, s, sub.path)

@@ -115,7 +115,8 @@ class DataSet:
         }
 
     def _per_resolution(self) -> dict[str, Any]:
-        """{"resolutions": {side: {"images": n, "buckets": {...}}}} when items were bucketed at
+        """{"resolutions": {side: {"images": n, "buckets": {...}}}} ("clips": their clips too,
+        when there are any) when items were bucketed at
         more than one side ({} otherwise, so single-resolution reports stay as they were)."""
         sides = sorted({it.resolution for it in self.items})
         if len(sides) < 2:
@@ -126,7 +127,9 @@ class DataSet:
             buckets = Counter(it.bucket_name for it in items)
             upscaled = sum(1 for it in items
                            if it.size[0] < it.bucket[0] or it.size[1] < it.bucket[1])
-            out[str(side)] = {"images": len(items), "upscaled": upscaled,
+            clips = sum(1 for it in items if it.clip is not None)
+            out[str(side)] = {"images": len(items) - clips, "upscaled": upscaled,
+                              **({"clips": clips} if clips else {}),
                               "buckets": dict(sorted(buckets.items()))}
         return {"resolutions": out}
 

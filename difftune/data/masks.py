@@ -99,7 +99,13 @@ def load_mask(image: Path, mask: Path | None, size: tuple[int, int], bucket: Buc
               box: tuple[int, int, int, int], flip: bool) -> torch.Tensor:
     """The (H, W) float32 mask in [0, 1] of a sample, aligned pixel for pixel with
     `load_pixels(image, bucket, box, flip)`: resized to cover the bucket, cropped, mirrored."""
-    img = mask_image(image, mask, size)
+    return fit_mask(mask_image(image, mask, size), bucket, box, flip)
+
+
+def fit_mask(img: Image.Image, bucket: Bucket, box: tuple[int, int, int, int], flip: bool
+         ) -> torch.Tensor:
+    """An "L" mask resized to cover `bucket`, cropped to `box`, mirrored with `flip`, as an
+    (H, W) float32 tensor in [0, 1] (the steps `load_pixels` applies to the image)."""
     target = cover_size(img.size, bucket)
     if img.size != target:
         img = img.resize(target, Image.Resampling.BILINEAR)
@@ -129,15 +135,29 @@ def mean_area(image: Path, mask: Path | None, size: tuple[int, int]) -> float:
     return float(np.asarray(img, dtype=np.float32).mean() / 255.0)
 
 
+def _item_area(item: Item, clips: dict[Path, float]) -> float:
+    """`mean_area` of an image item; for a clip, its mask's (`clip_masks.mask_area`, once per
+    mask in `clips`)."""
+    if item.clip is None or item.mask is None:
+        return mean_area(item.path, item.mask, item.size)
+    from difftune.data.clip_masks import mask_area
+
+    if item.mask not in clips:
+        clips[item.mask] = mask_area(item.mask)
+    return clips[item.mask]
+
+
 def batch_weights(entries: list[dict[str, torch.Tensor]], floors: list[float]
                   ) -> torch.Tensor:
     """(B, h, w) loss weights of a batch from its latent entries (`LatentSource.sample`): each
-    masked entry's mask with its subset's `unmasked_weight` (`floors`), 1 for an unmasked one."""
+    masked entry's mask with its subset's `unmasked_weight` (`floors`), 1 for an unmasked one.
+    A batch of clips carries (B, f, h, w) weights (one bucket: every clip has the same grid)."""
+    grid = next((tuple(e["mask"].shape) for e in entries if "mask" in e), None)
     out = []
     for entry, floor in zip(entries, floors, strict=True):
         mask = entry.get("mask")
-        if mask is None:
-            mask, floor = torch.ones(entry["latent"].shape[-2:]), 1.0
+        if mask is None:  # a masked sibling's grid ((f, h, w) for clips), else the latent's
+            mask, floor = torch.ones(grid or entry["latent"].shape[-2:]), 1.0
         out.append(weights(mask.float(), floor))
     return torch.stack(out)
 
@@ -149,11 +169,13 @@ def describe(items: list[Item]) -> list[str]:
     for it in items:
         if it.masked:
             subsets.setdefault((it.dataset, it.subset), []).append(it)
-    lines = []
+    lines, clip_areas = [], {}
     for (d, s), group in sorted(subsets.items()):
-        area = sum(mean_area(it.path, it.mask, it.size) for it in group) / len(group)
+        area = sum(_item_area(it, clip_areas) for it in group) / len(group)
         source = "alpha channel" if group[0].alpha_mask else "mask files"
-        lines.append(f"masked loss: datasets[{d}].subsets[{s}]: {len(group)} images masked by "
+        clips = sum(it.clip is not None for it in group)
+        what = "clips" if clips == len(group) else "images" if not clips else "images and clips"
+        lines.append(f"masked loss: datasets[{d}].subsets[{s}]: {len(group)} {what} masked by "
                      f"{source}, mean masked area {area:.0%}, unmasked_weight "
                      f"{group[0].unmasked_weight:g}")
     return lines

@@ -16,16 +16,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import Any, Iterator, Literal
 
 import torch
+from PIL import Image
 
 from difftune.data.buckets import Bucket
 from difftune.data.images import (IMAGE_EXTENSIONS, fit_pixels, load_pixels, load_rgb,
                                   probe_image)
-
-if TYPE_CHECKING:
-    from PIL import Image
 
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mov", ".mkv"})
 ClipMode = Literal["head", "chunks", "slide", "uniform", "full"]
@@ -36,11 +34,14 @@ FrameRule = tuple[int, int]
 
 @dataclass(frozen=True)
 class VideoInfo:
-    """A probed video: its (width, height), frame rate and number of frames."""
+    """A probed video: its displayed (width, height), frame rate, number of frames, and the
+    rotation its metadata asks for (degrees counterclockwise: 0, 90, 180 or 270; the size is
+    the upright one, after it)."""
 
     size: tuple[int, int]
     fps: float
     frames: int
+    rotation: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,31 @@ def probe_video(path: Path) -> VideoInfo:
             if not rate:
                 raise ValueError("no frame rate in the file")
             frames = stream.frames or _count_frames(container)
-            next(iter(container.decode(video=0)))
-            size = (stream.codec_context.width, stream.codec_context.height)
+            turn = _turn(next(iter(container.decode(video=0))))
+            w, h = stream.codec_context.width, stream.codec_context.height
     except (av.FFmpegError, StopIteration, OSError) as err:
         raise ValueError(f"unreadable video ({err or 'no frame'})") from None
-    return VideoInfo(size=size, fps=float(rate), frames=int(frames))
+    size = (h, w) if turn in (90, 270) else (w, h)
+    return VideoInfo(size=size, fps=float(rate), frames=int(frames), rotation=turn)
+
+
+# PIL's transpose for each counterclockwise turn (ROTATE_90 turns counterclockwise, as the
+# display matrix's angle does).
+_TURNS = {90: Image.Transpose.ROTATE_90, 180: Image.Transpose.ROTATE_180,
+          270: Image.Transpose.ROTATE_270}
+
+
+def _turn(frame: Any) -> int:
+    """A decoded frame's display rotation (its display-matrix side data, which phones write
+    for portrait videos) as counterclockwise degrees 0, 90, 180 or 270 (nearest)."""
+    return round(frame.rotation / 90) % 4 * 90
+
+
+def upright(frame: Any) -> Image.Image:
+    """A decoded PyAV frame as an RGB image as players show it: turned by its display
+    rotation (a phone's portrait video is stored landscape with a rotation to show it)."""
+    image, turn = frame.to_image(), _turn(frame)
+    return image if not turn else image.transpose(_TURNS[turn])
 
 
 def probe_frames(folder: Path, fps: float) -> VideoInfo:
@@ -99,14 +120,14 @@ def frame_files(folder: Path) -> list[Path]:
                    and p.is_file() and not p.name.startswith(".")), key=lambda p: p.name)
 
 
-def first_frame(path: Path) -> "Image.Image":
+def first_frame(path: Path) -> Image.Image:
     """A video's first frame as an RGB image (the web app's thumbnail); ValueError with
     check's reason when it cannot be read."""
     probe_video(path)
     import av
 
     with av.open(str(path)) as container:
-        return next(iter(container.decode(video=0))).to_image()
+        return upright(next(iter(container.decode(video=0))))
 
 
 def _count_frames(container: object) -> int:
@@ -177,14 +198,14 @@ def read_clip(path: Path, clip: Clip, bucket: Bucket, box: tuple[int, int, int, 
                              f"the clip's {wanted[-1] + 1} (frames removed since the run "
                              "started?)")
         return torch.stack([load_pixels(files[i], bucket, box, flip) for i in wanted], dim=1)
-    out = [fit_pixels(image, bucket, box, flip, path) for image in _stream(path, wanted)]
+    out = [fit_pixels(image, bucket, box, flip, path) for image in stream_images(path, wanted)]
     if len(out) == len(wanted):
         return torch.stack(out, dim=1)
     raise ValueError(f"video {path} ends before frame {wanted[len(out)]} (it was shortened "
                      "since the run started?)")
 
 
-def _stream(path: Path, wanted: list[int]) -> Iterator["Image.Image"]:
+def stream_images(path: Path, wanted: list[int]) -> Iterator[Image.Image]:
     """The frames of `path` at the `wanted` indices (ascending, repeats allowed) as RGB images,
     decoded in order and one at a time; decoding stops after the last wanted frame, and a video
     that ends sooner yields fewer."""
@@ -195,7 +216,7 @@ def _stream(path: Path, wanted: list[int]) -> Iterator["Image.Image"]:
         for index, frame in enumerate(container.decode(video=0)):
             if index < wanted[k]:
                 continue
-            image = frame.to_image()
+            image = upright(frame)
             while k < len(wanted) and wanted[k] == index:
                 yield image
                 k += 1
@@ -209,7 +230,7 @@ def even_frames(total: int, count: int) -> list[int]:
     return sorted({min(total - 1, int((i + 0.5) * total / count)) for i in range(count)})
 
 
-def sample_frames(path: Path, count: int) -> list["Image.Image"]:
+def sample_frames(path: Path, count: int) -> list[Image.Image]:
     """`count` frames spread evenly over a video or a folder of frames, as RGB images (what a
     captioner looks at). Streams: only the sampled frames are kept. Raises ValueError with a
     short reason when the video cannot be read."""
@@ -221,7 +242,7 @@ def sample_frames(path: Path, count: int) -> list["Image.Image"]:
         files = frame_files(path)
         return [load_rgb(files[i]) for i in wanted]
     try:
-        frames = list(_stream(path, wanted))
+        frames = list(stream_images(path, wanted))
     except av.FFmpegError as err:
         raise ValueError(f"unreadable video ({err})") from None
     if not frames:

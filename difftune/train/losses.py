@@ -67,7 +67,8 @@ def huber_deltas(delta: float, schedule: str, position: torch.Tensor,
 
 def per_sample(err: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """One loss per sample: the mean of its elements' errors or, with `mask` ((B, h, w) weights
-    over the last two axes of `err`, the latent grid), their weighted mean
+    over the last two axes of `err`, the latent grid; (B, f, h, w) over the last three for
+    clips), their weighted mean
     sum(mask * err) / sum(mask) over each sample's elements (normalized by the masked area)."""
     if mask is None:
         return err.flatten(1).mean(dim=1) if err.dim() > 1 else err
@@ -77,12 +78,13 @@ def per_sample(err: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Ten
 
 
 def _on_grid(mask: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
-    """(B, h, w) weights shaped to broadcast over `err`'s (B, ..., h, w) axes, in fp32."""
-    b, h, w = mask.shape
-    if tuple(err.shape[-2:]) != (h, w):  # a family's prediction must come back on the grid
+    """(B, h, w) weights ((B, f, h, w) for clips) shaped to broadcast over `err`'s
+    (B, ..., h, w) ((B, ..., f, h, w)) axes, in fp32."""
+    b, *grid = mask.shape
+    if list(err.shape[len(err.shape) - len(grid):]) != grid:  # the prediction's grid
         raise ValueError(f"loss mask {tuple(mask.shape)} does not match the prediction's "
                          f"latent grid {tuple(err.shape)}")
-    return mask.to(err.device, torch.float32).view(b, *[1] * (err.dim() - 3), h, w)
+    return mask.to(err.device, torch.float32).view(b, *[1] * (err.dim() - 1 - len(grid)), *grid)
 
 
 def batch_mean(per: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -106,7 +106,9 @@ def _resolution_lines(sides: dict[str, dict]) -> list[str]:
     """Per resolution of a multi-resolution run: its items, upscaled ones and buckets."""
     lines = []
     for side, s in sorted(sides.items(), key=lambda kv: int(kv[0])):
-        lines.append(f"  resolution {side}: {s['images']} images, {s['upscaled']} upscaled")
+        clips = f", {s['clips']} clips" if "clips" in s else ""
+        lines.append(f"  resolution {side}: {s['images']} images{clips}, {s['upscaled']} "
+                     "upscaled")
         lines += [f"    bucket {b}: {n}" for b, n in s["buckets"].items()]
     return lines
 

@@ -4,6 +4,7 @@ resumes exactly and round-trips its masks through the disk cache, `check` report
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +47,25 @@ def masked_toml(folder: Path, images: Path, masks: Path, floor: float = 0.0, **k
     return path
 
 
+def prepared_keeping_predictions(cfg: Path, monkeypatch: pytest.MonkeyPatch
+                                 ) -> tuple[Any, list[torch.Tensor]]:
+    """The prepared run of `cfg` (caches filled) and the list its family's predictions are kept
+    in from now on, each retaining its gradient, to see where a masked loss reaches."""
+    run = prepare(load_config(cfg), show_progress=False)
+    fill_caches(run, [], show_progress=False)
+    seen: list[torch.Tensor] = []
+    predict = run.family.predict
+
+    def keeping(*args: object) -> torch.Tensor:
+        out = predict(*args)  # type: ignore[arg-type]
+        out.retain_grad()
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(run.family, "predict", keeping)
+    return run, seen
+
+
 # By default one family per latent layout the mask must meet: FLUX.1's 2x2-packed tokens,
 # Qwen-Image's packed frames, SDXL's plain latents; the rest with --full.
 DEFAULT = ("flux", "qwen_image", "sdxl")
@@ -61,18 +81,7 @@ def test_background_gets_no_gradient(tmp_path: Path, monkeypatch: pytest.MonkeyP
     comes back on the latent grid the mask is reduced to."""
     images, masks = masked_folder(tmp_path / "data")
     cfg = masked_toml(tmp_path, images, masks, family=family)
-    run = prepare(load_config(cfg), show_progress=False)
-    fill_caches(run, [], show_progress=False)
-    seen: list[torch.Tensor] = []
-    predict = run.family.predict
-
-    def keeping(*args: object) -> torch.Tensor:
-        out = predict(*args)  # type: ignore[arg-type]
-        out.retain_grad()
-        seen.append(out)
-        return out
-
-    monkeypatch.setattr(run.family, "predict", keeping)
+    run, seen = prepared_keeping_predictions(cfg, monkeypatch)
     loss = batch_loss(run, [0, 1], [False, False], torch.Generator().manual_seed(0))
     loss.backward()
     grad = seen[0].grad

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from difftune.cli import main
-from tests.videos import frame, write_video
+from tests.videos import frame, record_entries, write_video
 
 from .conftest import assert_same_lora, run_toml, stopped_and_resumed
 
@@ -72,20 +73,11 @@ def test_clips_train_with_a_frame_axis_and_resume_exactly(
     """Clips (from files and a folder of frames) and an image train in one run; the cached
     clip latents are (16, f, h, w): 9 frames fold into 3 latent frames, 5 into 2. Stopped
     after step 2 and resumed, the run matches one that went through."""
-    from difftune.cache.sources import LatentSource
-
-    shapes: list[tuple[int, ...]] = []
-    real = LatentSource._encode
-
-    def recording(self: LatentSource, item: object, box: object, flip: bool) -> dict:
-        entry = real(self, item, box, flip)  # type: ignore[arg-type]
-        shapes.append(tuple(entry["latent"].shape))
-        return entry
-
-    monkeypatch.setattr(LatentSource, "_encode", recording)
+    seen = record_entries(monkeypatch)
     a, b = _config(tmp_path / "a", videos), _config(tmp_path / "b", videos)
     whole, resumed = stopped_and_resumed(a, b, monkeypatch, 2)
-    assert set(shapes) == {(16, 6, 10), (16, 3, 6, 10), (16, 2, 6, 10)}
+    assert {tuple(e["latent"].shape) for _, e in seen} == {(16, 6, 10), (16, 3, 6, 10),
+                                                           (16, 2, 6, 10)}
     assert whole == resumed and len(whole) == 4
     assert all(torch.isfinite(torch.tensor(loss)) for _, loss in whole)
     assert_same_lora(a.parent / "out", b.parent / "out")
@@ -113,3 +105,58 @@ def test_samples_are_short_videos(videos: Path, tmp_path: Path) -> None:
         assert first.size == (32, 32)
     still = samples / "step-000002_01_a-still-bar"
     assert still.with_suffix(".png").is_file() and not still.with_suffix(".mp4").exists()
+
+
+def test_clips_are_bucketed_at_every_resolution(
+        videos: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dataset with two resolutions takes each clip at both, as it takes each image: its
+    (w, h, frames) buckets are listed per resolution."""
+    cfg = _config(tmp_path, videos)
+    cfg.write_text(cfg.read_text(encoding="utf-8").replace("resolution = 64",
+                                                           "resolution = [64, 96]"))
+    assert main(["check", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "resolution 64: 1 images, 4 clips" in out and "resolution 96: 1 images, 4 clips" in out
+    assert "bucket 80x48x9: 3" in out and "bucket 112x80x9: 3" in out
+    assert "bucket 112x80x5: 1" in out and "clips: 8 from 3 video(s)" in out
+
+
+@pytest.mark.full_only
+def test_clips_train_at_every_resolution(videos: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both resolutions' clips are encoded (each its own cache entry) and trained."""
+    seen = record_entries(monkeypatch)
+    cfg = _config(tmp_path, videos, steps=2)
+    cfg.write_text(cfg.read_text(encoding="utf-8").replace("resolution = 64",
+                                                           "resolution = [64, 96]"))
+    assert main(["train", str(cfg), "--no-progress"]) == 0
+    shapes = {tuple(e["latent"].shape) for _, e in seen}
+    assert {(16, 3, 6, 10), (16, 3, 10, 14), (16, 2, 10, 14)} <= shapes
+
+
+def _corner(index: int, width: int, height: int) -> np.ndarray:
+    """A black frame with a white square in its top-left corner (as stored)."""
+    img = np.zeros((height, width, 3), np.uint8)
+    img[:16, :16] = 255
+    return img
+
+
+def test_rotated_video_is_decoded_upright(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A phone video stored 64x48 with a 90 degree display rotation is a 48x64 portrait
+    clip: bucketed as one, reported by check, and its frames turned counterclockwise (the
+    stored top-left corner shows bottom left), as players show it."""
+    from difftune.data.video import Clip, first_frame, read_clip
+
+    data = tmp_path / "data"
+    data.mkdir()
+    phone = write_video(data / "phone.mp4", 5, paint=_corner, rotation=90)
+    assert main(["check", str(_config(tmp_path, data))]) == 0
+    out = capsys.readouterr().out
+    assert f"{phone}: rotated 90 degrees by its metadata; decoded upright at 48x64" in out
+    assert "bucket 48x80x5: 1" in out
+    clip = read_clip(phone, Clip(0, 5, 16.0, 16.0), (48, 64), (0, 0, 48, 64), False)
+    assert clip.shape == (3, 5, 64, 48)
+    corners = clip[:, :, [8, 8, -8, -8], [8, -8, 8, -8]].mean(dim=(0, 1))
+    assert corners[2] > 0.8 and (corners[[0, 1, 3]] < -0.8).all(), corners
+    assert first_frame(phone).size == (48, 64)
