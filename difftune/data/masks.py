@@ -12,7 +12,6 @@ position is weighted by the share of its pixels that are masked in.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,9 +23,6 @@ from difftune.data.buckets import Bucket, cover_size
 from difftune.data.images import _to_8_bits, probe_image, strict_decoding
 from difftune.data.pairs import _partner
 from difftune.errors import DataError
-
-if TYPE_CHECKING:
-    from difftune.data.discover import Item
 
 _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 
@@ -135,18 +131,6 @@ def mean_area(image: Path, mask: Path | None, size: tuple[int, int]) -> float:
     return float(np.asarray(img, dtype=np.float32).mean() / 255.0)
 
 
-def _item_area(item: Item, clips: dict[Path, float]) -> float:
-    """`mean_area` of an image item; for a clip, its mask's (`clip_masks.mask_area`, once per
-    mask in `clips`)."""
-    if item.clip is None or item.mask is None:
-        return mean_area(item.path, item.mask, item.size)
-    from difftune.data.clip_masks import mask_area
-
-    if item.mask not in clips:
-        clips[item.mask] = mask_area(item.mask)
-    return clips[item.mask]
-
-
 def batch_weights(entries: list[dict[str, torch.Tensor]], floors: list[float]
                   ) -> torch.Tensor:
     """(B, h, w) loss weights of a batch from its latent entries (`LatentSource.sample`): each
@@ -160,22 +144,3 @@ def batch_weights(entries: list[dict[str, torch.Tensor]], floors: list[float]
             mask, floor = torch.ones(grid or entry["latent"].shape[-2:]), 1.0
         out.append(weights(mask.float(), floor))
     return torch.stack(out)
-
-
-def describe(items: list[Item]) -> list[str]:
-    """`difftune check`'s lines about masks: per masked subset, its images, their mean masked
-    area (the share of pixels trained at full weight) and the weight of the rest."""
-    subsets: dict[tuple[int, int], list[Item]] = {}
-    for it in items:
-        if it.masked:
-            subsets.setdefault((it.dataset, it.subset), []).append(it)
-    lines, clip_areas = [], {}
-    for (d, s), group in sorted(subsets.items()):
-        area = sum(_item_area(it, clip_areas) for it in group) / len(group)
-        source = "alpha channel" if group[0].alpha_mask else "mask files"
-        clips = sum(it.clip is not None for it in group)
-        what = "clips" if clips == len(group) else "images" if not clips else "images and clips"
-        lines.append(f"masked loss: datasets[{d}].subsets[{s}]: {len(group)} {what} masked by "
-                     f"{source}, mean masked area {area:.0%}, unmasked_weight "
-                     f"{group[0].unmasked_weight:g}")
-    return lines

@@ -18,7 +18,7 @@ from difftune.adapters.full import trained_parameters
 from difftune.adapters.kinds import (adapter_parameters, is_adapter_parameter, kind,
                                      uses_lycoris_layout)
 from difftune.config import RunConfig, SaveConfig
-from difftune.data import masks
+from difftune.data import mask_report
 from difftune.data.discover import DataSet
 from difftune.errors import ConfigError, DataError
 from difftune.files.names import COMFYUI_DORA
@@ -93,7 +93,7 @@ def _describe_data(data: DataSet) -> list[str]:
         lines += _resolution_lines(s["resolutions"])
     else:
         lines += [f"  bucket {b}: {n}" for b, n in sorted(s["buckets"].items())]
-    lines += masks.describe(data.items)
+    lines += mask_report.describe(data.items)
     if "clips" in s:
         lines.append(f"  clips: {s['clips']} from {s['videos']} video(s), buckets "
                      "WxHxframes")
