@@ -122,7 +122,7 @@ class Measurer:
         scorers = Scorers.load(MetricsConfig(enabled=True, dino=dino, clip=clip))
         assert run_cfg.cache.dir is not None
         ref = reference(scorers, training_images(data.items), run_cfg.cache.dir,
-                        float(m.get("copy_similarity", 0.95)))
+                        m.get("copy_similarity"))
         return measure(scorers, ref, [read_sample(p) for p in samples])
 
 
