@@ -43,20 +43,26 @@ if TYPE_CHECKING:
 
 @dataclass
 class Timed:
-    """One run's timed steps: (start, end, seconds) in perf_counter seconds since its start,
-    and the intervals its metrics thread spent measuring."""
+    """One run's timed steps (start, end, whether it is the step right after a sample event)
+    in perf_counter seconds since its start, and the intervals its metrics thread spent
+    measuring."""
 
-    steps: list[tuple[float, float]]
+    steps: list[tuple[float, float, bool]]
     busy: list[tuple[float, float]]
 
     def seconds(self) -> list[float]:
         """Every timed step's duration."""
-        return [b - a for a, b in self.steps]
+        return [b - a for a, b, _ in self.steps]
+
+    def after_events(self) -> list[float]:
+        """The durations of the steps right after a sample event (the measurement starts
+        with them in an "on" run; the same steps of an "off" run are their control)."""
+        return [b - a for a, b, after in self.steps if after]
 
     def split(self) -> tuple[list[float], list[float]]:
         """Durations of the steps that overlap a measurement, and of those that do not."""
         over, clear = [], []
-        for a, b in self.steps:
+        for a, b, _ in self.steps:
             hit = any(s < b and e > a for s, e in self.busy)
             (over if hit else clear).append(b - a)
         return over, clear
@@ -127,7 +133,7 @@ def timed_run(out: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> T
     zero = starts[0]
     # The interval (s-1, s] holds the sample event taken after step s-1 when an event ended
     # in it: that step is timed from the event's end.
-    steps = [((ended[s - 1] - zero) if s - 1 in ended else at[s - 1], at[s])
+    steps = [((ended[s - 1] - zero) if s - 1 in ended else at[s - 1], at[s], s - 1 in ended)
              for s in sorted(at) if s - 1 in at and s > args.every]
     return Timed(steps, [(a - zero, b - zero) for a, b in busy])
 
@@ -169,6 +175,10 @@ def report(pairs: list[dict[str, Timed]]) -> None:
           f"{1000 * statistics.median(ons):.1f} ms")
     print(f"median of the {len(ratios)} paired on/off ratios: {statistics.median(ratios):.3f} "
           f"(range {min(ratios):.3f}-{max(ratios):.3f})")
+    after = {n: statistics.median([x for p in pairs for x in p[n].after_events()])
+             for n in ("off", "on")}
+    print(f"the step right after each sample event, pooled: off {1000 * after['off']:.1f} ms, "
+          f"on {1000 * after['on']:.1f} ms: ratio {after['on'] / after['off']:.3f}")
     over = [x for p in pairs for x in p["on"].split()[0]]
     clear = [x for p in pairs for x in p["on"].split()[1]]
     if over and clear:
