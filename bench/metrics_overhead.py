@@ -1,22 +1,29 @@
-"""Step time with sample metrics on against off, sampling excluded.
+"""Step time with sample metrics on against off, sampling and the measurements excluded.
 
-    OMP_NUM_THREADS=1 python bench/metrics_overhead.py [--steps 120] [--every 20] [--rounds 2]
-        [--dino PATH --clip PATH] [--device cpu] [--window 5]
+    OMP_NUM_THREADS=1 python bench/metrics_overhead.py [--pairs 6] [--steps 120] [--every 20]
+        [--dino PATH --clip PATH | --sized] [--device cpu]
 
 Each run is difftune's real `train` verb on the tiny-flavor FLUX.1 transformer, batch 2, on
 the six bundled demo images, sampling the demo's six prompts every `--every` steps; the two
-runs of a round differ only in `[metrics]` (on: fidelity, memorization, diversity and CLIP
+runs of a pair differ only in `[metrics]` (on: fidelity, memorization, diversity and CLIP
 score measured in the metrics thread after each event). Without `--dino/--clip` the models
-are the tiny random DINOv2 and CLIP the tests use (report/tiny_scorers.py). A step's time is
-the difference of consecutive `time` values in metrics.jsonl; the steps whose interval holds a
-sample event (sampling itself) and the first `--every` steps (warm-up) are left out, so what
-remains is the training step, with the metrics thread working beside it in the "on" run.
-Printed: the median step time of each run and their ratio, per round, and the median ratio.
+are the tiny random DINOv2 and CLIP the tests use (report/tiny_scorers.py); `--sized` makes
+the DINOv2 a random one of dinov2-small's size (ViT-S/14, 224 px input: the work a real one
+does per image, nothing downloaded), the CLIP staying tiny.
 
-On a machine whose load changes from one run to the next, the paired figure is steadier:
-one run with `[metrics]` on in which only every other event is measured (the others are
-handed to no one), comparing the `--window` steps after a measured event (the thread busy
-beside them) with those after an unmeasured one, in the same process and minutes.
+The machine's load moves from minute to minute, so the runs are interleaved: pair k runs off
+then on for even k and on then off for odd k (ABBA...), and what is reported is the median
+of the per-pair ratios (with their range) beside the medians of each arm.
+
+A step's time is the difference of consecutive `time` values in metrics.jsonl. Left out: the
+first `--every` steps (warm-up) and the sample events themselves: the step after an event is
+timed from the event's end (the bench records when each `sample_event` returned), so sampling
+is excluded but the step that runs while the metrics thread starts measuring is kept. The
+measurements' own time is not in the training thread at all: the worker runs in its own
+thread, and the bench records when each measurement ran (start and end of
+`MetricWorker._one`). Where the two threads find fewer free cores than they need (or contend
+for Python's GIL) they slow each other: so each "on" run's steps are also split into those
+that overlap a measurement and those that do not, and their medians printed.
 """
 
 from __future__ import annotations
@@ -25,11 +32,40 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from difftune.config import RunConfig
+
+
+@dataclass
+class Timed:
+    """One run's timed steps (start, end, whether it is the step right after a sample event)
+    in perf_counter seconds since its start, and the intervals its metrics thread spent
+    measuring."""
+
+    steps: list[tuple[float, float, bool]]
+    busy: list[tuple[float, float]]
+
+    def seconds(self) -> list[float]:
+        """Every timed step's duration."""
+        return [b - a for a, b, _ in self.steps]
+
+    def after_events(self) -> list[float]:
+        """The durations of the steps right after a sample event (the measurement starts
+        with them in an "on" run; the same steps of an "off" run are their control)."""
+        return [b - a for a, b, after in self.steps if after]
+
+    def split(self) -> tuple[list[float], list[float]]:
+        """Durations of the steps that overlap a measurement, and of those that do not."""
+        over, clear = [], []
+        for a, b, _ in self.steps:
+            hit = any(s < b and e > a for s, e in self.busy)
+            (over if hit else clear).append(b - a)
+        return over, clear
 
 
 def config(out: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> "RunConfig":
@@ -51,82 +87,135 @@ def config(out: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> "Run
     }, Path.cwd())
 
 
-def step_times(out: Path, every: int) -> list[float]:
-    """Seconds of each training step, leaving out warm-up and the steps holding an event."""
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    times = {r["step"]: r["time"] for r in rows if "loss" in r}
-    # The interval (s, s+1] holds the sample event taken after step s when s % every == 0.
-    return [times[s] - times[s - 1] for s in sorted(times)
-            if s - 1 in times and s > every and (s - 1) % every != 0]
-
-
-def paired(args: argparse.Namespace, on: dict[str, Any], out: Path) -> tuple[float, float]:
-    """Median step time in the windows after measured and after unmeasured events of one run
-    that measures every other event."""
-    from difftune.report import metric_worker
+def timed_run(out: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> Timed:
+    """Train once; its timed steps and the metrics thread's busy intervals, both in seconds
+    since the run's reporter started (the clock of metrics.jsonl's `time`)."""
+    from difftune.report import metric_worker, metrics as report
+    from difftune.train import loop
     from difftune.verbs import train as train_verb
     from difftune.verbs.train import run_train
 
-    measured: list[int] = []
+    starts: list[float] = []
+    busy: list[tuple[float, float]] = []
+    ended: dict[int, float] = {}
+    event = loop.sample_event
 
-    class EveryOther(metric_worker.MetricWorker):
-        """The real worker, handed every other event."""
+    def timed_event(run: Any, hooks: Any, state: Any, step: int, *a: Any, **kw: Any) -> None:
+        """The real sample event; when it ended kept."""
+        event(run, hooks, state, step, *a, **kw)
+        ended[step] = time.perf_counter()
 
-        def submit(self, step: int, samples: list[Path]) -> None:
-            if (step // args.every) % 2 == 0:
-                measured.append(step)
-                super().submit(step, samples)
+    class Clocked(report.Reporter):
+        """The real reporter; its start time kept."""
 
-    real = train_verb.MetricWorker
-    train_verb.MetricWorker = EveryOther  # type: ignore[misc]
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            starts.append(self.start_time)
+
+    class Recorded(metric_worker.MetricWorker):
+        """The real worker; when each measurement ran kept."""
+
+        def _one(self, step: int, paths: list[Path]) -> None:
+            began = time.perf_counter()
+            super()._one(step, paths)
+            busy.append((began, time.perf_counter()))
+
+    real = train_verb.Reporter, train_verb.MetricWorker
+    train_verb.Reporter, train_verb.MetricWorker = Clocked, Recorded  # type: ignore[misc]
+    loop.sample_event = timed_event  # type: ignore[assignment]
     try:
-        run_train(config(out, args, on), show_progress=False)
+        run_train(config(out, args, metrics), show_progress=False)
     finally:
-        train_verb.MetricWorker = real  # type: ignore[misc]
+        train_verb.Reporter, train_verb.MetricWorker = real  # type: ignore[misc]
+        loop.sample_event = event  # type: ignore[assignment]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    times = {r["step"]: r["time"] for r in rows if "loss" in r}
-    busy, idle = [], []
-    for event in range(args.every, args.steps, args.every):
-        # Steps event+2 .. event+1+window: after the interval that holds the event itself.
-        window = [times[s] - times[s - 1] for s in range(event + 2, event + 2 + args.window)
-                  if s in times and s - 1 in times]
-        (busy if event in measured else idle).extend(window)
-    return statistics.median(busy), statistics.median(idle)
+    at = {r["step"]: r["time"] for r in rows if "loss" in r}
+    zero = starts[0]
+    # The interval (s-1, s] holds the sample event taken after step s-1 when an event ended
+    # in it: that step is timed from the event's end.
+    steps = [((ended[s - 1] - zero) if s - 1 in ended else at[s - 1], at[s], s - 1 in ended)
+             for s in sorted(at) if s - 1 in at and s > args.every]
+    return Timed(steps, [(a - zero, b - zero) for a, b in busy])
+
+
+def save_sized_dino(folder: Path) -> Path:
+    """A random `Dinov2Model` of dinov2-small's size (ViT-S/14, 12 layers, width 384) with a
+    224 px processor, saved as a local folder."""
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    Dinov2Model(Dinov2Config(hidden_size=384, num_hidden_layers=12, num_attention_heads=6,
+                             intermediate_size=1536, patch_size=14, image_size=518)
+                ).save_pretrained(folder)
+    BitImageProcessor(size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224},
+                      do_center_crop=True, image_mean=[0.485, 0.456, 0.406],
+                      image_std=[0.229, 0.224, 0.225]).save_pretrained(folder)
+    return folder
+
+
+def _ms(values: list[float]) -> str:
+    return f"{1000 * statistics.median(values):.1f}" if values else "-"
+
+
+def report(pairs: list[dict[str, Timed]]) -> None:
+    """The per-pair table and the summary lines."""
+    print("| pair | order | off ms/step | on ms/step | on / off | on, steps beside a "
+          "measurement | on, other steps | measuring s/event |\n|---|---|---|---|---|---|---|---|")
+    ratios, offs, ons = [], [], []
+    for k, pair in enumerate(pairs):
+        off, on = (statistics.median(pair[n].seconds()) for n in ("off", "on"))
+        over, clear = pair["on"].split()
+        events = [e - s for s, e in pair["on"].busy]
+        ratios.append(on / off)
+        offs.append(off)
+        ons.append(on)
+        print(f"| {k} | {'off, on' if k % 2 == 0 else 'on, off'} | {1000 * off:.1f} | "
+              f"{1000 * on:.1f} | {on / off:.3f} | {_ms(over)} ({len(over)}) | "
+              f"{_ms(clear)} ({len(clear)}) | {statistics.mean(events):.2f} |")
+    print(f"median step: off {1000 * statistics.median(offs):.1f} ms, on "
+          f"{1000 * statistics.median(ons):.1f} ms")
+    print(f"median of the {len(ratios)} paired on/off ratios: {statistics.median(ratios):.3f} "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f})")
+    after = {n: statistics.median([x for p in pairs for x in p[n].after_events()])
+             for n in ("off", "on")}
+    print(f"the step right after each sample event, pooled: off {1000 * after['off']:.1f} ms, "
+          f"on {1000 * after['on']:.1f} ms: ratio {after['on'] / after['off']:.3f}")
+    over = [x for p in pairs for x in p["on"].split()[0]]
+    clear = [x for p in pairs for x in p["on"].split()[1]]
+    if over and clear:
+        print(f"'on' runs, pooled: steps overlapping a measurement {_ms(over)} ms "
+              f"({len(over)} steps), the others {_ms(clear)} ms ({len(clear)} steps): ratio "
+              f"{statistics.median(over) / statistics.median(clear):.3f}")
 
 
 def main() -> None:
-    """Train off/on in each round and print the medians."""
+    """Run the interleaved pairs and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--every", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dino", type=Path)
     parser.add_argument("--clip", type=Path)
+    parser.add_argument("--sized", action="store_true")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--window", type=int, default=5)
     args = parser.parse_args()
-    from difftune.report.tiny_scorers import save_tiny_clip, save_tiny_dino
-    from difftune.verbs.train import run_train
+    import torch
 
+    from difftune.report.tiny_scorers import save_tiny_clip, save_tiny_dino
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s), "
+          f"{args.pairs} pairs of {args.steps} steps, an event every {args.every}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        dino = args.dino or save_tiny_dino(Path(tmp) / "dino")
+        dino = args.dino or (save_sized_dino if args.sized else save_tiny_dino)(
+            Path(tmp) / "dino")
         clip = args.clip or save_tiny_clip(Path(tmp) / "clip")
-        on = {"enabled": True, "dino": str(dino), "clip": str(clip)}
-        print("| round | step off (s) | step on (s) | on / off |\n|---|---|---|---|")
-        ratios = []
-        for r in range(args.rounds):
-            med = {}
-            for name, metrics in (("off", {}), ("on", on)):
-                out = Path(tmp) / f"{name}-{r}"
-                run_train(config(out, args, metrics), show_progress=False)
-                med[name] = statistics.median(step_times(out, args.every))
-            ratios.append(med["on"] / med["off"])
-            print(f"| {r} | {med['off']:.4f} | {med['on']:.4f} | {ratios[-1]:.3f} |",
-                  flush=True)
-        print(f"median on/off ratio over {args.rounds} rounds: {statistics.median(ratios):.3f}")
-        busy, idle = paired(args, on, Path(tmp) / "paired")
-        print(f"paired, one run: {args.window} steps after a measured event {busy:.4f} s, "
-              f"after an unmeasured one {idle:.4f} s: ratio {busy / idle:.3f}")
+        arms = {"off": {}, "on": {"enabled": True, "dino": str(dino), "clip": str(clip)}}
+        pairs = []
+        for k in range(args.pairs):
+            order = ("off", "on") if k % 2 == 0 else ("on", "off")
+            pairs.append({name: timed_run(Path(tmp) / f"{name}-{k}", args, arms[name])
+                          for name in order})
+            print(f"pair {k} done", flush=True)
+        report(pairs)
 
 
 if __name__ == "__main__":

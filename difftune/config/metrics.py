@@ -31,9 +31,11 @@ class MetricsConfig(Section):
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the metric models run (cpu leaves the accelerator to "
         "training).")
-    copy_similarity: float = Field(
-        0.95, gt=0, le=1, description="With fewer than 2 distinct training images (no pair to "
-        "compare with), a sample this similar to a training image is reported as a copy.")
+    copy_similarity: float | None = Field(
+        None, gt=0, le=1, description="Unset (the default): a sample is reported as a copy "
+        "when it is as similar to a training image as that image's own degraded copies (JPEG, "
+        "noise, half-size resampling) are, measured per image with metrics.dino. Set: a "
+        "sample this similar to any training image is reported as a copy instead.")
 
     @model_validator(mode="after")
     def _needs_dino(self) -> "MetricsConfig":

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from difftune.config.metrics import MetricsConfig
-from difftune.report.sample_metrics import (Reference, copy_warning, measure, read_sample,
-                                            reference)
+from difftune.report.sample_metrics import (Reference, copy_warning, floors_line, measure,
+                                            read_sample, reference)
 from difftune.report.scoring import Scorers
 
 log = logging.getLogger("difftune")
@@ -62,8 +62,8 @@ class MetricWorker:
             self._scorers = Scorers.load(self.cfg)
             self._ref = reference(self._scorers, self.training, self.cache_dir,
                                   self.cfg.copy_similarity)
-            log.info("metrics: %d training images, copy reference similarity %.4f",
-                     len(self.training), self._ref.copy_reference)
+            log.info("metrics: %d training images, %s", len(self.training),
+                     floors_line(self._ref))
         return self._scorers, self._ref
 
     def _one(self, step: int, paths: list[Path]) -> None:
@@ -96,7 +96,7 @@ def training_images(items: list[Any]) -> list[Path]:
 def describe(cfg: MetricsConfig, training: list[Path], cache_dir: Path) -> list[str]:
     """`check`'s line: the metric models loaded (a model that cannot load is a
     ModelFileError now, not a warning mid-run) and the training images' features computed
-    (and cached), with the copy threshold they give and the time it took."""
+    (and cached), with the copy floors they give and the time it took."""
     if not cfg.enabled:
         return ["metrics: off"]
     import time
@@ -105,6 +105,6 @@ def describe(cfg: MetricsConfig, training: list[Path], cache_dir: Path) -> list[
     scorers = Scorers.load(cfg)
     ref = reference(scorers, training, cache_dir, cfg.copy_similarity)
     clip = f"CLIP {cfg.clip}" if cfg.clip is not None else "no CLIP score (metrics.clip unset)"
-    return [f"metrics: on: DINOv2 {cfg.dino}, {clip}; {len(training)} training images, copy "
-            f"threshold {ref.copy_reference:.4f}; models and features ready in "
+    return [f"metrics: on: DINOv2 {cfg.dino}, {clip}; {len(training)} training images, "
+            f"{floors_line(ref)}; models and features ready in "
             f"{time.perf_counter() - started:.2f} s"]

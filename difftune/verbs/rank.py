@@ -36,6 +36,7 @@ class Entry:
     score: float | None = None
     samples: list[str] = field(default_factory=list)
     measured_now: bool = False
+    copying: bool | None = None  # its samples look copied (None: not measured)
 
 
 def read_rows(run: Path) -> list[dict[str, Any]]:
@@ -91,6 +92,15 @@ def _figures(rows: list[dict[str, Any]], step: int) -> dict[str, float]:
     return out
 
 
+def _copying(rows: list[dict[str, Any]], step: int) -> bool | None:
+    """Whether the sample event at `step` looked copied (None: no event measured there)."""
+    found = None
+    for row in rows:
+        if row["step"] == step and isinstance(row.get("copying"), bool):
+            found = row["copying"]
+    return found
+
+
 def _samples(run: Path, step: int) -> list[Path]:
     return sorted(p for p in (run / "samples").glob(f"step-{step:06d}_*.png")
                   if not p.name.endswith("_grid.png"))
@@ -125,7 +135,7 @@ class Measurer:
         scorers = Scorers.load(MetricsConfig(enabled=True, dino=dino, clip=clip))
         assert run_cfg.cache.dir is not None
         ref = reference(scorers, training_images(data.items), run_cfg.cache.dir,
-                        float(m.get("copy_similarity", 0.95)))
+                        m.get("copy_similarity"))
         return measure(scorers, ref, [read_sample(p) for p in samples])
 
 
@@ -146,11 +156,12 @@ def rank(runs: list[Path], by: str | None = None, dino: Path | None = None,
         configs[run] = cfg
         for step, file in sorted(checkpoints(run, cfg, rows).items()):
             e = Entry(str(run), step, str(file), _figures(rows, step),
-                      samples=[str(p) for p in _samples(run, step)])
+                      samples=[str(p) for p in _samples(run, step)],
+                      copying=_copying(rows, step))
             if e.samples and not SAMPLE_METRICS & set(e.figures):
                 m = measurer.measure(run, cfg, [Path(p) for p in e.samples])
                 e.figures.update({k: float(m[k]) for k in FIGURES if isinstance(m.get(k), float)})
-                e.measured_now = True
+                e.measured_now, e.copying = True, bool(m["copying"])
             entries.append(e)
     text = by or _default_by(configs[runs[0]], entries)
     try:
@@ -172,12 +183,12 @@ def as_json(by: str, entries: list[Entry]) -> str:
 
 def table(by: str, entries: list[Entry]) -> list[str]:
     """The ranking as aligned text lines."""
-    head = ["#", "run", "step", by, *FIGURES, "file"]
+    head = ["#", "run", "step", by, *FIGURES, "copying", "file"]
     lines = [head]
     for i, e in enumerate(entries, 1):
         fig = [f"{e.figures[k]:.4f}" if k in e.figures else "-" for k in FIGURES]
         lines.append([str(i) if e.score is not None else "-", e.run, str(e.step),
                       f"{e.score:.4f}" if e.score is not None else "unmeasured", *fig,
-                      Path(e.file).name])
+                      {True: "yes", False: "no", None: "-"}[e.copying], Path(e.file).name])
     widths = [max(len(row[c]) for row in lines) for c in range(len(head))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines]

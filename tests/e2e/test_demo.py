@@ -1,13 +1,18 @@
 """`difftune demo` really learns: each prompt's final sample is nearest its own training image.
 
 Tiers: the full-length demo (`test_demo_learns`, the packaged 800 steps) is `full_only`. The
-default tier runs the same demo shortened (`test_short_demo_writes_and_reports_everything`):
+default tier runs the same demo shortened (the module's `short_demo`, read by two tests):
 every output file, the samples of every prompt before the first step and after the last, the
 report, and that the untrained samples do not match their prompts; only "after training every
-prompt's sample matches" and the halved loss need the full length, so only `--full` asserts it."""
+prompt's sample matches" and the halved loss need the full length, so only `--full` asserts it.
+The short demo's final samples, measured by `difftune runs rank` with the tiny random DINOv2,
+are not flagged as copies (docs/training-signal.md: the closest-pair rule flagged them)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 from pathlib import Path
 
 import pytest
@@ -45,11 +50,18 @@ def test_demo_learns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 SHORT = 12  # steps of the default tier's demo: samples at 0, 4, 8, 12
 
 
-def test_short_demo_writes_and_reports_everything(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--steps", str(SHORT)]) == 0
-    report = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def short_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """`difftune demo --steps 12`: its output folder and the report it printed."""
+    out = tmp_path_factory.mktemp("short") / "demo"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["demo", "--out", str(out), "--steps", str(SHORT)]) == 0
+    return out, printed.getvalue()
+
+
+def test_short_demo_writes_and_reports_everything(short_demo: tuple[Path, str]) -> None:
+    out, report = short_demo
     for name in ("before_after.png", "loss.png", "demo-lora.safetensors", "metrics.jsonl"):
         assert (out / name).is_file(), name
     prompts = read_prompts(demo_dir() / "prompts.txt", PromptSpec("", "", 64, 64, 8, 0, 1.0, 1.0))
@@ -63,3 +75,16 @@ def test_short_demo_writes_and_reports_everything(tmp_path: Path,
     assert (f"samples nearest to their own training image: before {baseline.matched}/"
             f"{len(prompts)}, after ") in report
     assert demo_config_path().is_file()
+
+
+def test_the_short_demos_samples_are_not_flagged_as_copies(
+        short_demo: tuple[Path, str], scorer_models: tuple,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Its LoRA's samples (six subjects, one image each: learning, not copying) measured by
+    `difftune runs rank` against each training image's copy floor."""
+    out, _ = short_demo
+    assert main(["runs", "rank", str(out), "--json", "--dino", str(scorer_models[0])]) == 0
+    [entry] = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert entry["step"] == SHORT and entry["measured_now"] and len(entry["samples"]) == 6
+    assert 0 < entry["figures"]["nearest_similarity"] < 1
+    assert entry["copying"] is False

@@ -7,12 +7,17 @@ weight within 0.1 x lr of the single-process run after 4 AdamW steps (Adam moves
 about lr per step, so this says every step went the same way; we saw 5e-5 with lr 1e-2).
 
 Tiers: every multi-process run costs a launch of two processes, so the default run keeps one
-representative of each behaviour: the equivalence of N processes and one on the same global
-batch runs on the plain data set (`two`, whose run also answers the caching, logging and resume
-tests), while its variants on other data (a short last batch leaving one process empty; a
-trained text encoder with a rarely used placeholder) are `full_only`; `--num-processes` is
-exercised by the stop-signal and `cache` runs, so its own training run is `full_only` too.
-Failing ranks, stop signals and the `cache` verb each run by default. `pytest --full` runs all.
+representative of each behaviour. The plain run of two processes (`two`) and the tests that
+read it are `full_only`, each behaviour being shown in the default run elsewhere: N processes
+equal one on the same global batch (tests/e2e/contract/test_training_paths.py's two-process
+Qwen-Image run, accelerate launch with disk caches and padded captions; test_fsdp.py;
+test_multinode.py), each cache entry filled once and one run log and metrics row a step
+(test_multinode.py's two-node run), a checkpoint of two processes resumed by one and a changed
+global batch refused (test_multinode.py's lost node; test_fsdp.py for a sharded one). Its
+variants on other data (a short last batch leaving one process empty; a trained text encoder
+with a rarely used placeholder) are `full_only` too; `--num-processes` is exercised by the
+stop-signal and `cache` runs, so its own training run is `full_only` as well. Failing ranks,
+stop signals and the `cache` verb each run by default. `pytest --full` runs all.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ def two(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
     return folder / "out"
 
 
+# Default-run cover: contract/test_training_paths.py (qwen_image), test_fsdp.py, test_multinode.py.
+@pytest.mark.full_only
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path, images: Path,
                                                             two: Path) -> None:
     one = run_toml(tmp_path, images, steps=4)  # one process, batch 2, memory caches
@@ -132,6 +139,9 @@ def test_text_encoder_lora_and_a_rare_placeholder_match_one_process(tmp_path: Pa
     assert all(float((a[k] - b[k]).abs().max()) <= 0.1 * LR for k in a)
 
 
+# Default-run cover: test_multinode.py::test_two_nodes_fill_each_cache_entry_once_and_write_the_run_once
+# (and its losses compared row by row with one process's: one metrics row a step).
+@pytest.mark.full_only
 def test_two_processes_cache_every_entry_once_and_log_from_rank_0(two: Path) -> None:
     latents, text = DiskStore(two / "cache", "latents"), DiskStore(two / "cache", "text")
     assert len(latents) == 6  # 6 images, flip off: each entry once, none missing
@@ -145,6 +155,9 @@ def test_two_processes_cache_every_entry_once_and_log_from_rank_0(two: Path) -> 
     assert steps == [1, 2, 3, 4]  # one metrics row per step, not per process
 
 
+# Default-run cover: test_multinode.py::test_a_lost_node_is_named_and_the_run_resumes_on_one_node
+# (the changed global batch refused, then resumed on one process to the same end).
+@pytest.mark.full_only
 def test_checkpoint_of_two_processes_resumes_with_one(tmp_path: Path, images: Path,
                                                       two: Path) -> None:
     out = tmp_path / "out"
@@ -278,4 +291,6 @@ def test_cache_verb_with_two_processes_fills_once_and_reports_once(tmp_path: Pat
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("latents: 6 entries") == 1  # rank 0 reports
     assert done.stdout.count("text: 12 entries") == 1
-    assert main(["train", str(cfg), "--no-progress"]) == 0  # then trains from the cache
+    # Then trains from the cache: its cache pass looks up every entry before the first step,
+    # so one step shows what more would.
+    assert main(["train", str(cfg), "--no-progress", "--set", "train.steps=1"]) == 0

@@ -6,7 +6,8 @@ The 2-node run with train.batch_size 1 must equal the one-process run with batch
 session's `finished` run) to the tolerance of test_distributed.py; node 1 hanging and then
 killed (agent and process, as a lost machine) must stop node 0 within the heartbeat timeout
 with a message naming rank 1, its last checkpoint intact, and the resume line; that checkpoint
-resumed on one node must end where the uninterrupted 2-node run ended; a run folder one node
+resumed with another global batch must be refused before anything is written, and resumed
+on one node with the same global batch must end where the uninterrupted 2-node run ended; a run folder one node
 cannot see (node 1 in its own mount namespace) must be refused before anything is written.
 """
 
@@ -125,6 +126,11 @@ def test_a_lost_node_is_named_and_the_run_resumes_on_one_node(two_nodes: Path,
     assert "resume with: torchrun --nnodes=2 --nproc-per-node=1" in err
     assert "--resume latest (on every node" in err
     assert complete_checkpoints(saved.parent) == [saved]
+    # Resumed with another global batch (1, where the run's was 2): refused, nothing written.
+    files = {p: p.stat().st_mtime_ns for p in (tmp_path / "lost" / "out").rglob("*")}
+    assert main(["train", str(cfg), "--no-progress", "--set", "train.batch_size=1",
+                 "--resume", "latest"]) == 2
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "lost" / "out").rglob("*")} == files
     # Resumed on one node (one process, batch 2: the same global batch): the run's end.
     assert main(["train", str(cfg), "--no-progress", "--set", "train.batch_size=2",
                  "--resume", "latest"]) == 0

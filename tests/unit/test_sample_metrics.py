@@ -1,5 +1,6 @@
 """Sample metrics (report/sample_metrics.py) against a direct computation with the tiny random
-DINOv2 and CLIP models, the training-feature cache, the copy rule, and `[metrics]` config."""
+DINOv2 and CLIP models, the training-feature cache, the copy rule (each training image's copy
+floor: its degraded copies' least similarity to it), and `[metrics]` config."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.config.metrics import MetricsConfig
-from difftune.report.sample_metrics import (PROMPT_KEY, copy_warning, measure, read_sample,
-                                            reference)
+from difftune.report.sample_metrics import (PROMPT_KEY, copy_warning, degraded, measure,
+                                            read_sample, reference)
 from difftune.report.scoring import Scorers
 from difftune.verbs.demo import demo_dir
 
@@ -43,23 +44,29 @@ def scorers(scorer_models: tuple) -> Scorers:
     return Scorers.load(MetricsConfig(enabled=True, dino=dino, clip=clip))
 
 
+def _dino(dino_dir: Path, images: list[Image.Image]) -> np.ndarray:
+    """Unit-length DINOv2 features straight from transformers' own model and processor."""
+    from transformers import AutoImageProcessor, AutoModel
+
+    dino, proc = AutoModel.from_pretrained(dino_dir), AutoImageProcessor.from_pretrained(dino_dir)
+    with torch.no_grad():
+        f = dino(**proc(images=images, return_tensors="pt")).pooler_output.numpy()
+    return f / np.linalg.norm(f, axis=1, keepdims=True)
+
+
 def _direct(scorer_models: tuple, samples: list[Path], prompts: list[str],
             training: list[Path]) -> dict:
     """The figures computed straight from the transformers models' own forward passes."""
-    from transformers import AutoImageProcessor, AutoModel, AutoProcessor
+    from transformers import AutoModel, AutoProcessor
 
     dino_dir, clip_dir = scorer_models
-    dino, dproc = AutoModel.from_pretrained(dino_dir), AutoImageProcessor.from_pretrained(dino_dir)
     clip, cproc = AutoModel.from_pretrained(clip_dir), AutoProcessor.from_pretrained(clip_dir)
     rgb = lambda ps: [Image.open(p).convert("RGB") for p in ps]  # noqa: E731
+    s, t = _dino(dino_dir, rgb(samples)), _dino(dino_dir, rgb(training))
     with torch.no_grad():
-        s = dino(**dproc(images=rgb(samples), return_tensors="pt")).pooler_output.numpy()
-        t = dino(**dproc(images=rgb(training), return_tensors="pt")).pooler_output.numpy()
         out = clip(**cproc(text=prompts, images=rgb(samples), return_tensors="pt",
                            padding=True))
         cos = (out.logits_per_image / clip.logit_scale.exp()).numpy()
-    s = s / np.linalg.norm(s, axis=1, keepdims=True)
-    t = t / np.linalg.norm(t, axis=1, keepdims=True)
     sims = s @ t.T
     clip_scores = [100 * max(float(cos[i, i]), 0.0) for i in range(len(samples))]
     return {"sims": sims, "clip": clip_scores, "features": s}
@@ -73,7 +80,7 @@ def test_metrics_equal_a_direct_computation(tmp_path: Path, scorers: Scorers,
               _noisy(DEMO[2], 5)]
     paths = [_sample(tmp_path / f"s{i}.png", im, p)
              for i, (im, p) in enumerate(zip(images, prompts))]
-    ref = reference(scorers, training, tmp_path / "cache", 0.95)
+    ref = reference(scorers, training, tmp_path / "cache")
     m = measure(scorers, ref, [read_sample(p) for p in paths])
     d = _direct(scorer_models, paths, prompts, training)
     sims = d["sims"]
@@ -93,9 +100,12 @@ def test_metrics_equal_a_direct_computation(tmp_path: Path, scorers: Scorers,
     assert "diversity" not in m["prompts"]["stripes"]  # one seed: no pair
     pairs = [float(f[0] @ f[1]), float(f[2] @ f[3])]
     assert m["diversity"] == pytest.approx(np.mean(pairs), abs=1e-5)
-    t = _direct(scorer_models, training, ["x"] * 4, training)["features"]
-    closest = max(float(t[i] @ t[j]) for i, j in itertools.combinations(range(4), 2))
-    assert m["copy_reference"] == pytest.approx(closest, abs=1e-5)
+    for i, row in enumerate(m["samples"]):  # the floor of its nearest image, computed apart
+        image = Image.open(training[int(sims[i].argmax())]).convert("RGB")
+        f = _dino(scorer_models[0], [image, *degraded(image)])
+        assert row["copy_floor"] == pytest.approx(float((f[1:] @ f[0]).min()), abs=1e-5)
+    closest = max(m["samples"], key=lambda r: r["nearest_similarity"] - r["copy_floor"])
+    assert m["copy_reference"] == closest["copy_floor"]
 
 
 def test_training_features_are_cached_by_content(tmp_path: Path, scorers: Scorers) -> None:
@@ -106,30 +116,31 @@ def test_training_features_are_cached_by_content(tmp_path: Path, scorers: Scorer
         training.append(folder / p.name)
         training[-1].write_bytes(p.read_bytes())
     cache = tmp_path / "cache"
-    first = reference(scorers, training, cache, 0.95)
+    first = reference(scorers, training, cache)
     entries = lambda: sorted(cache.rglob("*.safetensors"))  # noqa: E731
-    assert len(entries()) == 3
+    assert len(entries()) == 6  # features and copy floor of each image
     stamps = [e.stat().st_mtime_ns for e in entries()]
-    again = reference(scorers, training, cache, 0.95)
+    again = reference(scorers, training, cache)
     assert torch.equal(first.features, again.features)
+    assert torch.equal(first.floors, again.floors)
     assert [e.stat().st_mtime_ns for e in entries()] == stamps  # read, not rewritten
     _noisy(DEMO[0], 9).save(training[0])  # an edited image is a new entry
-    edited = reference(scorers, training, cache, 0.95)
-    assert len(entries()) == 4
+    edited = reference(scorers, training, cache)
+    assert len(entries()) == 8
     assert not torch.equal(edited.features[0], first.features[0])
     assert torch.equal(edited.features[1:], first.features[1:])
+    assert torch.equal(edited.floors[1:], first.floors[1:])
 
 
 def test_copies_are_flagged_and_new_images_of_the_kind_are_not(tmp_path: Path,
                                                               scorers: Scorers) -> None:
     """The rule on real (tiny random) features: two demo shapes not trained on (stripes, a
-    ring) are new pictures of the same kind and stay below the closest training pair (the
-    cross and the triangle, 0.74 under the tiny model); a noised copy of a training image
-    comes closer to it than any two training images come to each other."""
+    ring) are new pictures of the same kind and stay below their nearest image's copy floor;
+    a noised copy of a training image (a lighter noise than the floor's) reaches it."""
     by_name = {p.stem: p for p in DEMO}
     training = [by_name[n] for n in ("cyan_cross", "red_circle", "white_triangle",
                                      "yellow_square")]
-    ref = reference(scorers, training, tmp_path / "cache", 0.95)
+    ref = reference(scorers, training, tmp_path / "cache")
     new = [_sample(tmp_path / f"new{i}.png", Image.open(by_name[n]).convert("RGB"), "a shape")
            for i, n in enumerate(("orange_stripes", "pink_ring"))]
     learned = measure(scorers, ref, [read_sample(p) for p in new])
@@ -141,10 +152,20 @@ def test_copies_are_flagged_and_new_images_of_the_kind_are_not(tmp_path: Path,
     assert warning is not None and "copy.png" in warning and "red_circle.png" in warning
 
 
-def test_one_training_image_uses_the_configured_threshold(tmp_path: Path,
-                                                         scorers: Scorers) -> None:
-    ref = reference(scorers, [DEMO[0], DEMO[0]], tmp_path / "cache", 0.9)
-    assert ref.copy_reference == 0.9  # the same image twice is no pair
+def test_one_training_image_has_its_own_floor_and_copy_similarity_replaces_it(
+        tmp_path: Path, scorers: Scorers) -> None:
+    """With one training image there is no pair to compare with; its floor is its own. A set
+    `metrics.copy_similarity` is every image's floor instead."""
+    only = [DEMO[0], DEMO[0]]  # the same image twice is still one
+    ref = reference(scorers, only, tmp_path / "cache")
+    assert 0.9 < float(ref.floors[0]) < 1 and torch.equal(ref.floors[0], ref.floors[1])
+    copy = _sample(tmp_path / "copy.png", _noisy(DEMO[0], 3), "x")
+    other = _sample(tmp_path / "other.png", Image.open(DEMO[3]).convert("RGB"), "x")
+    assert measure(scorers, ref, [read_sample(copy)])["copying"]
+    assert not measure(scorers, ref, [read_sample(other)])["copying"]
+    fixed = reference(scorers, only, tmp_path / "cache", 0.2)
+    assert fixed.floors.tolist() == pytest.approx([0.2, 0.2])
+    assert measure(scorers, fixed, [read_sample(other)])["copying"]
 
 
 def test_without_clip_there_is_no_clip_score(tmp_path: Path, scorer_models: tuple) -> None:

@@ -2,7 +2,7 @@
 
 The rows are metrics.jsonl's sample-event rows (`runs.sample_metrics`): fidelity, diversity and
 the nearest-training-image similarity are cosines (left axis), the CLIP score is 0-100 (right
-axis). A row whose samples came closer to a training image than the copy reference is marked.
+axis). A row with a sample as similar to a training image as its copy floor is marked.
 """
 
 from __future__ import annotations
