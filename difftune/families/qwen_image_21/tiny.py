@@ -77,9 +77,10 @@ def tiny_text_encoder(tok: Any) -> Any:
     return no_final_norm(model)
 
 
-def build_tiny_qwen_image_21() -> dict[str, Any]:
+def build_tiny_qwen_image_21(variant: str | None = None) -> dict[str, Any]:
     """All components of a tiny Qwen-Image 2.1 model, keyed as QwenImage21Pipeline names them
-    (the tokenizer besides the processor that holds it).
+    (the tokenizer besides the processor that holds it); the same for every `variant` (the
+    edit variant is the same checkpoint's image-conditioned mode).
 
     Deterministic: the same weights on every call, whatever the caller's RNG state.
     """
