@@ -331,9 +331,9 @@ def encode_with_images(spec: TextEncoderSpec, model: torch.nn.Module, processor:
                        padding=True, padding_side=spec.side, return_tensors="pt")
     device = module_device(model)
     attention = inputs["attention_mask"].to(device)
-    # The token types too where the processor gives them (Qwen3-VL's mRoPE requires them).
-    vision = {k: inputs[k].to(device) for k in ("pixel_values", "image_grid_thw",
-                                                "mm_token_type_ids") if k in inputs}
+    names = ("pixel_values", "image_grid_thw") + (("mm_token_type_ids",) if spec.token_types
+                                                  else ())
+    vision = {k: inputs[k].to(device) for k in names if k in inputs}
     out = model(input_ids=inputs["input_ids"].to(device), attention_mask=attention,
                 output_hidden_states=True, **vision)
     result = {"hidden": hidden_of(spec, out, -1, True), "mask": attention}

@@ -114,6 +114,7 @@ IMAGE_PROMPT = "<image{}><|vision_start|><|image_pad|><|vision_end|>"
 # (the processor, which holds the tokenizer, as the encoder's tokenizer); one reference a pair
 # (the pipeline joins several with a space between their prompts, which is not trained yet).
 EDIT = replace(BASE, variant="edit", control_images=1,
-               text_encoders=(replace(BASE.text_encoders[0], image_prompt=IMAGE_PROMPT),),
+               text_encoders=(replace(BASE.text_encoders[0], image_prompt=IMAGE_PROMPT,
+                                      token_types=True),),
                encoder_parts=(("qwen3vl", "text_encoder", "processor"),))
 SPEC = replace(BASE, variants=(("base", BASE), ("edit", EDIT)))
