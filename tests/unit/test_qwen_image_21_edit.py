@@ -139,3 +139,28 @@ def test_edit_samples_from_embeddings_as_the_pipeline_from_the_prompt(
     want = pipe(prompt=PROMPTS[0], negative_prompt="", true_cfg_scale=4.0, image=image,
                 output_resolution=80, **common, generator=torch.Generator().manual_seed(0))
     assert np.array_equal(ours.images, want.images)
+
+
+def test_references_the_processor_would_rescale_are_refused(
+        setup: tuple[Any, Any, Any, Any], tmp_path: Any) -> None:
+    """A folder's own image processor is read (its pixel bounds, saved nested in
+    processor_config.json); a reference outside them, which Qwen3-VL would read at another
+    size than the autoencoder (its slots then holding other tokens), is refused by `predict`
+    and by the sampling pipeline, naming the bounds."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from difftune.families.qwen_image_21.files import image_processor
+
+    pipe, family, comps, resized = setup
+    pipe.processor.save_pretrained(str(tmp_path / "processor"))
+    assert image_processor(tmp_path).size["longest_edge"] == 2048 * 2048
+    narrow = Qwen2VLImageProcessorPil(patch_size=16)  # at most 1003520 pixels
+    edit.check_size(512, 512, narrow)
+    with pytest.raises(ValueError, match="1024x1024 reference is outside the processor's "
+                                         "3136..1003520 pixels"):
+        edit.check_size(1024, 1024, narrow)
+    embeds = _ours(family, comps, [PROMPTS[0]])
+    cond = Conditioning(guidance=1.0, original_sizes=[], crops=[], target_sizes=[],
+                        controls=(torch.zeros(1, 64, 1, 2),))  # 32 x 16 pixels
+    with pytest.raises(ValueError, match="32x16 reference is outside the processor's 1024"):
+        family.predict(comps, torch.zeros(1, 64, 2, 2), embeds, torch.ones(1), cond)

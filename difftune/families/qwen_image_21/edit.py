@@ -29,9 +29,10 @@ from difftune.families.qwen_image.edit import control_size, dimensions
 from difftune.families.qwen_image_21.spec import DROP, IMAGE_PROMPT, TEMPLATE
 
 __all__ = ["control_size", "RULE", "OUTPUT_RESOLUTION", "image_offset", "slots",
-           "text_images", "pipeline_images"]
+           "check_size", "text_images", "pipeline_images"]
 RULE = f"qwen21-{QWEN_EDIT_RULE}"
 OUTPUT_RESOLUTION = 1024  # QwenImage21Pipeline's default `output_resolution`
+PIXELS_PER_TOKEN = 16  # the autoencoder's downscale: one latent token
 PIXELS_PER_SLOT = 32  # one `<|image_pad|>`: 2 x 2 merged 16-pixel patches, 2 x 2 latent tokens
 
 
@@ -54,6 +55,18 @@ def slots(length: int, offset: int, count: int, device: torch.device | None = No
     mask = torch.zeros(length, dtype=torch.bool, device=device)
     mask[offset:offset + count] = True
     return mask
+
+
+def check_size(width: int, height: int, images: Any) -> None:
+    """Refuse a reference the image processor `images` would rescale for Qwen3-VL (outside
+    its pixel bounds): its slots would then not hold the autoencoder's tokens (the pipeline
+    fails there too, in the transformer)."""
+    low, high = images.size["shortest_edge"], images.size["longest_edge"]
+    if not low <= width * height <= high:
+        raise ValueError(f"a {width}x{height} reference is outside the processor's "
+                         f"{low}..{high} pixels, so Qwen3-VL would read it at another size "
+                         "than the autoencoder; choose a dataset resolution (or sample "
+                         "output size) whose references fit")
 
 
 def text_images(images: list[Any]) -> list[Any]:

@@ -11,8 +11,11 @@ embeddings are variable-length (the system turn's 14 tokens dropped, each captio
 kept) and travel padded with a mask, as QwenImage21Pipeline right-pads them; the transformer
 runs each caption length of a batch on its own, unpadded (`predict`). The "edit" variant
 (`edit.py`) puts a reference's latent tokens in the image slots Qwen3-VL's reading of it left
-in the text, before the target's tokens; it samples through `sampling.EmbeddedEditPipeline`,
-which supplies the `image_pad_mask` QwenImage21Pipeline.__call__ takes no argument for.
+in the text, before the target's tokens. What diffusers 0.42.1 lacks for it:
+QwenImage21Pipeline.__call__ has no `image_pad_mask` parameter, and its `encode_prompt`, given
+`prompt_embeds` and `image` without that mask, raises ValueError ("Pass `image_pad_mask`
+alongside `prompt_embeds`..."); so the edit variant samples through
+`sampling.EmbeddedEditPipeline`, which supplies only that mask.
 """
 
 from __future__ import annotations
@@ -159,6 +162,8 @@ class QwenImage21Family(DiffusersLayoutFamily):
         shapes, tokens = [], [to_tokens(noisy)]
         for ref in refs:
             rh, rw = ref.shape[2:]
+            edit.check_size(rw * edit.PIXELS_PER_TOKEN, rh * edit.PIXELS_PER_TOKEN,
+                            c.extras["processor"].image_processor)
             text_slots = edit.slots(text.shape[1], c.extras["image_offset"], rh * rw // SLOT)
             shapes.append((1, rh, rw))
             tokens.insert(0, to_tokens(ref.to(noisy.device, noisy.dtype)))

@@ -32,6 +32,7 @@ class EmbeddedEditPipeline(QwenImage21Pipeline):
             if len(image) != 1:
                 raise ValueError("difftune samples Qwen-Image 2.1 edits with one reference image")
             width, height = image[0].size
+            edit.check_size(width, height, self.processor.image_processor)
             count = (width // edit.PIXELS_PER_SLOT) * (height // edit.PIXELS_PER_SLOT)
             row = edit.slots(prompt_embeds.shape[1], edit.image_offset(self.processor.tokenizer),
                              count, prompt_embeds.device)
