@@ -77,6 +77,9 @@ class TextEncoderSpec:
     `side` is the side a batch is padded on ("left" where the pipeline pads there: each row's
     own tokens are moved to the front before the trim and drop, as the pipeline splits the
     rows by their masks); `empty` is the text an empty caption is read as (None: as it is).
+    `token_types` passes the processor's `mm_token_type_ids` to an image-reading encoder, as
+    a pipeline that does so (Qwen3-VL's mRoPE requires them; Qwen-Image-Edit's pipelines pass
+    none, and Qwen2.5-VL's positions then differ).
     """
 
     name: str
@@ -104,6 +107,7 @@ class TextEncoderSpec:
     pad_position: int | None = None
     side: Literal["right", "left"] = "right"
     empty: str | None = None
+    token_types: bool = False
 
     def key_fields(self) -> dict[str, object]:
         """The fields that decide this encoder's output, for cache keys. The decoder-LLM fields
@@ -301,7 +305,7 @@ CLIP_KINDS = ("clip", "clip_projection")
 # TextEncoderSpec fields that enter cache keys only when they differ from their defaults.
 DECODER_FIELDS = ("chat", "trim", "system", "parts", "specials", "strip", "template", "suffix",
                   "drop", "layers", "stack", "pad", "valid_positions", "image_prompt", "clean",
-                  "window", "pad_position", "side", "empty")
+                  "window", "pad_position", "side", "empty", "token_types")
 # Kept out of fp8 storage and quantization in every family's autoencoder.
 VAE_KEEP_HIGH = (r"conv_in$", r"conv_out$", r"quant_conv$")
 # T5's feed-forward output casts its input to `wo`'s stored dtype (fp8 would break it).

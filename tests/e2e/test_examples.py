@@ -55,6 +55,8 @@ PIPELINES = {"anima-lora.toml": (lambda t5_embedding, **parts: sampling_pipeline
                                            lambda: build_tiny_qwen_image("edit")),
              "qwen-image-21-lora.toml": (lambda tokenizer, **parts: QwenImage21Pipeline(**parts),
                                          build_tiny_qwen_image_21),
+             "qwen-image-21-edit-lora.toml": (
+                 lambda tokenizer, **parts: QwenImage21Pipeline(**parts), build_tiny_qwen_image_21),
              "sd35-lora.toml": (StableDiffusion3Pipeline, build_tiny_sd3),
              # saved as released, less the safety checker (not part of training)
              "sd15-lora.toml": (lambda **parts: StableDiffusionPipeline(

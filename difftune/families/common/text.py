@@ -324,17 +324,21 @@ def encode_with_images(spec: TextEncoderSpec, model: torch.nn.Module, processor:
     to the longest and expands the image tokens; the model reads the pixels with the tokens.
     Returns "hidden" and "mask", trimmed and dropped as `encode` does."""
     assert spec.image_prompt is not None
-    prompts = ["".join(spec.image_prompt.format(i + 1) for i in range(len(imgs))) + t
-               for t, imgs in zip(texts, images)]
+    prompts = ["".join(spec.image_prompt.format(i + 1) for i in range(len(imgs)))
+               + ((t or spec.empty or "") if imgs else t) for t, imgs in zip(texts, images)]
     flat = [img for imgs in images for img in imgs]
     inputs = processor(text=chat_texts(spec, processor, prompts), images=flat or None,
-                       padding=True, return_tensors="pt")
+                       padding=True, padding_side=spec.side, return_tensors="pt")
     device = module_device(model)
     attention = inputs["attention_mask"].to(device)
-    vision = {k: inputs[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in inputs}
+    names = ("pixel_values", "image_grid_thw") + (("mm_token_type_ids",) if spec.token_types
+                                                  else ())
+    vision = {k: inputs[k].to(device) for k in names if k in inputs}
     out = model(input_ids=inputs["input_ids"].to(device), attention_mask=attention,
                 output_hidden_states=True, **vision)
     result = {"hidden": hidden_of(spec, out, -1, True), "mask": attention}
+    if spec.side == "left":
+        result = to_front(result)
     return trimmed(result, spec.drop) if spec.trim else dropped(result, spec.drop)
 
 

@@ -9,7 +9,13 @@ tokens (`img_mask`, True at the slots), which it expands to the target's tokens;
 last h x w tokens are the velocity (noise - x0), with the time as sigma in [0, 1]. Text
 embeddings are variable-length (the system turn's 14 tokens dropped, each caption's own tokens
 kept) and travel padded with a mask, as QwenImage21Pipeline right-pads them; the transformer
-runs each caption length of a batch on its own, unpadded (`predict`).
+runs each caption length of a batch on its own, unpadded (`predict`). The "edit" variant
+(`edit.py`) puts a reference's latent tokens in the image slots Qwen3-VL's reading of it left
+in the text, before the target's tokens. What diffusers 0.42.1 lacks for it:
+QwenImage21Pipeline.__call__ has no `image_pad_mask` parameter, and its `encode_prompt`, given
+`prompt_embeds` and `image` without that mask, raises ValueError ("Pass `image_pad_mask`
+alongside `prompt_embeds`..."); so the edit variant samples through
+`sampling.EmbeddedEditPipeline`, which supplies only that mask.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from difftune.families.common import frame_vae
 from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
 from difftune.families.common.family import Loaders
 from difftune.families.qwen_image.family import true_cfg_inputs
-from difftune.families.qwen_image_21 import keys
+from difftune.families.qwen_image_21 import edit, keys
 from difftune.families.qwen_image_21.spec import SPEC
 from difftune.train.objectives import FlowMatching
 from difftune.train.objectives.flow import DynamicShift, scheduler_shift
@@ -67,6 +73,7 @@ class QwenImage21Family(DiffusersLayoutFamily):
     presets = PRESETS
     loaders = Loaders("build_tiny_qwen_image_21", "load_qwen_image_21_files",
                       "load_qwen_image_21_text_encoders")
+    control_rule = edit.RULE
 
     def components(self, parts: dict[str, Any], cfg: "ModelConfig",
                    policy: "PrecisionPolicy") -> Components:
@@ -76,7 +83,22 @@ class QwenImage21Family(DiffusersLayoutFamily):
         comps.extras["processor"] = parts["processor"]
         comps.extras["pipeline_options"] = dict(parts.get("pipeline_options",
                                                           {"sample_sigmas": None}))
+        comps.extras["image_offset"] = edit.image_offset(parts["processor"].tokenizer)
         return comps
+
+    def control_size(self, image_size: tuple[int, int], target_bucket: tuple[int, int],
+                     resolution: int) -> tuple[int, int]:
+        """A reference's size for the autoencoder and Qwen3-VL alike: the pipeline's
+        `calculate_dimensions` at the dataset's resolution squared (`edit.control_size`)."""
+        return edit.control_size(image_size, resolution)
+
+    def pipeline_text_images(self, images: list[Any]) -> list[Any]:
+        """A sample's reference as the pipeline's Qwen3-VL reads it (`edit.text_images`)."""
+        return edit.text_images(images) if self.spec.control_images else []
+
+    def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
+        """The pipeline's `image` and `output_resolution` (`edit.pipeline_images`)."""
+        return edit.pipeline_images(images) if self.spec.control_images else {}
 
     def distilled(self, c: Components) -> bool:
         """Turbo: its folder's model_index.json ships `sample_sigmas` (the base has none), the
@@ -117,8 +139,10 @@ class QwenImage21Family(DiffusersLayoutFamily):
         text = embeds.tensors["prompt_embeds"]
         lengths = embeds.tensors["prompt_embeds_mask"].sum(dim=1)
         groups = [((lengths == n).nonzero().squeeze(1), int(n)) for n in lengths.unique().tolist()]
+        refs = cond.controls[-1:]  # the edit variant's one reference, (B, C, h', w')
         parts = [self._velocity(c, noisy[rows.to(noisy.device)], text[rows, :n],
-                                t[rows.to(t.device)]) for rows, n in groups]
+                                t[rows.to(t.device)],
+                                tuple(r[rows.to(r.device)] for r in refs)) for rows, n in groups]
         if len(parts) == 1:
             return parts[0]
         out = parts[0].new_empty((noisy.shape[0], *parts[0].shape[1:]))
@@ -127,17 +151,27 @@ class QwenImage21Family(DiffusersLayoutFamily):
         return out
 
     @staticmethod
-    def _velocity(c: Components, noisy: torch.Tensor, text: torch.Tensor, t: torch.Tensor
-                  ) -> torch.Tensor:
+    def _velocity(c: Components, noisy: torch.Tensor, text: torch.Tensor, t: torch.Tensor,
+                  refs: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """The transformer's velocity for latents whose captions all have `text`'s length (no
-        padding): the text's slots, then one image slot per 2 x 2 target tokens."""
+        padding): the text's slots (a reference's at its `<|image_pad|>` run, `edit.slots`),
+        then one image slot per 2 x 2 target tokens; a reference's tokens precede the
+        target's, as QwenImage21Pipeline orders them."""
         b, _, h, w = noisy.shape
-        slots = torch.cat([torch.zeros(b, text.shape[1], dtype=torch.bool),
-                           torch.ones(b, h * w // SLOT, dtype=torch.bool)], dim=1)
-        out = c.denoiser(hidden_states=to_tokens(noisy),
+        text_slots = torch.zeros(text.shape[1], dtype=torch.bool)
+        shapes, tokens = [], [to_tokens(noisy)]
+        for ref in refs:
+            rh, rw = ref.shape[2:]
+            edit.check_size(rw * edit.PIXELS_PER_TOKEN, rh * edit.PIXELS_PER_TOKEN,
+                            c.extras["processor"].image_processor)
+            text_slots = edit.slots(text.shape[1], c.extras["image_offset"], rh * rw // SLOT)
+            shapes.append((1, rh, rw))
+            tokens.insert(0, to_tokens(ref.to(noisy.device, noisy.dtype)))
+        slots = torch.cat([text_slots, torch.ones(h * w // SLOT, dtype=torch.bool)])
+        out = c.denoiser(hidden_states=torch.cat(tokens, dim=1),
                          encoder_hidden_states=text.to(noisy.device, noisy.dtype),
-                         timestep=t.to(noisy.dtype), img_shapes=[[(1, h, w)]] * b,
-                         img_mask=slots.to(noisy.device), return_dict=False)[0]
+                         timestep=t.to(noisy.dtype), img_shapes=[[*shapes, (1, h, w)]] * b,
+                         img_mask=slots.expand(b, -1).to(noisy.device), return_dict=False)[0]
         return from_tokens(out[:, -h * w:], h, w)
 
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
@@ -155,11 +189,15 @@ class QwenImage21Family(DiffusersLayoutFamily):
 
     def pipeline(self, c: Components) -> "DiffusionPipeline":
         """QwenImage21Pipeline over the components, its processor, and the folder's sampling
-        grid (Turbo's `sample_sigmas`; None: the pipeline's linear grid)."""
+        grid (Turbo's `sample_sigmas`; None: the pipeline's linear grid); for the edit
+        variant its subclass that samples a reference from embeddings (`sampling.py`)."""
         import diffusers
 
+        from difftune.families.qwen_image_21.sampling import EmbeddedEditPipeline
+
         options = c.extras.get("pipeline_options", {})
-        pipe = diffusers.QwenImage21Pipeline(
+        kind = EmbeddedEditPipeline if self.spec.control_images else diffusers.QwenImage21Pipeline
+        pipe = kind(
             transformer=c.denoiser, vae=c.vae, scheduler=c.scheduler,
             text_encoder=c.text_encoders["qwen3vl"], processor=c.extras["processor"],
             sample_sigmas=options.get("sample_sigmas"))

@@ -82,16 +82,29 @@ def no_final_norm(model: Any) -> Any:
     return model
 
 
-def processor(tokenizer: Any) -> Any:
+def processor(tokenizer: Any, images: Any = None) -> Any:
     """The Qwen3VLProcessor QwenImage21Pipeline takes, over `tokenizer` (its chat template the
-    tokenizer's) and the Qwen-VL image processor at Qwen3-VL's 16-pixel patches, without the
-    video processor (common/vl_processor.py)."""
+    tokenizer's) and `images`, the image processor (None: the Qwen-VL one at Qwen3-VL's
+    16-pixel patches), without the video processor (common/vl_processor.py)."""
     from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
 
     from difftune.families.common.vl_processor import without_video
 
-    return without_video(Qwen3VLProcessor, Qwen2VLImageProcessorPil(patch_size=16), tokenizer,
-                         tokenizer.chat_template)
+    images = images if images is not None else Qwen2VLImageProcessorPil(patch_size=16)
+    return without_video(Qwen3VLProcessor, images, tokenizer, tokenizer.chat_template)
+
+
+def image_processor(folder: Path) -> Any:
+    """The folder's own image processor (processor/preprocessor_config.json, or nested in its
+    processor_config.json as transformers now saves it: its pixel bounds decide whether
+    Qwen3-VL sees a reference at the size the autoencoder does), or None."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    sub = folder / "processor"
+    if not any((sub / name).is_file() for name in ("preprocessor_config.json",
+                                                   "processor_config.json")):
+        return None
+    return Qwen2VLImageProcessorPil.from_pretrained(sub, local_files_only=True)
 
 
 def transformer_config(sd: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
@@ -172,7 +185,7 @@ def load_qwen_image_21_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]
                           scheduler_unknown=f"{folder} has no scheduler/; using the dynamic "
                                             "shift QwenImage21Pipeline falls back to")
     parts = load_components(cfg, dtypes, folder, layout, load_qwen_image_21_text_encoders)
-    parts["processor"] = processor(parts["tokenizer"])
+    parts["processor"] = processor(parts["tokenizer"], image_processor(folder))
     parts["pipeline_options"] = pipeline_options(folder)
     return parts
 

@@ -10,15 +10,17 @@ Turbo (QwenImage21TurboModularPipeline) share the architecture; Turbo's folder s
 sampling grid as `sample_sigmas` in model_index.json, which is how diffusers' modular loader
 tells them apart, and so does `QwenImage21Family.distilled`.
 
-Text-to-image only: the pipeline's image-conditioned mode (condition images read by Qwen3-VL
-and their latents put in the vision slots of the text sequence) is not trained yet. In diffusers
-0.42.1, QwenImage21Pipeline.__call__ cannot sample it from precomputed embeddings, which is how
-difftune samples: with `image` and `prompt_embeds`, its `encode_prompt` requires an
-`image_pad_mask` that `__call__` takes no argument for (ValueError "Pass `image_pad_mask`
-alongside `prompt_embeds`...").
+The "edit" variant trains the same checkpoint's image-conditioned mode (QwenImage21Pipeline's
+`image`; no separate edit checkpoint is released): one reference image a pair, resized to the
+dataset's resolution in area (sides multiples of 32, the pipeline's `calculate_dimensions`),
+read by Qwen3-VL with the caption (its vision tokens before the caption in the user turn) and
+encoded by the autoencoder; the reference's latent tokens replace the hidden states at the
+encoder's `<|image_pad|>` slots in the transformer's sequence (`edit.py`).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from difftune.families.specs import (VAE_KEEP_HIGH, FamilySpec, ModelFiles, ModelSize,
                                      TextEncoderSpec)
@@ -35,7 +37,7 @@ DROP = 14
 # transformer's RoPE tables hold 8192 positions).
 MAX_TOKENS = 4096
 
-SPEC = FamilySpec(
+BASE = FamilySpec(
     distilled_note=(
         "this is Qwen-Image 2.1 Turbo (model_index.json sample_sigmas), step-distilled to "
         "sample in a few steps without guidance: training a LoRA on it directly erodes the "
@@ -104,3 +106,15 @@ SPEC = FamilySpec(
                         "prompt template whose first 14 tokens are dropped; textual inversion "
                         "is not supported for it"),
 )
+
+# QwenImage21Pipeline.prompt_template_ti2i: a condition image's vision tokens open the user turn,
+# before the caption (the processor expands `<|image_pad|>` to the image's 32 x 32 patches).
+IMAGE_PROMPT = "<image{}><|vision_start|><|image_pad|><|vision_end|>"
+# The edit mode of the same checkpoint: Qwen3-VL reads each pair's reference with its caption
+# (the processor, which holds the tokenizer, as the encoder's tokenizer); one reference a pair
+# (the pipeline joins several with a space between their prompts, which is not trained yet).
+EDIT = replace(BASE, variant="edit", control_images=1,
+               text_encoders=(replace(BASE.text_encoders[0], image_prompt=IMAGE_PROMPT,
+                                      token_types=True),),
+               encoder_parts=(("qwen3vl", "text_encoder", "processor"),))
+SPEC = replace(BASE, variants=(("base", BASE), ("edit", EDIT)))

@@ -77,14 +77,16 @@ def tiny_text_encoder(tok: Any) -> Any:
     return no_final_norm(model)
 
 
-def build_tiny_qwen_image_21() -> dict[str, Any]:
+def build_tiny_qwen_image_21(variant: str | None = None) -> dict[str, Any]:
     """All components of a tiny Qwen-Image 2.1 model, keyed as QwenImage21Pipeline names them
-    (the tokenizer besides the processor that holds it).
+    (the tokenizer besides the processor that holds it); the same for every `variant` (the
+    edit variant is the same checkpoint's image-conditioned mode).
 
     Deterministic: the same weights on every call, whatever the caller's RNG state.
     """
     from diffusers import (AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler,
                            QwenImage21Transformer2DModel)
+    from transformers import Qwen2VLImageProcessorPil
 
     tok = tiny_qwen3_tokenizer()
     with torch.random.fork_rng(devices=[]):
@@ -99,6 +101,9 @@ def build_tiny_qwen_image_21() -> dict[str, Any]:
             transformer.modulation[1].weight.normal_(std=0.5)
         encoder = tiny_text_encoder(tok)
         vae = AutoencoderKLQwenImage21(**TINY_VAE_CONFIG)
+    # References from 32 x 32 to 2048 x 2048 pixels reach Qwen3-VL at the autoencoder's size.
+    images = Qwen2VLImageProcessorPil(patch_size=16, size={"shortest_edge": 32 * 32,
+                                                           "longest_edge": 2048 * 2048})
     return {"transformer": transformer.eval(), "text_encoder": encoder.eval(), "tokenizer": tok,
-            "processor": processor(tok), "vae": vae.eval(),
+            "processor": processor(tok, images), "vae": vae.eval(),
             "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)}
