@@ -37,6 +37,9 @@ class Entry:
     samples: list[str] = field(default_factory=list)
     measured_now: bool = False
     copying: bool | None = None  # its samples look copied (None: not measured)
+    # The sample closest to a copy: {"sample", "nearest" (training image), "similarity",
+    # "floor" (that image's copy floor)}; None where no per-sample figures were kept.
+    closest: dict[str, Any] | None = None
 
 
 def read_rows(run: Path) -> list[dict[str, Any]]:
@@ -101,6 +104,42 @@ def _copying(rows: list[dict[str, Any]], step: int) -> bool | None:
     return found
 
 
+def _closest(samples: Any) -> dict[str, Any] | None:
+    """Of an event's per-sample figures, the sample nearest to being a copy: the one whose
+    similarity to its nearest training image is furthest past (or least short of) that
+    image's copy floor (None when the figures are missing)."""
+    keys = ("file", "nearest", "nearest_similarity", "copy_floor")
+    rows = [r for r in samples if isinstance(r, dict) and all(k in r for k in keys)] \
+        if isinstance(samples, list) else []
+    if not rows:
+        return None
+    top = max(rows, key=lambda r: float(r["nearest_similarity"]) - float(r["copy_floor"]))
+    return {"sample": str(top["file"]), "nearest": str(top["nearest"]),
+            "similarity": float(top["nearest_similarity"]), "floor": float(top["copy_floor"])}
+
+
+def _event_closest(rows: list[dict[str, Any]], step: int) -> dict[str, Any] | None:
+    """`_closest` of the last sample event measured at `step` (None: none there)."""
+    found = None
+    for row in rows:
+        if row["step"] == step and isinstance(row.get("sample_metrics"), dict):
+            found = _closest(row["sample_metrics"].get("samples"))
+    return found
+
+
+def copy_line(e: Entry) -> str | None:
+    """The memorization figure of a checkpoint in words (None: not measured): whether its
+    samples copy a training image, which one, and the similarity against its copy floor."""
+    if e.copying is None:
+        return None
+    head = "copying" if e.copying else "not copying"
+    if e.closest is None:
+        return head
+    c = e.closest
+    return (f"{head}: {c['sample']} has similarity {c['similarity']:.4f} to training image "
+            f"{c['nearest']} (its copy floor {c['floor']:.4f})")
+
+
 def _samples(run: Path, step: int) -> list[Path]:
     return sorted(p for p in (run / "samples").glob(f"step-{step:06d}_*.png")
                   if not p.name.endswith("_grid.png"))
@@ -157,11 +196,12 @@ def rank(runs: list[Path], by: str | None = None, dino: Path | None = None,
         for step, file in sorted(checkpoints(run, cfg, rows).items()):
             e = Entry(str(run), step, str(file), _figures(rows, step),
                       samples=[str(p) for p in _samples(run, step)],
-                      copying=_copying(rows, step))
+                      copying=_copying(rows, step), closest=_event_closest(rows, step))
             if e.samples and not SAMPLE_METRICS & set(e.figures):
                 m = measurer.measure(run, cfg, [Path(p) for p in e.samples])
                 e.figures.update({k: float(m[k]) for k in FIGURES if isinstance(m.get(k), float)})
                 e.measured_now, e.copying = True, bool(m["copying"])
+                e.closest = _closest(m.get("samples"))
             entries.append(e)
     text = by or _default_by(configs[runs[0]], entries)
     try:

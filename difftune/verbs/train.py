@@ -167,27 +167,52 @@ def _open_run(cfg: RunConfig, resume: str | None, dist: Dist,
     return checkpoint
 
 
+class StopRequest:
+    """The stop state a SIGINT/SIGTERM sets, and the predicate the loop polls.
+
+    The signal handler only appends to a list (async-signal-safe: a Python handler may run in
+    the middle of a logging call on the same thread, whose handler lock or buffered stream is
+    then held, and logging there deadlocks or raises "reentrant call", which once took the run
+    log down). The messages are logged when the loop polls, outside the handler."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self._told = 0
+
+    def ask(self, signum: int, frame: object) -> None:
+        """The signal handler: records the signal, nothing else."""
+        self.signals.append(signum)
+
+    def __call__(self) -> bool:
+        """Whether a stop was asked for; logs the signals not logged yet (polled by the loop)."""
+        self.tell()
+        return bool(self.signals)
+
+    def tell(self) -> None:
+        """Log each signal received since the last call, once."""
+        while self._told < len(self.signals):
+            name = signal.Signals(self.signals[self._told]).name
+            if self._told == 0:
+                log.warning("stop requested (%s): finishing this step and saving a checkpoint",
+                            name)
+            else:  # a second signal never cuts a save short
+                log.warning("%s again: already stopping; the checkpoint is being saved, wait for "
+                            "it (kill -9 loses the steps since the last checkpoint)", name)
+            self._told += 1
+
+
 @contextlib.contextmanager
 def stop_signals() -> Iterator[Callable[[], bool]]:
     """SIGINT/SIGTERM ask the loop to finish its step, checkpoint and stop (a second SIGINT
     is ignored until then); yields the predicate the loop polls. Off the main thread, nothing."""
-    asked: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield lambda: False
         return
-
-    def ask(signum: int, frame: object) -> None:
-        name = signal.Signals(signum).name
-        if not asked:
-            log.warning("stop requested (%s): finishing this step and saving a checkpoint", name)
-        else:  # a second signal never cuts a save short
-            log.warning("%s again: already stopping; the checkpoint is being saved, wait for "
-                        "it (kill -9 loses the steps since the last checkpoint)", name)
-        asked.append(signum)
-
-    old = {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop = StopRequest()
+    old = {s: signal.signal(s, stop.ask) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield lambda: bool(asked)
+        yield stop
     finally:
+        stop.tell()  # a signal during the final save is logged, late rather than never
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -4,7 +4,9 @@ odd prompt files and images vanishing mid-run never cost the run."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -16,6 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from difftune.report.logs import _RunLogHandler
+from difftune.report.metrics import Reporter
 from difftune.sample.prompts import PromptSpec, read_prompts
 from difftune.sample.runner import SampleRunner
 
@@ -221,3 +225,60 @@ def test_sigterm_during_a_sample_event_stops_after_the_current_image(
     monkeypatch.setattr(SampleRunner, "generate", real)
     assert train(cfg, "sample.at_start=false", extra=["--resume", "latest"]) == 0
     assert steps_of(out) == [1, 2, 3, 4]
+
+
+class _SignallingFile(io.RawIOBase):
+    """A run log file whose next write, once armed, first sends SIGINT to this process: the
+    Python signal handler then runs while logging holds the file's buffered writer."""
+
+    def __init__(self, path: str) -> None:
+        self.file = io.FileIO(path, "a")
+        self.armed = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        if self.armed:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.file.write(data)
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
+def test_a_signal_during_a_logging_call_stops_cleanly_with_the_run_log_intact(
+        tmp_path: Path, images: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGINT arriving inside the run log's write (same thread) is one message, the run stops
+    after that step, and the run log keeps being written (it was disabled by a "reentrant
+    call" when the signal handler itself logged)."""
+    raw: list[_SignallingFile] = []
+
+    def signalling_open(self: logging.FileHandler) -> io.TextIOWrapper:
+        raw.append(_SignallingFile(self.baseFilename))
+        return io.TextIOWrapper(io.BufferedWriter(raw[-1]), encoding="utf-8")
+
+    real = Reporter.step
+
+    def reporting(self: Reporter, s: int, *args: object, **kwargs: object) -> None:
+        real(self, s, *args, **kwargs)
+        if s == 1:
+            raw[-1].armed = True
+            logging.getLogger("difftune").info("step 1 reported")
+
+    monkeypatch.setattr(_RunLogHandler, "_open", signalling_open)
+    monkeypatch.setattr(Reporter, "step", reporting)
+    assert train(run_toml(tmp_path, images, steps=3)) == 0
+    captured = capsys.readouterr()
+    err = captured.err
+    assert "stopped after step 1" in captured.out
+    assert err.count("stop requested (SIGINT)") == 1 and "Logging error" not in err
+    assert "cannot be written any more" not in err
+    log = (tmp_path / "out" / "difftune.log").read_text()
+    assert log.count("stop requested (SIGINT)") == 1
+    order = [log.index(m) for m in ("step 1 reported", "stop requested", "saved checkpoint")]
+    assert order == sorted(order)
+    assert steps_of(tmp_path / "out") == [1]

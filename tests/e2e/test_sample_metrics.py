@@ -186,6 +186,9 @@ def test_runs_rank_measures_samples_a_run_never_measured(
         assert c["measured_now"]
         for key in ("fidelity", "clip_score", "nearest_similarity"):
             assert c["figures"][key] == pytest.approx(events[c["step"]][key], abs=1e-6)
+        closest = c["closest"]  # the sample nearest to a copy, measured now as the run did
+        assert closest["similarity"] <= c["figures"]["nearest_similarity"] + 1e-6
+        assert (closest["similarity"] >= closest["floor"]) == c["copying"]
 
 
 def test_check_loads_the_metric_models_and_refuses_a_broken_one(

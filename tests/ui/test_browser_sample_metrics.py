@@ -5,7 +5,10 @@ each sample card with its prompt's figures). The rows are what a run writes: the
 
 from __future__ import annotations
 
+import html
+import json
 import shutil
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +22,10 @@ from tests.ui import tiny_run
 from tests.ui.browser import DEMO, UiProcess, editable, shoot, wait_for
 
 
-def _measured(run: Path, scorers: Scorers) -> None:
+def _measured(run: Path, scorers: Scorers, copy_similarity: float = 0.95) -> None:
     """Append each sample event's metrics to the run's metrics.jsonl, as a run with
-    [metrics] does."""
-    ref = reference(scorers, sorted(DEMO.glob("*.png")), run / "cache", 0.95)
+    [metrics] does (every sample a copy with a floor of -1)."""
+    ref = reference(scorers, sorted(DEMO.glob("*.png")), run / "cache", copy_similarity)
     reporter = Reporter(run, tiny_run.STEPS, start_step=tiny_run.STEPS, tensorboard=False,
                         bar=False, append=True)
     try:
@@ -41,7 +44,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, scorer_models: tuple) -> An
                                          clip=scorer_models[1]))
     for name in ("run-a", "run-b"):
         shutil.copytree(run, root / "runs" / name)
-        _measured(root / "runs" / name, scorers)
+        _measured(root / "runs" / name, scorers, -1.0 if name == "run-b" else 0.95)
     ui = UiProcess(root).start()
     yield ui
     ui.stop()
@@ -108,6 +111,28 @@ def test_rank_page_shows_the_clis_ranking_with_samples(served: UiProcess, browse
         assert "unknown metric 'fidelty'" in page.get_by_test_id("error").inner_text()
     finally:
         page.close()
+
+
+def test_rank_page_marks_a_checkpoint_whose_samples_copy_a_training_image(
+        served: UiProcess) -> None:
+    """The page, as served over HTTP, says per checkpoint what `runs rank` says: run-b's
+    samples are copies (floor -1), run-a's are not; with the nearest image and the figures."""
+    from difftune.verbs.rank import rank
+
+    runs = [served.root / "runs" / "run-a", served.root / "runs" / "run-b"]
+    _, entries = rank(runs, "fidelity")
+    measured = {Path(e.run).name: e for e in entries if e.step == tiny_run.STEPS}
+    assert measured["run-b"].copying and not measured["run-a"].copying
+    with urllib.request.urlopen(f"{served.url}/rank?runs=runs/run-a,runs/run-b&by=fidelity",
+                                timeout=60) as answer:
+        page = html.unescape(answer.read().decode())
+    for e in measured.values():
+        c = e.closest
+        assert c is not None and c["nearest"] in {p.name for p in DEMO.glob("*.png")}
+        line = (f"{'copying' if e.copying else 'not copying'}: {c['sample']} has similarity "
+                f"{c['similarity']:.4f} to training image {c['nearest']} (its copy floor "
+                f"{c['floor']:.4f})")
+        assert json.dumps(line)[1:-1] in page, line
 
 
 def test_sweep_page_lists_trials_and_opens_them_in_compare(served: UiProcess,

@@ -18,7 +18,7 @@ from difftune.ui.context import UiContext
 from difftune.ui.pages.compare import sample_url
 from difftune.ui.pages.layout import error_box, frame
 from difftune.ui.security import PathOutsideRoots
-from difftune.verbs.rank import FIGURES, Entry, rank
+from difftune.verbs.rank import FIGURES, Entry, copy_line, rank
 
 
 def rank_url(runs: list[str], by: str = "") -> str:
@@ -68,6 +68,12 @@ def _show(ctx: UiContext, by: str, entries: list[Entry]) -> None:
                 .classes("font-bold").props(f'data-testid="rank-title-{i}"')
             figures = " · ".join(f"{k} {e.figures[k]:.4f}" for k in FIGURES if k in e.figures)
             ui.label(f"{figures} · {Path(e.file).name}").classes("text-xs text-gray-600")
+            copying = copy_line(e)
+            if copying:  # memorization, as `difftune runs rank` shows it
+                ui.label(("⚠ " if e.copying else "") + copying) \
+                    .classes("text-sm " + ("text-red-700 font-bold" if e.copying
+                                           else "text-gray-600")) \
+                    .props(f'data-testid="rank-copying-{i}"')
             with ui.row().classes("gap-2"):
                 for j, path in enumerate(e.samples):
                     ui.image(sample_url(path)).classes("w-32") \
