@@ -8,7 +8,7 @@ import json
 import shutil
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import pytest
 import torch
@@ -204,16 +204,23 @@ def finished(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
     return cfg
 
 
-def pairwise(cells: list[tuple], skip: tuple[tuple[int, int], ...] = ()) -> list[tuple]:
+def pairwise(cells: list[tuple], skip: tuple[tuple[int, int], ...] = (),
+             ignore: tuple[int, ...] = ()) -> list[tuple]:
     """A covering subset of `cells`: every pair of values of any two axes in some chosen cell
     (so every value of every axis too), but the pairs of the axes `skip` names ((0, 1): the
-    first and second axes' pairs need not all appear; each axis must keep a pair of axes).
+    first and second axes' pairs need not all appear) and any pair with an axis of `ignore`
+    (whose values need not appear at all). An axis left with no pair still has each of its
+    values in some chosen cell.
 
     Greedy and deterministic: repeatedly the first cell (in `cells` order) that covers the most
-    pairs not yet covered; the same cells on every run."""
+    pairs (and values) not yet covered; the same cells on every run."""
+    size = len(cells[0])
+    axes = [a for a in itertools.combinations(range(size), 2)
+            if a not in skip and not set(a) & set(ignore)]
+    alone = [i for i in range(size) if i not in ignore and not any(i in a for a in axes)]
+
     def pairs(cell: tuple) -> set[tuple]:
-        axes = [a for a in itertools.combinations(range(len(cell)), 2) if a not in skip]
-        return {(i, cell[i], j, cell[j]) for i, j in axes}
+        return ({(i, cell[i], j, cell[j]) for i, j in axes} | {(i, cell[i]) for i in alone})
     todo = set().union(*(pairs(c) for c in cells))
     chosen: list[tuple] = []
     while todo:
@@ -221,6 +228,30 @@ def pairwise(cells: list[tuple], skip: tuple[tuple[int, int], ...] = ()) -> list
         chosen.append(best)
         todo -= pairs(best)
     return chosen
+
+
+def representatives(path: Callable[[str], Hashable | None]) -> list[str]:
+    """The registered families that stand for a shared code path in the default tier: for each
+    distinct value of `path(family)` (what decides the path the test exercises, read from the
+    family's spec), the first family in registry order with that value; a family whose `path`
+    is None takes none of the test's paths that another suite does not already cover.
+
+    The rule, not a list: a family registered later runs these tests by default only when its
+    spec gives a value no earlier family has (a new path), else with `--full`."""
+    chosen: dict[Hashable, str] = {}
+    for name in families.names():
+        key = path(name)
+        if key is not None:
+            chosen.setdefault(key, name)
+    return list(chosen.values())
+
+
+def family_tier(path: Callable[[str], Hashable | None]) -> list[Any]:
+    """Every registered family as a parameter: the `representatives` of `path` in the default
+    tier, the others `full_only` (`pytest --full`)."""
+    keep = representatives(path)
+    return [pytest.param(n, marks=() if n in keep else pytest.mark.full_only)
+            for n in families.names()]
 
 
 def sampled_grid(cells: list[tuple]) -> list[Any]:

@@ -14,9 +14,13 @@ and its file is shared by the verbs (a module-scoped fixture):
   first step is that same image;
 - `check` passes on the cell's run file.
 
-Tiers: the default run executes a pairs covering subset (every pair of values of any two axes
-in some cell, but family x kind: 29 of the 141 cells, see `DEFAULT`), the FLUX.1 kohya
-`attention_mlp` LoRA of `examples/tiny-lora.toml` first; the other cells are `full_only`
+Tiers: the default run trains a pairs covering subset (every pair of values of any two axes
+in some cell, but family x kind; see `DEFAULT`), the FLUX.1 kohya `attention_mlp` LoRA of
+`examples/tiny-lora.toml` first, and checks `sample --lora` and the LoRA tools on each: every family's file in each of its layouts, a family fact.
+`--init-lora` and `check` take the same path for every family given the adapter kind and
+layout, so by default they run on the 7 of those cells that cover every kind x layout pair and
+every target preset (`SHARED`; a family registered later adds cells to DEFAULT, not to SHARED
+unless it brings a layout or preset no earlier cell has). The other cells are `full_only`
 (`pytest --full`). `test_shipped_runs_are_cells` ties the examples (and so the web
 app's presets, made from them) to the grid: none writes a file of a cell the grid lacks.
 """
@@ -62,8 +66,21 @@ CELLS: list[tuple[str, str, str, str]] = [
 # reader a file meets is chosen by family x layout, which is covered (every LyCORIS kind shares
 # its family's one LyCORIS layout); all pairs would take 49 cells, about 90 s on a 2-core CPU.
 DEFAULT = pairwise([TINY] + [c for c in CELLS if c != TINY], skip=((0, 1),))
-PARAMS = [pytest.param(c, id="-".join(c), marks=() if c in DEFAULT else pytest.mark.full_only)
-          for c in CELLS]
+# `train --init-lora` and `check` on a file take one path per adapter kind x layout (the
+# family's own reader, `lora_from_format`, is the one `sample --lora` meets in every DEFAULT
+# cell; `check` of each family is in the contract suite): by default the DEFAULT cells that
+# cover every kind x layout pair and every target preset, whatever the family (7 cells today).
+SHARED = pairwise(DEFAULT, skip=((1, 3), (2, 3)), ignore=(0,))
+
+
+def cell_params(default: list[tuple[str, str, str, str]]) -> list[Any]:
+    """Every cell as the `trained` fixture's parameter (the same objects in the same order for
+    every test, so each cell trains once), `full_only` outside `default`."""
+    return [pytest.param(c, id="-".join(c), marks=() if c in default else pytest.mark.full_only)
+            for c in CELLS]
+
+
+PARAMS, SHARED_PARAMS = cell_params(DEFAULT), cell_params(SHARED)
 
 
 def run_file(folder: Path, data: Path, prompts: Path, cell: tuple[str, str, str, str],
@@ -138,7 +155,7 @@ def cell_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=PARAMS)
+@pytest.fixture(scope="module")
 def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
             images: Path, cell_prompts: Path) -> dict[str, Any]:
     """One cell trained once: its cell, run file, output folder and LoRA file."""
@@ -151,6 +168,7 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return {"cell": cell, "cfg": cfg, "out": folder / "out", "lora": lora, "folder": folder}
 
 
+@pytest.mark.parametrize("trained", PARAMS, indirect=True)
 def test_sample_applies_the_file(trained: dict[str, Any], tmp_path: Path) -> None:
     out = trained["out"]
     before, after = pixels(sample_at(out, 0)), pixels(sample_at(out, 1))
@@ -170,6 +188,7 @@ def test_sample_applies_the_file(trained: dict[str, Any], tmp_path: Path) -> Non
         f"{change}")
 
 
+@pytest.mark.parametrize("trained", SHARED_PARAMS, indirect=True)
 def test_init_lora_restores_the_weights(trained: dict[str, Any], images: Path,
                                         cell_prompts: Path) -> None:
     folder = trained["folder"] / "init"
@@ -180,6 +199,7 @@ def test_init_lora_restores_the_weights(trained: dict[str, Any], images: Path,
                           pixels(sample_at(trained["out"], 1)))
 
 
+@pytest.mark.parametrize("trained", SHARED_PARAMS, indirect=True)
 def test_check_passes(trained: dict[str, Any], tmp_path: Path,
                       capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", str(trained["cfg"]), "--set",
@@ -193,6 +213,7 @@ INSPECTED_KINDS = {"lora": {"LoRA"}, "dora": {"DoRA"}, "locon": {"LoRA", "LoCon"
                    "loha": {"LoHa"}, "lokr": {"LoKr"}}
 
 
+@pytest.mark.parametrize("trained", PARAMS, indirect=True)
 def test_lora_tools_read_the_file(trained: dict[str, Any]) -> None:
     """`difftune lora inspect` names the cell's family and kind, and `verify` says ComfyUI
     drops exactly the keys its key map (tests/comfy_keymap.py) leaves unloaded."""

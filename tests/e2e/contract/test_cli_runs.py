@@ -2,7 +2,13 @@
 
 A sampled 4-step run writes its outputs, metrics, samples and LoRA metadata; diffusers' own
 loader reads the LoRA with no leftover key and it changes the images; `check` passes on the
-tiny flavor and on the model saved as a diffusers folder. Parametrized over the registry."""
+tiny flavor and on the model saved as a diffusers folder. Parametrized over the registry.
+
+Tiers: everything runs for every family by default but `check` on the tiny flavor with the
+family's sample prompts, which repeats for each family what the diffusers-folder check (every
+family: its own loader, the check's training step) and the reference run's samples (every
+family) already show: by default it runs for the first family only (`family_tier`), every
+family with `pytest --full`."""
 
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from safetensors.torch import load_file
 from difftune import families
 from difftune.cli import main
 
-from ..conftest import metrics_rows, pipeline_image, run_toml, tiny_pipeline
+from ..conftest import family_tier, metrics_rows, pipeline_image, run_toml, tiny_pipeline
 from .conftest import sample_prompts
 
 Trained = Callable[[str], Path]
@@ -77,7 +83,7 @@ def test_lora_loads_in_diffusers_and_changes_output(family: str, trained: Traine
         assert torch.equal(value, file[f"{prefix}.{key}"])
 
 
-@pytest.mark.parametrize("family", families.names())
+@pytest.mark.parametrize("family", family_tier(lambda name: "check on the tiny flavor"))
 def test_check_passes(family: str, tmp_path: Path, images: Path,
                       family_prompts: Callable[[str], Path],
                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,4 +103,5 @@ def test_check_on_a_diffusers_folder(family: str, tmp_path: Path, images: Path,
     cfg = run_toml(tmp_path, images, family=family, model=f'path = "{folder.as_posix()}"')
     assert main(["check", str(cfg)]) == 0
     out = capsys.readouterr().out
-    assert f"model: tiny-{family}" in out and "check passed" in out
+    for part in (f"model: tiny-{family}", "training step: loss", "check passed"):
+        assert part in out

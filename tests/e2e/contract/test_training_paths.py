@@ -3,13 +3,21 @@ gradient checkpointing train bitwise like the plain run, exact resume and disk c
 caption augmentations, two processes against one, and the refusals the family's spec declares
 (test_precision_matrix covers every family's precision cells).
 
-Parametrized over the registry. Families with a decoder-LLM text encoder (variable-length,
-templated or stacked text embeddings that the older suites' FLUX.1 runs never exercise) or a
-trimmed one (Wan's UMT5) run in the default tier; the others with `--full` (their paths are
-covered there by test_resume, test_memory_savers, test_distributed and test_disk_cache). Two
-processes run by default only for one family with variable-length captions (the batching two
-processes could split apart), Qwen-Image, whose padded batches reach the denoiser (see
-TWO_PROCESS_DEFAULT)."""
+Parametrized over the registry. The block swap, resume and disk cache paths are the same code
+for every family but for the text embeddings they carry: by default they run once per text
+path (`text_path`: each encoder's kind and whether its outputs are trimmed to the caption's
+tokens, so variable-length entries are padded back per batch), for the first family in registry
+order with that path among the families with a decoder-LLM text encoder (variable-length,
+templated or stacked embeddings that the older suites' FLUX.1 runs never exercise) or a trimmed
+one (Wan's UMT5): today Z-Image (decoder, trimmed), FLUX.2 (decoder, fixed length, stacked
+layers), Wan (trimmed T5) and Anima (a trimmed decoder and trimmed T5 tokens together). The
+others run with `--full` (Qwen-Image, ERNIE-Image and Krea 2 repeat one of those paths; the
+CLIP/T5 families' paths are covered by test_resume, test_memory_savers, test_distributed and
+test_disk_cache). A family registered later joins the default tier here only with a text path
+no earlier family has (`conftest.family_tier`). Two processes run by default only for one
+family with variable-length captions (the batching two processes could split apart),
+Qwen-Image, whose padded batches reach the denoiser (see TWO_PROCESS_DEFAULT). The declared
+refusals are family facts: every family by default."""
 
 from __future__ import annotations
 
@@ -27,21 +35,24 @@ from difftune import families
 from difftune.cli import main
 from difftune.families.common.diffusers_layout import DiffusersLayoutFamily
 
-from ..conftest import metrics_rows, run_toml, stopped_and_resumed, train_cli, train_exit_code
+from ..conftest import (family_tier, metrics_rows, run_toml, stopped_and_resumed, train_cli,
+                        train_exit_code)
 
 AUGMENT = ["datasets.0.shuffle_caption=true", "datasets.0.caption_tag_dropout_rate=0.3",
            "datasets.0.flip=true", "train.grad_accum=2", "save.every_n_steps=3"]
 
 
-def _tier(name: str) -> object:
-    """The family as a parameter: default tier for decoder-LLM text encoders and for encoders
-    whose outputs are trimmed to each caption's tokens (Wan's UMT5, padded back by the
-    family), else --full."""
-    default = any(s.kind == "decoder" or s.trim for s in families.spec(name).text_encoders)
-    return pytest.param(name, marks=() if default else pytest.mark.full_only)
+def text_path(name: str) -> tuple[tuple[str, bool], ...] | None:
+    """The text path a family's runs take through caches and batches: (kind, trimmed) of each
+    text encoder; None for families without a decoder-LLM or trimmed encoder (the older
+    suites cover theirs)."""
+    encoders = families.spec(name).text_encoders
+    if not any(s.kind == "decoder" or s.trim for s in encoders):
+        return None
+    return tuple((s.kind, s.trim) for s in encoders)
 
 
-FAMILIES = [_tier(n) for n in families.names()]
+FAMILIES = family_tier(text_path)
 
 
 # The two-process case of the default tier: Qwen-Image, whose trimmed captions reach its
