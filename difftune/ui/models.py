@@ -6,8 +6,9 @@ A diffusers folder (one holding `model_index.json`, or a modular pipeline's
 family's `pipeline_class`, a variant's through `variant_of_pipeline`); a single
 `.safetensors` file by its tensors' names, read from the file's JSON header alone and matched
 against each family's `files.markers` (families/detect.py, which the run-file check shares). A
-file no family's markers fit, a text encoder or an autoencoder included, is "unknown". The walk is bounded in depth and in entries, follows no links out of
-the roots, and runs off the event loop (the page calls it through `run.io_bound`).
+file no family's markers fit, a text encoder or an autoencoder included, is "unknown". The walk
+is bounded in depth and in entries, follows no links out of the roots, and runs off the event
+loop (the page calls it through `run.io_bound`).
 """
 
 from __future__ import annotations
