@@ -10,8 +10,10 @@ from pydantic import BaseModel, ValidationError
 
 from difftune.config.checks import check_paths, warn_ignored
 from difftune.config.errors import format_validation_error, parse_override
+from difftune.config.model_source import family_problem
 from difftune.config.run import RunConfig
-from difftune.errors import ConfigError
+from difftune.config.sections import ModelConfig
+from difftune.errors import ConfigError, ModelFileError
 
 
 def _resolve_paths(node: Any, base: Path) -> None:
@@ -38,6 +40,9 @@ def parse_config(data: dict[str, Any], base: Path, source: str = "config") -> Ru
     Also checks the model paths (cheap: existence and kind), so a wrong file is reported in
     seconds rather than after the data has been scanned.
     """
+    wrong = family_problem(data.get("model"), base, ModelConfig.model_fields["family"].default)
+    if wrong is not None:  # alone: the other family's file list would only mislead
+        raise ModelFileError(f"{source}: model files:\n  - {wrong}")
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:

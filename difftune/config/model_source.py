@@ -4,13 +4,19 @@ The messages about a missing or wrong model source, and the help of `model.path`
 single-file keys, are written from each family's `ModelFiles` (its spec.py): the folder layout
 it takes, the ComfyUI single files it reads, what the folder must hold beside them. No family
 is named here, so a new family's messages and help come with its spec.
+
+A denoiser file is also checked against the family, from its tensors' names
+(`families.detect`): the family is never guessed from a file, only checked, so a file of another
+family than model.family (or than the default, when the run file names none) is refused with the
+line to write.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from difftune.families import registry
+from difftune.families import detect, registry
 from difftune.families.specs import FamilySpec
 
 if TYPE_CHECKING:
@@ -74,3 +80,54 @@ def source_problems(model: ModelConfig) -> list[str]:
             f"{files.folder} layout, or all of {files.describe_singles()} as single files "
             f"(missing: {', '.join(missing)})")
     return problems
+
+
+def _denoiser_keys() -> list[str]:
+    """The single-file keys any family reads its denoiser (or whole checkpoint) from."""
+    return sorted({spec.files.singles[0][0] for _, spec in _kinds() if spec.files.singles})
+
+
+def _family_lines(family: str, variant: str | None) -> str:
+    """The run file's lines that pick `family` (and `variant`, where the file tells it)."""
+    told = variant is not None and len(registry.variant_specs(family)) > 1
+    return f'model.family = "{family}"' + (f' and model.variant = "{variant}"' if told else "")
+
+
+def _denoiser_files(model: dict[str, Any], base: Path) -> list[tuple[str, Path]]:
+    """(key, file) of the denoiser files the raw [model] table names that exist, relative
+    paths resolved against `base` as `load_config` resolves them."""
+    out = []
+    for key in _denoiser_keys():
+        value = model.get(key)
+        path = Path(value).expanduser() if isinstance(value, str) else None
+        path = path if path is None or path.is_absolute() else base / path
+        if path is not None and path.is_file():
+            out.append((key, path))
+    return out
+
+
+def family_problem(model: Any, base: Path, default: str) -> str | None:
+    """Why the run file's raw [model] table (`model`, paths relative to `base`) names a denoiser
+    file that another family's markers fit but not its model.family's (`default` where it names
+    none), or None. Read before validation: an unset family's defaults would otherwise be
+    reported (a FLUX.1 file list for an SDXL checkpoint). A file no family's markers fit is
+    left to the family's loader."""
+    if not isinstance(model, dict) or model.get("flavor") is not None:
+        return None
+    given = model.get("family")
+    if given is not None and given not in registry.names():
+        return None  # validation names the choices
+    for key, path in _denoiser_files(model, base):
+        found = detect.file_families(path)
+        if not found or (given or default) in [name for name, _ in found]:
+            continue
+        family, variant = found[0]
+        shows = f'its tensors are a "{family}"' + (f' ("{variant}")' if variant else "") + \
+            " denoiser's"
+        if given is None:
+            return (f"model.{key}: {path}: {shows}, but the run file sets no model.family, "
+                    f'which then is "{default}"; add {_family_lines(family, variant)} to its '
+                    "[model] (the family is never guessed from a file, only checked)")
+        return (f'model.{key}: {path}: {shows}, not model.family = "{given}"\'s; set '
+                f"{_family_lines(family, variant)}, or give a {given} file")
+    return None

@@ -4,18 +4,17 @@ family (and variant) from what the files hold, never from their names.
 A diffusers folder (one holding `model_index.json`, or a modular pipeline's
 `modular_model_index.json`) is recognised by the pipeline class it names (`_class_name`, the
 family's `pipeline_class`, a variant's through `variant_of_pipeline`); a single
-`.safetensors` file by its tensors' names, read from the file's JSON header alone (no tensor
-is loaded; the header is bounded) and matched against each family's `files.markers`
-(families/*/spec.py). A file no family's markers fit, a text encoder or an autoencoder
-included, is "unknown". The walk is bounded in depth and in entries, follows no links out of
-the roots, and runs off the event loop (the page calls it through `run.io_bound`).
+`.safetensors` file by its tensors' names, read from the file's JSON header alone and matched
+against each family's `files.markers` (families/detect.py, which the run-file check shares). A
+file no family's markers fit, a text encoder or an autoencoder included, is "unknown". The walk
+is bounded in depth and in entries, follows no links out of the roots, and runs off the event
+loop (the page calls it through `run.io_bound`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from functools import cache
 from pathlib import Path
@@ -23,10 +22,9 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from difftune.families import registry
-from difftune.families.specs import ModelFiles
+from difftune.families.detect import recognise_names, safetensors_names
 from difftune.ui.security import Roots
 
-MAX_HEADER = 64 << 20  # a safetensors header larger than this is not read (real ones: < 10 MiB)
 MAX_INDEX = 1 << 20  # model_index.json larger than this is not read
 MAX_DEPTH = 4  # folders below a root
 MAX_ENTRIES = 20_000  # directory entries looked at, all roots together
@@ -44,56 +42,6 @@ class Found(BaseModel):
     why: str = Field("", description="what told the family (or why none fits)")
     fields: dict[str, str | None] = Field(
         default_factory=dict, description="the run file's model lines that pick it")
-
-
-def safetensors_names(path: Path) -> list[str]:
-    """The tensor names of a .safetensors file, from its header alone (ValueError when the
-    file is not one, or its header is larger than MAX_HEADER)."""
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than a safetensors header")
-        (size,) = struct.unpack("<Q", head)
-        if size > MAX_HEADER:
-            raise ValueError(f"header of {size} bytes, more than the {MAX_HEADER} read")
-        data = f.read(size)
-    if len(data) < size:
-        raise ValueError("header cut short")
-    header = json.loads(data)
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    return [k for k in header if k != "__metadata__"]
-
-
-def _pattern(module: str) -> re.Pattern[str]:
-    """Tensor names lying under dotted module path `module` (after any prefix)."""
-    return re.compile(r"(?:^|\.)" + re.escape(module) + r"(?:\.|$)")
-
-
-@cache
-def _compiled(files: ModelFiles) -> tuple[tuple[tuple[re.Pattern[str], ...], ...],
-                                          tuple[re.Pattern[str], ...]]:
-    """`files`' markers and unmarked paths as patterns (compiled once per spec)."""
-    return (tuple(tuple(_pattern(m) for m in alt) for alt in files.markers),
-            tuple(_pattern(m) for m in files.unmarked))
-
-
-def _fits(files: ModelFiles, names: list[str]) -> bool:
-    """Whether tensor `names` are those of a denoiser `files` describes."""
-    markers, unmarked = _compiled(files)
-    held = lambda p: any(p.search(n) for n in names)  # noqa: E731
-    return any(all(held(p) for p in alt) for alt in markers) and \
-        not any(held(p) for p in unmarked)
-
-
-def recognise_names(names: list[str]) -> tuple[str, str | None] | None:
-    """(family, variant) of a denoiser with tensor `names`; the variant is None where the
-    weights do not tell the family's variants apart. None: no family's markers fit."""
-    for family in registry.names():
-        fitting = [v for v, spec in registry.variant_specs(family) if _fits(spec.files, names)]
-        if fitting:
-            return family, fitting[0] if len(fitting) == 1 else None
-    return None
 
 
 def recognise_pipeline(pipeline: str) -> tuple[str, str | None] | None:

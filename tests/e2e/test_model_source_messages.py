@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from safetensors.torch import save_file
 
 from difftune.cli import main
 from difftune.config import ModelConfig
@@ -74,6 +75,44 @@ def test_a_path_that_is_no_folder_names_the_familys_layout(
     err = capsys.readouterr().err
     assert "no-such-folder is not a folder" in err
     assert f"in the {registry.spec(family, variant).files.folder} layout" in err
+
+
+def _whole_file(family: str, path: Path) -> Path:
+    """`family`'s tiny denoiser saved as the single file its users give: a UNet family's in
+    the original checkpoint's layout (as sd_xl_base_1.0.safetensors), others' as diffusers'."""
+    from tests.ui.test_models import _denoiser, _tiny
+    from tests.unit.test_sd_files import to_sgm_unet
+
+    tiny = _tiny(family, None)
+    save_file(to_sgm_unet(tiny["unet"]) if "unet" in tiny else _denoiser(tiny), str(path))
+    return path
+
+
+# (the file's family, the run file's model.family, what the error must say)
+FAMILY_CHECKS = [
+    ("sdxl", None, ['"sdxl"', 'add model.family = "sdxl"', "never guessed", '"flux"']),
+    ("sd15", "sdxl", ['"sd15" denoiser', 'not model.family = "sdxl"', 'model.family = "sd15"']),
+    ("flux", None, ["FLUX.1-dev", "missing: model.vae"]),  # FLUX.1's file: today's message
+]
+
+
+@pytest.mark.parametrize(("shows", "family", "said"), FAMILY_CHECKS)
+def test_a_file_of_another_family_is_refused_never_guessed(
+        tmp_path: Path, images: Path, shows: str, family: str | None, said: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A single denoiser file whose tensors are another family's than model.family (or than
+    the default FLUX.1, when the run file names no family) is refused naming the file, the
+    family its tensors show and the line to write; the family is not switched silently."""
+    path = _whole_file(shows, tmp_path / "model.safetensors")
+    line = [f'family = "{family}"'] if family else []
+    cfg = run_toml(tmp_path, images, model="\n".join([*line, f'transformer = "{path.as_posix()}"']))
+    assert main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for text in said:
+        assert text in err, (text, err)
+    wrong = shows != (family or "flux")
+    assert (str(path) in err and "model.vae" not in err) == wrong, err  # not FLUX's file list
 
 
 def test_help_names_every_familys_folder_and_files() -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from difftune.families import registry
+from difftune.families import detect, registry
 from difftune.ui import models
 from difftune.ui.security import Roots
 from tests.unit.layouts import to_bfl
@@ -115,7 +115,7 @@ def test_wan_in_its_original_names_is_wans(tmp_path: Path) -> None:
 
 def test_a_huge_header_is_not_read(tmp_path: Path) -> None:
     path = tmp_path / "huge.safetensors"
-    path.write_bytes((models.MAX_HEADER + 1).to_bytes(8, "little") + b"{}")
+    path.write_bytes((detect.MAX_HEADER + 1).to_bytes(8, "little") + b"{}")
     found = models.recognise_file(path)
     assert found.family == models.UNKNOWN and "more than" in found.why
 
