@@ -120,6 +120,7 @@ def test_verify_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     path = save_lora(tmp_path / "x.safetensors", state, {})
     status, out, _ = cli(capsys, "verify", str(path), "--family", "sdxl")
     assert status == 3 and "processor form" in out and "expected lora_unet_" in out
+    assert out.count("processor form") == 1  # one reason for all its keys: said once
     kohya = save_lora(tmp_path / "k.safetensors", spelled(state, "lora_unet_", True, 4.0,
                                                           ("lora_down.weight", "lora_up.weight")),
                       {})
