@@ -65,6 +65,8 @@ def test_kohya_file_ranks_alphas_metadata_blocks_and_nan(tmp_path: Path) -> None
     report = inspect_file(path)
     assert report.family == "flux" and report.also_fits == []  # the metadata settles it
     assert report.trainer == "kohya sd-scripts (or difftune)"
+    save_file(tensors, str(tmp_path / "d.safetensors"), metadata={**meta, "difftune.format": "k"})
+    assert inspect_file(tmp_path / "d.safetensors").trainer == "difftune"  # its own, named
     assert report.layouts == {"kohya (original names)": len(report.modules)}
     # fused qkv: rank 3 x 4 with alpha 3 x 2 (the same scale, 0.5); single blocks' linear1
     # (q, k, v and the untrained proj_mlp): 4 x 4 and 4 x 2
