@@ -63,6 +63,8 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
     if not manager.family.experts:
         _load_one(path, manager, None)
         return
+    # (before `pair` asks which expert a file of another family would be for)
+    refuse_other_family("--init-lora", path, read_lora(path)[1], manager.family.name)
     for file, part in pair(manager.family, path):
         _load_one(file, manager, part)
 

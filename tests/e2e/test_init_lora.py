@@ -100,3 +100,7 @@ def test_a_lora_of_another_family_is_refused_naming_both(flux_run: Path, tmp_pat
         'model.family is "sd15"' in capsys.readouterr().err
     assert main(["train", cfg, "--no-progress", "--init-lora", lora]) == 2
     assert "is a flux LoRA" in capsys.readouterr().err
+    a14b = str(run_toml(tmp_path / "a14b", images, family="wan", steps=1,
+                        model='flavor = "tiny"\nvariant = "2.2-t2v-a14b"'))  # two experts
+    assert main(["train", a14b, "--no-progress", "--init-lora", lora]) == 2
+    assert 'model.family is "wan"' in capsys.readouterr().err
