@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from difftune.errors import ConfigError
+from difftune.families import registry
 from difftune.importers import kohya_data
 from difftune.importers.families import GUESSED, KOHYA, KOHYA_KEYS
 from difftune.importers.notes import USED, Drop, NoEquivalent, Rule, To, Translation, src
@@ -92,6 +93,22 @@ def _warmup(t: Translation, key: str, value: Any, where: str) -> None:
         t.put("train.warmup_steps", int(value), f"{key} = {value}")
 
 
+def _clip_skip(t: Translation, key: str, value: Any, where: str) -> None:
+    """clip_skip N: train_network.py (SD 1.x) reads CLIP's `hidden_states[-N]` through its final
+    layer norm, which is difftune's model.clip_skip = N - 1 where the family reads CLIP's last
+    hidden state (spec.py); the other scripts ignore it (SDXL's reads the penultimate state
+    whatever N is), so it is dropped there."""
+    spec = registry.spec(t.get("model.family"), t.get("model.variant"))
+    if not any(e.is_clip and e.hidden == "last" for e in spec.text_encoders):
+        t.drop(src(key, value), "difftune reads the hidden state each family's pipeline reads; "
+               "model.clip_skip skips more beyond it")
+    elif int(value) <= 1:
+        t.drop(src(key, value), "CLIP's last hidden state, which difftune reads by default",
+               builtin=True)
+    else:
+        t.put("model.clip_skip", int(value) - 1, src(key, value))  # kohya's 1 is the last
+
+
 NETWORK_ARGS: dict[str, Rule] = {
     "algo": To("adapter.type", lambda v: _algo(v)),
     "conv_dim": To("adapter.conv_rank"), "conv_alpha": To("adapter.conv_alpha"),
@@ -145,8 +162,7 @@ ARGS: dict[str, Rule] = {
                                   "\"raw\")"),
     "t5xxl_max_token_length": Drop("difftune uses each family's pipeline token length"),
     "weighting_scheme": Drop("difftune draws timesteps by train.timesteps, unweighted"),
-    "clip_skip": Drop("difftune reads the hidden state each family's pipeline reads; "
-                      "model.clip_skip skips more beyond it"),
+    "clip_skip": _clip_skip,
     "noise_offset": To("train.noise_offset"), "min_snr_gamma": To("train.min_snr_gamma"),
     "zero_terminal_snr": To("train.zero_terminal_snr"),
     "v_parameterization": To("train.prediction", lambda v: "v_prediction" if v else "auto"),

@@ -32,7 +32,7 @@ from difftune.lora_tools.factors import pair_of
 from difftune.lora_tools.keys import DENOISER, Module
 from difftune.lora_tools.names import DIFFUSERS, family_names, tiny_components
 from difftune.lora_tools.output import out_path
-from difftune.lora_tools.programs import comfyui
+from difftune.lora_tools.programs import comfyui, comfyui_loads_nothing
 from difftune.lora_tools.verify import check_module, expected, verify_modules
 from difftune.lora_tools.keys import read_modules
 
@@ -118,9 +118,11 @@ def _write_layout(state: dict[str, torch.Tensor], family: str, fmt: str, label: 
     if fmt == "diffusers":
         return state
     if fmt not in registry.spec(family).formats:
-        raise ConfigError(f"{label}: {family} LoRAs have no {fmt} layout (ComfyUI and "
-                          f"diffusers read its {registry.spec(family).default_format} "
-                          f"layout: --to comfy)")
+        absent = comfyui_loads_nothing(family)
+        readers = "diffusers reads" if absent else "ComfyUI and diffusers read"
+        raise ConfigError(f"{label}: {family} LoRAs have no {fmt} layout ({readers} its "
+                          f"{registry.spec(family).default_format} layout: --to comfy"
+                          + (f"; {absent})" if absent else ")"))
     ranks = sorted({int(v.shape[0]) for k, v in state.items() if k.endswith("lora_A.weight")})
     if len(ranks) > 1:
         raise ConfigError(f"{label}: its modules have ranks {ranks}; the {fmt} layout fuses "

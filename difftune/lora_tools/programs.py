@@ -61,6 +61,12 @@ class Program:
     absent: str = ""
 
 
+def comfyui_loads_nothing(family: str) -> str:
+    """Why ComfyUI loads no model of `family` (its keys.py `COMFYUI_LOADS_NOTHING`); "" where
+    it does. Messages naming the programs that read a layout say so instead of naming it."""
+    return str(getattr(family_keys(family), "COMFYUI_LOADS_NOTHING", ""))
+
+
 def comfyui(family: str) -> Program:
     """ComfyUI's rules for `family`: its generic map over original names, and its model
     branch's forms over the diffusers names (minus `lora_unread`'s ComfyUI entries, and a
@@ -68,7 +74,7 @@ def comfyui(family: str) -> Program:
     unread = [(pattern, why) for layout, reader, pattern, why in registry.spec(family).lora_unread
               if layout == DIFFUSERS and reader == "ComfyUI"]
     rules = [ReadRule(p, n) for p, n in COMFYUI_GENERIC]
-    absent = getattr(family_keys(family), "COMFYUI_LOADS_NOTHING", "")
+    absent = comfyui_loads_nothing(family)
     for form in family_keys(family).COMFYUI_FORMS:
         prefix, *own = (form,) if isinstance(form, str) else form
         skips = unread + ([tuple(own)] if own else [])

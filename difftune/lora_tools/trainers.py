@@ -10,8 +10,11 @@ module, ai-toolkit's `software` entry and its `diffusion_model.` PEFT keys, OneT
 
 from __future__ import annotations
 
-# (metadata key, text its value contains, trainer)
+# (metadata key, text its value contains ("": the key present), trainer). difftune's own
+# files also carry the `ss_network_module` of the tool whose layout they share (kohya's,
+# musubi-tuner's), so its `difftune.*` entries are looked at first.
 METADATA_RULES: tuple[tuple[str, str, str], ...] = (
+    ("difftune.format", "", "difftune"),
     ("software", "ai-toolkit", "ai-toolkit"),
     ("ss_network_module", "lycoris.kohya", "LyCORIS (kohya sd-scripts, or difftune)"),
     ("ss_network_module", "networks.lora_qwen_image", "musubi-tuner (or difftune)"),
@@ -38,7 +41,7 @@ def likely_trainer(metadata: dict[str, str], spellings: set[tuple[str, str]]
     """(trainer, the evidence) for a file's metadata and its modules' (prefix, tensor name)
     pairs; ("unknown", "") where no rule fits."""
     for key, text, trainer in METADATA_RULES:
-        if text in metadata.get(key, ""):
+        if key in metadata and text in metadata[key]:
             return trainer, f"metadata {key} = {metadata[key][:60]}"
     for prefix, tensor, trainer in KEY_RULES:
         if any(p == prefix and (not tensor or t == tensor) for p, t in spellings):

@@ -23,7 +23,8 @@ from safetensors import SafetensorError, safe_open
 
 from difftune.adapters.fit import check_fit
 from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_non_finite,
-                                       non_finite, split_lora_key, with_clip_root)
+                                       non_finite, refuse_other_family, split_lora_key,
+                                       with_clip_root)
 from difftune.adapters.dora_comfyui import refuse_comfyui_file
 from difftune.adapters.kinds import uses_lycoris_layout
 from difftune.adapters.lycoris_files import adapted_layers, file_kind, load_into
@@ -62,6 +63,8 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
     if not manager.family.experts:
         _load_one(path, manager, None)
         return
+    # (before `pair` asks which expert a file of another family would be for)
+    refuse_other_family("--init-lora", path, read_lora(path)[1], manager.family.name)
     for file, part in pair(manager.family, path):
         _load_one(file, manager, part)
 
@@ -73,6 +76,7 @@ def _load_one(path: Path, manager: CheckpointManager, part: str | None) -> None:
                           "themselves; merge the LoRA into the base model first, or train a LoRA")
     raw, meta = read_lora(path)
     refuse_comfyui_file("--init-lora", path, meta)
+    refuse_other_family("--init-lora", path, meta, manager.family.name)
     bad = non_finite(raw)
     if bad:
         raise NonFiniteError(f"--init-lora {path}: {describe_non_finite(bad)}; this file would "

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import tomlkit
 
+from difftune.errors import ConfigError
+from difftune.families import registry
 from difftune.ui import run_outputs as outputs
 from difftune.ui.file_cache import StampCache, entries
 from difftune.ui.jobs.launch import write_json
@@ -98,6 +100,24 @@ def lora_of(ctx: "UiContext", path: str) -> tuple[Path, Path]:
     return lora, run_dir
 
 
+def expert_pair(lora: Path, run_dir: Path, roots: Roots) -> list[Path]:
+    """The files a sample with `lora` loads: for one expert's file of a two-expert model (Wan
+    2.2 A14B's `<name>_high_noise`), every expert's file of that save, since a sample runs the
+    whole pipeline (the experts' suffixes from the run's family spec); else `lora` alone."""
+    model = resolved_config(run_dir, roots).get("model")
+    try:
+        experts = registry.spec(model["family"], model.get("variant")).experts
+    except (TypeError, KeyError, ConfigError):  # no readable model section: the file alone
+        return [lora]
+    stem = lora.name.removesuffix(".safetensors")
+    own = next((e for e in experts if stem.endswith(e.suffix)), None)
+    if own is None:
+        return [lora]
+    pair = [lora.with_name(f"{stem.removesuffix(own.suffix)}{e.suffix}.safetensors")
+            for e in experts]
+    return pair if all(p.is_file() for p in pair) else [lora]
+
+
 def _run_file(run_dir: Path, roots: Roots) -> str:
     """The run's resolved config as TOML (TOML has no null: unset fields are left out), its
     `save.dir` the folder the run is in now (a run folder may have been moved or copied since
@@ -153,8 +173,9 @@ def submit(ctx: "UiContext", lora_path: str, request: Request,
         (folder / RUN_FILE).write_text(text, encoding="utf-8")
         (folder / PROMPTS).write_text("".join(f"{line}\n" for line in request.lines()),
                                       encoding="utf-8")
-        args = ["--lora", f"{lora}:{request.strength:g}", "--prompts", str(folder / PROMPTS),
-                "--out", str(folder)]
+        args = [*(a for f in expert_pair(lora, run_dir, ctx.roots)
+                  for a in ("--lora", f"{f}:{request.strength:g}")),
+                "--prompts", str(folder / PROMPTS), "--out", str(folder)]
         job = ctx.queue.submit("sample", folder / RUN_FILE, args, device)
     except (OSError, ValueError):
         shutil.rmtree(folder, ignore_errors=True)

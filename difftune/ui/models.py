@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 
 from difftune.families import registry
 from difftune.families.detect import recognise_names, safetensors_names
+from difftune.families.specs import FamilySpec
 from difftune.ui.security import Roots
 
 MAX_INDEX = 1 << 20  # model_index.json larger than this is not read
@@ -44,15 +45,27 @@ class Found(BaseModel):
         default_factory=dict, description="the run file's model lines that pick it")
 
 
-def recognise_pipeline(pipeline: str) -> tuple[str, str | None] | None:
-    """(family, variant) of a diffusers folder whose model_index.json names `pipeline`; the
-    variant is None where several of the family's share the pipeline (Wan's sizes and
-    experts: the run file's variant, or the family's default, then picks)."""
+def _denoisers(spec: FamilySpec) -> frozenset[str]:
+    """The pipeline components a variant trains: its experts' parts, else its denoiser's."""
+    return frozenset(e.part for e in spec.experts) or frozenset({spec.denoiser_part})
+
+
+def recognise_pipeline(pipeline: str, held: frozenset[str] | None = None
+                       ) -> tuple[str, str | None] | None:
+    """(family, variant) of a diffusers folder whose model_index.json names `pipeline` and
+    holds components `held` (those not null). Variants sharing the pipeline are told apart by
+    the denoisers the folder holds (Wan 2.2 A14B's folder: both experts, the variant that
+    trains both); the variant is None where that leaves several (Wan 2.1's sizes: the run
+    file's variant, or the family's default, then picks)."""
     for family in registry.names():
-        fitting = [v for v, spec in registry.variant_specs(family)
+        fitting = [(v, spec) for v, spec in registry.variant_specs(family)
                    if spec.pipeline_class == pipeline]
-        if fitting:
-            return family, fitting[0] if len(fitting) == 1 else None
+        if not fitting:
+            continue
+        parts = frozenset().union(*(_denoisers(spec) for _, spec in fitting))
+        if held is not None and len(fitting) > 1:
+            fitting = [(v, s) for v, s in fitting if _denoisers(s) == held & parts] or fitting
+        return family, fitting[0][0] if len(fitting) == 1 else None
     return None
 
 
@@ -82,11 +95,14 @@ def recognise_folder(folder: Path) -> Found:
     try:
         if index.stat().st_size > MAX_INDEX:
             raise ValueError("too large to be a model_index.json")
-        pipeline = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
+        entries = json.loads(index.read_text(encoding="utf-8"))
+        pipeline = entries.get("_class_name")
     except (OSError, ValueError, AttributeError) as err:
         found.why = f"{index.name} cannot be read ({err})"
         return found
-    known = recognise_pipeline(str(pipeline))
+    held = frozenset(k for k, v in entries.items()
+                     if isinstance(v, list) and any(x is not None for x in v))
+    known = recognise_pipeline(str(pipeline), held)
     if known is None:
         found.why = f"its pipeline {pipeline!r} is no family's"
         return found

@@ -22,6 +22,7 @@ from difftune.data import mask_report
 from difftune.data.discover import DataSet
 from difftune.errors import ConfigError, DataError
 from difftune.files.names import COMFYUI_DORA
+from difftune.lora_tools.programs import comfyui_loads_nothing
 from difftune.verbs.dataset_report import check_summary
 from difftune.families.base import blocks_of
 from difftune.families.common.experts import Experts
@@ -304,8 +305,11 @@ def _format_line(run: Run) -> str:
     if gaps:
         why = f"{'set by save.format' if save.format else 'the default'}; WARNING: {gaps}"
     else:
+        absent = comfyui_loads_nothing(run.family.name)
+        readers = (f"diffusers reads fully ({absent})" if absent
+                   else "ComfyUI and diffusers both read fully")
         why = ("set by save.format" if save.format else f"the {run.family.name} default: "
-               "the layout ComfyUI and diffusers both read fully; set save.format to choose")
+               f"the layout {readers}; set save.format to choose")
     return f"LoRA file format: {fmt} ({why})"
 
 

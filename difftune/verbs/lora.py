@@ -17,7 +17,7 @@ from difftune.lora_tools.inspect import Inspection, inspect_file
 from difftune.lora_tools.merge_base import merge_into_base, parse_lora
 from difftune.lora_tools.merge_loras import is_lora_file, merge_loras
 from difftune.lora_tools.resize import Resized, resize_file
-from difftune.lora_tools.verify import Verification, verify_file
+from difftune.lora_tools.verify import Dropped, Verification, verify_file
 
 
 DROPS_FOUND = 3  # verify's exit status when a program would drop keys
@@ -72,10 +72,7 @@ def verify_text(report: Verification, limit: int = 20) -> str:
         verdict = "applies everything" if not result.dropped else \
             f"drops {len(result.dropped)} key(s)"
         lines.append(f"{result.program}: applies {result.applied} {result.unit}; {verdict}")
-        for drop in result.dropped[:limit]:
-            lines.append(f"  dropped {drop.key}: {drop.why}; expected {drop.expected}")
-        if len(result.dropped) > limit:
-            lines.append(f"  ... and {len(result.dropped) - limit} more (--json lists all)")
+        lines += _dropped_lines(result.dropped, limit)
         if result.unmodelled:
             lines.append(f"  not known: {len(result.unmodelled)} LoHa/LoKr/full-diff module(s); "
                          "difftune's diffusers rules cover LoRA, LoCon and DoRA (diffusers "
@@ -83,6 +80,20 @@ def verify_text(report: Verification, limit: int = 20) -> str:
     if report.text_encoder_keys:
         lines.append(f"text-encoder keys not checked: {report.text_encoder_keys}")
     return "\n".join(lines)
+
+
+def _dropped_lines(dropped: list[Dropped], limit: int) -> list[str]:
+    """The keys a program drops, at most `limit`; when all share one reason (ComfyUI has no
+    model of the family, or reads none of the file's spelling), that reason once, with the
+    first key as the example, instead of the same line per key."""
+    if len(dropped) > 1 and len({d.why for d in dropped}) == 1:
+        first = dropped[0]
+        return [f"  dropped all {len(dropped)}: {first.why}; e.g. {first.key}, expected "
+                f"{first.expected} (--json lists all)"]
+    lines = [f"  dropped {d.key}: {d.why}; expected {d.expected}" for d in dropped[:limit]]
+    if len(dropped) > limit:
+        lines.append(f"  ... and {len(dropped) - limit} more (--json lists all)")
+    return lines
 
 
 def run_verify(path: Path, family: str | None, as_json: bool) -> tuple[str, int]:

@@ -26,7 +26,7 @@ from difftune import families
 from difftune.adapters.dora_comfyui import refuse_comfyui_file
 from difftune.adapters.fit import check_fit, component_modules
 from difftune.adapters.formats import (LORA_B, describe_non_finite, load_lora_file, non_finite,
-                                       split_lora_key)
+                                       refuse_other_family, split_lora_key)
 from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
 from difftune.config import RunConfig
@@ -61,8 +61,9 @@ class LoraArg:
                 pass
         return cls(Path(text).expanduser())
 
-    def check(self) -> None:
-        """Refuse a missing, pickle, non-safetensors or non-finite file with the fix."""
+    def check(self, family: str) -> None:
+        """Refuse a missing, pickle, non-safetensors or non-finite file, or one difftune
+        trained for another family than `family`, with the fix."""
         if is_pickle(self.path):
             raise CheckpointError(pickle_refusal(self.path))
         if not self.path.is_file():
@@ -72,6 +73,7 @@ class LoraArg:
             raise CheckpointError(f"--lora {self.path}: not a .safetensors file")
         tensors, meta = load_lora_file(self.path)
         refuse_comfyui_file("--lora", self.path, meta)
+        refuse_other_family("--lora", self.path, meta, family)
         bad = non_finite(tensors)
         if bad:  # it would turn every image black
             raise NonFiniteError(f"--lora {self.path}: {describe_non_finite(bad)}; the LoRA is "
@@ -83,7 +85,7 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
                out: Path | None) -> list[Path]:
     """Load the base model, apply the LoRAs, sample every prompt; returns the PNGs written."""
     for lora in loras:
-        lora.check()
+        lora.check(cfg.model.family)
     prompts = prompts or cfg.sample.prompts
     if prompts is None:
         raise ConfigError("no prompts: pass --prompts FILE or set sample.prompts in the config")

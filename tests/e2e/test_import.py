@@ -405,6 +405,26 @@ train_data_dir = "{tmp_path.as_posix()}/train"
 
 
 
+def test_kohya_clip_skip_is_sd15s_model_clip_skip(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """train_network.py's clip_skip = 2 (CLIP's hidden_states[-2], normed) is SD 1.5's
+    model.clip_skip = 1; read as SDXL (whose script ignores it) it is left out, with why."""
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "c.toml").write_text('pretrained_model_name_or_path = "sd"\n'
+                                     'network_module = "networks.lora"\nclip_skip = 2\n',
+                                     encoding="utf-8")
+    code, report, err = _import(capsys, "kohya", tmp_path / "c.toml", "--out",
+                                tmp_path / "r.toml", "--family", "sd15")
+    assert code == 0, err
+    assert "clip_skip = 2  ->  model.clip_skip = 1" in report
+    assert load_config(tmp_path / "r.toml").model.clip_skip == 1
+    code, report, err = _import(capsys, "kohya", tmp_path / "c.toml", "--out",
+                                tmp_path / "x.toml")
+    assert code == 0, err
+    assert "clip_skip = 2: difftune reads" in report
+    assert load_config(tmp_path / "x.toml").model.clip_skip == 0
+
+
 def test_a_run_difftune_still_refuses_is_written_with_what_to_fix(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A preset naming no dataset, a rank above difftune's limit and a transformer by its

@@ -84,3 +84,23 @@ def test_modules_the_run_does_not_train_are_refused(flux_run: Path, tmp_path: Pa
     m = manager(run_toml(tmp_path, images), "adapter.rank=8")
     with pytest.raises(CheckpointError, match="set adapter.rank"):
         load_init_lora(flux_run / "out" / "lora.safetensors", m)
+
+
+def test_a_lora_of_another_family_is_refused_naming_both(flux_run: Path, tmp_path: Path,
+                                                         images: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """A FLUX.1 LoRA difftune wrote, given to an SD 1.5 run: `sample --lora` and
+    `train --init-lora` exit 2 naming the file's family and the run's (not peft's unmatched
+    target modules, nor "modules this run does not train")."""
+    lora = str(flux_run / "out" / "lora.safetensors")
+    cfg = str(run_toml(tmp_path, images, family="sd15", steps=1))
+    assert main(["sample", cfg, "--lora", lora]) == 2
+    assert f'{lora} is a flux LoRA (its difftune.family metadata), but this run\'s ' \
+        'model.family is "sd15"' in capsys.readouterr().err
+    assert main(["train", cfg, "--no-progress", "--init-lora", lora]) == 2
+    assert "is a flux LoRA" in capsys.readouterr().err
+    a14b = str(run_toml(tmp_path / "a14b", images, family="wan", steps=1,
+                        model='flavor = "tiny"\nvariant = "2.2-t2v-a14b"'))  # two experts
+    assert main(["train", a14b, "--no-progress", "--init-lora", lora]) == 2
+    assert 'model.family is "wan"' in capsys.readouterr().err

@@ -17,6 +17,7 @@ from difftune.families import registry
 from difftune.lora_tools.convert import convert
 
 from ..lora_files import TRAINERS, diffusers_lora, in_original_names, linear_modules, tiny
+from .conftest import run_toml
 
 
 def close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -80,9 +81,25 @@ def test_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     z = save_lora(tmp_path / "z.safetensors", diffusers_lora(
         "z_image", linear_modules("z_image", r"to_q$")), {})
     assert main(["lora", "convert", str(z), "--to", "kohya"]) == 2
-    assert "no kohya layout" in capsys.readouterr().err
+    assert "no kohya layout (ComfyUI and diffusers read" in capsys.readouterr().err
     assert main(["lora", "convert", str(lokr), "--to", "comfy"]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_messages_name_only_the_readers_there_are(tmp_path: Path, images: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """ComfyUI loads no FLUX.3 model: `check`'s LoRA-format line and convert's refusal of a
+    kohya layout say diffusers reads the default layout, and why ComfyUI does not, instead of
+    naming both readers."""
+    cfg = run_toml(tmp_path, images, fmt=None, family="flux3")
+    assert main(["check", str(cfg)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "LoRA file format" in x)
+    assert "the layout diffusers reads fully (ComfyUI at 4f874c5e has no FLUX.3 model" in line
+    flux3 = save_lora(tmp_path / "f3.safetensors", diffusers_lora(
+        "flux3", linear_modules("flux3", r"to_q$")), {})
+    assert main(["lora", "convert", str(flux3), "--to", "kohya"]) == 2
+    assert "(diffusers reads its diffusers layout: --to comfy; ComfyUI at 4f874c5e has no " \
+        "FLUX.3 model" in capsys.readouterr().err
 
 
 def test_converted_file_loads_in_diffusers_as_the_source(tmp_path: Path) -> None:

@@ -65,6 +65,8 @@ def test_kohya_file_ranks_alphas_metadata_blocks_and_nan(tmp_path: Path) -> None
     report = inspect_file(path)
     assert report.family == "flux" and report.also_fits == []  # the metadata settles it
     assert report.trainer == "kohya sd-scripts (or difftune)"
+    save_file(tensors, str(tmp_path / "d.safetensors"), metadata={**meta, "difftune.format": "k"})
+    assert inspect_file(tmp_path / "d.safetensors").trainer == "difftune"  # its own, named
     assert report.layouts == {"kohya (original names)": len(report.modules)}
     # fused qkv: rank 3 x 4 with alpha 3 x 2 (the same scale, 0.5); single blocks' linear1
     # (q, k, v and the untrained proj_mlp): 4 x 4 and 4 x 2
@@ -120,6 +122,7 @@ def test_verify_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     path = save_lora(tmp_path / "x.safetensors", state, {})
     status, out, _ = cli(capsys, "verify", str(path), "--family", "sdxl")
     assert status == 3 and "processor form" in out and "expected lora_unet_" in out
+    assert out.count("processor form") == 1  # one reason for all its keys: said once
     kohya = save_lora(tmp_path / "k.safetensors", spelled(state, "lora_unet_", True, 4.0,
                                                           ("lora_down.weight", "lora_up.weight")),
                       {})

@@ -8,14 +8,17 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from types import SimpleNamespace
+from typing import Any, Iterator
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from difftune.config import load_config
+from difftune.ui import lora_samples
 from difftune.ui.api import runs as runs_api
 from difftune.ui.context import UiContext
 from difftune.ui.jobs.queue import JobQueue
@@ -144,3 +147,36 @@ def test_a_request_from_another_site_or_too_large_writes_nothing(
     big = client.post("/api/runs/lora-samples", json=body | {"prompts": ["x" * MAX_BODY_BYTES]})
     assert big.status_code == 413
     assert not (root / RUN / "lora-samples").exists() and ctx.queue.list() == []
+
+
+@dataclass
+class Recorder:
+    """A queue that records what it is asked to run (the pairing is decided before it)."""
+
+    args: list[list[str]] = field(default_factory=list)
+
+    def submit(self, verb: str, config: Path, args: list[str], device: str = "default") -> Any:
+        self.args.append(list(args))
+        return SimpleNamespace(id=len(self.args))
+
+
+def test_an_expert_file_samples_with_its_partner(tmp_path: Path) -> None:
+    """Wan 2.2 A14B: "sample with this LoRA" on either expert's file loads both files of that
+    save (a sample runs both experts); an expert file whose partner is missing goes alone."""
+    run = tmp_path / "root" / "runs" / "a14b"
+    run.mkdir(parents=True)
+    (run / "config.resolved.json").write_text(json.dumps({
+        "model": {"family": "wan", "variant": "2.2-t2v-a14b"}, "save": {"dir": str(run)}}))
+    pair = [run / f"x{s}.safetensors" for s in ("_high_noise", "_low_noise")]
+    for path in [*pair, run / "x-step000002_low_noise.safetensors"]:
+        path.write_bytes(b"x")
+    queue = Recorder()
+    ctx = UiContext(roots=Roots.of([tmp_path / "root"]), queue=queue)  # type: ignore[arg-type]
+    ask = lora_samples.Request.checked(["a cat"], [0], 0.5)
+    for clicked in pair:
+        lora_samples.submit(ctx, str(clicked), ask)
+        loras = [a for a in queue.args[-1] if a.endswith(".safetensors:0.5")]
+        assert loras == [f"{p}:0.5" for p in pair]
+    lora_samples.submit(ctx, str(run / "x-step000002_low_noise.safetensors"), ask)
+    assert [a for a in queue.args[-1] if ".safetensors" in a] == [
+        f"{run / 'x-step000002_low_noise.safetensors'}:0.5"]

@@ -283,6 +283,17 @@ def test_a_train_job_that_wrote_no_file_is_not_a_success(tmp_path: Path) -> None
     assert failed.state == "failed" and "there is no such file" in failed.error
     (tmp_path / "gone.safetensors").write_bytes(b"x")
     assert finish(job, clean).state == "succeeded"
+    # Wan 2.2 A14B's two files, in one line (cli.py joins them with " and "); the folder's own
+    # name may hold " and " too
+    pair = [tmp_path / "x and y" / f"l{s}.safetensors" for s in ("_high_noise", "_low_noise")]
+    job.log.write_text(f"LoRA written to {pair[0]} and {pair[1]}\n")
+    failed = finish(job, clean)
+    assert failed.state == "failed" and f"{pair[0]} and {pair[1]}" in failed.error
+    pair[0].parent.mkdir()
+    pair[0].write_bytes(b"x")
+    assert finish(job, clean).state == "failed"  # one of the two is not a success
+    pair[1].write_bytes(b"x")
+    assert finish(job, clean).state == "succeeded"
 
 
 def test_a_second_stop_kills_a_job_that_ignores_sigterm(jobs_queue: JobQueue,

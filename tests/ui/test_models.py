@@ -27,6 +27,10 @@ FLAVORS = [("flux", None, None, "base"), ("sd3", None, None, None), ("sdxl", Non
            ("wan", "2.1-t2v-1.3b", None, None), ("sd15", None, None, None),
            ("anima", None, None, None)]
 FLAVORS.append(("ernie_image", None, None, None))
+# Wan 2.2 A14B's folder holds both experts: the variant that trains both (weights alone: no)
+FLAVORS += [("wan", "2.2-t2v-a14b", None, "2.2-t2v-a14b"),
+            *(pytest.param(family, None, None, None, marks=pytest.mark.full_only)
+              for family in ("flux3", "qwen_image_21"))]
 
 
 def _tiny(family: str, variant: str | None) -> dict[str, Any]:

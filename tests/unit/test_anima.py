@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from difftune import families
@@ -61,10 +62,11 @@ def test_embeddings_equal_the_modular_pipelines_text_steps_exactly() -> None:
     torch.testing.assert_close(joined.tensors["prompt_embeds"], batch)
 
 
-def test_samples_from_our_embeddings_equal_the_released_pipelines_from_the_prompt() -> None:
+def test_samples_from_our_embeddings_equal_the_released_pipelines_from_the_prompt(
+        capfd: pytest.CaptureFixture[str]) -> None:
     """The sampling pipeline run from difftune's embeddings (the modular blocks after the text
     steps) draws the image AnimaAutoBlocks draws from the prompt, CFG 4 with the empty
-    negative prompt, pixel for pixel."""
+    negative prompt, pixel for pixel; and no progress bar of the nested denoise loop prints."""
     _, family, comps = _reference_and_ours()
     pipe = family.pipeline(comps)
     common = {"height": 32, "width": 48, "num_inference_steps": 2, "output_type": "pt"}
@@ -74,3 +76,4 @@ def test_samples_from_our_embeddings_equal_the_released_pipelines_from_the_promp
                                     family.encode_text(comps, [""]), 1.0, 4.0)
     ours = pipe(generator=torch.Generator().manual_seed(0), **kwargs, **common).images
     assert ours.shape == (1, 3, 32, 48) and torch.equal(ours, theirs)
+    assert "it/s" not in capfd.readouterr().err

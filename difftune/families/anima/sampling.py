@@ -23,6 +23,8 @@ from diffusers.modular_pipelines.anima.before_denoise import (AnimaPrepareLatent
 from diffusers.modular_pipelines.anima.denoise import AnimaDenoiseStep
 from diffusers.modular_pipelines.anima.modular_blocks_anima import AnimaDecodeStep
 
+from difftune.families.common.modular import quiet
+
 # The components the post-text blocks read.
 _DENOISING = ("transformer", "vae", "scheduler")
 
@@ -49,13 +51,17 @@ class AnimaModularPipeline(ReleasedPipeline):
         if "prompt_embeds" not in kwargs:
             self.update_components(guider=guider)
             return super().__call__(*args, **kwargs)
-        post = ReleasedPipeline(blocks=_post_text_blocks())
+        blocks = _post_text_blocks()
+        quiet(blocks)
+        post = ReleasedPipeline(blocks=blocks)
         post.update_components(guider=guider, **{n: getattr(self, n) for n in _DENOISING})
         return post(*args, **kwargs)
 
 
 def sampling_pipeline(parts: dict[str, Any]) -> AnimaModularPipeline:
     """The pipeline over the loaded components (by AnimaModularPipeline's names)."""
-    pipe = AnimaModularPipeline(blocks=AnimaAutoBlocks())
+    blocks = AnimaAutoBlocks()
+    quiet(blocks)  # (the pipeline's `blocks` is a copy: its own are quieted here)
+    pipe = AnimaModularPipeline(blocks=blocks)
     pipe.update_components(**parts)
     return pipe

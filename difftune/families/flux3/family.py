@@ -22,7 +22,7 @@ What of diffusers 0.42.1's FLUX.3 pieces difftune does not use as they are, and 
   for encoding a prompt as given: captions and sample prompts are used as written (so write
   detailed ones), and no 9B model is loaded;
 - ModularPipeline.set_progress_bar_config reaches only the top-level blocks, not the denoise
-  loop nested in the denoise step (`sampling.quiet` walks them all);
+  loop nested in the denoise step (`common.modular.quiet` walks them all);
 - Flux3LoraLoaderMixin's converter for `diffusion_model.` files
   (_convert_non_diffusers_flux3_lora_to_diffusers) renames BFL's block modules only: BFL's
   modulation heads (`early_stream_modulations.image.lin`), embedders (`emb_in`, `txt_in`,

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from difftune.families.common.modular import quiet
+
 # AutoBlocks steps left out of both pipelines, and of the one that takes embeddings.
 NEVER = ("prompt_upsampler",)
 WITH_EMBEDDINGS = ("text_encoder",)
@@ -32,16 +34,6 @@ def processor(tokenizer: Any) -> Any:
     # the PIL image processor: text never reads images, and the default one wants torchvision
     return without_video(Qwen3VLProcessor, Qwen2VLImageProcessorPil(), tokenizer,
                          tokenizer.chat_template)
-
-
-def quiet(block: Any) -> None:
-    """No progress bar from `block` or any block nested in it. (ModularPipeline's
-    set_progress_bar_config in diffusers 0.42.1 reaches only the top-level blocks, not the
-    denoise loop nested in the AutoBlocks' denoise step.)"""
-    if hasattr(block, "set_progress_bar_config"):
-        block.set_progress_bar_config(disable=True)
-    for sub in getattr(block, "sub_blocks", {}).values():
-        quiet(sub)
 
 
 def modular_pipeline(parts: dict[str, Any], distilled: bool, without: tuple[str, ...]) -> Any:

@@ -156,12 +156,23 @@ def missing_output(job: Job) -> str | None:
     for line in reversed(tail_lines(job.log, 50)):
         found = WRITTEN_LINE.match(line)
         if found:
-            path = Path(found.group(1).strip())
-            if path.exists():
+            text = found.group(1).strip()
+            if _written(text):
                 return None
-            return f"the run said it wrote {path}, but there is no such file or folder"
+            return f"the run said it wrote {text}, but there is no such file or folder"
     return ("the run exited without error but printed no 'written to' line: no LoRA or model "
             "file was reported; see its log for the last step it reached")
+
+
+def _written(text: str) -> bool:
+    """Whether the files a "written to" line names exist: one path, or two joined by " and "
+    (a two-expert model's pair, cli.py) at whichever " and " splits it into two that exist
+    (a folder's own name may hold one)."""
+    if Path(text).exists():
+        return True
+    parts = text.split(" and ")
+    return any(Path(" and ".join(parts[:i])).exists() and Path(" and ".join(parts[i:])).exists()
+               for i in range(1, len(parts)))
 
 
 def checkpoints(run_dir: Path) -> list[str]:
