@@ -1,7 +1,11 @@
 """The sample-metrics child process: loads the metric models and measures sample events.
 
-It runs apart from training (report/metric_worker.py starts it with multiprocessing's
-"spawn" context, so nothing of a process holding CUDA or threads is forked) so that its torch
+It runs apart from training (report/metric_worker.py starts it through multiprocessing's
+"forkserver" where there is one, else "spawn": never a fork of the training process, which
+holds CUDA and threads; the fork server is a fresh interpreter that only imports this module and the transformers
+modules it needs (report/metric_preload.py),
+so a second metrics process in one session, as in the tests, starts without importing torch
+again) so that its torch
 ops do not take the training step's intra-op threads: it uses `threads` of them and runs at a
 measures at a lower priority. Everything it says goes back over `results` as tuples:
 ("log", record) for its log records (the training process writes them to the run log),
@@ -24,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config.metrics import MetricsConfig
+from difftune.report.sample_metrics import floors_line, measure, read_sample, reference
+from difftune.report.scoring import Scorers
 
 log = logging.getLogger("difftune")
 
@@ -63,9 +69,6 @@ def serve(cfg: MetricsConfig, training: list[Path], cache_dir: Path, threads: in
     """The child's main: measure each (step, paths) from `jobs` until None arrives."""
     started = time.perf_counter()
     _settle(results, threads)
-    from difftune.report.sample_metrics import floors_line, measure, read_sample, reference
-    from difftune.report.scoring import Scorers
-
     try:
         scorers = Scorers.load(cfg)
         ref = reference(scorers, training, cache_dir, cfg.copy_similarity)

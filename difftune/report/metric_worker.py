@@ -97,8 +97,8 @@ class MetricWorker:
         self._stop_child()
 
     def _start(self) -> None:
-        """Start the child process (spawn: a fresh interpreter) and the thread feeding it."""
-        ctx = multiprocessing.get_context("spawn")
+        """Start the child process and the thread feeding it."""
+        ctx = _context()
         self._jobs, self._results = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(target=metric_process.serve, name="difftune-metrics",
                                  args=(self.cfg, self.training, self.cache_dir,
@@ -177,6 +177,16 @@ class MetricWorker:
         for q in (self._jobs, self._results):
             q.cancel_join_thread()
             q.close()
+
+
+def _context() -> Any:
+    """Forked from a fork server that imported only the metrics code (report/metric_preload.py:
+    no CUDA, no threads; see report/metric_process.py), or spawned where there is no fork server (Windows)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["difftune.report.metric_preload"])
+    return ctx
 
 
 def training_images(items: list[Any]) -> list[Path]:
