@@ -6,7 +6,7 @@
 Each run is difftune's real `train` verb on the tiny-flavor FLUX.1 transformer, batch 2, on
 the six bundled demo images, sampling the demo's six prompts every `--every` steps; the two
 runs of a pair differ only in `[metrics]` (on: fidelity, memorization, diversity and CLIP
-score measured in the metrics thread after each event). Without `--dino/--clip` the models
+score measured in the metrics process after each event). Without `--dino/--clip` the models
 are the tiny random DINOv2 and CLIP the tests use (report/tiny_scorers.py); `--sized` makes
 the DINOv2 a random one of dinov2-small's size (ViT-S/14, 224 px input: the work a real one
 does per image, nothing downloaded), the CLIP staying tiny.
@@ -18,12 +18,12 @@ of the per-pair ratios (with their range) beside the medians of each arm.
 A step's time is the difference of consecutive `time` values in metrics.jsonl. Left out: the
 first `--every` steps (warm-up) and the sample events themselves: the step after an event is
 timed from the event's end (the bench records when each `sample_event` returned), so sampling
-is excluded but the step that runs while the metrics thread starts measuring is kept. The
-measurements' own time is not in the training thread at all: the worker runs in its own
-thread, and the bench records when each measurement ran (start and end of
-`MetricWorker._one`). Where the two threads find fewer free cores than they need (or contend
-for Python's GIL) they slow each other: so each "on" run's steps are also split into those
-that overlap a measurement and those that do not, and their medians printed.
+is excluded but the step that runs while the metrics process starts measuring is kept. The
+measurements' own time is not in the training process at all: they run in a child process
+(report/metric_process.py), which reports when each measurement ran (`MetricWorker.busy`,
+perf_counter: one monotonic clock for the machine on Linux). Where the two processes find
+fewer free cores than they need they slow each other: so each "on" run's steps are also split
+into those that overlap a measurement and those that do not, and their medians printed.
 """
 
 from __future__ import annotations
@@ -44,11 +44,12 @@ if TYPE_CHECKING:
 @dataclass
 class Timed:
     """One run's timed steps (start, end, whether it is the step right after a sample event)
-    in perf_counter seconds since its start, and the intervals its metrics thread spent
+    in perf_counter seconds since its start, and the intervals its metrics process spent
     measuring."""
 
     steps: list[tuple[float, float, bool]]
     busy: list[tuple[float, float]]
+    startup: list[tuple[float, float]]
 
     def seconds(self) -> list[float]:
         """Every timed step's duration."""
@@ -59,13 +60,17 @@ class Timed:
         with them in an "on" run; the same steps of an "off" run are their control)."""
         return [b - a for a, b, after in self.steps if after]
 
-    def split(self) -> tuple[list[float], list[float]]:
-        """Durations of the steps that overlap a measurement, and of those that do not."""
-        over, clear = [], []
+    def split(self) -> tuple[list[float], list[float], list[float]]:
+        """Durations of the steps that overlap a measurement, of those that overlap the
+        metrics process's start-up (imports, loading the models) and of the others."""
+        over: list[float] = []
+        start: list[float] = []
+        clear: list[float] = []
         for a, b, _ in self.steps:
             hit = any(s < b and e > a for s, e in self.busy)
-            (over if hit else clear).append(b - a)
-        return over, clear
+            up = any(s < b and e > a for s, e in self.startup)
+            (over if hit else start if up else clear).append(b - a)
+        return over, start, clear
 
 
 def config(out: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> "RunConfig":
@@ -88,7 +93,7 @@ def config(out: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> "Run
 
 
 def timed_run(out: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> Timed:
-    """Train once; its timed steps and the metrics thread's busy intervals, both in seconds
+    """Train once; its timed steps and the metrics process's busy intervals, both in seconds
     since the run's reporter started (the clock of metrics.jsonl's `time`)."""
     from difftune.report import metric_worker, metrics as report
     from difftune.train import loop
@@ -97,6 +102,7 @@ def timed_run(out: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> T
 
     starts: list[float] = []
     busy: list[tuple[float, float]] = []
+    startup: list[tuple[float, float]] = []
     ended: dict[int, float] = {}
     event = loop.sample_event
 
@@ -113,12 +119,13 @@ def timed_run(out: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> T
             starts.append(self.start_time)
 
     class Recorded(metric_worker.MetricWorker):
-        """The real worker; when each measurement ran kept."""
+        """The real worker; when each measurement ran (in its child process, on the same
+        monotonic perf_counter clock) kept."""
 
-        def _one(self, step: int, paths: list[Path]) -> None:
-            began = time.perf_counter()
-            super()._one(step, paths)
-            busy.append((began, time.perf_counter()))
+        def close(self) -> None:
+            super().close()
+            busy.extend(self.busy)
+            startup.extend([self.startup] if self.startup else [])
 
     real = train_verb.Reporter, train_verb.MetricWorker
     train_verb.Reporter, train_verb.MetricWorker = Clocked, Recorded  # type: ignore[misc]
@@ -135,7 +142,8 @@ def timed_run(out: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> T
     # in it: that step is timed from the event's end.
     steps = [((ended[s - 1] - zero) if s - 1 in ended else at[s - 1], at[s], s - 1 in ended)
              for s in sorted(at) if s - 1 in at and s > args.every]
-    return Timed(steps, [(a - zero, b - zero) for a, b in busy])
+    return Timed(steps, [(a - zero, b - zero) for a, b in busy],
+                 [(a - zero, b - zero) for a, b in startup])
 
 
 def save_sized_dino(folder: Path) -> Path:
@@ -159,18 +167,19 @@ def _ms(values: list[float]) -> str:
 def report(pairs: list[dict[str, Timed]]) -> None:
     """The per-pair table and the summary lines."""
     print("| pair | order | off ms/step | on ms/step | on / off | on, steps beside a "
-          "measurement | on, other steps | measuring s/event |\n|---|---|---|---|---|---|---|---|")
+          "measurement | on, beside its start-up | on, other steps | measuring s/event |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     ratios, offs, ons = [], [], []
     for k, pair in enumerate(pairs):
         off, on = (statistics.median(pair[n].seconds()) for n in ("off", "on"))
-        over, clear = pair["on"].split()
-        events = [e - s for s, e in pair["on"].busy]
+        over, start, clear = pair["on"].split()
+        events = [e - s for s, e in pair["on"].busy] or [0.0]
         ratios.append(on / off)
         offs.append(off)
         ons.append(on)
         print(f"| {k} | {'off, on' if k % 2 == 0 else 'on, off'} | {1000 * off:.1f} | "
               f"{1000 * on:.1f} | {on / off:.3f} | {_ms(over)} ({len(over)}) | "
-              f"{_ms(clear)} ({len(clear)}) | {statistics.mean(events):.2f} |")
+              f"{_ms(start)} ({len(start)}) | {_ms(clear)} ({len(clear)}) | {statistics.mean(events):.2f} |")
     print(f"median step: off {1000 * statistics.median(offs):.1f} ms, on "
           f"{1000 * statistics.median(ons):.1f} ms")
     print(f"median of the {len(ratios)} paired on/off ratios: {statistics.median(ratios):.3f} "
@@ -180,7 +189,11 @@ def report(pairs: list[dict[str, Timed]]) -> None:
     print(f"the step right after each sample event, pooled: off {1000 * after['off']:.1f} ms, "
           f"on {1000 * after['on']:.1f} ms: ratio {after['on'] / after['off']:.3f}")
     over = [x for p in pairs for x in p["on"].split()[0]]
-    clear = [x for p in pairs for x in p["on"].split()[1]]
+    clear = [x for p in pairs for x in p["on"].split()[2]]
+    start = [x for p in pairs for x in p["on"].split()[1]]
+    if start:
+        print(f"'on' runs, pooled: steps beside the metrics process's start-up {_ms(start)} ms "
+              f"({len(start)} steps)")
     if over and clear:
         print(f"'on' runs, pooled: steps overlapping a measurement {_ms(over)} ms "
               f"({len(over)} steps), the others {_ms(clear)} ms ({len(clear)} steps): ratio "

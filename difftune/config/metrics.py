@@ -21,7 +21,7 @@ class MetricsConfig(Section):
     """Which sample metrics run after each sample event, and the models they read."""
 
     enabled: bool = Field(False, description="Measure the samples of every sample event "
-                          "(in a background thread: training never waits for it).")
+                          "(in a child process: training never waits for it).")
     dino: Path | None = Field(
         None, description="A local DINOv2 folder (config.json, weights, "
         "preprocessor_config.json): subject fidelity, memorization and diversity.")
@@ -31,6 +31,9 @@ class MetricsConfig(Section):
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the metric models run (cpu leaves the accelerator to "
         "training).")
+    threads: int = Field(
+        1, ge=1, le=64, description="Torch threads of the metrics process (it runs at a "
+        "lower priority; more threads measure faster but take cores from a CPU run's steps).")
     copy_similarity: float | None = Field(
         None, gt=0, le=1, description="Unset (the default): a sample is reported as a copy "
         "when it is as similar to a training image as that image's own degraded copies (JPEG, "

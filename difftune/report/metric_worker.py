@@ -1,91 +1,192 @@
-"""Sample metrics off the training step's path: one background thread measures each event.
+"""Sample metrics off the training step's path: a child process measures each event.
 
-A sample event hands its PNG files to `submit` and training goes on; the thread loads the
-metric models and the training images' features when its first job arrives (not while the
-run starts), measures, and hands the figures to `on_result` (metrics.jsonl, TensorBoard, the
-best-checkpoint rule). Any failure is logged and that event skipped: a measurement never stops
-the run it measures. `close` waits for the queued events, so the last one is written too.
+A sample event hands its PNG files to `submit` and training goes on. The measuring runs in a
+child process (report/metric_process.py), started at the first event (a run that never samples
+pays nothing), with one torch thread (`metrics.threads`) at a lower priority, so its work does
+not take the training step's threads as a thread of this process did. A thread here feeds it
+one event at a time and hands each event's figures to `on_result` in this process
+(metrics.jsonl, TensorBoard, the best-checkpoint rule).
+
+When events come faster than they are measured, at most `backlog` wait: a newer event pushes
+out the oldest waiting one, which is skipped (logged; `on_skip` is told, so keep_best drops
+that step's candidate: it only ever compares measured steps). The newest event, and so the
+run's last, is always measured. Any failure, the child's death included, is logged and that
+event (or, when the models cannot load or the child died, the metrics) skipped: a measurement
+never stops the run it measures. `close` waits for the events still queued, so the last one
+is written too, and logs how long the end of the run waited when that was long.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 import threading
-import traceback
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
 from difftune.config.metrics import MetricsConfig
-from difftune.report.sample_metrics import (Reference, copy_warning, floors_line, measure,
-                                            read_sample, reference)
+from difftune.report import metric_process
+from difftune.report.sample_metrics import copy_warning, floors_line, reference
 from difftune.report.scoring import Scorers
 
 log = logging.getLogger("difftune")
 
 Result = Callable[[int, dict[str, Any]], None]
+BACKLOG = 2  # events waiting to be measured, beside the one being measured
+LONG_WAIT = 2.0  # seconds: a longer wait for the last events at close is logged
+POLL = 0.5  # seconds between checks that the child still lives while an event is measured
 
 
 class MetricWorker:
-    """Measures sample events in a daemon thread, one at a time, in the order submitted."""
+    """Measures sample events in a child process, one at a time, oldest first, at most
+    `backlog` waiting."""
 
     def __init__(self, cfg: MetricsConfig, training: list[Path], cache_dir: Path,
-                 on_result: Result) -> None:
+                 on_result: Result, on_skip: Callable[[int], None] | None = None,
+                 backlog: int = BACKLOG) -> None:
         self.cfg, self.training, self.cache_dir = cfg, training, cache_dir
-        self.on_result = on_result
-        self._jobs: queue.Queue[tuple[int, list[Path]] | None] = queue.Queue()
-        self._scorers: Scorers | None = None
-        self._ref: Reference | None = None
-        self._broken = False
+        self.on_result, self.on_skip, self.backlog = on_result, on_skip, backlog
+        # When the child started up and when it measured (perf_counter times; benches).
+        self.startup: tuple[float, float] | None = None
+        self.busy: list[tuple[float, float]] = []
+        self._pending: deque[tuple[int, list[Path]]] = deque()
+        self._cond = threading.Condition()
+        self._closing = self._broken = False
+        self._thread: threading.Thread | None = None
+        self._proc: Any = None
+        self._jobs: Any = None
+        self._results: Any = None
+
+    def submit(self, step: int, samples: list[Path]) -> None:
+        """Queue an event's samples (returns at once; nothing to measure: nothing queued);
+        the oldest waiting event is skipped when more than `backlog` would wait."""
+        if not samples:
+            return
+        with self._cond:
+            if self._broken or self._closing:
+                return
+            self._pending.append((step, list(samples)))
+            skipped = [self._pending.popleft()[0]
+                       for _ in range(len(self._pending) - self.backlog)]
+            if self._thread is None:
+                self._start()
+            self._cond.notify()
+        for old in skipped:
+            log.warning("sample metrics at step %d skipped: measuring is behind (%d newer "
+                        "events wait; the newest is always measured)", old, self.backlog)
+            if self.on_skip is not None:
+                self.on_skip(old)
+
+    def close(self) -> None:
+        """Measure what is queued, then stop the child process and the feeding thread."""
+        if self._thread is None:
+            return
+        with self._cond:
+            self._closing = True
+            waiting = len(self._pending)
+            self._cond.notify()
+        started = time.perf_counter()
+        self._thread.join()
+        waited = time.perf_counter() - started
+        if waited > LONG_WAIT:
+            log.info("sample metrics: the end of the run waited %.1f s for the event being "
+                     "measured and %d queued", waited, waiting)
+        self._stop_child()
+
+    def _start(self) -> None:
+        """Start the child process and the thread feeding it."""
+        ctx = _context()
+        self._jobs, self._results = ctx.Queue(), ctx.Queue()
+        self._proc = ctx.Process(target=metric_process.serve, name="difftune-metrics",
+                                 args=(self.cfg, self.training, self.cache_dir,
+                                       self.cfg.threads, self._jobs, self._results),
+                                 daemon=True)
+        self._proc.start()
         self._thread = threading.Thread(target=self._serve, name="difftune-metrics",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, samples: list[Path]) -> None:
-        """Queue an event's samples (returns at once; nothing to measure: nothing queued)."""
-        if samples and not self._broken:
-            self._jobs.put((step, list(samples)))
-
-    def close(self) -> None:
-        """Measure what is queued, then stop the thread."""
-        self._jobs.put(None)
-        self._thread.join()
-
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if not self._broken:
-                self._one(*job)
+        """Send the child one event at a time until closed and drained, or the child fails."""
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                job = self._pending.popleft()
+            self._jobs.put(job)
+            if not self._await(job[0]):
+                with self._cond:
+                    self._broken = True
+                    self._pending.clear()
+                return
 
-    def _ready(self) -> tuple[Scorers, Reference]:
-        """The models and the training images' features, loaded on first use."""
-        if self._scorers is None or self._ref is None:
-            self._scorers = Scorers.load(self.cfg)
-            self._ref = reference(self._scorers, self.training, self.cache_dir,
-                                  self.cfg.copy_similarity)
-            log.info("metrics: %d training images, %s", len(self.training),
-                     floors_line(self._ref))
-        return self._scorers, self._ref
+    def _await(self, step: int) -> bool:
+        """Pass on what the child says until `step`'s figures (or failure) arrive; False when
+        the child cannot measure any more (models that cannot load, or it died)."""
+        while True:
+            try:
+                msg = self._results.get(timeout=POLL)
+            except queue.Empty:
+                if self._proc.is_alive():
+                    continue
+                log.warning("sample metrics are off (training goes on): the metrics process "
+                            "died (exit code %s) while measuring step %d",
+                            self._proc.exitcode, step)
+                return False
+            kind = msg[0]
+            if kind == "log":
+                log.handle(msg[1])
+            elif kind == "ready":
+                self.startup = msg[1:]
+            elif kind == "off":
+                log.warning("sample metrics are off (training goes on): %s", msg[1])
+                return False
+            elif kind == "failed":
+                log.warning("sample metrics at step %d failed and were skipped (training "
+                            "goes on): %s", msg[1], msg[2])
+                return True
+            elif kind == "done":
+                self._deliver(*msg[1:])
+                return True
 
-    def _one(self, step: int, paths: list[Path]) -> None:
+    def _deliver(self, step: int, figures: dict[str, Any], began: float, ended: float) -> None:
+        """Hand one event's figures to `on_result` (a failure there skips the event)."""
+        self.busy.append((began, ended))
         try:
-            scorers, ref = self._ready()
-        except Exception as err:  # models that cannot load: metrics off, training goes on
-            self._broken = True
-            log.debug("metrics failed:\n%s", traceback.format_exc())
-            log.warning("sample metrics are off (training goes on): %s: %s",
-                        type(err).__name__, err)
-            return
-        try:
-            found = [p for p in paths if p.is_file()]
-            m = measure(scorers, ref, [read_sample(p) for p in found])
-            warning = copy_warning(step, m)
+            warning = copy_warning(step, figures)
             if warning:
                 log.warning("%s", warning)
-            self.on_result(step, m)
-        except Exception as err:  # one event's failure skips that event
-            log.debug("metrics at step %d failed:\n%s", step, traceback.format_exc())
+            self.on_result(step, figures)
+        except Exception as err:
             log.warning("sample metrics at step %d failed and were skipped (training goes "
                         "on): %s: %s", step, type(err).__name__, err)
+
+    def _stop_child(self) -> None:
+        """Ask the child to exit (it has nothing queued now); end it if it does not."""
+        if self._proc.is_alive():
+            self._jobs.put(None)
+            self._proc.join(timeout=10)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join()
+        for q in (self._jobs, self._results):
+            q.cancel_join_thread()
+            q.close()
+
+
+def _context() -> Any:
+    """Forked from a fork server that imported only the metrics code (report/metric_preload.py:
+    no CUDA, no threads; see report/metric_process.py), or spawned where there is no fork server (Windows)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["difftune.report.metric_preload"])
+    return ctx
 
 
 def training_images(items: list[Any]) -> list[Path]:
@@ -99,8 +200,6 @@ def describe(cfg: MetricsConfig, training: list[Path], cache_dir: Path) -> list[
     (and cached), with the copy floors they give and the time it took."""
     if not cfg.enabled:
         return ["metrics: off"]
-    import time
-
     started = time.perf_counter()
     scorers = Scorers.load(cfg)
     ref = reference(scorers, training, cache_dir, cfg.copy_similarity)

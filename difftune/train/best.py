@@ -106,6 +106,13 @@ class BestKeeper:
             if self.best_step() != previous:
                 self._write()
 
+    def skipped(self, step: int) -> None:
+        """`step`'s sample metrics will never come (measuring was behind and skipped it):
+        drop its candidate now; an unmeasured step is never compared."""
+        with self._lock:
+            if step not in self.scores:
+                self._drop(self._files(self.candidates / f"step-{step:06d}.safetensors"))
+
     def _files(self, path: Path) -> list[Path]:
         """The files a save at `path` writes, one per suffix (`path` itself for "")."""
         stem = path.name.removesuffix(".safetensors")

@@ -130,7 +130,8 @@ def metric_worker(run: Run, reporter: Reporter, best: BestKeeper | None) -> Metr
         if best is not None:
             best.record(step, figures)
 
-    return MetricWorker(m, training_images(run.data.items), run.cfg.cache.dir, measured)
+    return MetricWorker(m, training_images(run.data.items), run.cfg.cache.dir, measured,
+                        on_skip=best.skipped if best is not None else None)
 
 
 def best_keeper(cfg: RunConfig, checkpoint: Checkpoint | None) -> BestKeeper | None:

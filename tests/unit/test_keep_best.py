@@ -54,3 +54,26 @@ def test_config_names_what_a_keep_best_metric_needs(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="validation.keep_best and save.keep_best"):
         _load(tmp_path, 'keep_best = "val_loss"\n[validation]\nkeep_best = true')
     assert _load(tmp_path, 'keep_best = "val_loss"').save.keep_best == "val_loss"
+
+
+def test_a_step_whose_metrics_were_skipped_loses_its_candidate_and_is_never_compared(
+        tmp_path: Path) -> None:
+    """Measuring fell behind and skipped step 20: its candidate LoRA is deleted at once (not
+    left on disk until the run ends) and the best is chosen among the measured steps."""
+    from difftune.train.best import CANDIDATES, BestKeeper
+
+    keeper = BestKeeper(Measure("fidelity"), tmp_path, "lora", None)
+
+    def save(step: int, path: Path) -> Path:
+        path.write_bytes(b"lora of step %d" % step)
+        return path
+
+    for step in (10, 20, 30):
+        keeper.candidate(step, save)
+    keeper.skipped(20)
+    assert sorted(p.name for p in (tmp_path / CANDIDATES).iterdir()) == [
+        "step-000010.safetensors", "step-000030.safetensors"]
+    keeper.record(10, {"fidelity": 0.5})
+    keeper.record(30, {"fidelity": 0.4})
+    assert keeper.best_step() == 10 and set(keeper.scores) == {10, 30}
+    assert (tmp_path / "lora-best.safetensors").read_bytes() == b"lora of step 10"

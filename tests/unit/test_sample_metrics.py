@@ -217,3 +217,39 @@ def test_a_failing_metric_model_turns_metrics_off_without_raising(
     assert got == []
     assert sum("sample metrics are off (training goes on)" in r.getMessage()
                for r in caplog.records) == 1
+
+
+def test_the_metrics_process_skips_a_backlog_and_its_death_never_raises(
+        tmp_path: Path, scorer_models: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    """Events submitted faster than they are measured: at most two wait, the oldest are
+    skipped (logged, `on_skip` told) and the newest is measured, in the child process. Then
+    the child is killed: the next event is logged as lost with the reason, metrics go off,
+    `close` returns."""
+    import os
+    import signal
+    import time
+
+    from difftune.report.metric_worker import MetricWorker
+
+    got: list[int] = []
+    skipped: list[int] = []
+    worker = MetricWorker(MetricsConfig(enabled=True, dino=scorer_models[0]), DEMO[:2],
+                          tmp_path / "c", lambda step, m: got.append(step), skipped.append)
+    sample = _sample(tmp_path / "s.png", _noisy(DEMO[0], 1), "x")
+    for step in range(1, 6):  # the child is still loading its models: events pile up
+        worker.submit(step, [sample])
+    deadline = time.monotonic() + 120
+    while 5 not in got and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert 5 in got and len(skipped) >= 2 and sorted(got + skipped) == [1, 2, 3, 4, 5]
+    logged = [r.getMessage() for r in caplog.records if "skipped: measuring is behind" in
+              r.getMessage()]
+    assert [int(m.split()[4].rstrip(":")) for m in logged] == skipped
+    assert worker._proc.pid != os.getpid()  # measured in another process
+    os.kill(worker._proc.pid, signal.SIGKILL)
+    worker._proc.join()
+    worker.submit(6, [sample])
+    worker.close()
+    assert 6 not in got
+    assert any("the metrics process died (exit code -9) while measuring step 6" in
+               r.getMessage() for r in caplog.records)
