@@ -10,6 +10,8 @@ pipeline's denoiser (a file it refuses applies none).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 from difftune.adapters.formats import save_lora
 from difftune.families import registry
-from difftune.lora_tools.verify import verify_file
+from difftune.lora_tools.verify import Verification, verify_file
 
 from ..comfy_keymap import unmapped
 from ..lora_files import TRAINERS, diffusers_lora, in_original_names, linear_modules, tiny
@@ -45,15 +47,35 @@ def written(family: str) -> dict[str, dict[str, torch.Tensor]]:
     return files
 
 
+Verified = dict[str, tuple[Path, dict[str, torch.Tensor], Verification]]
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Verified]:
+    """{spelling: (file, tensors, its verify report)} of a family's `written` files, saved and
+    verified once for both readers' tests (verify reports every reader at once)."""
+    folder = tmp_path_factory.mktemp("verified")
+
+    @lru_cache(maxsize=None)
+    def of(family: str) -> Verified:
+        out: Verified = {}
+        for name, tensors in written(family).items():
+            path = save_lora(folder / f"{family}-{name}.safetensors", tensors, {})
+            out[name] = (path, tensors, verify_file(path, family))
+        return out
+    return of
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_comfyui_drops_exactly_what_its_key_map_leaves_out(tmp_path: Path, family: str) -> None:
-    files = written(family)
-    some = next(iter(files["diffusers"]))
-    files["foreign"] = {"lora_unet_no_such_layer.lora_down.weight": torch.zeros(2, 2),
-                        some.replace("lora_A.weight", "lora_X.weight"): torch.zeros(2, 2)}
-    for name, tensors in files.items():
-        path = save_lora(tmp_path / f"{name}.safetensors", tensors, {})
-        report = verify_file(path, family)
+def test_comfyui_drops_exactly_what_its_key_map_leaves_out(
+        tmp_path: Path, family: str, verified: Callable[[str], Verified]) -> None:
+    files = dict(verified(family))
+    some = next(iter(files["diffusers"][1]))
+    foreign = {"lora_unet_no_such_layer.lora_down.weight": torch.zeros(2, 2),
+               some.replace("lora_A.weight", "lora_X.weight"): torch.zeros(2, 2)}
+    path = save_lora(tmp_path / "foreign.safetensors", foreign, {})
+    files["foreign"] = (path, foreign, verify_file(path, family))
+    for name, (path, tensors, report) in files.items():
         comfy = report.results[0]
         assert comfy.program.startswith("ComfyUI")
         assert sorted(d.key for d in comfy.dropped) == unmapped(family, list(tensors)), name
@@ -75,12 +97,12 @@ def injected(pipe: object, denoiser: torch.nn.Module, path: Path) -> int:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_diffusers_applies_what_verify_counts(tmp_path: Path, family: str) -> None:
+def test_diffusers_applies_what_verify_counts(family: str,
+                                             verified: Callable[[str], Verified]) -> None:
     comps = tiny(family)
     pipe = registry.get(family).pipeline(comps)
-    for name, tensors in written(family).items():
-        path = save_lora(tmp_path / f"{name}.safetensors", tensors, {})
-        counted = verify_file(path, family).results[1]
+    for name, (path, _, report) in verified(family).items():
+        counted = report.results[1]
         assert counted.program == "diffusers"
         assert counted.applied == injected(pipe, comps.denoiser, path), name
 

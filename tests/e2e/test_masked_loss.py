@@ -17,7 +17,7 @@ from difftune.config import load_config
 from difftune.train.setup import fill_caches, prepare
 from difftune.train.step import batch_loss
 
-from .conftest import run_toml, stopped_and_resumed
+from .conftest import family_tier, run_toml, stopped_and_resumed
 
 
 def masked_folder(root: Path) -> tuple[Path, Path]:
@@ -66,13 +66,18 @@ def prepared_keeping_predictions(cfg: Path, monkeypatch: pytest.MonkeyPatch
     return run, seen
 
 
-# By default one family per latent layout the mask must meet: FLUX.1's 2x2-packed tokens,
-# Qwen-Image's packed frames, SDXL's plain latents; the rest with --full.
-DEFAULT = ("flux", "qwen_image", "sdxl")
+def latent_grid(name: str) -> tuple[str, int]:
+    """What decides the latent grid the mask is reduced to, from the family's spec: its
+    denoiser (a UNet's plain latents, a transformer's packed tokens) and its bucket step (the
+    VAE's downscale times the patch: 16 for the /8 VAEs, 32 for Qwen-Image 2.1's /16 one)."""
+    spec = families.spec(name)
+    return spec.denoiser_part, spec.bucket_step
 
 
-@pytest.mark.parametrize("family", [f if f in DEFAULT else pytest.param(
-    f, marks=pytest.mark.full_only) for f in families.names()])
+# By default one family per latent grid (`conftest.family_tier` of `latent_grid`): today
+# FLUX.1 (2x2-packed tokens on a /8 grid), SDXL (plain latents) and Qwen-Image 2.1 (packed
+# frames on a /16 grid); the rest with --full.
+@pytest.mark.parametrize("family", family_tier(latent_grid))
 def test_background_gets_no_gradient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                      family: str) -> None:
     """With unmasked_weight 0 the loss does not depend on the prediction outside the mask (its

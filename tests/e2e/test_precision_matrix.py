@@ -4,15 +4,21 @@ whose LoRA can be saved; where none can, the refusal is asserted). Each supporte
 LoRA and reads it back (only LoRA tensors, equal to the trained ones: no quantizer names leak);
 each unsupported cell is refused when the config loads, with the message asserted.
 
-Tiers: the default run executes a fixed all-pairs covering subset of the cells (their number
-grows with the registry: families x 3 x 4 x 2 x 2; `conftest.pairwise`: every value of every axis, and every pair of values of any two axes,
-appears in at least one cell; chosen greedily in `CELLS` order, so it never changes between
-runs). The other cells are `full_only` and run with `pytest --full`."""
+Tiers: the default run executes a fixed subset of the cells (`tiers`; the cells number
+families x 3 x 4 x 2 x 2): the all-pairs cover (`conftest.pairwise`: every pair of values of any
+two axes in some cell; chosen greedily in `CELLS` order, so it never changes between runs) of
+the supported cells with a low-precision base ("half", "fp8", "int8": how the family's own
+modules are stored, cast or quantized, a family fact), so every family runs each of those bases
+and each mixed precision; the fp32 base ("full", every family's plain path, which the contract
+suite runs for each) with each mixed precision, caching and trained value, and the refusals
+(a config check the same for every family), on the first family only. The other cells are
+`full_only` and run with `pytest --full`."""
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +38,7 @@ from difftune.train.checkpoint import CheckpointManager
 from difftune.train.loop import Hooks, train
 from difftune.train.setup import fill_caches, prepare
 
-from .conftest import sampled_grid
+from .conftest import pairwise
 
 # "half": every part stored in the mixed dtype (fp16 or bf16), the common set-up on a GPU.
 BASES = {"full": {}, "half": {}, "fp8": {"denoiser": "fp8", "text_encoders": "fp8", "vae": "fp8"},
@@ -84,7 +90,20 @@ def config(tmp: Path, family: str, mixed: str, base: str, text: str, trained: bo
     }, tmp)
 
 
-@pytest.mark.parametrize("family, mixed, base, text, trained", sampled_grid(CELLS))
+def tiers(cells: list[tuple]) -> list[Any]:
+    """`cells` as parametrize values, the default subset the module docstring states kept,
+    the others `full_only`."""
+    first = families.names()[0]
+    keep = pairwise([c for c in cells if c[2] != "full" and not unsupported(c[1], c[2])])
+    own = [c for c in cells if c[0] == first]
+    keep += pairwise([c for c in own if c[2] == "full"], skip=((1, 3), (1, 4), (3, 4)),
+                     ignore=(0,))
+    keep += [next(c for c in own if unsupported(c[1], c[2]) and c[2] == base)
+             for base in ("half", "fp8")]
+    return [c if c in keep else pytest.param(*c, marks=pytest.mark.full_only) for c in cells]
+
+
+@pytest.mark.parametrize("family, mixed, base, text, trained", tiers(CELLS))
 def test_cell(tmp_path: Path, family: str, mixed: str, base: str, text: str,
               trained: bool) -> None:
     check_cell(tmp_path, family, mixed, base, text, trained, "cpu")
