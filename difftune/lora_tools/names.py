@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from types import ModuleType
 
 import torch
@@ -111,12 +111,21 @@ class FamilyNames:
     rows: dict[str, tuple[int, ...]]
     swapped: frozenset[str]
 
+    @cached_property
+    def _tables(self) -> dict[str, tuple[dict[str, tuple[str, ...]], dict[str, list[str]]]]:
+        """Per naming translated from: {module: other naming's modules} and its modules by
+        general form; built once (`lora verify` translates every module under every rule)."""
+        out = {}
+        for naming, table in ((ORIGINAL, self.pieces), (DIFFUSERS, _inverse(self.pieces))):
+            exact: dict[str, list[str]] = {}
+            for key in table:
+                exact.setdefault(generalize(key, "."), []).append(key)
+            out[naming] = (table, exact)
+        return out
+
     def closest_piece(self, module: str) -> str | None:
         """The tiny model's original module of `module`'s general form, most alike in indices."""
-        exact: dict[str, list[str]] = {}
-        for key in self.pieces:
-            exact.setdefault(generalize(key, "."), []).append(key)
-        return _closest(module, exact)
+        return _closest(module, self._tables[ORIGINAL][1])
 
     def naming(self, which: str) -> Naming:
         """DIFFUSERS or ORIGINAL."""
@@ -126,10 +135,7 @@ class FamilyNames:
         """The modules of the other naming that `module` (of `naming`) is, or is a part of
         (an original fused `qkv` is three diffusers modules; a diffusers `to_q` is part of
         one original module); () where the other naming has none."""
-        table = self.pieces if naming == ORIGINAL else _inverse(self.pieces)
-        exact: dict[str, list[str]] = {}
-        for key in table:
-            exact.setdefault(generalize(key, "."), []).append(key)
+        table, exact = self._tables[ORIGINAL if naming == ORIGINAL else DIFFUSERS]
         model = _closest(module, exact)
         if model is None:
             return ()
