@@ -1,5 +1,6 @@
-"""Helpers the LoRA-format unit tests share: which modules carry a LoRA, and the warnings and
-log records diffusers emits while it reads a file (a reader that complains has not read it all)."""
+"""Helpers the unit tests share: which modules carry a LoRA, the warnings and log records
+diffusers emits while it reads a file (a reader that complains has not read it all), and
+whether a module loaded from files holds exactly the weights it was written from."""
 
 from __future__ import annotations
 
@@ -10,6 +11,15 @@ from collections.abc import Iterator
 
 import torch
 from peft.tuners.lora import LoraLayer
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """`a` and `b` hold the same tensors under the same names, bit for bit (a difference names
+    its tensor)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
 
 
 def lora_modules(model: torch.nn.Module) -> set[str]:

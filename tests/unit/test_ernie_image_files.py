@@ -18,6 +18,7 @@ from difftune.errors import ModelFileError
 from difftune.families.ernie_image.files import load_ernie_image_files, load_transformer_file
 from difftune.families.ernie_image.tiny import build_tiny_ernie_image
 
+from .conftest import assert_same_weights
 from .layouts import to_ldm_vae
 
 FP32 = {"transformer": torch.float32, "text_encoders": torch.float32, "vae": torch.float32}
@@ -45,16 +46,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return tiny, folder
 
 
-def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 def test_diffusers_folder(saved: tuple[dict, Path]) -> None:
     tiny, folder = saved
     parts = load_ernie_image_files(ModelConfig(family="ernie_image", path=folder), FP32)
     for name in ("transformer", "vae", "text_encoder"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     assert parts["scheduler"].config.shift == 4.0
     assert parts["tokenizer"]("a")["input_ids"] == tiny["tokenizer"]("a")["input_ids"]
 
@@ -68,8 +64,8 @@ def test_single_files_over_the_folder(saved: tuple[dict, Path]) -> None:
     parts = load_ernie_image_files(cfg, FP32)
     assert parts["transformer"].config.rope_axes_dim == tiny["transformer"].config.rope_axes_dim
     for name in ("transformer", "vae"):
-        _equal(parts[name], tiny[name])
-    _equal(parts["text_encoder"], tiny["text_encoder"].language_model)
+        assert_same_weights(parts[name], tiny[name])
+    assert_same_weights(parts["text_encoder"], tiny["text_encoder"].language_model)
     ids = torch.tensor([tiny["tokenizer"]("a red circle")["input_ids"]])
     with torch.no_grad():  # the states encode_prompt reads, from the language model alone
         ours = parts["text_encoder"](ids, output_hidden_states=True).hidden_states[-2]

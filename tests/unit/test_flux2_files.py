@@ -18,6 +18,7 @@ from difftune.errors import ModelFileError
 from difftune.families.flux2.files import load_flux2_files
 from difftune.families.flux2.tiny import build_tiny_flux2
 
+from .conftest import assert_same_weights
 from .layouts import to_ldm_vae
 
 FP32 = {"transformer": torch.float32, "text_encoders": torch.float32, "vae": torch.float32}
@@ -104,11 +105,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, Pat
     return out
 
 
-def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 @pytest.mark.parametrize("variant", ["klein", "dev"])
 def test_diffusers_folder(variant: str, saved: dict[str, tuple[dict, Path]]) -> None:
     tiny, folder = saved[variant]
@@ -116,7 +112,7 @@ def test_diffusers_folder(variant: str, saved: dict[str, tuple[dict, Path]]) -> 
     assert cfg.variant == variant  # from model_index.json
     parts = load_flux2_files(cfg, FP32)
     for name in ("transformer", "vae", "text_encoder"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     assert parts["scheduler"].config.use_dynamic_shifting
     assert parts["tokenizer"].chat_template == tiny["tokenizer"].chat_template
 
@@ -132,7 +128,7 @@ def test_single_files_over_the_folder(saved: dict[str, tuple[dict, Path]]) -> No
                           text_encoder=files / "qwen_3_4b.safetensors")
         parts = load_flux2_files(cfg, FP32)
         for name in ("transformer", "vae", "text_encoder"):
-            _equal(parts[name], tiny[name])
+            assert_same_weights(parts[name], tiny[name])
         assert parts["transformer"].config.axes_dims_rope == (4, 4, 4, 4)
 
 

@@ -17,14 +17,9 @@ from difftune.files.single import write_layout
 from difftune.families.flux3.files import load_flux3_files, single_file_layout
 from difftune.families.flux3.tiny import build_tiny_flux3
 
+from .conftest import assert_same_weights
+
 FP32 = {"transformer": torch.float32, "text_encoders": torch.float32, "vae": torch.float32}
-
-
-def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
 
 
 def test_released_transformer_builds_on_meta() -> None:
@@ -64,10 +59,10 @@ def test_transformer_in_bfl_layout_reads_back_and_in_diffusers(tmp_path: Path,
     comfy = {f"model.diffusion_model.{k}": p for k, p in layout.items()}
     for file in (path, write_layout(tmp_path / "comfy.safetensors", comfy, model.state_dict(),
                                     torch.float32)):
-        _equal(load_transformer_file(file, torch.float32), model)
+        assert_same_weights(load_transformer_file(file, torch.float32), model)
     model.save_config(tmp_path / "config")
     theirs = Flux3Transformer2DModel.from_single_file(str(path), config=str(tmp_path / "config"))
-    _equal(theirs, model)
+    assert_same_weights(theirs, model)
 
 
 def test_folder_and_single_files_over_it(tmp_path: Path) -> None:
@@ -86,7 +81,7 @@ def test_folder_and_single_files_over_it(tmp_path: Path) -> None:
     parts = load_flux3_files(ModelConfig(family="flux3", path=str(folder)), FP32)
     for name, module in (("transformer", comps.denoiser), ("vae", comps.vae),
                          ("text_encoder", comps.text_encoders["qwen3vl"])):
-        _equal(parts[name], module)
+        assert_same_weights(parts[name], module)
     files = {}
     for name, module in (("transformer", comps.denoiser), ("vae", comps.vae),
                          ("text_encoder", comps.text_encoders["qwen3vl"])):
@@ -94,8 +89,8 @@ def test_folder_and_single_files_over_it(tmp_path: Path) -> None:
         save_file({k: v.contiguous() for k, v in module.state_dict().items()}, files[name])
     singles = load_flux3_files(ModelConfig(family="flux3", path=str(folder),
                                            **{k: str(v) for k, v in files.items()}), FP32)
-    _equal(singles["transformer"], comps.denoiser)
-    _equal(singles["vae"], comps.vae)
+    assert_same_weights(singles["transformer"], comps.denoiser)
+    assert_same_weights(singles["vae"], comps.vae)
     lm = singles["text_encoder"].language_model.state_dict()
     assert lm.keys() == comps.text_encoders["qwen3vl"].language_model.state_dict().keys()
     assert singles["fingerprint"] != parts["fingerprint"]

@@ -20,6 +20,8 @@ from difftune.families.krea2.files import load_krea2_files
 from difftune.families.krea2.keys import ATTENTION
 from difftune.families.krea2.tiny import build_tiny_krea2
 
+from .conftest import assert_same_weights
+
 FP32 = {"transformer": torch.float32, "text_encoders": torch.float32, "vae": torch.float32}
 # diffusers name -> the original one (the inverse of diffusers' converter's renames).
 PREFIXES = (("img_in.", "first."), ("time_embed.linear_1.", "tmlp.0."),
@@ -76,11 +78,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return tiny, folder
 
 
-def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 def _same_text_states(a: torch.nn.Module, b: torch.nn.Module, tok: object) -> None:
     ids = tok(["a red circle"], return_tensors="pt").input_ids  # type: ignore[operator]
     with torch.no_grad():
@@ -93,7 +90,7 @@ def test_diffusers_folder(saved: tuple[dict, Path]) -> None:
     tiny, folder = saved
     parts = load_krea2_files(ModelConfig(family="krea2", path=folder), FP32)
     for name in ("transformer", "vae", "text_encoder"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     assert parts["scheduler"].config.use_dynamic_shifting is True
     assert parts["pipeline_options"]["is_distilled"] is True
     assert tuple(parts["pipeline_options"]["text_encoder_select_layers"]) == (
@@ -114,7 +111,7 @@ def test_single_files_over_the_folder(saved: tuple[dict, Path], encoder: str) ->
 
     assert config(parts["transformer"]) == config(tiny["transformer"])
     for name in ("transformer", "vae"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     _same_text_states(parts["text_encoder"], tiny["text_encoder"], tiny["tokenizer"])
 
 
@@ -206,7 +203,7 @@ def test_autoencoder_in_the_original_wan_layout(tmp_path: Path) -> None:
     assert "encoder.conv1.weight" in wan and not any("down_blocks" in k for k in wan)
     assert not any("mid_block" in k or "norm_out" in k for k in wan)
     save_file(wan, str(tmp_path / "qwen_image_vae.safetensors"))
-    _equal(load_vae_file(tmp_path / "qwen_image_vae.safetensors", torch.float32), vae)
+    assert_same_weights(load_vae_file(tmp_path / "qwen_image_vae.safetensors", torch.float32), vae)
 
 
 def test_other_layer_taps_are_refused(tmp_path: Path) -> None:

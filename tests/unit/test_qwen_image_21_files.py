@@ -19,6 +19,8 @@ from difftune.families.qwen_image_21.files import load_qwen_image_21_files, sing
 from difftune.families.qwen_image_21.tiny import build_tiny_qwen_image_21
 from difftune.files.single import write_layout
 
+from .conftest import assert_same_weights
+
 FP32 = {"transformer": torch.float32, "text_encoders": torch.float32, "vae": torch.float32}
 
 
@@ -40,11 +42,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return tiny, folder
 
 
-def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 def test_diffusers_folder_and_the_original_transformer_file(saved: tuple[dict, Path]) -> None:
     """The folder's parts equal the tiny model's (the tokenizer read from processor/, the text
     encoder read before its final norm); the original-layout file gives the same transformer,
@@ -54,7 +51,7 @@ def test_diffusers_folder_and_the_original_transformer_file(saved: tuple[dict, P
     tiny, folder = saved
     parts = load_qwen_image_21_files(ModelConfig(family="qwen_image_21", path=folder), FP32)
     for name in ("transformer", "vae", "text_encoder"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     assert parts["text_encoder"].config.get_text_config().tie_last_hidden_states is False
     assert parts["tokenizer"].get_vocab() == tiny["tokenizer"].get_vocab()
     assert parts["pipeline_options"] == {"sample_sigmas": None}
@@ -65,10 +62,10 @@ def test_diffusers_folder_and_the_original_transformer_file(saved: tuple[dict, P
         assert "model.diffusion_model.transformer_blocks.0.img_mlp.gate_up.weight" in f.keys()
     cfg = ModelConfig(family="qwen_image_21", path=folder, transformer=single)
     ours = load_qwen_image_21_files(cfg, FP32)["transformer"]
-    _equal(ours, tiny["transformer"])
+    assert_same_weights(ours, tiny["transformer"])
     theirs = QwenImage21Transformer2DModel.from_single_file(
         str(single), config=str(folder), subfolder="transformer", torch_dtype=torch.float32)
-    _equal(ours, theirs)
+    assert_same_weights(ours, theirs)
     tokens, text = torch.randn(1, 4, 64), torch.randn(1, 3, 32)
     kw = {"timestep": torch.ones(1), "img_shapes": [[(1, 2, 2)]], "return_dict": False,
           "img_mask": torch.tensor([[False, False, False, True]])}

@@ -18,6 +18,8 @@ from difftune.errors import ModelFileError
 from difftune.families.qwen_image.files import SCHEDULER_CONFIG, load_qwen_image_files
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
 
+from .conftest import assert_same_weights
+
 FP32 = {"transformer": torch.float32, "text_encoders": torch.float32, "vae": torch.float32}
 # diffusers resnet parts -> the Wan-2.1 layout's `residual.N` / `shortcut` names.
 RESIDUAL = (("norm1.gamma", "residual.0.gamma"), ("conv1.", "residual.2."),
@@ -80,16 +82,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return tiny, folder
 
 
-def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 def test_diffusers_folder(saved: tuple[dict, Path]) -> None:
     tiny, folder = saved
     parts = load_qwen_image_files(ModelConfig(family="qwen_image", path=folder), FP32)
     for name in ("transformer", "vae", "text_encoder"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     assert parts["scheduler"].config.max_shift == SCHEDULER_CONFIG["max_shift"] == 0.9
     assert parts["tokenizer"]("<|im_start|>user")["input_ids"] == tiny["tokenizer"](
         "<|im_start|>user")["input_ids"]
@@ -105,14 +102,14 @@ def test_single_files_over_the_folder(saved: tuple[dict, Path]) -> None:
                       text_encoder=folder.parent / "qwen_2.5_vl_7b.safetensors")
     parts = load_qwen_image_files(cfg, FP32)
     for name in ("transformer", "vae", "text_encoder"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     public = lambda c: {k: v for k, v in c.items() if not k.startswith("_")}  # noqa: E731
     assert public(parts["transformer"].config) == public(tiny["transformer"].config)
     # diffusers' own single-file loading of the same transformer reads it alike.
     theirs = QwenImageTransformer2DModel.from_single_file(
         str(folder.parent / "qwen_image_plain.safetensors"), config=str(folder),
         subfolder="transformer", torch_dtype=torch.float32)
-    _equal(parts["transformer"], theirs)
+    assert_same_weights(parts["transformer"], theirs)
     # They run as the originals do (nothing left on the meta device, e.g. the RoPE tables); up
     # to rounding, as weights read from a file need not share the originals' memory alignment.
     x, text = torch.randn(1, 4, 64), torch.randn(1, 3, 32)

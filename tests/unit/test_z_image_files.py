@@ -15,6 +15,7 @@ from difftune.config import ModelConfig
 from difftune.families.z_image.files import load_z_image_files
 from difftune.families.z_image.tiny import build_tiny_z_image
 
+from .conftest import assert_same_weights
 from .layouts import to_ldm_vae
 
 FP32 = {"transformer": torch.float32, "text_encoders": torch.float32, "vae": torch.float32}
@@ -56,16 +57,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return tiny, folder
 
 
-def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 def test_diffusers_folder(saved: tuple[dict, Path]) -> None:
     tiny, folder = saved
     parts = load_z_image_files(ModelConfig(family="z_image", path=folder), FP32)
     for name in ("transformer", "vae", "text_encoder"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     assert parts["scheduler"].config.shift == 6.0  # the folder's (the tiny flavor is Base)
     assert parts["tokenizer"].chat_template == tiny["tokenizer"].chat_template
 
@@ -79,7 +75,7 @@ def test_single_files_over_the_folder(saved: tuple[dict, Path]) -> None:
     parts = load_z_image_files(cfg, FP32)
     assert parts["transformer"].config.axes_dims == tiny["transformer"].config.axes_dims
     for name in ("transformer", "vae", "text_encoder"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     tok = tiny["tokenizer"]
     ids = tok(["a red circle"], return_tensors="pt").input_ids
     with torch.no_grad():
