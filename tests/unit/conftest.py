@@ -1,6 +1,7 @@
 """Helpers the unit tests share: which modules carry a LoRA, the warnings and log records
-diffusers emits while it reads a file (a reader that complains has not read it all), and
-whether a module loaded from files holds exactly the weights it was written from."""
+diffusers emits while it reads a file (a reader that complains has not read it all), whether
+a module loaded from files holds exactly the weights it was written from, and the all-CPU
+float32 placement the exact comparisons with the pipelines use."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from collections.abc import Iterator
 
 import torch
 from peft.tuners.lora import LoraLayer
+
+
+def cpu_policy() -> object:
+    """A placement policy (as the families' `prepare` reads one) keeping everything on the
+    CPU in float32: the exact comparisons with the pipelines run there."""
+    cpu = torch.device("cpu")
+    return type("Policy", (), {"device": cpu, "denoiser_home": cpu, "denoiser": torch.float32,
+                               "vae": torch.float32, "text_encoders": torch.float32})()
 
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:

@@ -13,13 +13,10 @@ from difftune import families
 from difftune.families.anima.tiny import build_tiny_anima
 from difftune.families.base import TextEmbeds
 
+from .conftest import cpu_policy
+
 PROMPTS = ["a red circle on a blue background", "a pink ring", ""]
 CPU = torch.device("cpu")
-
-
-def _cpu_policy() -> object:
-    return type("Policy", (), {"device": CPU, "denoiser_home": CPU, "denoiser": torch.float32,
-                               "vae": torch.float32, "text_encoders": torch.float32})()
 
 
 def _reference_and_ours() -> tuple[Any, Any, Any]:
@@ -33,7 +30,7 @@ def _reference_and_ours() -> tuple[Any, Any, Any]:
         "t5_tokenizer")})
     family = families.get("anima")
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return pipe, family, comps
 
 

@@ -11,14 +11,10 @@ from difftune.families.base import Conditioning, TextEmbeds
 from difftune.families.ernie_image.family import caption_list
 from difftune.families.ernie_image.tiny import build_tiny_ernie_image
 
+from .conftest import cpu_policy
+
 PROMPTS = ["a red circle on a blue background", "a pink ring", ""]
 COMMON = {"height": 32, "width": 32, "output_type": "latent"}
-
-
-def _cpu_policy() -> object:
-    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
-                               "denoiser": torch.float32, "vae": torch.float32,
-                               "text_encoders": torch.float32})()
 
 
 def _pipe_and_family() -> tuple[object, object, object]:
@@ -30,7 +26,7 @@ def _pipe_and_family() -> tuple[object, object, object]:
     pipe.set_progress_bar_config(disable=True)
     family = families.get("ernie_image")
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return pipe, family, comps
 
 

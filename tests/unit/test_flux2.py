@@ -17,14 +17,10 @@ from difftune.config import ModelConfig
 from difftune.families.base import Conditioning, TextEmbeds
 from difftune.families.flux2.tiny import build_tiny_flux2
 
+from .conftest import cpu_policy
+
 PROMPTS = ["a red circle on a blue background, seen from above", "a pink [IMG]ring", ""]
 PIPELINES = {"klein": "Flux2KleinPipeline", "dev": "Flux2Pipeline"}
-
-
-def _cpu_policy() -> object:
-    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
-                               "denoiser": torch.float32, "vae": torch.float32,
-                               "text_encoders": torch.float32})()
 
 
 def _setup(variant: str) -> tuple[Any, Any, Any]:
@@ -36,7 +32,7 @@ def _setup(variant: str) -> tuple[Any, Any, Any]:
     pipe.set_progress_bar_config(disable=True)
     family = families.get("flux2", variant)
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return pipe, family, comps
 
 

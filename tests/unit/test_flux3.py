@@ -17,20 +17,16 @@ from difftune.families.flux3.tiny import build_tiny_flux3
 
 from ..lora_files import tiny
 
+from .conftest import cpu_policy
+
 SHORT = "a red circle on a blue background"
 LONG = "a very long caption " + "with many words " * 8  # over 80 tokens: a 160-token window
-
-
-def _cpu_policy() -> object:
-    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
-                               "denoiser": torch.float32, "vae": torch.float32,
-                               "text_encoders": torch.float32})()
 
 
 def _components(parts: dict[str, Any]) -> tuple[Any, Any]:
     family = families.get("flux3")
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return family, comps
 
 

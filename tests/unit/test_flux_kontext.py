@@ -19,11 +19,7 @@ from difftune.families.common.latents import unpack
 from difftune.families.flux import kontext
 from difftune.families.flux.tiny import T5_MAX_LENGTH, build_tiny_flux
 
-
-def _cpu_policy() -> Any:
-    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
-                               "denoiser": torch.float32, "vae": torch.float32,
-                               "text_encoders": torch.float32})()
+from .conftest import cpu_policy
 
 
 def _setup() -> tuple[Any, Any, Any]:
@@ -34,7 +30,7 @@ def _setup() -> tuple[Any, Any, Any]:
     pipe.set_progress_bar_config(disable=True)
     family = families.get("flux", "kontext")
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return pipe, family, comps
 
 
@@ -53,7 +49,7 @@ def test_variant_from_config_and_folder(tmp_path: Path) -> None:
 
 
 def test_tiny_fingerprints_keep_the_base_caches() -> None:
-    policy = _cpu_policy()
+    policy = cpu_policy()
     base = families.get("flux").load(ModelConfig(family="flux", flavor="tiny"), policy)
     kon = families.get("flux", "kontext").load(
         ModelConfig(family="flux", flavor="tiny", variant="kontext"), policy)

@@ -16,14 +16,10 @@ from difftune.families.base import Conditioning, TextEmbeds
 from difftune.families.krea2.tiny import build_tiny_krea2
 from difftune.precision.policy import PrecisionPolicy
 
+from .conftest import cpu_policy
+
 PROMPTS = ["a red circle on a blue background", "a pink ring", "",
            "a very long caption " + "with many words " * 12]
-
-
-def _cpu_policy() -> object:
-    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
-                               "denoiser": torch.float32, "vae": torch.float32,
-                               "text_encoders": torch.float32})()
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +32,7 @@ def setup() -> tuple[Any, Any, Any]:
     pipe.set_progress_bar_config(disable=True)
     family = families.get("krea2")
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return pipe, family, comps
 
 

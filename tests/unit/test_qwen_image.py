@@ -12,6 +12,8 @@ from difftune.families.base import Conditioning, TextEmbeds
 from difftune.families.common.latents import pack, unpack
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
 
+from .conftest import cpu_policy
+
 PROMPTS = ["a red circle on a blue background", "a pink ring", "", "photo of a blue square"]
 # The real Qwen2 tokenizer's tokens of the template's system turn and user header: 34, which
 # QwenImagePipeline drops (prompt_template_encode_start_idx).
@@ -24,12 +26,6 @@ PREFIX_TOKENS = [
 ]
 
 
-def _cpu_policy() -> object:
-    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
-                               "denoiser": torch.float32, "vae": torch.float32,
-                               "text_encoders": torch.float32})()
-
-
 def _pipe_and_family() -> tuple[object, object, object]:
     from diffusers import QwenImagePipeline
 
@@ -39,7 +35,7 @@ def _pipe_and_family() -> tuple[object, object, object]:
     pipe.set_progress_bar_config(disable=True)
     family = families.get("qwen_image")
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return pipe, family, comps
 
 

@@ -17,17 +17,13 @@ from difftune.families.base import Conditioning, TextEmbeds
 from difftune.families.qwen_image_21.family import from_tokens, to_tokens
 from difftune.families.qwen_image_21.tiny import build_tiny_qwen_image_21
 
+from .conftest import cpu_policy
+
 PROMPTS = ["a red circle on a blue background", "a pink ring", "", "photo of a blue square"]
 # The real Qwen tokenizer's tokens of the system message QwenImage21Pipeline drops (its
 # `_drop_idx`), as Qwen2.5's vocabulary (the one Qwen3 shares) splits them.
 SYSTEM_TOKENS = ["<|im_start|>", "system", "Ċ", "Com", "preh", "end", "Ġand", "Ġanalyze", "Ġthe",
                  "Ġprovided", "Ġprompt", ".", "<|im_end|>", "Ċ"]
-
-
-def _cpu_policy() -> object:
-    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
-                               "denoiser": torch.float32, "vae": torch.float32,
-                               "text_encoders": torch.float32})()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +37,7 @@ def setup() -> tuple[Any, Any, Any]:
     pipe.set_progress_bar_config(disable=True)
     family = families.get("qwen_image_21")
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return pipe, family, comps
 
 

@@ -20,7 +20,7 @@ from difftune.families.qwen_image_21.family import to_tokens
 from difftune.families.qwen_image_21.tiny import build_tiny_qwen_image_21
 from difftune.verbs.demo import demo_dir
 
-from .test_qwen_image_21 import _cpu_policy
+from .conftest import cpu_policy
 
 EDIT = demo_dir().parent / "edit"
 PROMPTS = ["make the circle red", "", "a red circle on a blue background"]
@@ -39,7 +39,7 @@ def setup() -> tuple[Any, Any, Any, Any]:
     pipe.set_progress_bar_config(disable=True)
     family = families.get("qwen_image_21", "edit")
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     image = load_rgb(EDIT / "before/circle.png")
     resized = pipe.image_processor.resize(image.convert("RGBA"), width=SIZE[0], height=SIZE[1])
     return pipe, family, comps, resized

@@ -24,13 +24,9 @@ from difftune.families.common.latents import unpack
 from difftune.families.qwen_image import edit
 from difftune.families.qwen_image.tiny import build_tiny_qwen_image
 
+from .conftest import cpu_policy
+
 PIPELINES = {"edit": "QwenImageEditPipeline", "edit-plus": "QwenImageEditPlusPipeline"}
-
-
-def _cpu_policy() -> Any:
-    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
-                               "denoiser": torch.float32, "vae": torch.float32,
-                               "text_encoders": torch.float32})()
 
 
 def _setup(variant: str) -> tuple[Any, Any, Any]:
@@ -41,7 +37,7 @@ def _setup(variant: str) -> tuple[Any, Any, Any]:
     pipe.set_progress_bar_config(disable=True)
     family = families.get("qwen_image", variant)
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return pipe, family, comps
 
 
@@ -66,7 +62,7 @@ def test_variants_from_config_and_folder(tmp_path: Path) -> None:
 
 
 def test_tiny_fingerprints_keep_the_base_caches() -> None:
-    policy = _cpu_policy()
+    policy = cpu_policy()
     base = families.get("qwen_image").load(ModelConfig(family="qwen_image", flavor="tiny"),
                                            policy)
     assert base.fingerprint == "tiny-qwen_image-v1"  # as before variants existed
@@ -199,5 +195,5 @@ def test_training_reads_pair_images_at_the_pipelines_text_sizes(tmp_path: Path) 
         assert family.text_image_rule in images[0].key
     # a family whose encoders read no images gets none (its text keys stay as they were)
     flux = families.get("flux", "kontext")
-    comps = flux.load(ModelConfig(family="flux", flavor="tiny", variant="kontext"), _cpu_policy())
+    comps = flux.load(ModelConfig(family="flux", flavor="tiny", variant="kontext"), cpu_policy())
     assert ControlSource(flux, comps, [item], MemoryStore()).text_images(0) == ()

@@ -15,15 +15,11 @@ from difftune.families.base import Conditioning, TextEmbeds
 from difftune.families.wan.family import padded_prompt
 from difftune.families.wan.tiny import build_tiny_wan
 
+from .conftest import cpu_policy
+
 # Whitespace runs and an HTML entity: WanPipeline's prompt_clean tidies them first.
 PROMPTS = ["a red circle on a blue background", "a  pink\tring &amp; a square ", ""]
 PARTS = ("transformer", "transformer_2", "vae", "text_encoder", "tokenizer", "scheduler")
-
-
-def _cpu_policy() -> object:
-    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
-                               "denoiser": torch.float32, "vae": torch.float32,
-                               "text_encoders": torch.float32})()
 
 
 def _pipe_and_family(variant: str | None = None) -> tuple[Any, Any, Any]:
@@ -37,7 +33,7 @@ def _pipe_and_family(variant: str | None = None) -> tuple[Any, Any, Any]:
                        boundary_ratio=1.0 if parts["transformer"] is None else None)
     pipe.set_progress_bar_config(disable=True)
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return pipe, family, comps
 
 

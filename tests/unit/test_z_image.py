@@ -11,6 +11,8 @@ from difftune.families.base import TextEmbeds
 from difftune.families.common import text
 from difftune.families.z_image.tiny import build_tiny_z_image
 
+from .conftest import cpu_policy
+
 PROMPTS = ["a red circle on a blue background", "a pink ring", ""]
 
 
@@ -22,14 +24,8 @@ def _pipe_and_family() -> tuple[object, object, object]:
                              ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")})
     family = families.get("z_image")
     comps = family.components({**parts, "name": "tiny", "fingerprint": "t"},
-                              type("Cfg", (), {"name": None})(), _cpu_policy())
+                              type("Cfg", (), {"name": None})(), cpu_policy())
     return pipe, family, comps
-
-
-def _cpu_policy() -> object:
-    return type("Policy", (), {"device": torch.device("cpu"), "denoiser_home": torch.device("cpu"),
-                               "denoiser": torch.float32, "vae": torch.float32,
-                               "text_encoders": torch.float32})()
 
 
 def test_embeddings_equal_encode_prompt_exactly() -> None:
