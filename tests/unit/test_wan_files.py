@@ -18,7 +18,8 @@ from difftune.families.wan.files import load_wan_files, single_file_layout
 from difftune.families.wan.tiny import build_tiny_wan
 from difftune.files.single import write_layout
 
-from .test_qwen_image_files import _equal, to_wan_vae
+from .conftest import assert_same_weights
+from .test_qwen_image_files import to_wan_vae
 
 FP32 = {"transformer": torch.float32, "transformer_2": torch.float32,
         "text_encoders": torch.float32, "vae": torch.float32}
@@ -58,7 +59,7 @@ def test_diffusers_folder(saved: tuple[dict, Path]) -> None:
     tiny, folder = saved
     parts = load_wan_files(ModelConfig(family="wan", path=folder), FP32)
     for name in ("transformer", "vae", "text_encoder"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     assert type(parts["scheduler"]).__name__ == "UniPCMultistepScheduler"
     assert parts["scheduler"].config.flow_shift == 3.0
 
@@ -75,7 +76,7 @@ def test_single_files_over_the_folder(saved: tuple[dict, Path]) -> None:
                       text_encoder=folder.parent / "umt5_xxl_fp16.safetensors")
     parts = load_wan_files(cfg, FP32)
     for name in ("transformer", "vae", "text_encoder"):
-        _equal(parts[name], tiny[name])
+        assert_same_weights(parts[name], tiny[name])
     public = lambda c: {k: v for k, v in c.items() if not k.startswith("_")}  # noqa: E731
     assert public(parts["transformer"].config) == public(tiny["transformer"].config)
     assert type(parts["text_encoder"]).__name__ == "UMT5EncoderModel"
@@ -97,7 +98,7 @@ def a14b(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 def test_a14b_folder_trains_its_low_noise_expert(a14b: tuple[dict, Path]) -> None:
     tiny, folder = a14b
     parts = load_wan_files(ModelConfig(family="wan", variant=LOW, path=folder), FP32)
-    _equal(parts["transformer_2"], tiny["transformer_2"])
+    assert_same_weights(parts["transformer_2"], tiny["transformer_2"])
     assert "transformer" not in parts
 
 
@@ -113,16 +114,16 @@ def test_a14b_folder_and_comfyui_files_give_both_experts(a14b: tuple[dict, Path]
     the released folder, or each from its ComfyUI single file (Wan's names) over it."""
     tiny, folder = a14b
     parts = load_wan_files(ModelConfig(family="wan", variant=BOTH, path=folder), FP32)
-    _equal(parts["transformer"], tiny["high"])
-    _equal(parts["transformer_2"], tiny["transformer_2"])
+    assert_same_weights(parts["transformer"], tiny["high"])
+    assert_same_weights(parts["transformer_2"], tiny["transformer_2"])
     files = {}
     for part, name, model in (("transformer", "high", tiny["high"]),
                               ("transformer_2", "low", tiny["transformer_2"])):
         files[part] = folder.parent / f"wan2.2_t2v_{name}_noise_14B_fp16.safetensors"
         write_layout(files[part], single_file_layout(model), model.state_dict(), torch.float32)
     parts = load_wan_files(ModelConfig(family="wan", variant=BOTH, path=folder, **files), FP32)
-    _equal(parts["transformer"], tiny["high"])
-    _equal(parts["transformer_2"], tiny["transformer_2"])
+    assert_same_weights(parts["transformer"], tiny["high"])
+    assert_same_weights(parts["transformer_2"], tiny["transformer_2"])
 
 
 def test_an_image_to_video_transformer_is_refused(saved: tuple[dict, Path],
