@@ -11,13 +11,15 @@ from pydantic import BaseModel, ValidationError
 from difftune.config.checks import check_paths, warn_ignored
 from difftune.config.errors import format_validation_error, parse_override
 from difftune.config.model_source import family_problem
+from difftune.config.raw_paths import resolved_against
 from difftune.config.run import RunConfig
 from difftune.config.sections import ModelConfig
 from difftune.errors import ConfigError, ModelFileError
 
 
 def _resolve_paths(node: Any, base: Path) -> None:
-    """Make every Path field of `node` (recursively) absolute, relative to `base`."""
+    """Make every Path field of `node` (recursively) absolute, relative to `base`: a lone
+    Path and each Path of a list (a subset's control_path folders)."""
     if isinstance(node, list):
         for item in node:
             _resolve_paths(item, base)
@@ -26,10 +28,11 @@ def _resolve_paths(node: Any, base: Path) -> None:
         return
     for name in type(node).model_fields:
         value = getattr(node, name)
-        if isinstance(value, Path) and not value.is_absolute():
-            object.__setattr__(node, name, (base / value.expanduser()).resolve())
-        elif isinstance(value, Path):
-            object.__setattr__(node, name, value.expanduser())
+        if isinstance(value, Path):
+            object.__setattr__(node, name, resolved_against(value, base))
+        elif isinstance(value, list) and any(isinstance(v, Path) for v in value):
+            object.__setattr__(node, name, [resolved_against(v, base) if isinstance(v, Path)
+                                            else v for v in value])
         else:
             _resolve_paths(value, base)
 

@@ -34,7 +34,7 @@ OTHER_NAMES: dict[str, str] = {
 }
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def model_in(annotation: Any) -> type[BaseModel] | None:
     """The pydantic model a field's annotation holds (through list[...], X | None, Annotated)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
@@ -42,7 +42,7 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     if origin is None or origin is typing.Literal:
         return None
     for arg in typing.get_args(annotation):
-        found = _model_in(arg)
+        found = model_in(arg)
         if found is not None:
             return found
     return None
@@ -64,17 +64,17 @@ def _section_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] 
         if isinstance(part, int) or str(part).startswith(("function-", "tagged-union")):
             continue
         field = model.model_fields.get(str(part)) if model else None
-        model = _model_in(field.annotation) if field else None
+        model = model_in(field.annotation) if field else None
         if model is None:
             return None
     return model
 
 
-def _names(model: type[BaseModel]) -> dict[str, str]:
+def keys_of(model: type[BaseModel]) -> dict[str, str]:
     """Every key `model` accepts (field names and validation aliases) -> the field's name;
     with the keys of the model its shorthand stands for (a dataset's one-folder subset)."""
     shorthand = getattr(model, "shorthand_of", None)
-    names = _names(shorthand) if shorthand is not None else {}
+    names = keys_of(shorthand) if shorthand is not None else {}
     for name, field in model.model_fields.items():
         names[name] = name
         alias = field.validation_alias
@@ -90,7 +90,7 @@ def _written(model: type[BaseModel], name: str, prefix: str) -> str:
     field = model.model_fields.get(name)
     if field is None:  # a key of the shorthand's model
         return f"{prefix}.{name}" if prefix else name
-    if not prefix and _model_in(field.annotation) is not None:
+    if not prefix and model_in(field.annotation) is not None:
         return f"[[{name}]]" if _is_list(field.annotation) else f"[{name}]"
     return f"{prefix}.{name}" if prefix else name
 
@@ -114,7 +114,7 @@ def did_you_mean(root: type[BaseModel], loc: tuple[Any, ...], prefix: str) -> st
         return f"did you mean {OTHER_NAMES[key.lower()]}?"
     if model is None:
         return None
-    names = _names(model)
+    names = keys_of(model)
     close = _closest(key.lower(), list(names))
     if close:
         words = " or ".join(_written(model, names[c], prefix) for c in close)
@@ -123,5 +123,5 @@ def did_you_mean(root: type[BaseModel], loc: tuple[Any, ...], prefix: str) -> st
         return None
     # The right key in the wrong section (e.g. `rank` under [train]): name its section.
     homes = [f"{section}.{key}" for section, field in root.model_fields.items()
-             if (sub := _model_in(field.annotation)) is not None and key in sub.model_fields]
+             if (sub := model_in(field.annotation)) is not None and key in sub.model_fields]
     return f"did you mean {' or '.join(homes)}? (it belongs to another section)" if homes else None

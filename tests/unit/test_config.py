@@ -38,6 +38,10 @@ def test_valid_config_resolves_relative_paths(tmp_path: Path) -> None:
     assert cfg.datasets[0].subsets[0].path == (tmp_path / "images").resolve()
     assert cfg.save.dir == (tmp_path / "out").resolve()
     assert cfg.adapter.scale_alpha == cfg.adapter.rank
+    edit = GOOD.replace('flavor = "tiny"', 'flavor = "tiny"\nfamily = "flux2"')
+    edit = edit.replace('path = "images"', 'path = "images"\ncontrol_path = ["refs", "/abs"]')
+    subset = load_config(write(tmp_path, edit)).datasets[0].subsets[0]
+    assert subset.control_path == [(tmp_path / "refs").resolve(), Path("/abs")]
 
 
 def test_every_problem_reported_at_once_with_dotted_fields(tmp_path: Path) -> None:
