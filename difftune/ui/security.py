@@ -109,7 +109,8 @@ class Roots:
                 return resolved
         raise PathOutsideRoots(f"{text} is outside the folders this app serves "
                                f"({', '.join(map(str, self.folders))}); pick a path under them "
-                               "or start `difftune ui --root` with its folder")
+                               "(move the file or folder there) or start `difftune ui --root` "
+                               "with its folder")
 
     def relative(self, path: Path) -> str:
         """`path` as shown to users: relative to the root holding it."""

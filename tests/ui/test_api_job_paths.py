@@ -34,22 +34,13 @@ def _run_file(root: Path, extra: str = "") -> str:
     return "t.toml"
 
 
-def _model_from_files(root: Path, out: Path) -> None:
-    """Make t.toml's model a diffusers folder under the root, with a single-file VAE outside."""
-    (root / "model").mkdir()
-    (root / "model" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
-    (out / "ae.safetensors").write_bytes(b"")
-    text = (root / "t.toml").read_text().replace('flavor = "tiny"', 'path = "model"')
-    (root / "t.toml").write_text(text)
-
-
 @pytest.mark.parametrize(("verb", "args", "named"), [
     ("train", ["--set", "cache.dir={out}"], "--set cache.dir={out} (cache.dir)"),
-    ("cache", ["--set=datasets.0.path={out}"], "datasets.0.subsets.0.path"),
+    ("cache", ["--set=datasets.0.path={out}"], "(datasets.0.path)"),
     ("train", ["--set", "sample.prompts={out}/p.txt"], "(sample.prompts)"),
     ("check", ["--set", "validation.path={out}"], "(validation.path)"),
     ("train", ["--set", "model.vae={out}/ae.safetensors"], "(model.vae)"),
-    ("sample", ["--set", "datasets.0.mask_path={out}"], "datasets.0.subsets.0.mask_path"),
+    ("sample", ["--set", "datasets.0.mask_path={out}"], "(datasets.0.mask_path)"),
     ("sample", ["--lora", "{out}/x.safetensors:0.5"], "--lora {out}/x.safetensors:0.5"),
 ])
 def test_job_paths_outside_the_roots_are_403(jobs_api: tuple[TestClient, UiContext],  # noqa: F811
@@ -57,8 +48,6 @@ def test_job_paths_outside_the_roots_are_403(jobs_api: tuple[TestClient, UiConte
     client, ctx = jobs_api
     out = ctx.roots.main.parent / "outside"
     config = _run_file(ctx.roots.main)
-    if "model." in named:  # a base model from files, which exist, so the run file loads
-        _model_from_files(ctx.roots.main, out)
     body = {"verb": verb, "config": config, "args": [a.format(out=out) for a in args]}
     answer = client.post("/api/jobs", json=body)
     assert answer.status_code == 403, answer.text

@@ -2,11 +2,14 @@
 again before it starts.
 
 A job names paths in three places: its options (`--out`, `--lora`, `--prompts`, `--resume`,
-`--init-lora`), its `--set` overrides, and its run file. The run file is read the way the CLI
-reads it (`load_config` with the overrides), and every path field of the validated config is
-checked, found by walking the pydantic models' values (as `load_config` resolves them), so a
-field added to the config later is covered without a list kept here. A run file the CLI
-would refuse is left to the job: the CLI stops at the same error before touching any path.
+`--init-lora`), its `--set` overrides, and its run file. The run file's paths are checked in
+its raw TOML (with the overrides applied) before it is loaded: loading reads model files'
+headers and asks whether the files it names exist, so it must touch nothing outside the roots
+and no refusal may describe such a file. They are found from the config models' field types
+(`config.raw_paths`), so a path field added to the config later is covered without a list kept
+here. The loaded config (`load_config`, as the CLI reads it) is walked next for the paths
+loading adds. A run file the CLI would refuse is left to the job: the CLI stops at the same
+error before touching any path.
 
 What a job writes (`--out`, save.dir, cache.dir) must lie under the roots; what it only reads
 may also be the data shipped with difftune (the tiny preset's demo dataset and prompt file).
@@ -15,12 +18,17 @@ may also be the data shipped with difftune (the tiny preset's demo dataset and p
 from __future__ import annotations
 
 import logging
+import tomllib
+from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel
 
+from difftune.config.errors import parse_override
+from difftune.errors import ConfigError
+from difftune.ui.limits import TooLarge, read_text
 from difftune.ui.security import PathOutsideRoots, Roots
 
 # Options of the CLI verbs that name a file or folder: each goes through the roots.
@@ -110,14 +118,57 @@ def config_paths(node: Any, prefix: str = "") -> Iterator[tuple[str, Path]]:
             yield from config_paths(getattr(node, name), f"{prefix}.{name}" if prefix else name)
 
 
+def raw_run_file(config: Path, overrides: list[str]) -> dict[str, Any] | None:
+    """The run file's raw TOML with the job's `--set` overrides applied (one that cannot be
+    applied is skipped: the CLI refuses it), None when it is not TOML the CLI reads (the CLI
+    stops there, before any path). TooLarge for a file larger than a run file can be."""
+    try:
+        data = tomllib.loads(read_text(config))
+    except TooLarge:
+        raise
+    except (OSError, ConfigError, tomllib.TOMLDecodeError):
+        return None
+    for override in overrides:
+        try:
+            parse_override(data, override)
+        except ConfigError:
+            pass
+    return data
+
+
+def check_named_paths(data: dict[str, Any], base: Path, roots: Roots,
+                      origin: Callable[[str, str], str]) -> None:
+    """Check every path the raw run-file mapping `data` names (its path fields, found from the
+    config models' types; relative ones taken from `base`, links followed) before anything
+    opens one: PathOutsideRoots starting with `origin(field, value)` for one outside the roots
+    (a path only read: and the shipped data) or in the app's own folder."""
+    from difftune.config.raw_paths import raw_paths
+    from difftune.config.run import RunConfig
+
+    readable = reading(roots)
+    for field, value in raw_paths(data, RunConfig):
+        within = roots if field in WRITTEN_FIELDS else readable
+        try:
+            within.resolve(base / Path(value).expanduser(), write=True)  # as load_config
+        except PathOutsideRoots as err:
+            raise PathOutsideRoots(f"{origin(field, value)}: {err}") from None
+
+
 def check_run_file(config: Path, args: list[str], roots: Roots) -> None:
-    """Check every path of the run file `config` with the job's `--set` overrides, as the
-    CLI will load it: PathOutsideRoots naming the field (and the `--set` that gave it) for
-    one outside the roots (a path only read: and the shipped data) or in the app's own
-    folder."""
+    """Check every path of the run file `config` with the job's `--set` overrides:
+    PathOutsideRoots naming the field (and the `--set` that gave it) for one outside the roots
+    (a path only read: and the shipped data) or in the app's own folder. The paths the file
+    names are checked in its raw TOML first, so loading it (which reads model files' headers
+    and asks whether files exist) touches nothing outside the roots; then the loaded config's,
+    for what loading adds (cache.dir's default under save.dir)."""
+    overrides = option_values(args, "--set")
+    data = raw_run_file(config, overrides)
+    if data is None:
+        return
+    origin = partial(_origin, config=config, overrides=overrides)
+    check_named_paths(data, config.parent, roots, origin)
     from difftune.config import load_config
 
-    overrides = option_values(args, "--set")
     quiet = logging.getLogger("difftune")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the job's own log gets the config's warnings
@@ -132,17 +183,14 @@ def check_run_file(config: Path, args: list[str], roots: Roots) -> None:
         try:
             (roots if field in WRITTEN_FIELDS else readable).resolve(path, write=True)
         except PathOutsideRoots as err:
-            raise PathOutsideRoots(f"{_origin(field, path, config, overrides)}: {err}") from None
+            raise PathOutsideRoots(f"{origin(field, str(path))}: {err}") from None
 
 
-def _origin(field: str, path: Path, config: Path, overrides: list[str]) -> str:
-    """Where a config path came from, for the refusal: the `--set` whose value names it, or
-    the run file's field."""
-    for item in overrides:
-        value = item.partition("=")[2].strip().strip("\"'")
-        try:
-            if value and (config.parent / Path(value).expanduser()).resolve() == path.resolve():
-                return f"--set {item} ({field})"
-        except (OSError, RuntimeError):  # (no home folder for ~, a loop of links)
-            continue
-    return f"{field} = {path} in the run file {config}"
+def _origin(field: str, value: str, config: Path, overrides: list[str]) -> str:
+    """Where a config path came from, for the refusal: the last `--set` of the field (or of
+    a section holding it), or the run file's field."""
+    for item in reversed(overrides):
+        key = item.partition("=")[0].strip()
+        if field == key or field.startswith(key + "."):
+            return f"--set {item} ({field})"
+    return f"{field} = {value} in the run file {config}"

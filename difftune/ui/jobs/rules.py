@@ -9,17 +9,13 @@ resumes that run or sets `save.overwrite`. A run that is complete has nothing to
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
-from difftune.config.errors import parse_override
-from difftune.errors import ConfigError
 from difftune.train.rundir import outputs_in
-from difftune.ui.jobs.paths import option_values
+from difftune.ui.jobs.paths import option_values, raw_run_file
 from difftune.ui.jobs.progress import progress
 from difftune.ui.jobs.store import Job
-from difftune.ui.limits import TooLarge, read_text
 from difftune.ui.security import Roots
 
 # The actions a job may offer, in the order the pages show them.
@@ -30,17 +26,7 @@ def save_table(config: Path, args: list[str]) -> dict[str, Any]:
     """The run file's `[save]` table after the job's `--set` overrides ({} when the file
     cannot be read as TOML: the CLI reports that). TooLarge for a file larger than a run
     file can be (it is not read)."""
-    try:
-        data = tomllib.loads(read_text(config))
-    except TooLarge:
-        raise
-    except (OSError, ConfigError, tomllib.TOMLDecodeError):
-        return {}
-    for override in option_values(args, "--set"):
-        try:
-            parse_override(data, override)
-        except ConfigError:
-            pass  # the CLI reports it
+    data = raw_run_file(config, option_values(args, "--set")) or {}
     save = data.get("save")
     return save if isinstance(save, dict) else {}
 
