@@ -4,7 +4,9 @@ so a test can show a file outside the roots was never read, not only that the an
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,3 +43,13 @@ def opened_under(folder: Path) -> Iterator[list[str]]:
         yield entry[1]
     finally:
         _watched.remove(entry)
+
+
+def flux_safetensors(path: Path) -> Path:
+    """A safetensors file whose one tensor name is a FLUX.1 denoiser's: reading its header
+    names the family, which no refusal of a file outside the roots may show."""
+    header = json.dumps({"double_blocks.0.img_attn.qkv.weight":
+                         {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    return path

@@ -16,6 +16,8 @@ from difftune.ui.context import UiContext
 from difftune.ui.jobs.queue import JobQueue
 from difftune.ui.security import Roots
 
+from .opened import flux_safetensors, opened_under
+
 
 @dataclass
 class FakeJob:
@@ -97,6 +99,18 @@ def test_validate_answers_with_the_cli_message(forms_client: TestClient,
     assert bad["message"].startswith(f"{tmp_path / 'root' / 'runs/x/run.toml'}: 1 problem(s)")
     out = forms_client.post("/api/config/validate", json={"toml": text, "path": "/etc/x.toml"})
     assert out.status_code == 403
+
+
+def test_validate_reads_no_file_outside_the_roots(forms_client: TestClient,
+                                                  tmp_path: Path) -> None:
+    model = flux_safetensors(tmp_path / "outside" / "m.safetensors")  # its header names flux
+    text = _tiny(forms_client).replace('family = "flux"\nflavor = "tiny"',
+                                       f'family = "wan"\ntransformer = "{model}"')
+    with opened_under(model.parent) as opened:
+        out = forms_client.post("/api/config/validate", json={"toml": text}).json()
+    assert not out["ok"] and opened == []
+    assert "- model.transformer: " in out["message"] and "move the file" in out["message"]
+    assert "flux" not in out["message"].replace(str(tmp_path), "")
 
 
 def test_save_writes_bytes_and_refuses_to_clobber(forms_client: TestClient,

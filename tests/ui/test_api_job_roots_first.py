@@ -4,15 +4,13 @@ and a missing one is refused as an existing one is (no answer tells whether it e
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 from fastapi.testclient import TestClient
 
 from difftune.ui.context import UiContext
 
-from .opened import opened_under
+from .opened import flux_safetensors, opened_under
 from .test_api_jobs import jobs_api  # noqa: F401 - the fixture
 
 RUN = """[model]
@@ -30,17 +28,10 @@ dir = "runs/t"
 INSIDE = {"model": 'flavor = "tiny"', "data": "data", "prompts": "prompts.txt"}
 
 
-def _safetensors(path: Path) -> None:
-    """A safetensors file holding one FLUX.1 tensor name (what family detection reads)."""
-    header = json.dumps({"double_blocks.0.img_attn.qkv.weight":
-                         {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
-    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
-
-
 def _outside(out: Path) -> None:
     """The files and folder a run file names outside the roots."""
-    _safetensors(out / "model.safetensors")
-    _safetensors(out / "init.safetensors")
+    flux_safetensors(out / "model.safetensors")
+    flux_safetensors(out / "init.safetensors")
     (out / "data").mkdir()
     (out / "data" / "a.txt").write_text("a secret caption")
     (out / "prompts.txt").write_text("a secret prompt\n")

@@ -6,6 +6,7 @@ Validation answers with the message `difftune check` prints; paths go through th
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from difftune.ui.context import UiContext
 from difftune.ui.forms import applies, presets, schema, toml_io
 from difftune.ui.forms.validate import validate
 from difftune.ui.jobs.clone import free_folder
+from difftune.ui.jobs.paths import check_named_paths
 from difftune.ui.limits import MAX_TEXT_BYTES, TooLarge, encode, read_text
 from difftune.ui.security import PathOutsideRoots
 
@@ -148,10 +150,30 @@ class Service:
         return target.parent, str(target)
 
     def validate(self, text: str, path: str | None = None) -> ValidationOut:
-        """Validate `text` as `difftune check` would the file at `path`."""
+        """Validate `text` as `difftune check` would the file at `path`, once every path it
+        names is found under the roots (validation reads model files' headers and asks
+        whether files exist: never of a file outside them)."""
         base, source = self.place(path)
+        outside = self.outside(text, base, source)
+        if outside is not None:
+            return ValidationOut(ok=False, message=outside)
         result = validate(text, base, source)
         return ValidationOut(ok=result.ok, message=result.message, warnings=result.warnings)
+
+    def outside(self, text: str, base: Path, source: str) -> str | None:
+        """The problem line of the first path `text` names outside the roots (or in the app's
+        own folder), worded as validation words a field's problem, or None (also for text
+        that is not TOML: validation says why)."""
+        try:
+            data = toml_io.plain(toml_io.parse(text, source))
+        except ConfigError:
+            return None
+        try:
+            check_named_paths(data, base, self.ctx.roots, lambda field, _: "  - " + re.sub(
+                r"\.(\d+)(?=\.|$)", r"[\1]", field))
+        except PathOutsideRoots as err:
+            return f"{source}: a path outside the folders this app serves:\n{err}"
+        return None
 
     def form(self, text: str) -> FormOut:
         """The form's view of `text` (bad TOML, or text with no UTF-8 form, raises
