@@ -191,15 +191,20 @@ def _speed(files: dict[str, Path], out: CaptionStatus) -> None:
             out.eta_s = max(out.total - out.done, 0) / out.rate
 
 
-def findings(source: Path, resolution: int) -> "Report":
-    """The dataset report of a folder (at `resolution`) or of a run file's datasets."""
+def findings(source: Path, resolution: int, roots: "Roots") -> "Report":
+    """The dataset report of a folder (at `resolution`) or of a run file's datasets.
+    PathOutsideRoots for a path the run file names outside `roots` (checked before it loads:
+    loading reads model files' headers) and for a dataset folder or a file in one (links
+    followed) outside them: the report reads every image and caption."""
     from difftune.dataset_report.checks import Settings
+    from difftune.ui.datasets import check_sources, folder_datasets, load_checked
     from difftune.verbs.dataset_report import config_report, folder_report
 
     if source.is_file():
-        from difftune.config import load_config
-
-        return config_report(load_config(source, []), Settings())
+        cfg = load_checked(source, roots)
+        check_sources(cfg.datasets, roots)
+        return config_report(cfg, Settings())
+    check_sources(folder_datasets(source, resolution), roots)
     return folder_report(source, Settings(), resolution)
 
 

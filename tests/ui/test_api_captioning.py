@@ -15,6 +15,7 @@ from difftune.ui.context import UiContext
 from difftune.ui.security import Roots
 from tests import captioners
 from tests.ui.browser import wait_for
+from tests.ui.opened import opened_under
 
 
 @pytest.fixture
@@ -64,3 +65,20 @@ def test_findings_name_each_image(client: TestClient, root: Path) -> None:
     assert rep["counts"]["near_duplicate"] == 15  # six copies of one image: every pair
     assert client.get("/api/datasets/findings", params={"path": "absent"}).status_code == 404
     assert client.get("/api/datasets/findings", params={"path": "/"}).status_code == 403
+
+
+def test_findings_read_nothing_outside_the_roots(client: TestClient, root: Path,
+                                                 tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    captioners.images_folder(outside, {"secret": (0, 0, 255)})
+    (outside / "secret.txt").write_text("a secret caption")
+    (root / "run.toml").write_text(f'[model]\nflavor = "tiny"\n\n[[datasets]]\npath = '
+                                   f'"{outside}"\n\n[save]\ndir = "out"\n')
+    (root / "data" / "im0.txt").symlink_to(outside / "secret.txt")
+    with opened_under(outside) as opened:
+        for path, named in (("run.toml", f"datasets.0.path = {outside} in the run file"),
+                            ("data", f"{root / 'data' / 'im0.txt'} is outside the folders")):
+            answer = client.get("/api/datasets/findings", params={"path": path})
+            assert answer.status_code == 403 and named in answer.json()["detail"], answer.text
+            assert "a secret caption" not in answer.text
+    assert opened == []

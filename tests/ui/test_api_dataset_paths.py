@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from .opened import flux_safetensors, opened_under
 from .test_datasets_ui import _snapshot, client, folder  # noqa: F401 - the fixtures
 
 
@@ -66,4 +67,16 @@ def test_the_report_of_a_run_file_with_datasets_outside_is_403(
         'resolution = 64\nmin_side = 64\n\n[save]\ndir = "out"\n')
     answer = client.get("/api/datasets/report", params={"path": "run.toml"})
     assert answer.status_code == 403, answer.text
-    assert answer.json()["detail"].startswith("datasets.0.subsets.0.path: ")
+    assert answer.json()["detail"].startswith(f"datasets.0.path = {tmp_path / 'elsewhere'} in")
+
+
+def test_the_report_of_a_run_file_opens_no_model_file_outside(
+        client: TestClient, folder: Path, tmp_path: Path) -> None:  # noqa: F811
+    model = flux_safetensors(tmp_path / "outside" / "m.safetensors")  # its header names flux
+    (folder.parent / "run.toml").write_text(
+        f'[model]\nfamily = "wan"\ntransformer = "{model}"\n\n[[datasets]]\npath = "data"\n'
+        '\n[save]\ndir = "out"\n')
+    with opened_under(model.parent) as opened:
+        answer = client.get("/api/datasets/report", params={"path": "run.toml"})
+    assert answer.status_code == 403 and opened == []
+    assert answer.json()["detail"].startswith(f"model.transformer = {model} in the run file")

@@ -66,7 +66,9 @@ def router(ctx: UiContext) -> APIRouter:
         if not source.exists():
             raise HTTPException(status_code=404, detail=f"{path} does not exist")
         try:
-            return captioning.findings(source, resolution).to_dict()
+            return captioning.findings(source, resolution, ctx.roots).to_dict()
+        except PathOutsideRoots as err:
+            raise HTTPException(status_code=403, detail=str(err)) from None
         except (ValueError, DifftuneError) as err:
             raise HTTPException(status_code=422, detail=str(err)) from None
 

@@ -22,7 +22,7 @@ import tomllib
 from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from pydantic import BaseModel
 
@@ -118,7 +118,7 @@ def config_paths(node: Any, prefix: str = "") -> Iterator[tuple[str, Path]]:
             yield from config_paths(getattr(node, name), f"{prefix}.{name}" if prefix else name)
 
 
-def raw_run_file(config: Path, overrides: list[str]) -> dict[str, Any] | None:
+def raw_run_file(config: Path, overrides: Sequence[str]) -> dict[str, Any] | None:
     """The run file's raw TOML with the job's `--set` overrides applied (one that cannot be
     applied is skipped: the CLI refuses it), None when it is not TOML the CLI reads (the CLI
     stops there, before any path). TooLarge for a file larger than a run file can be."""
@@ -154,19 +154,26 @@ def check_named_paths(data: dict[str, Any], base: Path, roots: Roots,
             raise PathOutsideRoots(f"{origin(field, value)}: {err}") from None
 
 
+def check_named_in(config: Path, roots: Roots, overrides: Sequence[str] = ()) -> None:
+    """Check every path the run file `config` names, with `overrides` (`--set`) applied, in
+    its raw TOML (`check_named_paths`): before anything loads it, which would read model
+    files' headers and ask whether the files it names exist. Nothing for a file that is not
+    TOML: loading it stops there."""
+    data = raw_run_file(config, overrides)
+    if data is not None:
+        origin = partial(_origin, config=config, overrides=overrides)
+        check_named_paths(data, config.parent, roots, origin)
+
+
 def check_run_file(config: Path, args: list[str], roots: Roots) -> None:
     """Check every path of the run file `config` with the job's `--set` overrides:
     PathOutsideRoots naming the field (and the `--set` that gave it) for one outside the roots
     (a path only read: and the shipped data) or in the app's own folder. The paths the file
-    names are checked in its raw TOML first, so loading it (which reads model files' headers
-    and asks whether files exist) touches nothing outside the roots; then the loaded config's,
-    for what loading adds (cache.dir's default under save.dir)."""
+    names are checked in its raw TOML first (`check_named_in`), so loading it touches nothing
+    outside the roots; then the loaded config's, for what loading adds (cache.dir's default
+    under save.dir)."""
     overrides = option_values(args, "--set")
-    data = raw_run_file(config, overrides)
-    if data is None:
-        return
-    origin = partial(_origin, config=config, overrides=overrides)
-    check_named_paths(data, config.parent, roots, origin)
+    check_named_in(config, roots, overrides)
     from difftune.config import load_config
 
     quiet = logging.getLogger("difftune")
@@ -183,10 +190,11 @@ def check_run_file(config: Path, args: list[str], roots: Roots) -> None:
         try:
             (roots if field in WRITTEN_FIELDS else readable).resolve(path, write=True)
         except PathOutsideRoots as err:
-            raise PathOutsideRoots(f"{origin(field, str(path))}: {err}") from None
+            raise PathOutsideRoots(f"{_origin(field, str(path), config, overrides)}: "
+                                   f"{err}") from None
 
 
-def _origin(field: str, value: str, config: Path, overrides: list[str]) -> str:
+def _origin(field: str, value: str, config: Path, overrides: Sequence[str]) -> str:
     """Where a config path came from, for the refusal: the last `--set` of the field (or of
     a section holding it), or the run file's field."""
     for item in reversed(overrides):

@@ -141,7 +141,8 @@ class FindingsPanel:
         if source is None:
             return
         try:
-            report = await run.io_bound(captioning.findings, source, self.resolution())
+            report = await run.io_bound(captioning.findings, source, self.resolution(),
+                                          self.ctx.roots)
         except (DifftuneError, ValueError, OSError) as err:
             with self.box:
                 error_box(str(err))
