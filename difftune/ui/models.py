@@ -145,9 +145,13 @@ def scan(roots: Roots, depth: int = MAX_DEPTH, entries: int = MAX_ENTRIES) -> li
 
 
 def _walk(roots: Roots, folder: Path, depth: int, budget: list[int], out: list[Found]) -> None:
-    """Scan `folder` into `out`, spending `budget[0]` entries."""
-    if _index(folder) is not None:
-        out.append(recognise_folder(folder))
+    """Scan `folder` into `out`, spending `budget[0]` entries. A model folder whose index
+    leads out of the roots (a link) is listed unread."""
+    index = _index(folder)
+    if index is not None:
+        out.append(recognise_folder(folder) if roots.holds(index) else Found(
+            path=str(folder), kind="folder", why=f"{index.name} leads outside the folders "
+            "this app serves (a link); it is not read"))
         return
     try:
         listing = sorted(os.scandir(folder), key=lambda e: e.name)

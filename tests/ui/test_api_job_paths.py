@@ -36,6 +36,7 @@ def _run_file(root: Path, extra: str = "") -> str:
 
 @pytest.mark.parametrize(("verb", "args", "named"), [
     ("train", ["--set", "cache.dir={out}"], "--set cache.dir={out} (cache.dir)"),
+    ("check", ["--set", "save.dir={out}/run"], "--set save.dir={out}/run (save.dir)"),
     ("cache", ["--set=datasets.0.path={out}"], "(datasets.0.path)"),
     ("train", ["--set", "sample.prompts={out}/p.txt"], "(sample.prompts)"),
     ("check", ["--set", "validation.path={out}"], "(validation.path)"),

@@ -131,6 +131,15 @@ def test_a_folder_of_another_pipeline_is_unknown(tmp_path: Path) -> None:
     assert models.recognise_folder(tmp_path / "m").family == models.UNKNOWN
 
 
+def test_a_model_index_linked_outside_the_roots_is_not_read(tmp_path: Path) -> None:
+    (tmp_path / "root" / "m").mkdir(parents=True)
+    (tmp_path / "index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    (tmp_path / "root" / "m" / "model_index.json").symlink_to(tmp_path / "index.json")
+    [found] = models.scan(Roots.of([tmp_path / "root"]))
+    assert (found.family, found.fields) == (models.UNKNOWN, {})
+    assert "leads outside the folders this app serves" in found.why
+
+
 def test_sd15_and_sdxl_original_checkpoints_are_told_apart(tmp_path: Path) -> None:
     """The LDM-layout UNets of both: SD 1.5's first level has attention and no added
     conditioning (label_emb), SDXL's the reverse."""

@@ -86,8 +86,8 @@ class JobQueue:
             raise ValueError(f"config file {path} does not exist; pass the path of a .toml run "
                              "file")
         checked = checked_args(list(args), self.roots)
+        check_run_file(path, checked, self.roots)  # save.dir outside: refused naming it
         run_dir = self.roots.resolve(run_dir_of(path, checked), write=True)
-        check_run_file(path, checked, self.roots)
         with self._lock:
             if verb == "train":
                 _refuse(rules.training_refusal(run_dir, path, checked, self.unfinished()))
