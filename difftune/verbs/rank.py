@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from difftune.config.experts import file_suffix
 from difftune.config.keep_best import SAMPLE_METRICS, Measure
@@ -148,11 +148,16 @@ def _samples(run: Path, step: int) -> list[Path]:
 class Measurer:
     """Measures saved samples of a run that metrics.jsonl lacks (models loaded once a run)."""
 
-    def __init__(self, dino: Path | None, clip: Path | None) -> None:
-        self.dino, self.clip = dino, clip
+    def __init__(self, dino: Path | None, clip: Path | None,
+                 check: Callable[[Path, dict[str, Any]], None] | None = None) -> None:
+        self.dino, self.clip, self.check = dino, clip, check
 
     def measure(self, run: Path, cfg: dict[str, Any], samples: list[Path]) -> dict[str, Any]:
-        """The sample metrics of `samples` against the run's training images."""
+        """The sample metrics of `samples` against the run's training images. `check` (the
+        web app's roots) sees the run's config first: measuring reads the model files, the
+        training images and the metric models it names, and writes its cache."""
+        if self.check is not None:
+            self.check(run, cfg)
         from difftune import families
         from difftune.config import parse_config
         from difftune.config.metrics import MetricsConfig
@@ -186,10 +191,11 @@ def _default_by(cfg: dict[str, Any], entries: list[Entry]) -> str:
 
 
 def rank(runs: list[Path], by: str | None = None, dino: Path | None = None,
-         clip: Path | None = None) -> tuple[str, list[Entry]]:
-    """Every checkpoint of `runs`, measured where needed, best first (unmeasured last);
-    returns the measure used and the entries."""
-    entries, configs, measurer = [], {}, Measurer(dino, clip)
+         clip: Path | None = None, check: Callable[[Path, dict[str, Any]], None] | None = None
+         ) -> tuple[str, list[Entry]]:
+    """Every checkpoint of `runs`, measured where needed (`check`: see `Measurer`), best
+    first (unmeasured last); returns the measure used and the entries."""
+    entries, configs, measurer = [], {}, Measurer(dino, clip, check)
     for run in runs:
         cfg, rows = _config(run), read_rows(run)
         configs[run] = cfg

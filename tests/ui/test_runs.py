@@ -170,3 +170,28 @@ def test_a_two_expert_runs_pair_is_listed_and_finishes_it(tmp_path: Path) -> Non
                       "clips-best_low_noise.safetensors": (2, False),
                       "clips_high_noise.safetensors": (4, True),
                       "clips_low_noise.safetensors": (4, True)}
+
+
+def test_the_rank_page_checks_the_roots_before_measuring_a_run(tmp_path: Path) -> None:
+    """Samples never measured are measured from the run's config.resolved.json (its model
+    files, training images, metric models): a path there outside the roots is refused before
+    anything reads it."""
+    from PIL import Image
+
+    from difftune.ui.pages.rank import ranked
+    from difftune.ui.security import PathOutsideRoots
+
+    from .opened import flux_safetensors, opened_under
+
+    root, model = tmp_path / "root", flux_safetensors(tmp_path / "outside" / "m.safetensors")
+    run = root / "runs" / "r"
+    (run / "samples").mkdir(parents=True)
+    (run / "config.resolved.json").write_text(json.dumps({
+        "model": {"family": "wan", "transformer": str(model)}, "train": {"steps": 4},
+        "datasets": [{"subsets": [{"path": str(root / "data")}]}],
+        "save": {"dir": str(run)}, "metrics": {"dino": str(root / "dino")}}))
+    (run / "lora.safetensors").write_bytes(b"")
+    Image.new("RGB", (8, 8)).save(run / "samples" / "step-000004_0_a.png")
+    with opened_under(model.parent) as opened, pytest.raises(PathOutsideRoots) as refused:
+        ranked(Roots.of([root]), [run], "fidelity")
+    assert opened == [] and str(refused.value).startswith(f"model.transformer = {model} in")

@@ -3,12 +3,15 @@ side: the same ranking as `difftune runs rank` (verbs/rank.py), computed in a wo
 
 `?runs=` names run folders (comma-separated, under the app's roots), `?by=` the measure (any
 save.keep_best expression; default as the CLI's). A problem (a folder outside the roots, an
-unknown metric, samples to measure without a DINOv2 folder) is shown as the CLI says it.
+unknown metric, samples to measure without a DINOv2 folder) is shown as the CLI says it; a
+run whose samples must be measured has the paths its config names checked against the roots
+first (measuring reads them).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from nicegui import run, ui
@@ -17,7 +20,8 @@ from difftune.errors import DifftuneError
 from difftune.ui.context import UiContext
 from difftune.ui.pages.compare import sample_url
 from difftune.ui.pages.layout import error_box, frame
-from difftune.ui.security import PathOutsideRoots
+from difftune.ui.jobs.paths import check_named_paths
+from difftune.ui.security import PathOutsideRoots, Roots
 from difftune.verbs.rank import FIGURES, Entry, copy_line, rank
 
 
@@ -25,6 +29,17 @@ def rank_url(runs: list[str], by: str = "") -> str:
     """The /rank page of these run folders (and measure)."""
     query = f"runs={quote(','.join(runs), safe='/,')}"
     return f"/rank?{query}" + (f"&by={quote(by, safe='')}" if by else "")
+
+
+def ranked(roots: Roots, folders: list[Path], by: str | None) -> tuple[str, list[Entry]]:
+    """`difftune runs rank` of `folders`; a run whose samples must be measured first has the
+    paths its config.resolved.json names checked against `roots` (PathOutsideRoots naming the
+    field): measuring reads its model files, training images and metric models."""
+    def check(folder: Path, cfg: dict[str, Any]) -> None:
+        check_named_paths(cfg, folder, roots, lambda field, value: (
+            f"{field} = {value} in {folder / 'config.resolved.json'}"))
+
+    return rank(folders, by, check=check)
 
 
 def register(ctx: UiContext) -> None:
@@ -50,8 +65,8 @@ def register(ctx: UiContext) -> None:
                 ui.button("Rank", on_click=lambda: ui.navigate.to(
                     rank_url(names, measure.value or ""))).props('data-testid="rank-go"')
             try:
-                used, entries = await run.io_bound(rank, folders, by or None)
-            except DifftuneError as err:
+                used, entries = await run.io_bound(ranked, ctx.roots, folders, by or None)
+            except (DifftuneError, PathOutsideRoots) as err:
                 error_box(str(err))
                 return
             measure.value = used
