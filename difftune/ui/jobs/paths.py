@@ -162,7 +162,7 @@ def check_named_in(config: Path, roots: Roots, overrides: Sequence[str] = ()) ->
     data = raw_run_file(config, overrides)
     if data is not None:
         origin = partial(_origin, config=config, overrides=overrides)
-        check_named_paths(data, config.parent, roots, origin)
+        check_named_paths(data, config.resolve().parent, roots, origin)  # as load_config
 
 
 def check_run_file(config: Path, args: list[str], roots: Roots) -> None:
