@@ -51,6 +51,7 @@ class MetricWorker:
         self.on_result, self.on_skip, self.backlog = on_result, on_skip, backlog
         # When the child started up and when it measured (perf_counter times; benches).
         self.startup: tuple[float, float] | None = None
+        self.threads: int | None = None  # the child's torch threads, as it reported them
         self.busy: list[tuple[float, float]] = []
         self._pending: deque[tuple[int, list[Path]]] = deque()
         self._cond = threading.Condition()
@@ -142,7 +143,7 @@ class MetricWorker:
             if kind == "log":
                 log.handle(msg[1])
             elif kind == "ready":
-                self.startup = msg[1:]
+                self.startup, self.threads = msg[1:3], msg[3]
             elif kind == "off":
                 log.warning("sample metrics are off (training goes on): %s", msg[1])
                 return False

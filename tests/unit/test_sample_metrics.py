@@ -222,8 +222,9 @@ def test_a_failing_metric_model_turns_metrics_off_without_raising(
 def test_the_metrics_process_skips_a_backlog_and_its_death_never_raises(
         tmp_path: Path, scorer_models: tuple, caplog: pytest.LogCaptureFixture) -> None:
     """Events submitted faster than they are measured: at most two wait, the oldest are
-    skipped (logged, `on_skip` told) and the newest is measured, in the child process. Then
-    the child is killed: the next event is logged as lost with the reason, metrics go off,
+    skipped (logged, `on_skip` told) and the newest is measured, in the child process, which
+    runs with `metrics.threads` torch threads (it says how many it has). Then the child is
+    killed: the next event is logged as lost with the reason, metrics go off,
     `close` returns."""
     import os
     import signal
@@ -233,8 +234,10 @@ def test_the_metrics_process_skips_a_backlog_and_its_death_never_raises(
 
     got: list[int] = []
     skipped: list[int] = []
-    worker = MetricWorker(MetricsConfig(enabled=True, dino=scorer_models[0]), DEMO[:2],
-                          tmp_path / "c", lambda step, m: got.append(step), skipped.append)
+    threads = torch.get_num_threads() + 1  # not what the child would inherit from here
+    worker = MetricWorker(MetricsConfig(enabled=True, dino=scorer_models[0], threads=threads),
+                          DEMO[:2], tmp_path / "c", lambda step, m: got.append(step),
+                          skipped.append)
     sample = _sample(tmp_path / "s.png", _noisy(DEMO[0], 1), "x")
     for step in range(1, 6):  # the child is still loading its models: events pile up
         worker.submit(step, [sample])
@@ -246,6 +249,8 @@ def test_the_metrics_process_skips_a_backlog_and_its_death_never_raises(
               r.getMessage()]
     assert [int(m.split()[4].rstrip(":")) for m in logged] == skipped
     assert worker._proc.pid != os.getpid()  # measured in another process
+    assert worker.threads == threads
+    assert any(r.getMessage().endswith(f"; {threads} torch threads") for r in caplog.records)
     os.kill(worker._proc.pid, signal.SIGKILL)
     worker._proc.join()
     worker.submit(6, [sample])
