@@ -89,7 +89,8 @@ class Report:
     def to_dict(self) -> dict:
         """A JSON-ready dict (findings as dicts, counted by check in `counts`)."""
         counts = Counter(f.check for f in self.findings)
-        return {"images": self.images, "videos": self.videos, "root": self.root, "settings": self.settings, "counts": dict(counts),
+        return {"images": self.images, "videos": self.videos, "root": self.root,
+                "settings": self.settings, "counts": dict(counts),
                 "findings": [asdict(f) for f in self.findings], "tags": self.tags,
                 "token_limit": self.token_limit}
 

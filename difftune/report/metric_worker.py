@@ -13,8 +13,9 @@ last, is always measured. Any failure, the child's death included, is logged and
 (or, when the models cannot load or the child died, the metrics) skipped: a measurement never
 stops the run it measures. `on_skip` is told of every event whose figures will never come
 (skipped, failed, nothing sampled, metrics off) as soon as that is known, so keep_best deletes
-that step's candidate then, not at the run's end: it only ever compares measured steps. `close` waits for the events still queued, so the last one
-is written too, and logs how long the end of the run waited when that was long.
+that step's candidate then, not at the run's end: it only ever compares measured steps.
+`close` waits for the events still queued, so the last one is written too, and logs how long
+the end of the run waited when that was long.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ T5TokenizerFast, the class UMT5's tokenizer is), and UniPCMultistepScheduler wit
 settings. Each variant has its own weights (the 14B kinds one head wider); the 2.2 low-noise
 expert comes as the pipeline's `transformer_2`, and the 2.2 A14B pair as both (the high-noise
 expert in `transformer`, each with its own weights) with the released pipeline config's
-`boundary_ratio`, so `WanPipeline(**parts)` saves the released model_index.json. Nothing is downloaded; weights are random
-from a fixed seed inside a forked RNG.
+`boundary_ratio`, so `WanPipeline(**parts)` saves the released model_index.json. Nothing is
+downloaded; weights are random from a fixed seed inside a forked RNG.
 """
 
 from __future__ import annotations
