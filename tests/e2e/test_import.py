@@ -438,6 +438,7 @@ CHECKPOINTS = {"v1-5.safetensors": ("input_blocks.0.0.weight", "input_blocks.1.1
     ('pretrained_model_name_or_path = "v1-5.safetensors"\nresolution = "1024"\nclip_skip = 2',
      "sd15", False),
     ('pretrained_model_name_or_path = "sd_xl.safetensors"\nresolution = "512"', "sdxl", False),
+    ('pretrained_model_name_or_path = "sd-folder"\nresolution = "1024"', "sd15", False),
     # no local file: the kohya_ss GUI's sdxl flag; guesses: a key only sdxl_train_network.py
     # takes, else the resolution
     ('pretrained_model_name_or_path = "gone.safetensors"\nsdxl = false', "sd15", False),
@@ -455,6 +456,9 @@ def test_kohya_networks_lora_tells_sd15_from_sdxl(lines: str, family: str, guess
 
     for name, keys in CHECKPOINTS.items():
         save_file({UNET + k: torch.zeros(1) for k in keys}, str(tmp_path / name))
+    (tmp_path / "sd-folder").mkdir()  # a diffusers folder: its pipeline tells
+    (tmp_path / "sd-folder" / "model_index.json").write_text(
+        '{"_class_name": "StableDiffusionPipeline"}', encoding="utf-8")
     (tmp_path / "c.toml").write_text(f'network_module = "networks.lora"\n{lines}\n',
                                      encoding="utf-8")
     code, report, err = _import(capsys, "kohya", tmp_path / "c.toml", "--out",
