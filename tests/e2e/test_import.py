@@ -480,6 +480,40 @@ def test_kohya_sd2_config_is_refused(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert code == 2 and "v2 = true" in err and "difftune does not train" in err, err
 
 
+@pytest.mark.parametrize("model_type, skips, clip_skip, dropped", [
+    ("STABLE_DIFFUSION_15", {"text_encoder_layer_skip": 1}, 1, ""),
+    ("STABLE_DIFFUSION_XL_10_BASE", {"text_encoder_layer_skip": 2,
+                                     "text_encoder_2_layer_skip": 2}, 2, ""),
+    ("STABLE_DIFFUSION_XL_10_BASE", {"text_encoder_layer_skip": 1,
+                                     "text_encoder_2_layer_skip": 0}, None,
+     "skips as many layers in every CLIP encoder"),
+    ("FLUX_DEV_1", {"text_encoder_layer_skip": 1, "text_encoder_2_layer_skip": 0}, None,
+     "CLIP encoders read at a hidden state only"),
+])
+def test_onetrainer_layer_skip_is_model_clip_skip(
+        model_type: str, skips: dict, clip_skip: int | None, dropped: str, tmp_path: Path,
+        images: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """OneTrainer's text_encoder_layer_skip counts from the hidden state the pipeline reads
+    (SD 1.5's last, SDXL's penultimate: its clip_util's default_layer - layer_skip), as
+    model.clip_skip does: N stays N. One skip for every CLIP encoder, or none: differing
+    skips, and a skip of an encoder not read at a hidden state, are left out with why."""
+    import tomllib
+
+    (tmp_path / "model").mkdir()
+    config = {"model_type": model_type, "training_method": "LORA", "base_model_name": "model",
+              "concepts": [{"path": images.as_posix()}], **skips}
+    (tmp_path / "ot.json").write_text(json.dumps(config), encoding="utf-8")
+    code, report, err = _import(capsys, "onetrainer", tmp_path / "ot.json", "--out",
+                                tmp_path / "r.toml")
+    assert code == 0, err
+    model = tomllib.loads((tmp_path / "r.toml").read_text(encoding="utf-8"))["model"]
+    assert model.get("clip_skip") == clip_skip
+    if clip_skip:
+        assert f"text_encoder_layer_skip = {clip_skip}" in next(
+            x for x in report.splitlines() if x.endswith(f"model.clip_skip = {clip_skip}"))
+    assert dropped in report.split("no equivalent")[-1]
+
+
 def test_a_run_difftune_still_refuses_is_written_with_what_to_fix(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A preset naming no dataset, a rank above difftune's limit and a transformer by its
