@@ -272,9 +272,9 @@ def _dataset_config(args: dict[str, Any], path: Path) -> tuple[dict[str, Any], P
 
 
 def _resolution(args: dict[str, Any], path: Path) -> Any:
-    """The training resolution a config gives: its own, else its dataset config's (general,
-    then the first dataset's); None when none is given or the dataset config is unreadable
-    (that is said when the datasets are read)."""
+    """The training resolution a config gives: its own, else its dataset config's first
+    dataset's (its own, else inherited from [general]); None when none is given or the dataset
+    config is unreadable (that is said when the datasets are read)."""
     if "resolution" in args or "dataset_config" not in args:
         return args.get("resolution")
     try:
@@ -282,7 +282,7 @@ def _resolution(args: dict[str, Any], path: Path) -> Any:
     except ConfigError:
         return None
     datasets = config.get("datasets") if isinstance(config.get("datasets"), list) else []
-    tables = [config.get("general"), *datasets[:1]]
+    tables = [*datasets[:1], config.get("general")]
     return next((d["resolution"] for d in tables if isinstance(d, dict) and "resolution" in d),
                 None)
 
