@@ -10,7 +10,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from difftune.caption.run import caption_path
+from difftune.data.clips import frame_folders
 from difftune.data.discover import list_images
+from difftune.data.video import VIDEO_EXTENSIONS
 from difftune.dataset_report.checks import (Folder, Report, Settings, TokenLimit,
                                             caption_findings, duplicate_findings,
                                             image_findings, pair_findings, tag_counts)
@@ -37,7 +39,8 @@ def build_report(folders: list[Folder], settings: Settings,
                               f"of the grayscale at {SIDE} px long side"})
     captions, measured = [], []
     for folder in folders:
-        images = list_images(folder.path, folder.recursive)
+        images, videos = _sources(folder)
+        report.videos += len(videos)
         found = measure_all(images)
         measured += found
         for m in found:
@@ -55,6 +58,18 @@ def build_report(folders: list[Folder], settings: Settings,
         report.token_limit = {"max_length": limit.max_length, "exact": limit.exact,
                               "source": limit.source}
     return report
+
+
+def _sources(folder: Folder) -> tuple[list[Path], list[Path]]:
+    """A folder's images and, where the family trains clips, its videos: video files and
+    folders of frames (each one clip source, as the run reads it: data/discover.py), whose
+    frames are then no images of their own."""
+    images = list_images(folder.path, folder.recursive)
+    if not folder.clips:
+        return images, []
+    frames = frame_folders(folder.path, folder.recursive, folder.caption_ext)
+    videos = list_images(folder.path, folder.recursive, VIDEO_EXTENSIONS) + frames
+    return [p for p in images if not any(p.is_relative_to(f) for f in frames)], videos
 
 
 def approximate_tokens(text: str) -> int:

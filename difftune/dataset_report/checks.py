@@ -50,13 +50,16 @@ class Settings:
 @dataclass(frozen=True)
 class Folder:
     """One folder reported on: its images, how their captions are named, the buckets they train
-    in (empty: no training resolution known) and its subset (masks and edit pairs), if any."""
+    in (empty: no training resolution known), its subset (masks and edit pairs), if any, and
+    whether the family trains clips (then its videos, files and folders of frames, are
+    counted as videos and their frames are not reported on as images)."""
 
     path: Path
     caption_ext: str = ".txt"
     recursive: bool = True
     buckets: tuple[Bucket, ...] = ()
     subset: "SubsetConfig | None" = None
+    clips: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Report:
     """All findings of a dataset, the thresholds used, tag frequencies and the token limit."""
 
     images: int = 0
+    videos: int = 0  # video files and folders of frames, where the family trains clips
     root: str = ""  # the (first) folder reported on; the table names images relative to it
     settings: dict = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
@@ -85,7 +89,8 @@ class Report:
     def to_dict(self) -> dict:
         """A JSON-ready dict (findings as dicts, counted by check in `counts`)."""
         counts = Counter(f.check for f in self.findings)
-        return {"images": self.images, "root": self.root, "settings": self.settings, "counts": dict(counts),
+        return {"images": self.images, "videos": self.videos, "root": self.root,
+                "settings": self.settings, "counts": dict(counts),
                 "findings": [asdict(f) for f in self.findings], "tags": self.tags,
                 "token_limit": self.token_limit}
 

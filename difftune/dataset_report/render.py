@@ -30,7 +30,9 @@ def summary_line(report: Report) -> str:
     """"dataset: N images; 2 blurred, 1 near-duplicate pairs, ..." (or "no problems found")."""
     counts = Counter(f.check for f in report.findings)
     parts = [f"{counts[c]} {HEADINGS[c]}" for c in HEADINGS if counts[c]]
-    return (f"dataset report: {report.images} image(s); "
+    videos = (f", {report.videos} video(s) (files or folders of frames; their frames are not "
+              "checked as images)") if report.videos else ""
+    return (f"dataset report: {report.images} image(s){videos}; "
             + ("; ".join(parts) if parts else "no problems found"))
 
 

@@ -21,7 +21,7 @@ Target = tuple[str, str | None]
 # flux_train_network's --model_type) tells the script; ai-toolkit names it by model.arch or an
 # older is_* flag; OneTrainer by model_type (modules/util/enum/ModelType.py).
 NOT_TRAINED: dict[str, tuple[str, ...]] = {
-    "kohya": ("networks.lora_lumina", "networks.lora_hunyuan_image"),
+    "kohya": ("networks.lora_lumina", "networks.lora_hunyuan_image", "train_network.py --v2"),
     "ai-toolkit": (
         "sd2", "pixart", "pixart_sigma", "auraflow", "lumina2", "hidream",
         "wan22_5b", "omnigen2", "flex2", "chroma_radiance", "ltx2",
@@ -35,12 +35,24 @@ NOT_TRAINED: dict[str, tuple[str, ...]] = {
         "HI_DREAM_FULL", "IDEOGRAM_4"),
 }
 
-# Names one script serves for several models, read as the one difftune trains: the import
-# report marks the family a guess, with this reason.
+# Names one script serves for several models, read as the one difftune trains where nothing
+# else in the config tells (kohya.py `_script`): the import report marks the family a guess,
+# with this reason.
 GUESSED: dict[str, str] = {
-    name: "networks.lora serves SD 1.x/2.x and SDXL; difftune trains SDXL unless "
-          "model.family is changed to SD 1.5's"
+    name: "networks.lora serves SD 1.x/2.x and SDXL and nothing in the config tells which; "
+          "difftune trains SDXL unless model.family is changed to SD 1.5's"
     for name in ("networks.lora", "networks.dylora", "networks.lora_fa")}
+# The scripts those network modules serve (each named in its family's OTHER_TRAINERS), with
+# the side their models were released at: a kohya config does not record its script (its
+# --output_config writes the arguments alone), so the importer tells them apart from what
+# the config holds.
+SHARED_SCRIPTS: dict[str, int] = {"train_network.py": 512, "sdxl_train_network.py": 1024}
+# What only one of them reads: the kohya_ss GUI's `sdxl` flag (it runs the SDXL script when
+# set), and sdxl_train_util's own arguments, which train_network.py does not take.
+SDXL_FLAG = {True: "sdxl_train_network.py", False: "train_network.py"}
+SCRIPT_KEYS: dict[str, str] = dict.fromkeys(
+    ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk",
+     "disable_mmap_load_safetensors"), "sdxl_train_network.py")
 
 
 def _table(trainer: str) -> dict[str, Target | None]:

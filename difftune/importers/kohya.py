@@ -10,7 +10,7 @@ from typing import Any
 
 from difftune.errors import ConfigError
 from difftune.families import registry
-from difftune.importers import kohya_data
+from difftune.importers import kohya_data, kohya_script
 from difftune.importers.families import GUESSED, KOHYA, KOHYA_KEYS
 from difftune.importers.notes import USED, Drop, NoEquivalent, Rule, To, Translation, src
 from difftune.importers.values import (dtype, family, model_source, optimizer,
@@ -133,6 +133,7 @@ ARGS: dict[str, Rule] = {
     "clip_g": Drop("difftune reads SD3's CLIP-G from model.path (a diffusers folder)"),
     "network_module": USED,
     "model_type": USED,
+    "v2": USED, "sdxl": USED,  # which script a networks.lora config is for (kohya_script.py)
     "network_dim": To("adapter.rank"), "network_alpha": To("adapter.alpha"),
     "network_dropout": To("adapter.dropout"), "network_args": _network_args,
     "network_weights": Drop("start from a LoRA with `difftune train --init-lora FILE`"),
@@ -238,11 +239,16 @@ def translate(data: dict[str, Any], path: Path, t: Translation) -> None:
 
 
 def _family(t: Translation, args: dict[str, Any], path: Path) -> None:
-    """model.family from the network module, flux_train_network's model_type, or a key only
+    """model.family from the network module (one several scripts share: the script the
+    config was written for, kohya_script.py), flux_train_network's model_type, or a key only
     one script takes."""
     module = args.get("network_module")
+    shared = kohya_script.script(args, t.base, _resolution(args, path)) \
+        if module in GUESSED else None
     if module == "networks.lora_flux" and args.get("model_type") in KOHYA:
         family(t, args["model_type"], src("model_type", args["model_type"]), path)
+    elif shared is not None:
+        family(t, shared[0], shared[1], path, shared[2])
     elif module in KOHYA:
         family(t, module, src("network_module", module), path, GUESSED.get(module))
     else:
@@ -253,17 +259,39 @@ def _family(t: Translation, args: dict[str, Any], path: Path) -> None:
         family(t, KOHYA_KEYS[hint], f"{hint} = ...", path, f"only that script takes {hint}")
 
 
+def _dataset_config(args: dict[str, Any], path: Path) -> tuple[dict[str, Any], Path]:
+    """The dataset config `args` names (dataset_config, relative to `path`'s folder) and
+    where it is; ConfigError when it cannot be read."""
+    where = Path(args["dataset_config"]).expanduser()
+    where = where if where.is_absolute() else (path.resolve().parent / where).resolve()
+    try:
+        return tomllib.loads(where.read_text(encoding="utf-8")), where
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"{path}: dataset_config {where} cannot be read as TOML ({err}); "
+                          "fix that file or the path") from None
+
+
+def _resolution(args: dict[str, Any], path: Path) -> Any:
+    """The training resolution a config gives: its own, else its dataset config's first
+    dataset's (its own, else inherited from [general]); None when none is given or the dataset
+    config is unreadable (that is said when the datasets are read)."""
+    if "resolution" in args or "dataset_config" not in args:
+        return args.get("resolution")
+    try:
+        config, _ = _dataset_config(args, path)
+    except ConfigError:
+        return None
+    datasets = config.get("datasets") if isinstance(config.get("datasets"), list) else []
+    tables = [*datasets[:1], config.get("general")]
+    return next((d["resolution"] for d in tables if isinstance(d, dict) and "resolution" in d),
+                None)
+
+
 def _datasets(t: Translation, args: dict[str, Any], path: Path) -> None:
     """The datasets: a dataset config file, or train_data_dir folders with the arguments'
     dataset options."""
     if "dataset_config" in args:
-        where = Path(args["dataset_config"]).expanduser()
-        where = where if where.is_absolute() else (t.base / where).resolve()
-        try:
-            config = tomllib.loads(where.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-            raise ConfigError(f"{path}: dataset_config {where} cannot be read as TOML ({err}); "
-                              "fix that file or the path") from None
+        config, where = _dataset_config(args, path)
         kohya_data.from_config(t, config, args, where)
         return
     for key, reg in (("train_data_dir", False), ("reg_data_dir", True)):

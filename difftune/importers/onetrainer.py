@@ -12,7 +12,8 @@ from typing import Any
 
 from difftune.errors import ConfigError
 from difftune.importers.notes import USED, Drop, NoEquivalent, Rule, To, Translation, src
-from difftune.importers.onetrainer_parts import concepts, parts, samples, schedule_every
+from difftune.importers.onetrainer_parts import (LAYER_SKIPS, OFF, concepts, layer_skips,
+                                                 parts, samples, schedule_every)
 from difftune.importers.values import (dtype, family, model_source, optimizer, optimizer_args,
                                        put_path, scheduler, sides, steps_from_epochs)
 
@@ -173,7 +174,10 @@ def translate(data: dict[str, Any], path: Path, t: Translation) -> None:
         name = str(data.get("model_type", "STABLE_DIFFUSION_15"))
         family(t, name, src("model_type", name), path)
     off = 0
+    layer_skips(t, data)
     for key, value in data.items():
+        if key in LAYER_SKIPS and value not in OFF:
+            continue  # read above
         if key in ARGS:
             t.rule(ARGS[key], key, value)
         elif isinstance(value, dict) and key in PARTS:

@@ -1,5 +1,6 @@
-"""OneTrainer's nested tables: model parts (weight dtypes, trained or not), concepts (each a
-difftune subset), samples (the prompt file) and its "every N <unit>" schedules."""
+"""OneTrainer's nested tables: model parts (weight dtypes, trained or not, layer skips),
+concepts (each a difftune subset), samples (the prompt file) and its "every N <unit>"
+schedules."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from difftune.importers.values import local, put_path, tables
 STORAGE = {"FLOAT_8": "fp8", "BFLOAT_16": "bf16", "FLOAT_16": "fp16", "FLOAT_32": "fp32"}
 QUANTIZED = {"NFLOAT_4": "nf4", "INT_8": "int8", "INT_W8A8": "int8", "FLOAT_W8A8": "fp8"}
 OFF = (None, False, 0, 0.0, "", [], {})
+# TrainConfig's layer skip of each text encoder, by the encoder's position.
+LAYER_SKIPS = {"text_encoder_layer_skip": 0, "text_encoder_2_layer_skip": 1,
+               "text_encoder_3_layer_skip": 2, "text_encoder_4_layer_skip": 3}
 
 
 def _dtype(t: Translation, source: str, value: Any, part: str) -> None:
@@ -58,6 +62,30 @@ def parts(t: Translation, key: str, value: dict[str, Any], part: str) -> None:
             continue
         else:
             t.drop(source, "a per-part setting difftune does not have")
+
+
+def layer_skips(t: Translation, data: dict[str, Any]) -> None:
+    """text_encoder(_N)_layer_skip as model.clip_skip. OneTrainer reads an encoder's
+    hidden_states[default - skip] (modules/model/util/clip_util.py), its default being the
+    state the model's pipeline reads (SD 1.5's last, normed; SDXL's and SD3's penultimate), as
+    model.clip_skip counts from the state the family declares: N stays N (kohya's clip_skip
+    counts the last layer as 1). difftune skips alike in every CLIP encoder read at a hidden
+    state, and nowhere else."""
+    spec = registry.spec(t.get("model.family"), t.get("model.variant"))
+    read = [s.is_clip and s.hidden != "none" for s in spec.text_encoders]
+    given = {k: data[k] for k in LAYER_SKIPS if k in data}
+    clips = {k: int(v or 0) for k, v in given.items()
+             if LAYER_SKIPS[k] < len(read) and read[LAYER_SKIPS[k]]}
+    for key, value in given.items():
+        if key not in clips and value not in OFF:
+            t.drop(src(key, value), "difftune skips layers of CLIP encoders read at a hidden "
+                   "state only (model.clip_skip); this encoder is read as its pipeline reads it")
+    source = ", ".join(src(k, v) for k, v in clips.items())
+    if len(set(clips.values())) > 1:
+        t.drop(source, "difftune's model.clip_skip skips as many layers in every CLIP encoder; "
+               "set it by hand")
+    elif any(clips.values()):
+        t.put("model.clip_skip", next(iter(clips.values())), source)
 
 
 def schedule_every(dst: str, count_key: str) -> Any:

@@ -2,15 +2,15 @@
 
 It runs apart from training (report/metric_worker.py starts it through multiprocessing's
 "forkserver" where there is one, else "spawn": never a fork of the training process, which
-holds CUDA and threads; the fork server is a fresh interpreter that only imports this module and the transformers
-modules it needs (report/metric_preload.py),
-so a second metrics process in one session, as in the tests, starts without importing torch
-again) so that its torch
-ops do not take the training step's intra-op threads: it uses `threads` of them and runs at a
-measures at a lower priority. Everything it says goes back over `results` as tuples:
+holds CUDA and threads; the fork server is a fresh interpreter that only imports this module
+and the transformers modules it needs (report/metric_preload.py), so a second metrics process
+in one session, as in the tests, starts without importing torch again) so that its torch ops
+do not take the training step's intra-op threads: it uses `threads` of them and measures at a
+lower priority. Everything it says goes back over `results` as tuples:
 ("log", record) for its log records (the training process writes them to the run log),
-("ready", began, ended) once the models and the training images' features are loaded
-(when it started and when it was ready), ("off", reason) when
+("ready", began, ended, threads) once the models and the training images' features are
+loaded (when it started and when it was ready, and the torch threads it measures with: what
+`metrics.threads` asked, read back from torch), ("off", reason) when
 they cannot load (it then exits), and ("done", step, figures, began, ended) or
 ("failed", step, reason) for each event, `began`/`ended` being its perf_counter times (one
 monotonic clock for the whole machine on Linux, so the parent can compare them with its own).
@@ -26,6 +26,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from difftune.config.metrics import MetricsConfig
 from difftune.report.sample_metrics import floors_line, measure, read_sample, reference
@@ -76,8 +78,10 @@ def serve(cfg: MetricsConfig, training: list[Path], cache_dir: Path, threads: in
         log.debug("metrics failed:\n%s", traceback.format_exc())
         results.put(("off", f"{type(err).__name__}: {err}"))
         return
-    log.info("metrics: %d training images, %s", len(training), floors_line(ref))
-    results.put(("ready", started, time.perf_counter()))
+    threads = torch.get_num_threads()  # read back, so a run log shows what it really got
+    log.info("metrics: %d training images, %s; %d torch threads", len(training),
+             floors_line(ref), threads)
+    results.put(("ready", started, time.perf_counter(), threads))
     _lower_priority()
     while (job := jobs.get()) is not None:
         step, paths = job

@@ -8,12 +8,14 @@ one event at a time and hands each event's figures to `on_result` in this proces
 (metrics.jsonl, TensorBoard, the best-checkpoint rule).
 
 When events come faster than they are measured, at most `backlog` wait: a newer event pushes
-out the oldest waiting one, which is skipped (logged; `on_skip` is told, so keep_best drops
-that step's candidate: it only ever compares measured steps). The newest event, and so the
-run's last, is always measured. Any failure, the child's death included, is logged and that
-event (or, when the models cannot load or the child died, the metrics) skipped: a measurement
-never stops the run it measures. `close` waits for the events still queued, so the last one
-is written too, and logs how long the end of the run waited when that was long.
+out the oldest waiting one, which is skipped (logged). The newest event, and so the run's
+last, is always measured. Any failure, the child's death included, is logged and that event
+(or, when the models cannot load or the child died, the metrics) skipped: a measurement never
+stops the run it measures. `on_skip` is told of every event whose figures will never come
+(skipped, failed, nothing sampled, metrics off) as soon as that is known, so keep_best deletes
+that step's candidate then, not at the run's end: it only ever compares measured steps.
+`close` waits for the events still queued, so the last one is written too, and logs how long
+the end of the run waited when that was long.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class MetricWorker:
         self.on_result, self.on_skip, self.backlog = on_result, on_skip, backlog
         # When the child started up and when it measured (perf_counter times; benches).
         self.startup: tuple[float, float] | None = None
+        self.threads: int | None = None  # the child's torch threads, as it reported them
         self.busy: list[tuple[float, float]] = []
         self._pending: deque[tuple[int, list[Path]]] = deque()
         self._cond = threading.Condition()
@@ -61,24 +64,36 @@ class MetricWorker:
         self._results: Any = None
 
     def submit(self, step: int, samples: list[Path]) -> None:
-        """Queue an event's samples (returns at once; nothing to measure: nothing queued);
-        the oldest waiting event is skipped when more than `backlog` would wait."""
-        if not samples:
-            return
+        """Queue an event's samples (returns at once; nothing to measure, or metrics off:
+        nothing queued, the event skipped); the oldest waiting event is skipped when more
+        than `backlog` would wait."""
         with self._cond:
-            if self._broken or self._closing:
-                return
-            self._pending.append((step, list(samples)))
-            skipped = [self._pending.popleft()[0]
-                       for _ in range(len(self._pending) - self.backlog)]
-            if self._thread is None:
-                self._start()
-            self._cond.notify()
-        for old in skipped:
+            lost = not samples or self._broken or self._closing
+            if not lost:
+                self._pending.append((step, list(samples)))
+                behind = [self._pending.popleft()[0]
+                          for _ in range(len(self._pending) - self.backlog)]
+                if self._thread is None:
+                    self._start()
+                self._cond.notify()
+        if lost:
+            self._skip(step)
+            return
+        for old in behind:
             log.warning("sample metrics at step %d skipped: measuring is behind (%d newer "
                         "events wait; the newest is always measured)", old, self.backlog)
-            if self.on_skip is not None:
-                self.on_skip(old)
+            self._skip(old)
+
+    def _skip(self, step: int) -> None:
+        """Tell `on_skip` that `step`'s figures will never come (its failure is logged: a
+        measurement never stops the run)."""
+        if self.on_skip is None:
+            return
+        try:
+            self.on_skip(step)
+        except Exception as err:
+            log.warning("sample metrics: dropping step %d failed: %s: %s", step,
+                        type(err).__name__, err)
 
     def close(self) -> None:
         """Measure what is queued, then stop the child process and the feeding thread."""
@@ -122,7 +137,10 @@ class MetricWorker:
             if not self._await(job[0]):
                 with self._cond:
                     self._broken = True
+                    lost = [job[0], *(step for step, _ in self._pending)]
                     self._pending.clear()
+                for step in lost:
+                    self._skip(step)
                 return
 
     def _await(self, step: int) -> bool:
@@ -142,13 +160,14 @@ class MetricWorker:
             if kind == "log":
                 log.handle(msg[1])
             elif kind == "ready":
-                self.startup = msg[1:]
+                self.startup, self.threads = msg[1:3], msg[3]
             elif kind == "off":
                 log.warning("sample metrics are off (training goes on): %s", msg[1])
                 return False
             elif kind == "failed":
                 log.warning("sample metrics at step %d failed and were skipped (training "
                             "goes on): %s", msg[1], msg[2])
+                self._skip(msg[1])
                 return True
             elif kind == "done":
                 self._deliver(*msg[1:])
@@ -165,6 +184,7 @@ class MetricWorker:
         except Exception as err:
             log.warning("sample metrics at step %d failed and were skipped (training goes "
                         "on): %s: %s", step, type(err).__name__, err)
+            self._skip(step)
 
     def _stop_child(self) -> None:
         """Ask the child to exit (it has nothing queued now); end it if it does not."""

@@ -107,8 +107,8 @@ class BestKeeper:
                 self._write()
 
     def skipped(self, step: int) -> None:
-        """`step`'s sample metrics will never come (measuring was behind and skipped it):
-        drop its candidate now; an unmeasured step is never compared."""
+        """`step`'s sample metrics will never come (skipped, failed, nothing sampled,
+        metrics off): drop its candidate now; an unmeasured step is never compared."""
         with self._lock:
             if step not in self.scores:
                 self._drop(self._files(self.candidates / f"step-{step:06d}.safetensors"))

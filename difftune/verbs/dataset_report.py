@@ -20,13 +20,16 @@ log = logging.getLogger("difftune")
 
 def config_folders(cfg: "RunConfig") -> list[Folder]:
     """Every subset folder of a run's datasets, with the buckets of its dataset's first
-    resolution (the family's bucket step where the dataset sets none)."""
+    resolution (the family's bucket step where the dataset sets none) and whether the family
+    trains clips."""
+    from difftune.data.clips import clip_rule
     from difftune.data.discover import dataset_buckets
     from difftune.families.registry import spec
 
-    step = spec(cfg.model.family, cfg.model.variant).bucket_step
+    fam = spec(cfg.model.family, cfg.model.variant)
+    clips = clip_rule(fam) is not None
     return [Folder(sub.path, sub.caption_ext, sub.recursive,
-                   tuple(dataset_buckets(ds, step)), sub)
+                   tuple(dataset_buckets(ds, fam.bucket_step)), sub, clips)
             for ds in cfg.datasets for sub in ds.subsets if sub.path.is_dir()]
 
 
@@ -43,6 +46,7 @@ def folder_report(folder: Path, settings: Settings, resolution: int | None = Non
     """The report on one folder: upscaling against `resolution`'s buckets (the family's bucket
     step, 64 without one), caption lengths against `family`'s token limit (approximate)."""
     from difftune.config import DatasetConfig
+    from difftune.data.clips import clip_rule
     from difftune.data.discover import dataset_buckets
     from difftune.families.registry import spec
 
@@ -55,7 +59,9 @@ def folder_report(folder: Path, settings: Settings, resolution: int | None = Non
                            min_side=min(256, resolution), max_side=max(2048, resolution))
         buckets = tuple(dataset_buckets(ds, step))
     limit = token_limit(family, None) if family else None
-    return build_report([Folder(folder, caption_ext, True, buckets)], settings, limit)
+    clips = family is not None and clip_rule(spec(family)) is not None
+    return build_report([Folder(folder, caption_ext, True, buckets, clips=clips)], settings,
+                        limit)
 
 
 def check_summary(cfg: "RunConfig") -> list[str]:

@@ -66,10 +66,9 @@ PIPELINES = {"anima-lora.toml": (lambda t5_embedding, **parts: sampling_pipeline
              "sdxl-pivotal.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
              "wan21-image-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.1-t2v-14b")),
              "wan21-video-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.1-t2v-14b")),
-             # both A14B experts: transformer/ (high noise) and transformer_2/ (low)
-             "wan22-a14b-video-lora.toml": (
-                 lambda **parts: WanPipeline(**parts, boundary_ratio=0.875),
-                 lambda: build_tiny_wan("2.2-t2v-a14b")),
+             # both A14B experts: transformer/ (high noise) and transformer_2/ (low), and
+             # the released boundary_ratio
+             "wan22-a14b-video-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.2-t2v-a14b")),
              "z-image-lora.toml": (ZImagePipeline, build_tiny_z_image)}
 PIPELINES["ernie-image-lora.toml"] = (diffusers.ErnieImagePipeline, build_tiny_ernie_image)
 # Single-file overrides of the folder (the FLUX.1 example's ComfyUI files) are dropped: the

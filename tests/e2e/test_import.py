@@ -100,7 +100,8 @@ def test_kohya_config_with_dreambooth_folders(tmp_path: Path, images: Path,
 def test_kohya_dataset_config_inherits_as_kohya_does(tmp_path: Path, images: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """[general] < [[datasets]] < [[datasets.subsets]]; a regularization subset takes
-    prior_loss_weight; the network module networks.lora is read as SDXL, said as a guess."""
+    prior_loss_weight; networks.lora is read as SDXL from the dataset config's resolution,
+    said as a guess."""
     (tmp_path / "data.toml").write_text(f"""\
 [general]
 keep_tokens = 1
@@ -140,7 +141,7 @@ prior_loss_weight = 0.5
     assert (cfg.model.family, cfg.model.path, cfg.train.batch_size) == ("sdxl",
                                                                        tmp_path / "model", 2)
     assert cfg.datasets[0].resolution == 880  # the side of 1024 x 768's area
-    assert "difftune trains SDXL" in report.split("guessed")[1]
+    assert 'resolution = [1024, 768]  ->  model.family = "sdxl"' in report.split("guessed")[1]
     # What the file leaves out trains as sd-scripts would: its defaults, said as such.
     assert (cfg.adapter.rank, cfg.adapter.alpha, cfg.train.lr, cfg.train.steps) == \
         (4, 1, 2e-6, 1600)
@@ -423,6 +424,94 @@ def test_kohya_clip_skip_is_sd15s_model_clip_skip(tmp_path: Path,
     assert code == 0, err
     assert "clip_skip = 2: difftune reads" in report
     assert load_config(tmp_path / "x.toml").model.clip_skip == 0
+
+
+# Stand-in single-file checkpoints with the tensor names of SD 1.5's (attention on the first
+# level, no label embedding) and SDXL's (a label embedding) original-layout UNets.
+UNET = "model.diffusion_model."
+CHECKPOINTS = {"v1-5.safetensors": ("input_blocks.0.0.weight", "input_blocks.1.1.proj_in.weight"),
+               "sd_xl.safetensors": ("input_blocks.0.0.weight", "label_emb.0.0.0.weight")}
+
+
+@pytest.mark.parametrize("lines, family, guessed", [
+    # the local model file's tensors decide (over a resolution that says otherwise)
+    ('pretrained_model_name_or_path = "v1-5.safetensors"\nresolution = "1024"\nclip_skip = 2',
+     "sd15", False),
+    ('pretrained_model_name_or_path = "sd_xl.safetensors"\nresolution = "512"', "sdxl", False),
+    ('pretrained_model_name_or_path = "sd-folder"\nresolution = "1024"', "sd15", False),
+    # no local file: the kohya_ss GUI's sdxl flag; guesses: a key only sdxl_train_network.py
+    # takes, else the resolution
+    ('pretrained_model_name_or_path = "gone.safetensors"\nsdxl = false', "sd15", False),
+    ('pretrained_model_name_or_path = "gone.safetensors"\ncache_text_encoder_outputs = true',
+     "sdxl", True),
+    ('pretrained_model_name_or_path = "gone.safetensors"\nresolution = "512,512"', "sd15", True),
+])
+def test_kohya_networks_lora_tells_sd15_from_sdxl(lines: str, family: str, guessed: bool,
+                                                  tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """networks.lora serves train_network.py (SD 1.x/2.x) and sdxl_train_network.py, and a
+    kohya config does not record its script: the family comes from what the config says
+    (SD 1.5's clip_skip rule then applies), a guess only where its resolution alone tells."""
+    import tomllib
+
+    for name, keys in CHECKPOINTS.items():
+        save_file({UNET + k: torch.zeros(1) for k in keys}, str(tmp_path / name))
+    (tmp_path / "sd-folder").mkdir()  # a diffusers folder: its pipeline tells
+    (tmp_path / "sd-folder" / "model_index.json").write_text(
+        '{"_class_name": "StableDiffusionPipeline"}', encoding="utf-8")
+    (tmp_path / "c.toml").write_text(f'network_module = "networks.lora"\n{lines}\n',
+                                     encoding="utf-8")
+    code, report, err = _import(capsys, "kohya", tmp_path / "c.toml", "--out",
+                                tmp_path / "r.toml")
+    assert code == 0, err
+    run = tomllib.loads((tmp_path / "r.toml").read_text(encoding="utf-8"))
+    assert run["model"]["family"] == family
+    line = next(x for x in report.splitlines() if f'model.family = "{family}"' in x)
+    assert (line in report.split("guessed (check these):")[-1]) == guessed, report
+    if "clip_skip" in lines:
+        assert run["model"]["clip_skip"] == 1
+
+
+def test_kohya_sd2_config_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "c.toml").write_text('network_module = "networks.lora"\nv2 = true\n'
+                                     'pretrained_model_name_or_path = "sd2.safetensors"\n',
+                                     encoding="utf-8")
+    code, _, err = _import(capsys, "kohya", tmp_path / "c.toml", "--out", tmp_path / "r.toml")
+    assert code == 2 and "v2 = true" in err and "difftune does not train" in err, err
+
+
+@pytest.mark.parametrize("model_type, skips, clip_skip, dropped", [
+    ("STABLE_DIFFUSION_15", {"text_encoder_layer_skip": 1}, 1, ""),
+    ("STABLE_DIFFUSION_XL_10_BASE", {"text_encoder_layer_skip": 2,
+                                     "text_encoder_2_layer_skip": 2}, 2, ""),
+    ("STABLE_DIFFUSION_XL_10_BASE", {"text_encoder_layer_skip": 1,
+                                     "text_encoder_2_layer_skip": 0}, None,
+     "skips as many layers in every CLIP encoder"),
+    ("FLUX_DEV_1", {"text_encoder_layer_skip": 1, "text_encoder_2_layer_skip": 0}, None,
+     "CLIP encoders read at a hidden state only"),
+])
+def test_onetrainer_layer_skip_is_model_clip_skip(
+        model_type: str, skips: dict, clip_skip: int | None, dropped: str, tmp_path: Path,
+        images: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """OneTrainer's text_encoder_layer_skip counts from the hidden state the pipeline reads
+    (SD 1.5's last, SDXL's penultimate: its clip_util's default_layer - layer_skip), as
+    model.clip_skip does: N stays N. One skip for every CLIP encoder, or none: differing
+    skips, and a skip of an encoder not read at a hidden state, are left out with why."""
+    import tomllib
+
+    (tmp_path / "model").mkdir()
+    config = {"model_type": model_type, "training_method": "LORA", "base_model_name": "model",
+              "concepts": [{"path": images.as_posix()}], **skips}
+    (tmp_path / "ot.json").write_text(json.dumps(config), encoding="utf-8")
+    code, report, err = _import(capsys, "onetrainer", tmp_path / "ot.json", "--out",
+                                tmp_path / "r.toml")
+    assert code == 0, err
+    model = tomllib.loads((tmp_path / "r.toml").read_text(encoding="utf-8"))["model"]
+    assert model.get("clip_skip") == clip_skip
+    if clip_skip:
+        assert f"text_encoder_layer_skip = {clip_skip}" in next(
+            x for x in report.splitlines() if x.endswith(f"model.clip_skip = {clip_skip}"))
+    assert dropped in report.split("no equivalent")[-1]
 
 
 def test_a_run_difftune_still_refuses_is_written_with_what_to_fix(

@@ -66,6 +66,11 @@ def test_check_reports_buckets_rates_and_skipped_clips(
     assert "too short: 3 frames" in skipped["short.mp4"]
     assert "no caption" in skipped["silent.mp4"]
     assert "clip memory: the longest clip (9 frames, 3 latent frames, at 64x64)" in out
+    # the dataset report: the folder of frames is one of the videos, its frames no images
+    # (so neither near-duplicates of each other nor missing their own captions)
+    report = next(line for line in out.splitlines() if "dataset report:" in line)
+    assert "dataset report: 1 image(s), 6 video(s) (" in report
+    assert "near-duplicate" not in report and "captions missing" not in report
 
 
 def test_clips_train_with_a_frame_axis_and_resume_exactly(

@@ -201,18 +201,38 @@ def test_metrics_config_needs_a_dino_folder(tmp_path: Path, scorer_models: tuple
 
 def test_a_failing_metric_model_turns_metrics_off_without_raising(
         tmp_path: Path, scorer_models: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    """Models that cannot load turn the metrics off; every event whose figures will never
+    come (those queued, one submitted after, one with nothing sampled) loses its keep_best
+    candidate at once, not when the run ends."""
+    import time
+
+    from difftune.config.keep_best import Measure
     from difftune.report.metric_worker import MetricWorker
+    from difftune.train.best import BestKeeper
 
     broken = tmp_path / "dino"
     broken.mkdir()
     (broken / "config.json").write_text((scorer_models[0] / "config.json").read_text())
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    keeper = BestKeeper(Measure("fidelity"), tmp_path, "lora", None)
+    left = lambda: sorted(int(p.stem[5:]) for p in keeper.candidates.iterdir())  # noqa: E731
+    for step in (2, 4, 6, 8):
+        keeper.candidate(step, lambda step, path: path.write_bytes(b"lora"))
     got: list[int] = []
     worker = MetricWorker(MetricsConfig(enabled=True, dino=broken), DEMO[:2], tmp_path / "c",
-                          lambda step, m: got.append(step))
+                          lambda step, m: got.append(step), keeper.skipped)
     sample = _sample(tmp_path / "s.png", _noisy(DEMO[0], 1), "x")
-    worker.submit(2, [sample])
-    worker.submit(4, [sample])
+    for step in (2, 4, 6):
+        worker.submit(step, [sample])
+    worker.submit(8, [])  # sampling failed: nothing to measure
+    assert 8 not in left()
+    deadline = time.monotonic() + 120
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left() == []  # before the run's end (close)
+    keeper.candidate(10, lambda step, path: path.write_bytes(b"lora"))
+    worker.submit(10, [sample])  # metrics are off now
+    assert left() == []
     worker.close()
     assert got == []
     assert sum("sample metrics are off (training goes on)" in r.getMessage()
@@ -222,9 +242,11 @@ def test_a_failing_metric_model_turns_metrics_off_without_raising(
 def test_the_metrics_process_skips_a_backlog_and_its_death_never_raises(
         tmp_path: Path, scorer_models: tuple, caplog: pytest.LogCaptureFixture) -> None:
     """Events submitted faster than they are measured: at most two wait, the oldest are
-    skipped (logged, `on_skip` told) and the newest is measured, in the child process. Then
-    the child is killed: the next event is logged as lost with the reason, metrics go off,
-    `close` returns."""
+    skipped (logged, `on_skip` told) and the newest is measured, in the child process, which
+    runs with `metrics.threads` torch threads (it says how many it has). An event the child
+    cannot measure, and one whose figures cannot be handed on, are skipped too (`on_skip`
+    told: keep_best drops their candidates). Then the child is killed: the next event is
+    logged as lost with the reason and `on_skip` told, metrics go off, `close` returns."""
     import os
     import signal
     import time
@@ -233,23 +255,39 @@ def test_the_metrics_process_skips_a_backlog_and_its_death_never_raises(
 
     got: list[int] = []
     skipped: list[int] = []
-    worker = MetricWorker(MetricsConfig(enabled=True, dino=scorer_models[0]), DEMO[:2],
-                          tmp_path / "c", lambda step, m: got.append(step), skipped.append)
+
+    def measured(step: int, figures: dict) -> None:
+        got.append(step)
+        if step == 5:
+            raise OSError("disk full")  # e.g. metrics.jsonl cannot be written
+
+    threads = torch.get_num_threads() + 1  # not what the child would inherit from here
+    worker = MetricWorker(MetricsConfig(enabled=True, dino=scorer_models[0], threads=threads),
+                          DEMO[:2], tmp_path / "c", measured, skipped.append)
     sample = _sample(tmp_path / "s.png", _noisy(DEMO[0], 1), "x")
     for step in range(1, 6):  # the child is still loading its models: events pile up
         worker.submit(step, [sample])
     deadline = time.monotonic() + 120
-    while 5 not in got and time.monotonic() < deadline:
+    while 5 not in skipped and time.monotonic() < deadline:  # measured, not handed on
         time.sleep(0.1)
-    assert 5 in got and len(skipped) >= 2 and sorted(got + skipped) == [1, 2, 3, 4, 5]
+    behind = skipped[:-1]
+    assert got[-1] == skipped[-1] == 5 and len(behind) >= 2
+    assert sorted(got + behind) == [1, 2, 3, 4, 5]
     logged = [r.getMessage() for r in caplog.records if "skipped: measuring is behind" in
               r.getMessage()]
-    assert [int(m.split()[4].rstrip(":")) for m in logged] == skipped
+    assert [int(m.split()[4].rstrip(":")) for m in logged] == behind
     assert worker._proc.pid != os.getpid()  # measured in another process
+    assert worker.threads == threads
+    assert any(r.getMessage().endswith(f"; {threads} torch threads") for r in caplog.records)
+    (tmp_path / "bad.png").write_bytes(b"not a PNG")
+    worker.submit(6, [tmp_path / "bad.png"])  # the child cannot measure it
+    while 6 not in skipped and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert skipped[-1] == 6 and 6 not in got
     os.kill(worker._proc.pid, signal.SIGKILL)
     worker._proc.join()
-    worker.submit(6, [sample])
+    worker.submit(7, [sample])
     worker.close()
-    assert 6 not in got
-    assert any("the metrics process died (exit code -9) while measuring step 6" in
+    assert 7 not in got and skipped[-1] == 7
+    assert any("the metrics process died (exit code -9) while measuring step 7" in
                r.getMessage() for r in caplog.records)

@@ -46,6 +46,18 @@ def _tiny_experts() -> Experts:
     return Experts.of(families.spec("wan", "2.2-t2v-a14b").experts, parts, BOUNDARY, 1000)
 
 
+def test_the_tiny_a14b_folder_has_the_released_boundary(tmp_path: Path) -> None:
+    """The tiny A14B saved by WanPipeline is laid out as the released folder: its
+    model_index.json's boundary_ratio is Wan 2.2 T2V A14B's 0.875 (not null), so a pipeline
+    loaded from it switches experts where the real one does."""
+    from diffusers import WanPipeline
+
+    from difftune.families.wan.tiny import build_tiny_wan
+
+    WanPipeline(**build_tiny_wan("2.2-t2v-a14b")).save_pretrained(str(tmp_path))
+    assert WanPipeline.from_pretrained(str(tmp_path)).config.boundary_ratio == 0.875
+
+
 def test_each_row_runs_the_expert_the_pipeline_would_run() -> None:
     experts = _tiny_experts()
     gen = torch.Generator().manual_seed(0)

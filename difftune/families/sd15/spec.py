@@ -63,8 +63,10 @@ SPEC = FamilySpec(
 # What other trainers call this family (trainer -> their name -> variant, None: difftune
 # picks it), read by `difftune import` (importers/families.py).
 OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
-    # ai-toolkit's model.arch for SD 1.x; OneTrainer's model_type (the inpainting UNet, 9
-    # input channels, stays refused: its pipeline is another).
+    # kohya's SD 1.x script (networks.lora's other one: importers/families.py); ai-toolkit's
+    # model.arch for SD 1.x; OneTrainer's model_type (the inpainting UNet, 9 input channels,
+    # stays refused: its pipeline is another).
+    "kohya": {"train_network.py": None},
     "ai-toolkit": {"sd1": None},
     "onetrainer": {"STABLE_DIFFUSION_15": None},
 }

@@ -61,9 +61,11 @@ SPEC = FamilySpec(
 # What other trainers call this family (trainer -> their name -> variant, None: difftune
 # picks it), read by `difftune import` (importers/families.py).
 OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
-    # train_network.py / sdxl_train_network.py share networks.lora (read as SDXL: a guess the
-    # import report says, see importers/families.py GUESSED).
-    "kohya": {"networks.lora": None, "networks.dylora": None, "networks.lora_fa": None},
+    # train_network.py / sdxl_train_network.py share networks.lora (told apart by what the
+    # config holds; where nothing does, read as SDXL: a guess the import report says, see
+    # importers/families.py GUESSED).
+    "kohya": {"networks.lora": None, "networks.dylora": None, "networks.lora_fa": None,
+              "sdxl_train_network.py": None},
     "ai-toolkit": {"sdxl": None, "is_xl": None},
     "onetrainer": {"STABLE_DIFFUSION_XL_10_BASE": None},
 }

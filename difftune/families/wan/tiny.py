@@ -7,8 +7,9 @@ attention bias, as UMT5-XXL) over the shipped offline T5 tokenizer (a SentencePi
 T5TokenizerFast, the class UMT5's tokenizer is), and UniPCMultistepScheduler with Wan's released
 settings. Each variant has its own weights (the 14B kinds one head wider); the 2.2 low-noise
 expert comes as the pipeline's `transformer_2`, and the 2.2 A14B pair as both (the high-noise
-expert in `transformer`, each with its own weights). Nothing is downloaded; weights are random
-from a fixed seed inside a forked RNG.
+expert in `transformer`, each with its own weights) with the released pipeline config's
+`boundary_ratio`, so `WanPipeline(**parts)` saves the released model_index.json. Nothing is
+downloaded; weights are random from a fixed seed inside a forked RNG.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from difftune.families.common.frame_vae import RELEASED_CONFIG as VAE_CONFIG
 from difftune.families.common.tiny import TEXT_WIDTH, load_tiny_tokenizers
 from difftune.families.wan.files import SCHEDULER_CONFIG, TEXT_ENCODER_CONFIG
+from difftune.families.wan.spec import BOUNDARY
 
 # Each variant's weights are its own (a LoRA of one does not fit another's tiny model alike).
 SEEDS = {"2.1-t2v-1.3b": 2468, "2.1-t2v-14b": 2469, "2.2-t2v-a14b-low": 2470,
@@ -65,7 +67,8 @@ def tiny_umt5_config(vocab_size: int, pad_id: int, eos_id: int) -> Any:
 
 def build_tiny_wan(variant: str | None = None) -> dict[str, Any]:
     """All components of a tiny Wan model of `variant`, keyed as WanPipeline names them (the
-    2.2 low-noise expert as `transformer_2`, `transformer` then None).
+    2.2 low-noise expert as `transformer_2`, `transformer` then None; the A14B pair with its
+    `boundary_ratio`, as the released folder's model_index.json has it).
 
     Deterministic: the same weights on every call, whatever the caller's RNG state."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
@@ -83,7 +86,8 @@ def build_tiny_wan(variant: str | None = None) -> dict[str, Any]:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEEDS[variant] + 1000)
             low = WanTransformer3DModel(**VARIANT_CONFIGS[variant]).eval()
-        pair = {"transformer": transformer, "transformer_2": low}
+        pair = {"transformer": transformer, "transformer_2": low,
+                "boundary_ratio": BOUNDARY["t2v"]}
     else:
         expert = variant == "2.2-t2v-a14b-low"
         pair = {"transformer": None if expert else transformer,

@@ -106,7 +106,7 @@ def _pipeline_with_both(out: Path):  # noqa: ANN202 - a WanPipeline
 
     from difftune.families.wan.tiny import build_tiny_wan
 
-    pipe = WanPipeline(**build_tiny_wan("2.2-t2v-a14b"), boundary_ratio=0.875)
+    pipe = WanPipeline(**build_tiny_wan("2.2-t2v-a14b"))  # boundary_ratio 0.875, as released
     pipe.load_lora_weights(str(out / "lora_high_noise.safetensors"), adapter_name="high")
     pipe.load_lora_weights(str(out / "lora_low_noise.safetensors"), adapter_name="low",
                            load_into_transformer_2=True)
