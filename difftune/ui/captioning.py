@@ -197,7 +197,8 @@ def findings(source: Path, resolution: int, roots: "Roots") -> "Report":
     loading reads model files' headers) and for a dataset folder or a file in one (links
     followed) outside them: the report reads every image and caption."""
     from difftune.dataset_report.checks import Settings
-    from difftune.ui.datasets import check_sources, folder_datasets, load_checked
+    from difftune.ui.datasets import check_sources, folder_datasets
+    from difftune.ui.jobs.paths import load_checked
     from difftune.verbs.dataset_report import config_report, folder_report
 
     if source.is_file():

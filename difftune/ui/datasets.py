@@ -283,21 +283,10 @@ def folder_datasets(folder: Path, resolution: int) -> list[Any]:
                           min_side=min(256, resolution), max_side=max(2048, resolution))]
 
 
-def load_checked(path: Path, roots: Roots | None = None) -> Any:
-    """The run file `path` loaded as the CLI loads it (its ConfigError raised), once every
-    path it names is found under `roots` (PathOutsideRoots otherwise; the shipped data may be
-    read too): loading reads model files' headers and asks whether the files exist."""
-    from difftune.config import load_config
-    from difftune.ui.jobs.paths import check_named_in, reading
-
-    if roots is not None:
-        check_named_in(path, reading(roots))
-    return load_config(path)
-
-
 def config_datasets(path: Path, roots: Roots | None = None) -> tuple[list[Any], Any]:
     """The datasets of a run file and its family's spec (`load_checked`)."""
     from difftune.families.registry import spec
+    from difftune.ui.jobs.paths import load_checked
 
     cfg = load_checked(path, roots)
     return cfg.datasets, spec(cfg.model.family, cfg.model.variant)

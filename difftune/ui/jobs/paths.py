@@ -202,3 +202,14 @@ def _origin(field: str, value: str, config: Path, overrides: Sequence[str]) -> s
         if field == key or field.startswith(key + "."):
             return f"--set {item} ({field})"
     return f"{field} = {value} in the run file {config}"
+
+
+def load_checked(path: Path, roots: Roots | None = None) -> Any:
+    """The run file `path` loaded as the CLI loads it (its ConfigError raised), once every
+    path it names is found under `roots` (PathOutsideRoots otherwise; the shipped data may be
+    read too): loading reads model files' headers and asks whether the files exist."""
+    from difftune.config import load_config
+
+    if roots is not None:
+        check_named_in(path, reading(roots))
+    return load_config(path)
