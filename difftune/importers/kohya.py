@@ -133,7 +133,7 @@ ARGS: dict[str, Rule] = {
     "clip_g": Drop("difftune reads SD3's CLIP-G from model.path (a diffusers folder)"),
     "network_module": USED,
     "model_type": USED,
-    "v2": USED, "sdxl": USED,  # which script a networks.lora config is for (kohya_script.py)
+    "v2": USED, kohya_script.GUI_FLAG: USED,  # which script networks.lora is for (kohya_script)
     "network_dim": To("adapter.rank"), "network_alpha": To("adapter.alpha"),
     "network_dropout": To("adapter.dropout"), "network_args": _network_args,
     "network_weights": Drop("start from a LoRA with `difftune train --init-lora FILE`"),

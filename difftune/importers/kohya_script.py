@@ -23,6 +23,8 @@ from difftune.importers.values import local, pair_side
 # (script, the report's source, why it is a guess or None)
 Script = tuple[str, str, str | None]
 SD2 = "train_network.py --v2"  # a name KOHYA refuses: difftune does not train SD 2.x
+# The kohya_ss GUI's config key saying its networks.lora run is SDXL's (a key, not a family).
+GUI_FLAG = "sdxl"
 
 
 def script(args: dict[str, Any], base: Path, resolution: Any) -> Script | None:
@@ -35,8 +37,8 @@ def script(args: dict[str, Any], base: Path, resolution: Any) -> Script | None:
     if model is not None and (found := _of_model(local(str(model), base))) is not None:
         return found, f"{src('pretrained_model_name_or_path', model)} (the model's own files)", \
             None
-    if isinstance(args.get("sdxl"), bool):
-        return SDXL_FLAG[args["sdxl"]], src("sdxl", args["sdxl"]), None
+    if isinstance(args.get(GUI_FLAG), bool):
+        return SDXL_FLAG[args[GUI_FLAG]], src(GUI_FLAG, args[GUI_FLAG]), None
     key = next((k for k in SCRIPT_KEYS if args.get(k)), None)
     if key is not None:
         return SCRIPT_KEYS[key], src(key, args[key]), f"only {SCRIPT_KEYS[key]} takes {key}"

@@ -13,8 +13,9 @@ from difftune.families import registry
 
 ROOT = Path(difftune.__file__).parent
 ALLOWED = {ROOT / "families" / "registry.py"}
-# (module, name) pairs that are data, not branches: the config's default family.
-DEFAULTS = {("config/sections.py", "flux")}
+# (module, name) pairs that are data, not branches: the config's default family, and the
+# kohya_ss GUI's `sdxl` config key (a key name the kohya importer reads).
+DEFAULTS = {("config/sections.py", "flux"), ("importers/kohya_script.py", "sdxl")}
 
 
 def _strings(path: Path) -> set[str]:
