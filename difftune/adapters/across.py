@@ -109,7 +109,7 @@ def _split(state: dict[str, torch.Tensor], source: LoraSource, present: set[str]
     dropped: dict[str, list[str]] = {}
     for key, value in state.items():
         module = split_lora_key(key)[0]
-        why = next((w for pattern, w in source.lacks if re.fullmatch(pattern, module)), None)
+        why = lacking(source, module)
         if why is None and module not in present:
             why = "this model has no module of that name"
         if why is None:
@@ -117,6 +117,14 @@ def _split(state: dict[str, torch.Tensor], source: LoraSource, present: set[str]
         elif module not in dropped.setdefault(why, []):
             dropped[why].append(module)
     return kept, dropped
+
+
+def lacking(source: LoraSource | None, module: str) -> str | None:
+    """Why this family has no `module` of the source family's (its declaration's `lacks`
+    entry the name matches), or None."""
+    if source is None:
+        return None
+    return next((why for pattern, why in source.lacks if re.fullmatch(pattern, module)), None)
 
 
 def summarize(modules: list[str]) -> str:

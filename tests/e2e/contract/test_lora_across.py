@@ -135,3 +135,31 @@ def test_init_lora_starts_a_chroma_run_from_a_flux_lora(
     for key in read:
         factor = 0.5 if "lora_B" in key else 1.0
         assert torch.equal(got[key], file[key] * factor), key
+
+
+def test_lora_merge_of_a_flux_lora_into_a_chroma_file(
+        trained: Callable[[str], Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`lora merge` into Chroma's denoiser file with `--family chroma`: the modules Chroma
+    lacks are listed as not merged with the declaration's reason, the others merged; with the
+    file read as FLUX.1's (`--family flux`, what the file's names alone tell) a module the base
+    lacks is refused, naming it (formerly it was left out unsaid)."""
+    from difftune.families.chroma.tiny import build_tiny_chroma
+
+    flux = str(trained("flux") / "lora.safetensors")
+    base = tmp_path / "chroma.safetensors"
+    weights = {k: v.contiguous() for k, v in build_tiny_chroma()["transformer"]
+               .state_dict().items()}
+    save_file(weights, str(base))
+    out = tmp_path / "merged.safetensors"
+    assert main(["lora", "merge", str(base), "--lora", flux, "--family", "chroma",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert ("not merged: lora.safetensors: transformer.transformer_blocks.0.norm1.linear "
+            "(FLUX.1's modulation layers: Chroma's are pruned") in text
+    pair = group_modules(load_file(flux), 4.0)["transformer.transformer_blocks.0.attn.to_q"]
+    key = "transformer_blocks.0.attn.to_q.weight"
+    torch.testing.assert_close(load_file(str(out))[key], weights[key] + pair.delta())
+    assert main(["lora", "merge", str(base), "--lora", flux, "--family", "flux", "--out",
+                 str(tmp_path / "m2.safetensors")]) == 2
+    assert "norm.linear has no tensor in the base file" in capsys.readouterr().err
