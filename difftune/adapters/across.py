@@ -6,8 +6,10 @@ A declared file is read by its own family's LoRA reader into diffusers names (th
 into the up factors), renamed as the declaration says, and left without the modules this model
 lacks, each named in a warning with the reason (never dropped silently); what remains goes to
 the usual readers and shape checks (`adapters.fit.check_fit` refuses a module of another
-shape, naming it). Which family a file is for is its `difftune.family` metadata: files of
-other trainers carry none and are left to the key checks, as before.
+shape, naming it). Which family a file is for is its `difftune.family` metadata; a file of
+another trainer, which carries none, is read so where this family's own reader refuses its
+layout and a declared source's reads it (`layout_source`), and is left to the key checks
+otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from difftune.adapters.formats import LORA_B, split_lora_key
 from difftune.adapters.lycoris_files import needs_lycoris
 from difftune.errors import CheckpointError
 from difftune.families import registry
-from difftune.families.base import Components
+from difftune.families.base import Components, Family
 from difftune.families.specs import FamilySpec, LoraSource
 
 log = logging.getLogger("difftune")
@@ -49,6 +51,25 @@ def lora_source(option: str, path: Path, meta: dict[str, str],
     raise CheckpointError(f"{option} {path} is a {trained} LoRA (its {FAMILY_KEY} metadata), "
                           f"but this run's model.family is \"{spec.name}\", which does not "
                           f"read {trained} LoRAs; give a LoRA trained for {spec.name}{also}")
+
+
+def layout_source(family: Family, comps: Components,
+                  tensors: dict[str, torch.Tensor]) -> LoraSource | None:
+    """Of a file that names no family (another trainer's), the declared source whose reader
+    reads it where this family's own reader refuses it (a kohya FLUX.1 file on Chroma: FLUX.1's
+    modulation layers have no Chroma name); None where this family reads it, or none does."""
+    try:
+        family.lora_from_format(comps, tensors)
+        return None
+    except CheckpointError:
+        pass
+    for source in family.spec.lora_sources:
+        try:
+            registry.get(source.family).lora_from_format(comps, tensors)
+        except CheckpointError:
+            continue
+        return source
+    return None
 
 
 def read_across(option: str, path: Path, tensors: dict[str, torch.Tensor],

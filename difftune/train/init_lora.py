@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from difftune.adapters.across import lora_source, module_names, read_across
+from difftune.adapters.across import layout_source, lora_source, module_names, read_across
 from difftune.adapters.fit import check_fit, component_modules
 from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_non_finite,
                                        non_finite, split_lora_key, with_clip_root)
@@ -87,6 +87,7 @@ def _load_one(path: Path, manager: CheckpointManager, part: str | None) -> None:
     raw = _take_embeddings(path, raw, meta, manager)
     if not raw:
         return
+    source = source or layout_source(manager.family, manager.comps, raw)
     if source is not None:  # read in this family's names, the scale folded (alpha = rank)
         present = module_names(component_modules(manager.family, manager.comps))
         raw = read_across("--init-lora", path, raw, meta, source, manager.comps, present)

@@ -27,7 +27,7 @@ import torch
 from difftune import families
 from difftune.adapters.dora_comfyui import refuse_comfyui_file
 from difftune.adapters.fit import check_fit, component_modules
-from difftune.adapters.across import lora_source, module_names, read_across
+from difftune.adapters.across import layout_source, lora_source, module_names, read_across
 from difftune.adapters.formats import (LORA_B, describe_non_finite, load_lora_file, non_finite,
                                        split_lora_key)
 from difftune.cache import MemoryStore
@@ -126,13 +126,15 @@ def _read_across(comps: Components, family: Family,
                  sources: dict[LoraArg, LoraSource | None]
                  ) -> dict[LoraArg, dict[str, torch.Tensor]]:
     """{LoRA: its tensors in this family's diffusers names} of the files of another family
-    that this one reads (`FamilySpec.lora_sources`), the modules this model lacks named in
-    warnings and left out."""
+    that this one reads (`FamilySpec.lora_sources`; by their metadata, or by a layout only
+    such a family's reader reads), the modules this model lacks named in warnings and left
+    out."""
     present = module_names(component_modules(family, comps))
     out = {}
     for lora, source in sources.items():
+        tensors, meta = load_lora_file(lora.path)
+        source = source or layout_source(family, comps, tensors)
         if source is not None:
-            tensors, meta = load_lora_file(lora.path)
             out[lora] = read_across("--lora", lora.path, tensors, meta, source, comps, present)
     return out
 

@@ -116,19 +116,22 @@ def test_a_lora_of_a_family_not_declared_is_refused(
     assert f"{module}.lora_A.weight has shape (4, 128)" in err and "Traceback" not in err
 
 
-def test_init_lora_starts_a_chroma_run_from_a_flux_lora(
+def test_init_lora_starts_a_chroma_run_from_a_kohya_flux_lora(
         trained: Callable[[str], Path], images: Path, tmp_path: Path) -> None:
-    """`--init-lora`: the FLUX.1 file's modules that Chroma has start the Chroma run's LoRA
-    with the same update (its up factors rescaled from the file's alpha = rank to the run's
-    alpha 8 / rank 4); the rest of the run's modules start from zero."""
+    """`--init-lora` with the FLUX.1 LoRA in kohya's layout and no metadata (as other trainers
+    write it; Chroma's own reader has no name for FLUX.1's modulation layers, FLUX.1's reads
+    it): the file's modules that Chroma has start the Chroma run's LoRA with the same update
+    (up factors rescaled from the file's alpha = rank to the run's alpha 8 / rank 4)."""
+    from difftune.families.flux.keys import diffusers_to_kohya
     from difftune.train.init_lora import load_init_lora
 
     from ..test_init_lora import manager
 
-    flux = trained("flux") / "lora.safetensors"
+    file = load_file(str(trained("flux") / "lora.safetensors"))
+    kohya = tmp_path / "flux_kohya.safetensors"
+    save_file(diffusers_to_kohya(file, alpha=4.0, rank=4), str(kohya))  # no metadata
     m = manager(run_toml(tmp_path, images, family="chroma"))
-    load_init_lora(flux, m)
-    file = load_file(str(flux))
+    load_init_lora(kohya, m)
     got = {k: p.detach() for k, p in m.trainable().items()}
     read = [k for k in got if k in file]
     assert len(read) >= 40 and len(read) == sum(1 for k in file if ".norm" not in k)
