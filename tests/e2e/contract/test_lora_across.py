@@ -67,7 +67,7 @@ def test_a_flux_lora_samples_on_chroma_as_merged_by_hand(
         caplog: pytest.LogCaptureFixture) -> None:
     flux = _with_guidance_embedder(trained("flux") / "lora.safetensors", tmp_path / "f.safetensors")
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red circle --w 32 --h 32 --s 2 --d 1\n", encoding="utf-8")
+    prompts.write_text("a red circle --w 16 --h 16 --s 1 --d 1\n", encoding="utf-8")
     base, merged = _chroma_folders(flux, tmp_path)
     cfg, by_hand = (run_toml(tmp_path / f"{d.name}_run", images, family="chroma",
                              prompts=prompts, model=f'path = "{d.as_posix()}"')
