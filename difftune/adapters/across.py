@@ -85,7 +85,7 @@ def read_across(option: str, path: Path, tensors: dict[str, torch.Tensor],
         raise CheckpointError(f"{option} {path}: LoHa, LoKr, DoRA and LyCORIS-named files are "
                               f"not read across families; give a plain LoRA of {source.family}")
     state, alphas = registry.get(source.family).lora_from_format(comps, tensors)
-    state = _folded(state, alphas, meta)
+    state = _folded(state, alphas, _file_alpha(option, path, meta))
     state = {_renamed(k, source.renames): v for k, v in state.items()}
     kept, dropped = _split(state, source, present)
     for why, modules in dropped.items():
@@ -98,16 +98,30 @@ def read_across(option: str, path: Path, tensors: dict[str, torch.Tensor],
     return kept
 
 
+def _file_alpha(option: str, path: Path, meta: dict[str, str]) -> float | None:
+    """The file's `difftune.alpha` (None: not given); refused unless a positive number."""
+    text = meta.get("difftune.alpha")
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise CheckpointError(f"{option} {path}: its difftune.alpha metadata {text!r} is not a "
+                              "positive number; re-export the LoRA")
+    return value
+
+
 def _folded(state: dict[str, torch.Tensor], alphas: dict[str, float],
-            meta: dict[str, str]) -> dict[str, torch.Tensor]:
+            file_alpha: float | None) -> dict[str, torch.Tensor]:
     """Each module's alpha / rank folded into its up factor: the reader's alphas (kohya
-    `.alpha` entries), else the file's `difftune.alpha` (the rank itself in files whose scale
-    is already folded)."""
-    file_alpha = meta.get("difftune.alpha")
+    `.alpha` entries), else the file's alpha (the rank itself in files whose scale is already
+    folded; None: alpha = rank)."""
     out = {}
     for key, value in state.items():
         module, suffix = split_lora_key(key)
-        alpha = alphas.get(module, float(file_alpha) if file_alpha else None)
+        alpha = alphas.get(module, file_alpha)
         scale = alpha / value.shape[1] if suffix == LORA_B and alpha is not None else 1.0
         out[key] = value * scale if scale != 1.0 else value
     return out

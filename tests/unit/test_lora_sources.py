@@ -85,3 +85,31 @@ def test_qwen_image_21_has_no_module_of_qwen_images_shape() -> None:
     shared = {m for m in set(old) & set(new) if len(old[m]) == 2}  # the linear layers
     assert len(shared) > 100 and all(old[m] != new[m] for m in shared)
     assert not registry.spec("qwen_image_21").lora_sources
+
+
+def test_read_across_renames_folds_the_alpha_and_names_what_it_leaves_out(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`read_across` on a declaration with a rename (no released pair needs one yet): the
+    renamed modules, up factors times alpha / rank, and each module left out named once with
+    its reason (declared, or absent from the model); a bad alpha is refused."""
+    from pathlib import Path
+
+    from difftune.adapters.across import read_across
+    from difftune.errors import CheckpointError
+    from difftune.families.specs import LoraSource
+
+    source = LoraSource("flux", "a test declaration", renames=(("transformer.old.", "unet."),),
+                        lacks=((r"transformer\.gone", "the model has none"),))
+    state = {f"{m}.lora_{f}.weight": torch.ones(2, 2) for m in
+             ("transformer.old.q", "transformer.gone", "transformer.extra") for f in "AB"}
+    with caplog.at_level("WARNING", logger="difftune"):
+        out = read_across("--lora", Path("f"), state, {"difftune.alpha": "4"}, source,
+                          None, {"unet.q"})  # type: ignore[arg-type]
+    assert out.keys() == {"unet.q.lora_A.weight", "unet.q.lora_B.weight"}
+    assert torch.equal(out["unet.q.lora_B.weight"], torch.full((2, 2), 2.0))  # 4 / rank 2
+    assert "1 flux module(s) not applied (the model has none): transformer.gone" in caplog.text
+    assert ("1 flux module(s) not applied (this model has no module of that name): "
+            "transformer.extra") in caplog.text
+    with pytest.raises(CheckpointError, match="difftune.alpha metadata 'x' is not a positive"):
+        read_across("--lora", Path("f"), state, {"difftune.alpha": "x"}, source,
+                    None, {"unet.q"})  # type: ignore[arg-type]
