@@ -337,15 +337,3 @@ def load_lora_file(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor
             f"{path} is not a readable safetensors file ({exc}); re-export or re-download it."
         ) from exc
     return tensors, metadata
-
-
-def refuse_other_family(option: str, path: Path, meta: dict[str, str], family: str) -> None:
-    """Refuse a LoRA that difftune trained for another family (its `difftune.family`
-    metadata), naming both, before its keys fail to match the model in a less telling way
-    (peft's missing target modules, an expert no name tells, modules the run does not train).
-    Files of other trainers carry no such entry and are left to the key checks."""
-    trained = meta.get("difftune.family")
-    if trained is not None and trained != family:
-        raise CheckpointError(f"{option} {path} is a {trained} LoRA (its difftune.family "
-                              f"metadata), but this run's model.family is \"{family}\"; give "
-                              f"a LoRA trained for {family}")

@@ -55,16 +55,23 @@ def expert_problems(cfg: "RunConfig") -> list[str]:
     return problems
 
 
-def file_suffix(resolved: dict[str, Any]) -> str:
-    """What ends the stem of a run's first LoRA file, read from its resolved config (a dict:
-    the web app and `runs rank` read run folders): a two-expert model's first trained
-    expert's suffix (`_high_noise`), or "" for one denoiser (or a model unknown here)."""
+def file_suffixes(resolved: dict[str, Any]) -> tuple[str, ...]:
+    """What ends the stems of the files one save of a run writes, read from its resolved
+    config (a dict: the web app and `runs rank` read run folders): a two-expert model's
+    trained experts' suffixes in the spec's order (`_high_noise`, `_low_noise`), or ("",) for
+    one denoiser (or a model unknown here)."""
     from difftune.errors import ConfigError
 
     model = resolved.get("model", {})
     try:
         experts = registry.spec(str(model.get("family")), model.get("variant")).experts
     except (KeyError, ValueError, ConfigError):
-        return ""
+        return ("",)
     trained = resolved.get("train", {}).get("experts") or [e.name for e in experts]
-    return next((e.suffix for e in experts if e.name in trained), "")
+    return tuple(e.suffix for e in experts if e.name in trained) or ("",)
+
+
+def file_suffix(resolved: dict[str, Any]) -> str:
+    """What ends the stem of a run's first LoRA file (`file_suffixes`' first): a two-expert
+    model's first trained expert's suffix (`_high_noise`), or "" for one denoiser."""
+    return file_suffixes(resolved)[0]

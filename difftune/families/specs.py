@@ -33,6 +33,28 @@ class ExpertSpec:
 
 
 @dataclass(frozen=True)
+class LoraSource:
+    """Another family whose LoRAs this family reads (`sample --lora`, `--init-lora`): a fact of
+    the two models' architectures, declared where the reading family lives, e.g. Chroma's
+    blocks are FLUX.1 schnell's, so FLUX.1 LoRAs apply to them, as ComfyUI applies them.
+
+    `family` is the source family's registry name; `why` says what makes its modules this
+    model's (and where that was read). A file is read by the source family's own LoRA reader
+    into diffusers names, then `renames` ((source module-name prefix, this family's), in
+    diffusers names with the component prefix) rename it, and the modules matching `lacks`
+    ((full-match regex over the renamed module names, why this model has none)) are left out
+    with a warning naming them; any other module this model lacks is left out with a warning
+    too, and a module whose shape differs is refused. The family's tests check `lacks` against
+    the source's and this model's real module names (tiny flavors and released configs).
+    """
+
+    family: str
+    why: str
+    renames: tuple[tuple[str, str], ...] = ()
+    lacks: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class TextEncoderSpec:
     """What a family needs from one text encoder, declared rather than sniffed.
 
@@ -247,6 +269,9 @@ family's files would load, with the reason.
     fps: float | None = None
     variants: tuple[tuple[str, "FamilySpec"], ...] = ()
     variant: str | None = None
+    # Other families whose LoRAs this family reads (`LoraSource`); a LoRA difftune trained for
+    # any other family is refused by its `difftune.family` metadata.
+    lora_sources: tuple[LoraSource, ...] = ()
     # A model of several experts its pipeline switches by timestep (empty: one denoiser):
     # the first the default of `train.experts`' order; `boundary` the pipeline's
     # boundary_ratio (the fraction of its num_train_timesteps where it switches).

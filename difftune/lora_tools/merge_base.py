@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from difftune.adapters.across import lacking, lora_source
 from difftune.adapters.formats import load_lora_file
 from difftune.errors import ConfigError
+from difftune.families import registry
 from difftune.lora_tools import kinds
 from difftune.lora_tools.detect import detect
 from difftune.lora_tools.factors import Update, factors
@@ -111,16 +113,21 @@ def _plan(loras: list[tuple[Path, float]], root: str, naming: str, names: Family
     plan: dict[str, list[tuple[int, Update]]] = {}
     for path, weight in loras:
         tensors, metadata = load_lora_file(path)
+        source = lora_source("--lora", path, metadata, registry.spec(report.family))
         _, _, modules, _ = detect(tensors, metadata, path, report.family)
         for module in modules:
-            if module.part != DENOISER:
-                report.skipped.append(f"{path.name}: {module.key} (not the denoiser's)")
+            why = lacking(source, module.key) or (
+                None if module.part == DENOISER else "not the denoiser's")
+            if why is not None:
+                report.skipped.append(f"{path.name}: {module.key} ({why})")
                 continue
             part = factors(module, weight, kinds.file_alpha(metadata), str(path))
-            placed = placements(module, part, root, naming, names, shapes)
+            placed = [p for p in placements(module, part, root, naming, names, shapes)
+                      if p[0] in shapes]
             if not placed:
                 raise ConfigError(f"{path}: {module.key} has no tensor in the base file; it "
-                                  "is for another model, or pass the denoiser's own file")
+                                  "is for another model (another family's: pass --family "
+                                  "NAME), or pass the denoiser's own file")
             for key, start, rows in placed:
                 plan.setdefault(key, []).append((start, rows))
     return plan

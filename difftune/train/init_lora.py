@@ -8,7 +8,8 @@ Any layout difftune writes is read (diffusers/PEFT keys, or kohya/ComfyUI keys t
 family's converter), through safetensors only. Each module's effect is kept exactly: the file's
 up factor is rescaled when its alpha/rank differs from this run's. Modules of the file that
 this run does not train are an error (widen the targets); modules this run trains that the
-file lacks start as usual (B = 0) and are named in a warning.
+file lacks start as usual (B = 0) and are named in a warning. A LoRA difftune trained for
+another family is read where this family declares it reads that family's (`adapters.across`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from difftune.adapters.fit import check_fit
+from difftune.adapters.across import layout_source, lora_source, module_names, read_across
+from difftune.adapters.fit import check_fit, component_modules
 from difftune.adapters.formats import (ADAPTER_METADATA_KEY, LORA_B, describe_non_finite,
-                                       non_finite, refuse_other_family, split_lora_key,
-                                       with_clip_root)
+                                       non_finite, split_lora_key, with_clip_root)
 from difftune.adapters.dora_comfyui import refuse_comfyui_file
 from difftune.adapters.kinds import uses_lycoris_layout
 from difftune.adapters.lycoris_files import adapted_layers, file_kind, load_into
@@ -64,7 +65,7 @@ def load_init_lora(path: Path, manager: CheckpointManager) -> None:
         _load_one(path, manager, None)
         return
     # (before `pair` asks which expert a file of another family would be for)
-    refuse_other_family("--init-lora", path, read_lora(path)[1], manager.family.name)
+    lora_source("--init-lora", path, read_lora(path)[1], manager.family.spec)
     for file, part in pair(manager.family, path):
         _load_one(file, manager, part)
 
@@ -76,7 +77,7 @@ def _load_one(path: Path, manager: CheckpointManager, part: str | None) -> None:
                           "themselves; merge the LoRA into the base model first, or train a LoRA")
     raw, meta = read_lora(path)
     refuse_comfyui_file("--init-lora", path, meta)
-    refuse_other_family("--init-lora", path, meta, manager.family.name)
+    source = lora_source("--init-lora", path, meta, manager.family.spec)
     bad = non_finite(raw)
     if bad:
         raise NonFiniteError(f"--init-lora {path}: {describe_non_finite(bad)}; this file would "
@@ -86,6 +87,11 @@ def _load_one(path: Path, manager: CheckpointManager, part: str | None) -> None:
     raw = _take_embeddings(path, raw, meta, manager)
     if not raw:
         return
+    source = source or layout_source(manager.family, manager.comps, raw)
+    if source is not None:  # read in this family's names, the scale folded (alpha = rank)
+        present = module_names(component_modules(manager.family, manager.comps))
+        raw = read_across("--init-lora", path, raw, meta, source, manager.comps, present)
+        file_alpha = None
     a = manager.cfg.adapter
     _refuse_other_kind(path, raw, meta, a.type, a.dora)
     check_fit(f"--init-lora {path}", raw, manager.family, manager.comps)

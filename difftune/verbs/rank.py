@@ -1,8 +1,9 @@
 """`difftune runs rank RUN_FOLDER...`: the checkpoints of one or more runs, best first.
 
 A checkpoint is a step with a saved LoRA (`checkpoints/step-N`, `<name>-stepN.safetensors`, the
-final `<name>.safetensors`). Its figures are what metrics.jsonl holds for that step (the
-validation loss, the sample metrics); where samples of that step were saved but never measured
+final `<name>.safetensors`); of a two-expert model (Wan 2.2 A14B), the pair of files one save
+writes (`<name>_high_noise` and `<name>_low_noise`), both listed. Its figures are what
+metrics.jsonl holds for that step (the validation loss, the sample metrics); where samples of that step were saved but never measured
 (a run without `[metrics]`), they are measured now from the PNGs, with the run's metric models
 or the ones given (`--dino`, `--clip`). The measure is any keep_best expression (`--by`; default:
 the run's save.keep_best, else fidelity where measured, else val_loss).
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from difftune.config.experts import file_suffix
+from difftune.config.experts import file_suffixes
 from difftune.config.keep_best import SAMPLE_METRICS, Measure
 from difftune.errors import ConfigError
 
@@ -27,11 +28,13 @@ FIGURES = ("val_loss", "fidelity", "clip_score", "diversity", "nearest_similarit
 
 @dataclass
 class Entry:
-    """One checkpoint of one run: its LoRA file, figures, score (None: unmeasured), samples."""
+    """One checkpoint of one run: its LoRA file, figures, score (None: unmeasured), samples.
+    `files` are all its LoRA files (a two-expert model's pair, `file` the first of them)."""
 
     run: str
     step: int
     file: str
+    files: list[str] = field(default_factory=list)
     figures: dict[str, float] = field(default_factory=dict)
     score: float | None = None
     samples: list[str] = field(default_factory=list)
@@ -64,10 +67,13 @@ def _config(run: Path) -> dict[str, Any]:
                           "run's save.dir") from None
 
 
-def checkpoints(run: Path, cfg: dict[str, Any], rows: list[dict[str, Any]]) -> dict[int, Path]:
-    """Every step with a saved LoRA, and that file (a step's own file before a checkpoint's)."""
+def checkpoints(run: Path, cfg: dict[str, Any], rows: list[dict[str, Any]]
+                ) -> dict[int, list[Path]]:
+    """Every step with a saved LoRA, and its files (a step's own before a checkpoint's): of a
+    two-expert model, the pair one save writes (the first expert's file, then the other's,
+    where it exists)."""
     name = cfg.get("save", {}).get("name", "lora")
-    suffix = file_suffix(cfg)  # a two-expert model's pair: its first file stands for it
+    suffix, *others = file_suffixes(cfg)  # a pair is found by its first file
     found: dict[int, Path] = {}
     ckpts = run / "checkpoints"
     for folder in sorted(ckpts.iterdir()) if ckpts.is_dir() else []:
@@ -82,7 +88,14 @@ def checkpoints(run: Path, cfg: dict[str, Any], rows: list[dict[str, Any]]) -> d
     steps = [r["step"] for r in rows if "loss" in r]
     if final.is_file():
         found[max(steps) if steps else int(cfg.get("train", {}).get("steps", 0))] = final
-    return found
+    return {step: [path, *_partners(path, suffix, others)] for step, path in found.items()}
+
+
+def _partners(first: Path, suffix: str, others: list[str]) -> list[Path]:
+    """The files saved with `first` (whose stem ends in `suffix`) of the other experts, those
+    that exist."""
+    stem = first.name.removesuffix(f"{suffix}.safetensors")
+    return [p for s in others if (p := first.with_name(f"{stem}{s}.safetensors")).is_file()]
 
 
 def _figures(rows: list[dict[str, Any]], step: int) -> dict[str, float]:
@@ -199,8 +212,9 @@ def rank(runs: list[Path], by: str | None = None, dino: Path | None = None,
     for run in runs:
         cfg, rows = _config(run), read_rows(run)
         configs[run] = cfg
-        for step, file in sorted(checkpoints(run, cfg, rows).items()):
-            e = Entry(str(run), step, str(file), _figures(rows, step),
+        for step, files in sorted(checkpoints(run, cfg, rows).items()):
+            e = Entry(str(run), step, str(files[0]), [str(f) for f in files],
+                      _figures(rows, step),
                       samples=[str(p) for p in _samples(run, step)],
                       copying=_copying(rows, step), closest=_event_closest(rows, step))
             if e.samples and not SAMPLE_METRICS & set(e.figures):
@@ -235,6 +249,12 @@ def table(by: str, entries: list[Entry]) -> list[str]:
         fig = [f"{e.figures[k]:.4f}" if k in e.figures else "-" for k in FIGURES]
         lines.append([str(i) if e.score is not None else "-", e.run, str(e.step),
                       f"{e.score:.4f}" if e.score is not None else "unmeasured", *fig,
-                      {True: "yes", False: "no", None: "-"}[e.copying], Path(e.file).name])
+                      {True: "yes", False: "no", None: "-"}[e.copying], file_names(e)])
     widths = [max(len(row[c]) for row in lines) for c in range(len(head))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines]
+
+
+def file_names(e: Entry) -> str:
+    """The names of a checkpoint's LoRA files, joined (`a_high_noise.safetensors +
+    a_low_noise.safetensors` for a two-expert model's pair)."""
+    return " + ".join(Path(f).name for f in e.files or [e.file])

@@ -9,6 +9,8 @@ converter asserts on a fused `linear1` of another width and drops the non-block 
 file would sample otherwise than it trained. Files in diffusers names, and layouts only
 diffusers' converters read, go to diffusers as they are. LoHa, LoKr, DoRA and `lycoris_`-named
 files, which diffusers does not read, are applied through the LyCORIS library's own modules.
+A LoRA difftune trained for another family that this one reads (Chroma: FLUX.1's) is read by
+its own family's reader and renamed first (`adapters.across`); other families' are refused.
 Prompt embeddings are encoded with the LoRA'd text encoders into a fresh in-memory cache: a
 disk cache keyed by the base model must never hold outputs of a LoRA'd encoder.
 """
@@ -25,14 +27,17 @@ import torch
 from difftune import families
 from difftune.adapters.dora_comfyui import refuse_comfyui_file
 from difftune.adapters.fit import check_fit, component_modules
+from difftune.adapters.across import layout_source, lora_source, module_names, read_across
 from difftune.adapters.formats import (LORA_B, describe_non_finite, load_lora_file, non_finite,
-                                       refuse_other_family, split_lora_key)
+                                       split_lora_key)
 from difftune.cache import MemoryStore
 from difftune.cache.sources import TextSource
 from difftune.config import RunConfig
 from difftune.errors import CheckpointError, ConfigError, NonFiniteError
 from difftune.adapters.lycoris_files import apply_file, needs_lycoris
+from difftune.families import registry
 from difftune.families.base import Components, Family
+from difftune.families.specs import LoraSource
 from difftune.families.common.text import EncodeOptions, model_clip_roots
 from difftune.files.safe import is_pickle, pickle_refusal
 from difftune.precision import lowbit
@@ -61,9 +66,10 @@ class LoraArg:
                 pass
         return cls(Path(text).expanduser())
 
-    def check(self, family: str) -> None:
+    def check(self, family: str) -> LoraSource | None:
         """Refuse a missing, pickle, non-safetensors or non-finite file, or one difftune
-        trained for another family than `family`, with the fix."""
+        trained for another family than `family` that `family` does not read, with the fix;
+        returns the declared source of a file of another family (None: `family`'s own)."""
         if is_pickle(self.path):
             raise CheckpointError(pickle_refusal(self.path))
         if not self.path.is_file():
@@ -73,19 +79,19 @@ class LoraArg:
             raise CheckpointError(f"--lora {self.path}: not a .safetensors file")
         tensors, meta = load_lora_file(self.path)
         refuse_comfyui_file("--lora", self.path, meta)
-        refuse_other_family("--lora", self.path, meta, family)
+        source = lora_source("--lora", self.path, meta, registry.spec(family))
         bad = non_finite(tensors)
         if bad:  # it would turn every image black
             raise NonFiniteError(f"--lora {self.path}: {describe_non_finite(bad)}; the LoRA is "
                                  "broken (its training diverged). Use one saved before that "
                                  "(an earlier -stepNNNNNN file or checkpoint)")
+        return source
 
 
 def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
                out: Path | None) -> list[Path]:
     """Load the base model, apply the LoRAs, sample every prompt; returns the PNGs written."""
-    for lora in loras:
-        lora.check(cfg.model.family)
+    sources = {lora: lora.check(cfg.model.family) for lora in loras}
     prompts = prompts or cfg.sample.prompts
     if prompts is None:
         raise ConfigError("no prompts: pass --prompts FILE or set sample.prompts in the config")
@@ -94,23 +100,43 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     comps = family.load(cfg.model, policy)
     set_boundary(cfg, comps.denoiser)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
+    across = _read_across(comps, family, sources)
     for lora in loras:
-        check_fit(f"--lora {lora.path}", load_lora_file(lora.path)[0], family, comps)
+        tensors = across[lora] if lora in across else load_lora_file(lora.path)[0]
+        check_fit(f"--lora {lora.path}", tensors, family, comps)
     options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
     texts = TextSource(family, comps, MemoryStore(), options)
     res = max(cfg.datasets[0].resolutions)
     settings = cfg.sample.model_copy(update={"prompts": prompts})
     runner = SampleRunner(family, comps, texts, settings, out or cfg.save.dir / "samples",
                           (res, res), policy)
-    lycoris = [lora for lora in loras if needs_lycoris(load_lora_file(lora.path)[0])]
+    lycoris = [lora for lora in loras
+               if lora not in across and needs_lycoris(load_lora_file(lora.path)[0])]
     networks = [net for lora in lycoris for net in _apply_lycoris(family, comps, lora)]
-    plain = [(lora, _converted(family, comps, lora.path)) for lora in loras
-             if lora not in lycoris]
+    plain = [(lora, across[lora] if lora in across else _converted(family, comps, lora.path))
+             for lora in loras if lora not in lycoris]
     runner.use_pipeline(_pipeline_with(family, family.pipeline(comps), plain))
     log.debug("%d LyCORIS network(s) applied", len(networks))
     specs = runner.prompts()
     label = time.strftime("sample-%Y%m%d-%H%M%S")
     return runner.run(0, specs, label=label) if specs else []
+
+
+def _read_across(comps: Components, family: Family,
+                 sources: dict[LoraArg, LoraSource | None]
+                 ) -> dict[LoraArg, dict[str, torch.Tensor]]:
+    """{LoRA: its tensors in this family's diffusers names} of the files of another family
+    that this one reads (`FamilySpec.lora_sources`; by their metadata, or by a layout only
+    such a family's reader reads), the modules this model lacks named in warnings and left
+    out."""
+    present = module_names(component_modules(family, comps))
+    out = {}
+    for lora, source in sources.items():
+        tensors, meta = load_lora_file(lora.path)
+        source = source or layout_source(family, comps, tensors)
+        if source is not None:
+            out[lora] = read_across("--lora", lora.path, tensors, meta, source, comps, present)
+    return out
 
 
 def _apply_lycoris(family: Family, comps: Components, lora: LoraArg) -> list[object]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import shutil
 import urllib.request
 from pathlib import Path
@@ -36,6 +37,19 @@ def _measured(run: Path, scorers: Scorers, copy_similarity: float = 0.95) -> Non
         reporter.close()
 
 
+def _as_expert_pair(run: Path, out: Path) -> None:
+    """`run` as a Wan 2.2 A14B run would have saved it: each LoRA file as the pair of the
+    high- and low-noise experts' files (the files' contents are not read by the ranking)."""
+    shutil.copytree(run, out)
+    cfg = json.loads((out / "config.resolved.json").read_text(encoding="utf-8"))
+    cfg["model"].update(family="wan", variant="2.2-t2v-a14b")
+    (out / "config.resolved.json").write_text(json.dumps(cfg), encoding="utf-8")
+    for lora in [*out.glob("*.safetensors"), *out.glob("checkpoints/*/lora.safetensors")]:
+        for expert in ("high", "low"):
+            shutil.copy(lora, lora.with_name(f"{lora.stem}_{expert}_noise.safetensors"))
+        lora.unlink()
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, scorer_models: tuple) -> Any:
     root = tmp_path_factory.mktemp("ui-metrics")
@@ -45,6 +59,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, scorer_models: tuple) -> An
     for name in ("run-a", "run-b"):
         shutil.copytree(run, root / "runs" / name)
         _measured(root / "runs" / name, scorers, -1.0 if name == "run-b" else 0.95)
+    _as_expert_pair(root / "runs" / "run-a", root / "runs" / "run-pair")
     ui = UiProcess(root).start()
     yield ui
     ui.stop()
@@ -107,6 +122,12 @@ def test_rank_page_shows_the_clis_ranking_with_samples(served: UiProcess, browse
         assert sum(e.score is not None for e in expected) == 2  # step 4 of each run
         wait_for("a sample shown", lambda: page.get_by_test_id("rank-sample-0-0").count())
         shoot(page, "rank")
+        pair = re.compile(r"(\S+)_high_noise\.safetensors \+ \1_low_noise\.safetensors$")
+        assert not pair.search(page.get_by_test_id("rank-files-0").inner_text())
+        page.goto(f"{served.url}/rank?runs=runs/run-pair&by=fidelity")  # a two-expert run
+        wait_for("the pair's ranking", lambda: page.get_by_test_id("rank-entry-0").count())
+        files = [page.get_by_test_id(f"rank-files-{i}").inner_text() for i in range(2)]
+        assert all(pair.search(f) for f in files), files  # both files of each save
         page.goto(f"{served.url}/rank?runs=runs/run-a&by=fidelty")
         assert "unknown metric 'fidelty'" in page.get_by_test_id("error").inner_text()
     finally:

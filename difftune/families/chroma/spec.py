@@ -5,8 +5,33 @@ Read by config validation before anything heavy is imported, and by `ChromaFamil
 
 from __future__ import annotations
 
-from difftune.families.specs import (T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, ModelFiles,
-                                     ModelSize, TextEncoderSpec)
+from difftune.families.specs import (T5_KEEP_HIGH, VAE_KEEP_HIGH, FamilySpec, LoraSource,
+                                     ModelFiles, ModelSize, TextEncoderSpec)
+
+# FLUX.1 LoRAs (dev, schnell, Kontext: one family) apply to Chroma, as users apply them. Chroma
+# is FLUX.1 schnell's transformer with the per-block modulation layers pruned (a small
+# "distilled guidance" network makes the modulation instead): the double and single blocks'
+# attention and MLP projections, the input and output projections, carry the same diffusers
+# names and shapes (tests/unit/test_lora_sources.py checks them on the tiny flavors and on
+# FLUX.1-dev's and Chroma1-HD's released configs, on the meta device). ComfyUI does the same:
+# its model_base.Chroma subclasses model_base.Flux, so comfy/lora.py maps FLUX.1 LoRA keys
+# onto Chroma through its Flux branch (ComfyUI 4f874c5e).
+FLUX_LORAS = LoraSource(
+    family="flux",
+    why="Chroma is FLUX.1 schnell's transformer less its per-block modulation layers (ComfyUI's "
+        "model_base.Chroma subclasses model_base.Flux and applies FLUX.1 LoRAs alike)",
+    lacks=(
+        (r"transformer\.time_text_embed\..*",
+         "FLUX.1's timestep, guidance and pooled-text embedders: Chroma feeds those inputs to "
+         "its distilled guidance network and has no such layers"),
+        (r"transformer\.(?:transformer_blocks\.\d+\.norm1(?:_context)?|"
+         r"single_transformer_blocks\.\d+\.norm|norm_out)\.linear",
+         "FLUX.1's modulation layers: Chroma's are pruned (its distilled guidance network "
+         "makes the modulation)"),
+        (r"text_encoder\..*", "FLUX.1's CLIP-L: Chroma has no CLIP encoder"),
+        (r"text_encoder_2\..*", "FLUX.1's T5: ChromaPipeline.load_lora_weights reads no T5 LoRA"),
+    ),
+)
 
 SPEC = FamilySpec(
     name="chroma",
@@ -64,6 +89,7 @@ SPEC = FamilySpec(
     # LoRA ("Could not automatically infer state dict type").
     text_encoder_lora_refused=(("t5", "ChromaPipeline.load_lora_weights cannot read a T5 "
                                       "LoRA; train the transformer only"),),
+    lora_sources=(FLUX_LORAS,),
 )
 
 # What other trainers call this family (trainer -> their name -> variant, None: difftune

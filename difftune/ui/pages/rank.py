@@ -22,7 +22,7 @@ from difftune.ui.pages.compare import sample_url
 from difftune.ui.pages.layout import error_box, frame
 from difftune.ui.jobs.paths import check_named_paths
 from difftune.ui.security import PathOutsideRoots, Roots
-from difftune.verbs.rank import FIGURES, Entry, copy_line, rank
+from difftune.verbs.rank import FIGURES, Entry, copy_line, file_names, rank
 
 
 def rank_url(runs: list[str], by: str = "") -> str:
@@ -82,7 +82,8 @@ def _show(ctx: UiContext, by: str, entries: list[Entry]) -> None:
             ui.label(f"{place} · {ctx.roots.relative(Path(e.run))} · step {e.step} · {score}") \
                 .classes("font-bold").props(f'data-testid="rank-title-{i}"')
             figures = " · ".join(f"{k} {e.figures[k]:.4f}" for k in FIGURES if k in e.figures)
-            ui.label(f"{figures} · {Path(e.file).name}").classes("text-xs text-gray-600")
+            ui.label(f"{figures} · {file_names(e)}").classes("text-xs text-gray-600") \
+                .props(f'data-testid="rank-files-{i}"')
             copying = copy_line(e)
             if copying:  # memorization, as `difftune runs rank` shows it
                 ui.label(("⚠ " if e.copying else "") + copying) \

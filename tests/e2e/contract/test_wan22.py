@@ -199,10 +199,12 @@ def test_init_lora_reads_a_pair_each_file_into_its_expert(runs: dict, images: Pa
             torch.testing.assert_close(again[key], start[key], rtol=1e-5, atol=1e-7)
 
 
-def test_runs_rank_and_the_web_app_find_the_pairs(runs: dict) -> None:
-    """`difftune runs rank` lists each saved step by its pair's high-noise file, and the web
-    app's summary finds the final pair."""
+def test_runs_rank_and_the_web_app_find_the_pairs(runs: dict, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`difftune runs rank` lists each saved step by its pair, both files (the high-noise file
+    first), in its table and its JSON, and the web app's summary finds the final pair."""
     import json
+    import shutil
 
     from difftune.ui.runs import summary
     from difftune.verbs.rank import checkpoints
@@ -210,7 +212,17 @@ def test_runs_rank_and_the_web_app_find_the_pairs(runs: dict) -> None:
     out = runs["a"]
     cfg = json.loads((out / "config.resolved.json").read_text(encoding="utf-8"))
     found = checkpoints(out, cfg, metrics_rows(out))
-    assert {s: p.name for s, p in found.items()} == {
-        2: "lora-step000002_high_noise.safetensors", 4: "lora-step000004_high_noise.safetensors",
-        6: "lora_high_noise.safetensors"}
+    assert {s: [p.name for p in ps] for s, ps in found.items()} == {
+        s: [f"{stem}_high_noise.safetensors", f"{stem}_low_noise.safetensors"]
+        for s, stem in ((2, "lora-step000002"), (4, "lora-step000004"), (6, "lora"))}
     assert summary(out).lora == str(out / "lora_high_noise.safetensors")
+    bare = tmp_path / "run"  # without its samples, which rank would measure
+    shutil.copytree(out, bare, ignore=shutil.ignore_patterns("samples"))
+    assert main(["runs", "rank", str(bare), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    final = [str(bare / f"lora_{e}_noise.safetensors") for e in ("high", "low")]
+    assert [e["files"] for e in listed if e["step"] == 6] == [final]
+    assert [e["file"] for e in listed if e["step"] == 6] == final[:1]
+    assert main(["runs", "rank", str(bare)]) == 0
+    assert ("lora-step000004_high_noise.safetensors + lora-step000004_low_noise.safetensors"
+            in capsys.readouterr().out)
