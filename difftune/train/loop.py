@@ -147,14 +147,15 @@ def _validate(run: Run, hooks: Hooks, state: TrainState, step: int,
               extra: dict[str, Any]) -> bool:
     """When due: the validation loss of the weights the run saves (in eval mode) into
     `extra` (this step's metrics row), `<name>-best` written when it improved (keep_best);
-    returns whether early stopping ends the run after this step."""
+    returns whether early stopping ends the run after this step. Every process decides from
+    rank 0's loss, so all save (collective when sharded) and stop at the same steps."""
     v = hooks.validator
     if v is None or not v.due(step):
         return False
     set_training(run, False)
     try:
         with state.eval_weights(), using(state.ema, "saves"):
-            ev = v.evaluate()
+            ev = run.dist.broadcast(v.evaluate())  # rank 0's: every process decides alike
             if v.judge(state.validation, step, ev.loss) and run.cfg.validation.keep_best:
                 hooks.checkpoints.save_lora(step, path=v.best_path(run.out))
             if hooks.best is not None and hooks.best.reads_val:

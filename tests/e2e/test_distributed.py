@@ -47,13 +47,35 @@ TWO = ["--set", "train.batch_size=1", "--set", "save.every_n_steps=2"]
 
 
 def launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """`accelerate launch --multi_gpu --num_processes 2 ARGS` (gloo on a CPU-only machine)."""
+    """`accelerate launch --multi_gpu --num_processes 2 ARGS` (gloo on a CPU-only machine).
+    A run still going after `timeout` seconds (a hang: processes waiting in collectives the
+    others never enter) fails the test, its processes killed, none left behind."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", "0", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"the run hung: still going after {timeout:g} s\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and every process under it (each rank of a launch runs in a
+    session of its own, so no process group holds them all)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    for proc in [*root.children(recursive=True), root]:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def losses(out: Path) -> list[float]:
