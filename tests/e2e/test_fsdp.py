@@ -43,7 +43,7 @@ from difftune.train.checkpoint import CheckpointManager, manager
 from difftune.train.checkpoint.files import read
 from difftune.train.dist import Dist
 from tests.e2e.conftest import metrics_rows, run_toml
-from tests.e2e.test_distributed import ROOT, five_images, launch, losses
+from tests.e2e.test_distributed import ROOT, five_images, held_out, launch, losses
 
 LR, NORM = 1.0, 0.01
 FULL = 'type = "full"\ntrain_blocks = ["transformer_blocks.*", "proj_out"]\n'
@@ -76,13 +76,8 @@ def sharded(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
     whose validation loss (on a folder of its own, so training reads the same data as the
     one-process runs) picks the best step (save.keep_best) at 2 and 4."""
     folder = tmp_path_factory.mktemp("fsdp")
-    held = folder / "held"
-    held.mkdir()
-    for name in ("red_circle.png", "red_circle.txt"):
-        shutil.copy(images / name, held / name)
     cfg = config(folder, images)
-    cfg.write_text(cfg.read_text() + f'\n[validation]\npath = "{held.as_posix()}"\n'
-                   "every_n_steps = 2\n")
+    cfg.write_text(cfg.read_text() + held_out(folder, images) + "every_n_steps = 2\n")
     done = launch(["-m", "difftune", "train", str(cfg), "--no-progress", *SETS,
                    "--set", "train.batch_size=1", "--set", "save.keep_best=val_loss"])
     assert done.returncode == 0, done.stderr[-3000:]
