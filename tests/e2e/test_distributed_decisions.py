@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -59,9 +60,10 @@ def metrics_child(launcher: int) -> int | None:
 def test_the_metrics_process_dying_on_rank_0_stops_no_process(
         tmp_path: Path, images: Path, scorer_models: tuple) -> None:
     """Sample metrics choose the best step (save.keep_best = fidelity) in a data-parallel run;
-    rank 0's metrics process is killed once it measured step 0 and the prompt file changed
-    (rank 0 alone reads it and encodes the new text): every process trains to the end, the
-    next event is logged as lost, and the best is chosen among the measured steps."""
+    the prompt file changes after step 0's event (rank 0 alone reads it and encodes the new
+    text) and rank 0's metrics process is killed once it measured step 0: every process trains
+    to the end, the next event is logged as lost, and the best is chosen among the measured
+    steps."""
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red circle --w 32 --h 32 --s 2\n")
     cfg = run_toml(tmp_path, images, steps=8, prompts=prompts,
@@ -71,14 +73,19 @@ def test_the_metrics_process_dying_on_rank_0_stops_no_process(
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics, deadline = tmp_path / "out" / "metrics.jsonl", time.monotonic() + 180
-    try:
-        while not (metrics.exists() and '"event": "samples"' in metrics.read_text()):
+
+    def wait(done: Callable[[], bool]) -> None:
+        while not done():
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
-        child = metrics_child(proc.pid)
+
+    try:  # step 0's image written: the next events (2 steps on) read the new text
+        wait(lambda: bool(list((tmp_path / "out" / "samples").glob("step-000000_*.png"))))
+        prompts.write_text("a pink ring --w 32 --h 32 --s 2\n")  # re-read by rank 0 alone
+        wait(lambda: metrics.exists() and '"event": "samples"' in metrics.read_text())
+        child = metrics_child(proc.pid)  # step 0 measured; 2 to 8 wait for it
         assert child is not None
         os.kill(child, signal.SIGKILL)
-        prompts.write_text("a pink ring --w 32 --h 32 --s 2\n")  # re-read by rank 0 alone
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
