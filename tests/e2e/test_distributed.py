@@ -246,29 +246,40 @@ def test_check_refuses_a_multi_process_launch(tmp_path: Path, images: Path,
 @pytest.mark.full_only
 def test_a_stop_signal_to_one_process_stops_all_after_the_same_step(tmp_path: Path,
                                                                    images: Path) -> None:
-    psutil = pytest.importorskip("psutil")
     cfg = run_toml(tmp_path, images, steps=200)
+    stop_one_process(cfg, tmp_path / "out", ["--set", "train.batch_size=1"])
+
+
+def stop_one_process(cfg: Path, out: Path, sets: list[str]) -> None:
+    """Train `cfg` (at least 100 steps) with `--num-processes 2` and `sets`, SIGTERM rank 1
+    after 3 steps, and check that both stopped after the same step with one checkpoint."""
+    import psutil
+
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "difftune", "train", str(cfg), "--no-progress",
-                             "--num-processes", "2", "--set", "train.batch_size=1"],
+                             "--num-processes", "2", *sets],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    metrics = tmp_path / "out" / "metrics.jsonl"
+    metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 180
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.1)
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    rank1 = [w for w in workers if w.environ().get("RANK") == "1"]
-    assert len(rank1) == 1
-    rank1[0].send_signal(signal.SIGTERM)  # a scheduler preempting one process
-    out, err = proc.communicate(timeout=180)
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        rank1 = [w for w in workers if w.environ().get("RANK") == "1"]
+        assert len(rank1) == 1
+        rank1[0].send_signal(signal.SIGTERM)  # a scheduler preempting one process
+        stdout, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
     assert proc.returncode == 0, err[-3000:]
-    saved = sorted((tmp_path / "out" / "checkpoints").iterdir())
-    assert len(saved) == 1 and f"checkpoint saved to {saved[0]}" in out
-    assert "--num-processes 2 --resume latest" in out
+    saved = sorted((out / "checkpoints").iterdir())
+    assert len(saved) == 1 and f"checkpoint saved to {saved[0]}" in stdout
+    assert "--num-processes 2 --resume latest" in stdout
     assert "another process of this run was asked to stop" in err
-    assert not (tmp_path / "out" / "lora.safetensors").exists()  # stopped long before step 200
+    assert not (out / "lora.safetensors").exists()  # stopped long before the last step
 
 
 def _stopped_in_a_sample_event(tmp_path: Path, images: Path, launcher: list[str],

@@ -22,8 +22,8 @@ every process must join each candidate's save, which gathers the whole weights.
 
 Tiers: the two-process run is one module fixture that the default tests read; every other
 test launches its own two processes and is `full_only`: the 1 -> 2 resume, a short batch that
-leaves one process without rows, a NaN loss on one process only, and bf16 compute with bf16
-frozen weights.
+leaves one process without rows, a NaN loss on one process only, a stop signal to one
+process, and bf16 compute with bf16 frozen weights.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from difftune.train.checkpoint import CheckpointManager, manager
 from difftune.train.checkpoint.files import read
 from difftune.train.dist import Dist
 from tests.e2e.conftest import metrics_rows, run_toml
-from tests.e2e.test_distributed import ROOT, five_images, held_out, launch, losses
+from tests.e2e.test_distributed import (ROOT, five_images, held_out, launch, losses,
+                                        stop_one_process)
 
 LR, NORM = 1.0, 0.01
 FULL = 'type = "full"\ntrain_blocks = ["transformer_blocks.*", "proj_out"]\n'
@@ -210,3 +211,15 @@ def test_bf16_compute_and_bf16_frozen_weights_match_one_process(tmp_path: Path,
     assert losses(a) == pytest.approx(losses(b), rel=1e-4)
     wa, wb = load_file(str(a / WEIGHTS)), load_file(str(b / WEIGHTS))
     assert max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa) <= 1e-2 * LR * NORM
+
+
+@pytest.mark.full_only
+def test_a_stop_signal_to_one_sharded_process_stops_both_with_one_checkpoint(
+        tmp_path: Path, images: Path) -> None:
+    """Both join the sharded checkpoint's save after the same step (no hang: checked)."""
+    cfg = config(tmp_path, images)
+    cfg.write_text(cfg.read_text().replace("steps = 4", "steps = 200", 1))
+    stop_one_process(cfg, tmp_path / "out", [*SETS, "--set", "train.batch_size=1",
+                                             "--set", "save.every_n_steps=100"])
+    (saved,) = (tmp_path / "out" / "checkpoints").iterdir()
+    assert len(list((saved / "sharded").glob("*.safetensors"))) == 2  # one a process
