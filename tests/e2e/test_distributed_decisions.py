@@ -2,9 +2,10 @@
 CPU, tiny flavor): what one process measures or loses must never leave the others waiting in
 a collective it no longer enters. The sharded (FSDP) keep_best run is test_fsdp.py's fixture.
 
-Tiers: the validation decision runs by default (one launch); the metrics process dying on rank
-0 is `full_only` (the same death is shown in one process by
-tests/unit/test_sample_metrics.py, and nothing there is collective).
+Tiers: the validation decisions (early stopping from rank 0's loss, validation off after one
+process's failure) run by default in one launch; the metrics process dying on rank 0 is
+`full_only` (the same death is shown in one process by tests/unit/test_sample_metrics.py, and
+nothing there is collective). A stop signal to one process of a sharded run: test_fsdp.py.
 """
 
 from __future__ import annotations
