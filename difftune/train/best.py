@@ -7,6 +7,12 @@ is written as a candidate (`.best-candidates/step-N.safetensors`, in the trainin
 the weights the run saves); when the step's figures are complete, the candidate becomes the
 best file (an atomic rename) if it scores better, else it is deleted. `best.json` records
 every score, the winner, and by how much it beat the last measured step and the runner-up.
+
+In a multi-process run every process holds a keeper and writes each candidate with the others
+(an FSDP save gathers the whole weights, a collective every process must join), while rank 0
+alone judges: scores, keeps the best file and writes `best.json`. Whether a candidate is
+written depends only on the calls made, never on files one process sees, so every process
+takes the same decision.
 """
 
 from __future__ import annotations
@@ -32,18 +38,22 @@ class BestKeeper:
     """Scores measured steps by the keep_best measure and keeps the best step's LoRA."""
 
     def __init__(self, measure: Measure, out: Path, name: str, resumed_at: int | None,
-                 suffixes: tuple[str, ...] = ("",)) -> None:
+                 suffixes: tuple[str, ...] = ("",), judges: bool = True) -> None:
         """`suffixes` end the stems of the files one save writes (a two-expert model's
-        `_high_noise` and `_low_noise`; one file: "")."""
+        `_high_noise` and `_low_noise`; one file: ""). `judges`: this process scores and
+        keeps (rank 0); the others only join the candidates' saves."""
         self.measure, self.out = measure, out
         self.suffixes = suffixes
         self.file = out / f"{name}-best{suffixes[0]}.safetensors"
         self.candidates = out / CANDIDATES
         self.figures: dict[int, dict[str, float]] = {}
         self.scores: dict[int, float] = {}
+        self.judges = judges
+        self._written: set[int] = set()  # steps whose candidate was saved (every process)
         self._lock = threading.Lock()
-        shutil.rmtree(self.candidates, ignore_errors=True)  # a killed run's leftovers
-        if resumed_at is not None:
+        if judges:
+            shutil.rmtree(self.candidates, ignore_errors=True)  # a killed run's leftovers
+        if judges and resumed_at is not None:
             self._load(resumed_at)
 
     @property
@@ -64,16 +74,21 @@ class BestKeeper:
         return max(sorted(self.scores), key=key)
 
     def candidate(self, step: int, save: Callable[..., Path]) -> None:
-        """Write the LoRA of `step` as a candidate (training thread; `save` is the checkpoint
-        manager's save_lora, called with the weights the run saves in place)."""
-        path = self.candidates / f"step-{step:06d}.safetensors"
-        if not self._files(path)[0].exists():
+        """Write the LoRA of `step` as a candidate, once a step (training thread; `save` is the
+        checkpoint manager's save_lora, called with the weights the run saves in place; on
+        every process at the same steps, which writes on rank 0 only)."""
+        if step in self._written:
+            return
+        self._written.add(step)
+        if self.judges:
             self.candidates.mkdir(parents=True, exist_ok=True)
-            save(step, path=path)
+        save(step, path=self.candidates / f"step-{step:06d}.safetensors")
 
     def record(self, step: int, figures: dict[str, Any]) -> None:
         """Add measured figures of `step` (any thread); once they are complete, score the step
-        and keep its candidate if it is the best."""
+        and keep its candidate if it is the best (rank 0; elsewhere nothing)."""
+        if not self.judges:
+            return
         with self._lock:
             have = self.figures.setdefault(step, {})
             have.update({k: float(v) for k, v in figures.items()
@@ -109,6 +124,8 @@ class BestKeeper:
     def skipped(self, step: int) -> None:
         """`step`'s sample metrics will never come (skipped, failed, nothing sampled,
         metrics off): drop its candidate now; an unmeasured step is never compared."""
+        if not self.judges:
+            return
         with self._lock:
             if step not in self.scores:
                 self._drop(self._files(self.candidates / f"step-{step:06d}.safetensors"))
@@ -146,7 +163,10 @@ class BestKeeper:
         return out
 
     def finish(self) -> str | None:
-        """Write best.json, drop the candidates left, and return the summary line."""
+        """Write best.json, drop the candidates left, and return the summary line (rank 0;
+        elsewhere None)."""
+        if not self.judges:
+            return None
         shutil.rmtree(self.candidates, ignore_errors=True)
         self._write()
         s = self.summary()

@@ -33,10 +33,11 @@ from difftune.train.optimizers.modes import step_lr
 from difftune.train.optimizers.schedule import make_scheduler
 from difftune.train.rng import RunRngs, seed_everything
 from difftune.train.sample_events import sample_event
-from difftune.train.setup import Run
+from difftune.train.setup import Run, set_training
 from difftune.train.state import Snapshot, TrainState
 from difftune.train.step import batch_loss
 from difftune.train.validation import Validator
+from difftune.train.validating import validate
 
 log = logging.getLogger("difftune")
 
@@ -114,7 +115,7 @@ def train(run: Run, hooks: Hooks, resume: Checkpoint | None = None) -> Result:
         state.step = step
         result.losses.append(loss)
         extra = {"epoch": epoch, **state.guard.counts(), **step_metrics(run.extras)}
-        stopping = _validate(run, hooks, state, step, extra)
+        stopping = validate(run, hooks, state, step, extra)
         hooks.reporter.step(step, loss, lr, extra)
         if stopping:
             break
@@ -141,42 +142,6 @@ def train_plain(run: Run) -> Result:
                                                             run.targets, {}), None))
     finally:
         reporter.close()
-
-
-def _validate(run: Run, hooks: Hooks, state: TrainState, step: int,
-              extra: dict[str, Any]) -> bool:
-    """When due: the validation loss of the weights the run saves (in eval mode) into
-    `extra` (this step's metrics row), `<name>-best` written when it improved (keep_best);
-    returns whether early stopping ends the run after this step."""
-    v = hooks.validator
-    if v is None or not v.due(step):
-        return False
-    set_training(run, False)
-    try:
-        with state.eval_weights(), using(state.ema, "saves"):
-            ev = v.evaluate()
-            if v.judge(state.validation, step, ev.loss) and run.cfg.validation.keep_best:
-                hooks.checkpoints.save_lora(step, path=v.best_path(run.out))
-            if hooks.best is not None and hooks.best.reads_val:
-                hooks.best.candidate(step, hooks.checkpoints.save_lora)
-                hooks.best.record(step, {"val_loss": ev.loss})
-    except Exception as err:  # a measurement never stops the run it measures
-        if run.dist.world > 1:
-            raise
-        log.warning("validation failed and is now off (training goes on): %s: %s",
-                    type(err).__name__, err)
-        hooks.validator = None
-        return False
-    finally:
-        set_training(run, True)
-    extra.update(ev.row())
-    hooks.reporter.timestep_chart(step, ev.by_t)
-    if not v.should_stop(state.validation):
-        return False
-    log.info("early stop after step %d: no validation improvement in %d evaluations (best "
-             "%s at step %s)", step, state.validation["bad"], state.validation.get("best"),
-             state.validation.get("best_step"))
-    return True
 
 
 def build_state(run: Run, names: dict[int, str]) -> TrainState:
@@ -272,12 +237,6 @@ def param_groups(run: Run) -> list[dict[str, Any]]:
                        "lr": run.cfg.adapter.embedding_lr or run.cfg.train.lr,
                        "weight_decay": 0.0})  # decay would pull the vectors to zero
     return [g for g in groups if g["params"]]
-
-
-def set_training(run: Run, on: bool) -> None:
-    """Train (dropout on) or eval mode for every module with a LoRA: denoiser and encoders."""
-    for module in (run.comps.denoiser, *run.trained_encoders.values()):
-        module.train(on)
 
 
 def _accumulate(run: Run, batches: Iterator[Batch], generator: torch.Generator,

@@ -60,7 +60,9 @@ def sample_event(run: "Run", hooks: "Hooks", state: "TrainState", step: int,
             shared.wait()
         return
     together = every_process and dist.world > 1
-    if hooks.best is not None and hooks.best.reads_samples:  # this step's LoRA, to keep
+    # This step's LoRA, to keep: saved by rank 0 alone, never a collective (sampling during a
+    # sharded run is refused at the start: memory/savers.py).
+    if hooks.best is not None and hooks.best.reads_samples:
         with state.eval_weights(), using(state.ema, "saves"):
             hooks.best.candidate(step, hooks.checkpoints.save_lora)
     sampler.stop = shared.poll if together else hooks.stop

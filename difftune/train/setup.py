@@ -91,6 +91,12 @@ class Run:
         return self.cfg.save.dir
 
 
+def set_training(run: Run, on: bool) -> None:
+    """Train (dropout on) or eval mode for every module with a LoRA: denoiser and encoders."""
+    for module in (run.comps.denoiser, *run.trained_encoders.values()):
+        module.train(on)
+
+
 def progress(show: bool) -> Any:
     """A progress wrapper for cache filling (tqdm when shown)."""
     def wrap(it: Iterable, desc: str, total: int) -> Iterable:

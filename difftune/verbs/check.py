@@ -30,10 +30,10 @@ from difftune.memory import clips, estimate, savers
 from difftune.train.checkpoint import CheckpointManager
 from difftune.train.checkpoint.lora import lora_format
 from difftune.train.init_lora import load_init_lora
-from difftune.train.loop import param_groups, set_training
+from difftune.train.loop import param_groups
 from difftune.train.optimizers.specs import OPTIMIZERS, parse_args, state_bytes
 from difftune.train.rundir import RunLock, refuse_overwrite
-from difftune.train.setup import Run, load_data, prepare
+from difftune.train.setup import Run, load_data, prepare, set_training
 from difftune.report import metric_worker
 from difftune.report.metric_worker import training_images
 from difftune.train import validation

@@ -99,7 +99,7 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
                     if dist.main else SilentReporter())
         if sampler:
             sampler.reporter = reporter
-        best = best_keeper(cfg, checkpoint) if dist.main else None
+        best = best_keeper(cfg, checkpoint, judges=dist.main)  # every process saves
         metrics = metric_worker(run, reporter, best) if sampler else None
         try:
             result = train(run, Hooks(reporter, ckpt, sampler, stop, validator, metrics, best),
@@ -134,14 +134,16 @@ def metric_worker(run: Run, reporter: Reporter, best: BestKeeper | None) -> Metr
                         on_skip=best.skipped if best is not None else None)
 
 
-def best_keeper(cfg: RunConfig, checkpoint: Checkpoint | None) -> BestKeeper | None:
-    """The save.keep_best rule of the run (None when unset)."""
+def best_keeper(cfg: RunConfig, checkpoint: Checkpoint | None,
+                judges: bool = True) -> BestKeeper | None:
+    """The save.keep_best rule of the run (None when unset); `judges`: this process scores
+    and keeps (rank 0), the others join the candidates' saves."""
     if cfg.save.keep_best is None:
         return None
     spec = families.spec(cfg.model.family, cfg.model.variant)
     return BestKeeper(Measure(cfg.save.keep_best, cfg.save.keep_best_mode), cfg.save.dir,
                       cfg.save.name, checkpoint.step if checkpoint else None,
-                      experts.file_suffixes(cfg, spec))
+                      experts.file_suffixes(cfg, spec), judges)
 
 
 def _open_run(cfg: RunConfig, resume: str | None, dist: Dist,

@@ -17,7 +17,10 @@ global batch refused (test_multinode.py's lost node; test_fsdp.py for a sharded 
 variants on other data (a short last batch leaving one process empty; a trained text encoder
 with a rarely used placeholder) are `full_only` too; `--num-processes` is exercised by the
 stop-signal and `cache` runs, so its own training run is `full_only` as well. Failing ranks,
-stop signals and the `cache` verb each run by default. `pytest --full` runs all.
+stop signals and the `cache` verb each run by default; a stop signal reaching one process
+between steps is `full_only`, the stops during a sample event showing the same exchange.
+Decisions every process must share (validation, keep_best, metrics): test_distributed_decisions.py.
+`pytest --full` runs all.
 """
 
 from __future__ import annotations
@@ -47,13 +50,44 @@ TWO = ["--set", "train.batch_size=1", "--set", "save.every_n_steps=2"]
 
 
 def launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """`accelerate launch --multi_gpu --num_processes 2 ARGS` (gloo on a CPU-only machine)."""
+    """`accelerate launch --multi_gpu --num_processes 2 ARGS` (gloo on a CPU-only machine).
+    A run still going after `timeout` seconds (a hang: processes waiting in collectives the
+    others never enter) fails the test, its processes killed, none left behind."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", "0", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"the run hung: still going after {timeout:g} s\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and every process under it (each rank of a launch runs in a
+    session of its own, so no process group holds them all)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    for proc in [*root.children(recursive=True), root]:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def held_out(tmp_path: Path, images: Path) -> str:
+    """A `[validation]` section reading one demo image of its own (training data unchanged)."""
+    held = tmp_path / "held"
+    held.mkdir()
+    for name in ("red_circle.png", "red_circle.txt"):
+        shutil.copy(images / name, held / name)
+    return f'\n[validation]\npath = "{held.as_posix()}"\n'
 
 
 def losses(out: Path) -> list[float]:
@@ -207,40 +241,55 @@ def test_check_refuses_a_multi_process_launch(tmp_path: Path, images: Path,
     assert not torch.distributed.is_initialized()
 
 
+# Default-run cover: the two sample-event stops below (the stop reaches the other process
+# through the same exchange after the step: "another process ... asked to stop", the resume line).
+@pytest.mark.full_only
 def test_a_stop_signal_to_one_process_stops_all_after_the_same_step(tmp_path: Path,
                                                                    images: Path) -> None:
-    psutil = pytest.importorskip("psutil")
     cfg = run_toml(tmp_path, images, steps=200)
+    stop_one_process(cfg, tmp_path / "out", ["--set", "train.batch_size=1"])
+
+
+def stop_one_process(cfg: Path, out: Path, sets: list[str]) -> None:
+    """Train `cfg` (at least 100 steps) with `--num-processes 2` and `sets`, SIGTERM rank 1
+    after 3 steps, and check that both stopped after the same step with one checkpoint."""
+    import psutil
+
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "difftune", "train", str(cfg), "--no-progress",
-                             "--num-processes", "2", "--set", "train.batch_size=1"],
+                             "--num-processes", "2", *sets],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    metrics = tmp_path / "out" / "metrics.jsonl"
+    metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 180
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.1)
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    rank1 = [w for w in workers if w.environ().get("RANK") == "1"]
-    assert len(rank1) == 1
-    rank1[0].send_signal(signal.SIGTERM)  # a scheduler preempting one process
-    out, err = proc.communicate(timeout=180)
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        rank1 = [w for w in workers if w.environ().get("RANK") == "1"]
+        assert len(rank1) == 1
+        rank1[0].send_signal(signal.SIGTERM)  # a scheduler preempting one process
+        stdout, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
     assert proc.returncode == 0, err[-3000:]
-    saved = sorted((tmp_path / "out" / "checkpoints").iterdir())
-    assert len(saved) == 1 and f"checkpoint saved to {saved[0]}" in out
-    assert "--num-processes 2 --resume latest" in out
+    saved = sorted((out / "checkpoints").iterdir())
+    assert len(saved) == 1 and f"checkpoint saved to {saved[0]}" in stdout
+    assert "--num-processes 2 --resume latest" in stdout
     assert "another process of this run was asked to stop" in err
-    assert not (tmp_path / "out" / "lora.safetensors").exists()  # stopped long before step 200
+    assert not (out / "lora.safetensors").exists()  # stopped long before the last step
 
 
 def _stopped_in_a_sample_event(tmp_path: Path, images: Path, launcher: list[str],
                                target: Callable[[subprocess.Popen], int],
-                               extra: tuple[str, ...] = ()) -> None:
+                               extra: tuple[str, ...] = ()) -> tuple[str, str]:
     """Start `launcher + ["train", cfg, ...] + extra` (two processes, eight images to sample at
     step 2), send SIGTERM to `target(proc)` once the event's first image is written, and check
     that the run stopped after at most one image more (it rendered all eight, then trained a
-    step more, before), saved a checkpoint of step 2 and exited 0."""
+    step more, before), saved a checkpoint of step 2 and no final LoRA, and exited 0; returns
+    its (stdout, stderr)."""
     prompts = tmp_path / "many.txt"
     prompts.write_text("".join(f"prompt {i} --w 64 --h 64 --s 30\n" for i in range(8)))
     cfg = run_toml(tmp_path, images, prompts=prompts, steps=6)
@@ -261,6 +310,8 @@ def _stopped_in_a_sample_event(tmp_path: Path, images: Path, launcher: list[str]
     assert "stopped after step 2" in out, out
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == \
         ["step-000002"]
+    assert not (tmp_path / "out" / "lora.safetensors").exists()
+    return out, err
 
 
 def test_a_stop_signal_to_another_process_ends_a_sample_event_early(tmp_path: Path,
@@ -270,15 +321,17 @@ def test_a_stop_signal_to_another_process_ends_a_sample_event_early(tmp_path: Pa
                 "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--main_process_port", "0",
                 str(ROOT / "tests" / "e2e" / "stopping_rank.py")]
-    _stopped_in_a_sample_event(tmp_path, images, launcher,
-                               lambda proc: int((tmp_path / "rank1.pid").read_text()))
+    _, err = _stopped_in_a_sample_event(tmp_path, images, launcher,
+                                        lambda proc: int((tmp_path / "rank1.pid").read_text()))
+    assert "another process of this run was asked to stop" in err  # rank 0 learnt it
 
 
 def test_a_stop_signal_to_the_command_stops_every_process(tmp_path: Path, images: Path) -> None:
     """SIGTERM to `difftune train --num-processes 2` itself (the web app's Stop): it died
     alone, and the training processes trained on to the end."""
-    _stopped_in_a_sample_event(tmp_path, images, [sys.executable, "-m", "difftune"],
-                               lambda proc: proc.pid, ("--num-processes", "2"))
+    out, _ = _stopped_in_a_sample_event(tmp_path, images, [sys.executable, "-m", "difftune"],
+                                        lambda proc: proc.pid, ("--num-processes", "2"))
+    assert "--num-processes 2 --resume latest" in out
 
 
 def test_cache_verb_with_two_processes_fills_once_and_reports_once(tmp_path: Path,
