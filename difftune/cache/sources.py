@@ -144,21 +144,31 @@ class LatentSource:
 
     def _encode(self, item: Item, box: tuple[int, int, int, int], flip: bool
                 ) -> dict[str, torch.Tensor]:
-        """The latent on the CPU in the VAE's dtype (bf16 stays bf16 in the cache), and a
-        masked item's mask reduced to the latent's grid (fp32)."""
+        """The latent on the CPU in the VAE's dtype (bf16 stays bf16 in the cache), a masked
+        item's mask reduced to the latent's grid (fp32), and for an image-to-video family the
+        start-frame condition ("start", `Family.encode_start`)."""
         if item.clip is not None:  # (3, F, H, W) frames, streamed from the video
             clip = read_clip(item.path, item.clip, item.bucket, box, flip)
-            latent = self.family.encode_clips(self.comps, clip[None])[0].cpu()
+            entry = {"latent": self.family.encode_clips(self.comps, clip[None])[0].cpu(),
+                     **self._start(clip)}
             if item.mask is None:
-                return {"latent": latent}
+                return entry
             mask = load_clip_mask(item.mask, item.clip, item.bucket, box, flip)
-            return {"latent": latent, "mask": to_latent_frames(mask, latent.shape[-3:])}
+            return {**entry, "mask": to_latent_frames(mask, entry["latent"].shape[-3:])}
         pixels = load_pixels(item.path, item.bucket, box, flip)
-        latent = self.family.encode_images(self.comps, pixels[None])[0].cpu()
+        entry = {"latent": self.family.encode_images(self.comps, pixels[None])[0].cpu(),
+                 **self._start(pixels[:, None])}
         if not item.masked:
-            return {"latent": latent}
+            return entry
         mask = load_mask(item.path, item.mask, item.size, item.bucket, box, flip)
-        return {"latent": latent, "mask": to_latent_grid(mask, latent.shape[-2:])}
+        return {**entry, "mask": to_latent_grid(mask, entry["latent"].shape[-2:])}
+
+    def _start(self, frames: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{"start": the condition of a sample's (3, F, H, W) frames} for an image-to-video
+        family (its first frame, prepared as its pipeline prepares a start image); {} else."""
+        if not self.family.start_image:
+            return {}
+        return {"start": self.family.encode_start(self.comps, frames[None])[0].cpu()}
 
     def wanted(self) -> list[tuple[int, bool]]:
         """Every (item, flip) variant the run can ask for (both flips where flip is on)."""

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -100,8 +100,11 @@ class Validator:
         draw = run.objective.draw_at(x0, self.noise(index, latent.shape), self.t)
         embeds = run.texts.get([self.captions[index]] * n).to(device)
         with run.policy.autocast():
-            pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t,
-                                      self._conditioning(index, n))
+            cond = self._conditioning(index, n)
+            if "start" in entry:  # an image-to-video image's own first-frame condition
+                cond = replace(cond, start=entry["start"][None].expand(
+                    n, *entry["start"].shape).to(device))
+            pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
         err = losses.elementwise(pred, draw.target,
                                  *losses.options(run.cfg.train, run.objective, draw.t))
         mask = (masks.batch_weights([entry] * n, [self.items[index].unmasked_weight] * n)

@@ -95,7 +95,8 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     set_boundary(cfg, comps.denoiser)
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
     for lora in loras:
-        check_fit(f"--lora {lora.path}", load_lora_file(lora.path)[0], family, comps)
+        tensors, metadata = load_lora_file(lora.path)
+        check_fit(f"--lora {lora.path}", tensors, family, comps, metadata)
     options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
     texts = TextSource(family, comps, MemoryStore(), options)
     res = max(cfg.datasets[0].resolutions)

@@ -1,5 +1,5 @@
-"""Wan (2.1 T2V 1.3B/14B, the 2.2 A14B low-noise expert): a flow-matching video DiT trained on
-still images as one-frame clips.
+"""Wan (2.1 T2V 1.3B/14B, 2.2 A14B: its low-noise expert, or both experts, T2V or I2V): a
+flow-matching video DiT trained on clips and on still images as one-frame clips.
 
 Latents come from AutoencoderKLWan (a frame axis, and per-channel `latents_mean`/`latents_std`
 normalization, as WanPipeline decodes them; `families.common.frame_vae`); an image is a clip of
@@ -8,7 +8,10 @@ its output. It reads the time as the scheduler's timestep (sigma x 1000), the UM
 of each caption zero-padded to 512 positions with no mask (what WanPipeline's encode_prompt
 gives it), and predicts the velocity (noise - x0) its UniPC scheduler steps with
 (flow_prediction). Text embeddings travel as each caption's own tokens with a mask
-(`families.base.pad_cat`) and are padded back to 512 here.
+(`families.base.pad_cat`) and are padded back to 512 here. Wan 2.2 I2V A14B's experts also
+read a start-frame condition (`encode_start`: WanImageToVideoPipeline's prepare_latents on the
+sample's first frame, an image on itself) after the noisy channels, and sample from a prompt's
+start image.
 """
 
 from __future__ import annotations
@@ -81,13 +84,37 @@ class WanFamily(FamilyBase):
                 cond: Conditioning) -> torch.Tensor:
         """Velocity (noise - x0) for noisy latents at t in [0, 1] (1 = pure noise), as
         WanPipeline calls the transformer: an image as one frame, timestep = sigma x 1000 (in
-        float32, as the time embedding computes it), the prompt padded to 512 positions."""
+        float32, as the time embedding computes it), the prompt padded to 512 positions; an
+        image-to-video model reads its start-frame condition (`cond.start`) concatenated on
+        the channel axis, as WanImageToVideoPipeline does, and predicts the noisy channels."""
         dtype, image = noisy.dtype, noisy.dim() == 4  # a clip is (B, C, f, h, w) already
-        out = c.denoiser(hidden_states=noisy.unsqueeze(2) if image else noisy,
-                         timestep=(t.float() * 1000),
+        hidden = noisy.unsqueeze(2) if image else noisy
+        if cond.start is not None:  # image-to-video: the condition after the noisy channels
+            hidden = torch.cat([hidden, cond.start.to(hidden.dtype)], dim=1)
+        out = c.denoiser(hidden_states=hidden, timestep=(t.float() * 1000),
                          encoder_hidden_states=padded_prompt(embeds, self._length).to(dtype),
                          return_dict=False)[0]
         return out.squeeze(2) if image else out
+
+    @torch.no_grad()
+    def encode_start(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """An image-to-video sample's condition from its (B, 3, F, H, W) pixels in [-1, 1]:
+        WanImageToVideoPipeline's own prepare_latents (over the VAE alone) on its first frame,
+        one row at a time as the pipeline prepares one start image: the first frame and F - 1
+        zero frames VAE-encoded (mode), normalized, after the 4-channel first-frame mask.
+        (B, 20, f, h, w) in float32, as the pipeline concatenates it to the noisy latents."""
+        from diffusers import WanImageToVideoPipeline
+
+        prep = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=c.vae,
+                                       scheduler=None)
+        _, _, frames, height, width = pixels.shape
+        device = next(c.vae.parameters()).device
+        # noise is not drawn: a stand-in for the latents sets only the device and dtype
+        stand_in = torch.zeros(1, device=device)
+        rows = [prep.prepare_latents(row[None, :, 0].to(device, torch.float32), 1,
+                                     c.vae.config.z_dim, height, width, frames, torch.float32,
+                                     device, latents=stand_in)[1] for row in pixels]
+        return torch.cat(rows)
 
     def pipeline(self, c: Components) -> "DiffusionPipeline":
         """WanPipeline over the components; the 2.2 low-noise expert as its `transformer_2`,
@@ -126,6 +153,11 @@ class WanFamily(FamilyBase):
                           guidance_scale=cfg)
         return kwargs
 
+    def pipeline_images(self, images: list[Any], width: int, height: int) -> dict[str, Any]:
+        """An image-to-video sample's start image (the prompt's one input image), which
+        WanImageToVideoPipeline resizes to the sample's size itself; none for T2V."""
+        return {"image": images[0]} if self.spec.start_image and images else {}
+
     def pipeline_image(self, result: Any) -> np.ndarray:
         """The first frame of the first video (WanPipeline returns `frames`)."""
         return np.asarray(result.frames[0][0])
@@ -146,20 +178,33 @@ class WanFamily(FamilyBase):
         return ModelSpec(keys.ARCHITECTURE[variant], keys.IMPLEMENTATION[variant],
                          keys.BASE_VERSION[variant], keys.NETWORK_MODULE)
 
-    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
-        """A Wan 2.1 image-to-video LoRA (its cross-attention image projections, `k_img` /
-        `v_img`, `add_k_proj` / `add_v_proj` in diffusers' names) on a text-to-video model,
-        which has no such layers: readers would drop them ("lora key not loaded") and apply
-        the rest to a model it was not trained with."""
-        if c.denoiser.config.image_dim is not None:
-            return None
+    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor],
+                     metadata: dict[str, str] | None = None) -> str | None:
+        """A LoRA for the other task than the loaded model's: a Wan 2.1 image-to-video one
+        (its cross-attention image projections, `k_img` / `v_img`, `add_k_proj` /
+        `add_v_proj` in diffusers' names) on a model without them, whose readers would drop
+        them ("lora key not loaded") and apply the rest to a model it was not trained with;
+        or a file whose header names a Wan model of the other task (`modelspec.architecture`,
+        as difftune and kohya-style trainers write it): a text-to-video LoRA on an
+        image-to-video model or the reverse, whose module names alone do not tell."""
+        model = "image-to-video" if self.spec.start_image else "text-to-video"
         found = sorted({m[0] for k in tensors if (m := I2V_MODULES.search(k))})
-        if not found:
+        if found and c.denoiser.config.image_dim is None:
+            return (f"this is a Wan 2.1 image-to-video LoRA (it adapts {', '.join(found)}, the "
+                    "image cross-attention projections of Wan 2.1 I2V), and this model "
+                    f"({self.spec.variant}, {model}) has no such layers: the rest of the file "
+                    "was trained with them. Use a LoRA trained on this model's kind")
+        architecture = (metadata or {}).get("modelspec.architecture", "")
+        task = next((t for t in ("t2v", "i2v") if f"-{t}-" in architecture), None)
+        if task is None or (task == "i2v") == (model == "image-to-video"):
             return None
-        return (f"this is a Wan image-to-video LoRA (it adapts {', '.join(found)}, the image "
-                "cross-attention projections of Wan 2.1 I2V), and this model "
-                f"({self.spec.variant}) is text-to-video: it has no such layers, and the rest "
-                "of the file was trained with them. Use a LoRA trained on a T2V model")
+        theirs = "image-to-video" if task == "i2v" else "text-to-video"
+        return (f"this LoRA was trained on {architecture.split('/')[0]} (its "
+                f"modelspec.architecture), a {theirs} model, and this model "
+                f"({self.spec.variant}) is {model}: the same module names, but the "
+                f"{'start frame' if task == 'i2v' else 'noise alone'} it learned to "
+                f"continue from is not what this model reads. Use a LoRA trained on a {model} "
+                "Wan model")
 
     def lora_from_format(self, c: Components, tensors: dict[str, torch.Tensor]
                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 WHAT = "Wan"
 LOW_NOISE = "2.2-t2v-a14b-low"
 BOTH = "2.2-t2v-a14b"  # both experts: transformer/ (high noise) and transformer_2/ (low)
+PAIRS = (BOTH, "2.2-i2v-a14b")  # the variants of both experts (T2V and I2V)
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (UniPC over flow sigmas,
 # shift 3); the 14B and 2.2 A14B releases use the same.
 SCHEDULER_CONFIG: dict[str, Any] = {
@@ -141,7 +142,7 @@ def _check_expert(folder: Path, variant: str | None) -> None:
     """A Wan 2.2 A14B folder holds two experts: refuse to read its `transformer/` (the
     high-noise expert) as a Wan 2.1 model, naming the variants that train them."""
     index = folder / "model_index.json"
-    if variant in (LOW_NOISE, BOTH) or not index.is_file():
+    if variant == LOW_NOISE or variant in PAIRS or not index.is_file():
         return
     try:
         experts = json.loads(index.read_text(encoding="utf-8")).get("transformer_2")
@@ -162,7 +163,7 @@ def _layout(variant: str | None) -> FolderLayout:
     return FolderLayout(WHAT, WanTransformer3DModel, AutoencoderKLWan, load_transformer_file,
                         load_vae_file, SCHEDULER_CONFIG, UniPCMultistepScheduler,
                         "transformer_2" if variant == LOW_NOISE else "transformer",
-                        others=("transformer_2",) if variant == BOTH else ())
+                        others=("transformer_2",) if variant in PAIRS else ())
 
 
 def load_wan_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:

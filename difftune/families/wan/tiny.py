@@ -6,9 +6,9 @@ the released depth but 12x narrower, a UMT5EncoderModel (gated-GELU, untied, per
 attention bias, as UMT5-XXL) over the shipped offline T5 tokenizer (a SentencePiece unigram
 T5TokenizerFast, the class UMT5's tokenizer is), and UniPCMultistepScheduler with Wan's released
 settings. Each variant has its own weights (the 14B kinds one head wider); the 2.2 low-noise
-expert comes as the pipeline's `transformer_2`, and the 2.2 A14B pair as both (the high-noise
-expert in `transformer`, each with its own weights). Nothing is downloaded; weights are random
-from a fixed seed inside a forked RNG.
+expert comes as the pipeline's `transformer_2`, and the 2.2 A14B pairs (T2V, and I2V with its
+36 input channels) as both (the high-noise expert in `transformer`, each with its own
+weights). Nothing is downloaded; weights are random from a fixed seed inside a forked RNG.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from difftune.families.wan.files import SCHEDULER_CONFIG, TEXT_ENCODER_CONFIG
 
 # Each variant's weights are its own (a LoRA of one does not fit another's tiny model alike).
 SEEDS = {"2.1-t2v-1.3b": 2468, "2.1-t2v-14b": 2469, "2.2-t2v-a14b-low": 2470,
-         "2.2-t2v-a14b": 2471}
+         "2.2-t2v-a14b": 2471, "2.2-i2v-a14b": 2472}
 DEFAULT = "2.1-t2v-1.3b"
 # diffusers' tests/pipelines/wan/test_wan.py transformer (rope_max_seq_len raised from 32 so
 # that tiny runs at 512 pixels, 32 patches a side, still fit).
@@ -48,7 +48,11 @@ VARIANT_CONFIGS: dict[str, dict[str, Any]] = {
     "2.1-t2v-14b": {**TINY_TRANSFORMER_CONFIG, **WIDER},
     "2.2-t2v-a14b-low": {**TINY_TRANSFORMER_CONFIG, **WIDER},
     "2.2-t2v-a14b": {**TINY_TRANSFORMER_CONFIG, **WIDER},
+    # 16 noisy latent channels + 4 of the first-frame mask + 16 of the start-frame condition
+    "2.2-i2v-a14b": {**TINY_TRANSFORMER_CONFIG, **WIDER, "in_channels": 36},
 }
+# The variants of two experts (`transformer` the high-noise one, `transformer_2` the low).
+PAIRS = ("2.2-t2v-a14b", "2.2-i2v-a14b")
 TINY_VAE_CONFIG: dict[str, Any] = {**VAE_CONFIG, "base_dim": 8}  # released depth, 12x narrower
 
 
@@ -79,7 +83,7 @@ def build_tiny_wan(variant: str | None = None) -> dict[str, Any]:
         encoder = UMT5EncoderModel(tiny_umt5_config(len(tok), tok.pad_token_id,
                                                     tok.eos_token_id)).eval()
         vae = AutoencoderKLWan(**TINY_VAE_CONFIG).eval()
-    if variant == "2.2-t2v-a14b":  # both experts: the low-noise one of its own weights
+    if variant in PAIRS:  # both experts: the low-noise one of its own weights
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEEDS[variant] + 1000)
             low = WanTransformer3DModel(**VARIANT_CONFIGS[variant]).eval()
