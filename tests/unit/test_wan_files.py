@@ -145,3 +145,29 @@ def test_layout_places_every_tensor_once() -> None:
     model = build_tiny_wan()["transformer"]
     layout = single_file_layout(SimpleNamespace(**{"state_dict": model.state_dict}))
     assert sorted(s for p in layout.values() for s in p.sources) == sorted(model.state_dict())
+
+
+def test_i2v_folder_gives_both_experts_and_each_task_refuses_the_others_files(
+        saved: tuple[dict, Path], tmp_path: Path) -> None:
+    """A WanImageToVideoPipeline folder of the I2V A14B pair loads as the "2.2-i2v-a14b"
+    variant; its 36-channel expert file on a text-to-video variant, and a T2V file on the
+    I2V variant, are refused naming the variant."""
+    from diffusers import WanImageToVideoPipeline
+
+    tiny = build_tiny_wan("2.2-i2v-a14b")
+    folder = tmp_path / "Wan2.2-I2V-A14B-Diffusers"
+    WanImageToVideoPipeline(**tiny, boundary_ratio=0.9).save_pretrained(
+        str(folder), safe_serialization=True)
+    parts = load_wan_files(ModelConfig(family="wan", variant="2.2-i2v-a14b", path=folder), FP32)
+    for part in ("transformer", "transformer_2"):
+        assert_same_weights(parts[part], tiny[part])
+    high = tmp_path / "wan2.2_i2v_high_noise_14B_fp16.safetensors"
+    write_layout(high, single_file_layout(tiny["transformer"]),
+                 tiny["transformer"].state_dict(), torch.float32)
+    with pytest.raises(ModelFileError, match=r'image-to-video transformer \(36 input channels'
+                       r'\).*"2.1-t2v-1.3b" is text-to-video; set model.variant = "2.2-i2v'):
+        load_wan_files(ModelConfig(family="wan", path=saved[1], transformer=high), FP32)
+    t2v = saved[1].parent / "wan2.1_t2v_1.3B_bf16.safetensors"
+    with pytest.raises(ModelFileError, match=r"text-to-video transformer \(16 input channels"):
+        load_wan_files(ModelConfig(family="wan", variant="2.2-i2v-a14b", path=folder,
+                                   transformer=t2v), FP32)

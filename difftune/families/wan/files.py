@@ -72,9 +72,10 @@ def transformer_config(sd: dict[str, torch.Tensor], path: Path) -> dict[str, Any
     """WanTransformer3DModel config from a diffusers-layout state dict's shapes (the head
     width is not stored: 128 as released, 12 below 128 wide)."""
     if "condition_embedder.image_embedder.ff.net.0.proj.weight" in sd:
-        raise ModelFileError(f"{path} is a Wan image-to-video transformer (it has the image "
-                             "embedder); difftune trains Wan's text-to-video models: give a "
-                             "T2V file (wan2.1_t2v_*, wan2.2_t2v_*)")
+        raise ModelFileError(f"{path} is a Wan 2.1 image-to-video transformer (it has the "
+                             "image embedder); difftune trains Wan's text-to-video models and "
+                             "Wan 2.2 I2V A14B: give a T2V file (wan2.1_t2v_*, wan2.2_t2v_*) "
+                             "or a Wan 2.2 I2V one (wan2.2_i2v_*)")
     try:
         dim, channels = sd["patch_embedding.weight"].shape[:2]
         head = HEAD if dim % HEAD == 0 else TINY_HEAD
@@ -172,7 +173,31 @@ def load_wan_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[s
     folder = _folder(cfg)
     if cfg.transformer is None:
         _check_expert(folder, cfg.variant)
-    return load_components(cfg, dtypes, folder, _layout(cfg.variant), load_wan_text_encoders)
+    parts = load_components(cfg, dtypes, folder, _layout(cfg.variant), load_wan_text_encoders)
+    _check_task(parts, cfg)
+    return parts
+
+
+def _check_task(parts: dict[str, Any], cfg: "ModelConfig") -> None:
+    """A transformer of the other task than the variant's refused, naming the variant that
+    trains it: an I2V A14B expert (36 input channels: the noisy latents and the start-frame
+    condition) given to a text-to-video variant, or a T2V one (16) to the I2V variant."""
+    from difftune.families.wan.spec import I2V_A14B, SPEC
+
+    i2v = SPEC.pick(cfg.variant).start_image
+    for part in ("transformer", "transformer_2"):
+        model = parts.get(part)
+        channels = None if model is None else int(model.config.in_channels)
+        if channels is not None and (channels == 36) != i2v:
+            source = getattr(cfg, part, None) or Path(str(cfg.path)) / part
+            fix = (f'model.variant = "{I2V_A14B.variant}" to train it' if channels == 36 else
+                   "a text-to-video variant (model.variant) to train it")
+            raise ModelFileError(
+                f"{source} is a Wan {'image' if channels == 36 else 'text'}-to-video "
+                f"transformer ({channels} input channels), but model.variant = "
+                f"\"{SPEC.pick(cfg.variant).variant}\" is "
+                f"{'image' if i2v else 'text'}-to-video; set {fix}, or give that variant's "
+                "files")
 
 
 def load_wan_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from difftune.cli import main
 
 from ...comfy_keymap import unmapped
-from ..conftest import run_toml
+from ..conftest import metrics_rows, run_toml
 from .test_wan22 import EXPERTS, _same_updates, recorded_runs
 
 I2V = 'flavor = "tiny"\nvariant = "2.2-i2v-a14b"'
@@ -149,3 +149,40 @@ def test_check_refuses_loras_of_the_other_task(runs: dict, images: Path, tmp_pat
         assert main(["check", str(cfg), *sets, "--init-lora", str(path)]) == 2
         err = capsys.readouterr().err
         assert said in err and "Traceback" not in err, err
+
+
+@pytest.mark.full_only  # the condition of a clip is compared with the pipeline's in unit tests
+def test_clips_train_on_their_first_frame_with_a_disk_cache_and_validation(
+        images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 9-frame clip and an image in one run with disk-cached latents and a validation set:
+    each entry carries its condition ((20, f, h, w): the mask's 4 channels, one on the first
+    latent frame only, and 16 of the encoded start), it is read back from the disk cache on a
+    second run, and validation runs the experts with it."""
+    from tests.videos import record_entries, write_video
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_video(data / "clip.mp4", 9)
+    shutil.copy(sorted(images.glob("*.png"))[0], data / "still.png")
+    (data / "still.txt").write_text("a still", encoding="utf-8")
+    extra = (f'\n[cache]\nlatents = "disk"\ndir = "{(tmp_path / "cache").as_posix()}"\n'
+             f'\n[validation]\npath = "{images.as_posix()}"\nevery_n_steps = 2\n')
+    cfg = run_toml(tmp_path / "run", data, steps=2, family="wan", model=I2V, fmt=None,
+                   extra=extra)
+    cfg.write_text(cfg.read_text(encoding="utf-8").replace(
+        "max_side = 128\n", 'max_side = 128\nframes = [9]\nclips = "head"\n'), encoding="utf-8")
+    seen = record_entries(monkeypatch)
+    assert main(["train", str(cfg), "--no-progress", "--set", "train.expert_switch_every=1"]) == 0
+    starts = {tuple(e["latent"].shape): e["start"] for _, e in seen}
+    assert set(starts) == {(16, 3, 6, 10), (16, 8, 8)}  # 9 frames fold into 3; an image
+    for shape, start in starts.items():
+        frames = shape[1] if len(shape) == 4 else 1
+        assert start.shape == (20, frames, *shape[-2:])
+        assert start[:4, 0].eq(1).all() and not start[:4, 1:].any()
+    rows = metrics_rows(tmp_path / "run" / "out")
+    assert any("val_loss" in r for r in rows)
+    seen.clear()
+    assert main(["train", str(cfg), "--no-progress", "--set", "train.expert_switch_every=1",
+                 "--set", f'save.dir="{(tmp_path / "again").as_posix()}"']) == 0
+    assert not [e for item, e in seen if item.clip is not None]  # the clip came from the disk
+    assert metrics_rows(tmp_path / "again")[-1]["loss"] == rows[-1]["loss"]
