@@ -145,8 +145,8 @@ class LatentSource:
     def _encode(self, item: Item, box: tuple[int, int, int, int], flip: bool
                 ) -> dict[str, torch.Tensor]:
         """The latent on the CPU in the VAE's dtype (bf16 stays bf16 in the cache), a masked
-        item's mask reduced to the latent's grid (fp32), and for an image-to-video family the
-        start-frame condition ("start", `Family.encode_start`)."""
+        item's mask reduced to the latent's grid (fp32), and for an image-to-video family what
+        it reads of the first frame ("start", "start_image": `Family.encode_start`)."""
         if item.clip is not None:  # (3, F, H, W) frames, streamed from the video
             clip = read_clip(item.path, item.clip, item.bucket, box, flip)
             entry = {"latent": self.family.encode_clips(self.comps, clip[None])[0].cpu(),
@@ -164,11 +164,13 @@ class LatentSource:
         return {**entry, "mask": to_latent_grid(mask, entry["latent"].shape[-2:])}
 
     def _start(self, frames: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{"start": the condition of a sample's (3, F, H, W) frames} for an image-to-video
-        family (its first frame, prepared as its pipeline prepares a start image); {} else."""
+        """What an image-to-video family reads of a sample's (3, F, H, W) frames (its first
+        frame, prepared as its pipeline prepares a start image: "start", "start_image"); {}
+        for other families."""
         if not self.family.start_image:
             return {}
-        return {"start": self.family.encode_start(self.comps, frames[None])[0].cpu()}
+        return {k: v[0].cpu() for k, v in self.family.encode_start(self.comps,
+                                                                    frames[None]).items()}
 
     def wanted(self) -> list[tuple[int, bool]]:
         """Every (item, flip) variant the run can ask for (both flips where flip is on)."""

@@ -99,9 +99,11 @@ class Conditioning:
     crops: list[tuple[int, int]]
     target_sizes: list[tuple[int, int]]
     controls: tuple[torch.Tensor, ...] = ()
-    # An image-to-video batch's start-frame condition (`Family.encode_start`), one row per
-    # sample; None for other families.
+    # An image-to-video batch's start-frame condition (`Family.encode_start`'s "start"), one
+    # row per sample, and where the model reads the start image through an image encoder,
+    # that encoder's features of it ("start_image"); None for other families.
     start: torch.Tensor | None = None
+    start_image: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -273,10 +275,10 @@ class Family(Protocol):
         a family with a `frame_rule` (F one of its valid counts)."""
         ...
 
-    def encode_start(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
+    def encode_start(self, c: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """For a `start_image` family only: a sample's (B, 3, F, H, W) pixels in [-1, 1] ->
-        the condition its denoiser reads beside the noisy latents, prepared from the first
-        frame as the family's image-to-video pipeline prepares its start image."""
+        what its denoiser reads of the first frame, prepared as the family's image-to-video
+        pipeline prepares its start image, by `Conditioning` field ("start", "start_image")."""
         ...
 
     def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":

@@ -49,7 +49,8 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
         indices, per_sample = [indices[k] for k in keep], [per_sample[k] for k in keep]
     captions = [run.captions.text(i, s, step) for i, s in zip(indices, per_sample)]
     kept = [controls[k] for k in keep]
-    starts = [entries[k].get("start") for k in keep]  # an image-to-video sample's condition
+    # an image-to-video sample's start-frame entries ("start", "start_image"), by field
+    starts = [{f: v for f, v in entries[k].items() if f.startswith("start")} for k in keep]
     # Output preservation: the trigger-free twins ride in the same forward, on the same draw.
     twins = preservation.rows(captions, run.cfg.preservation)
     at = [r for r, _ in twins]
@@ -84,10 +85,11 @@ def _masks(run: Run, entries: list[dict[str, torch.Tensor]], indices: list[int]
 
 def predict(run: Run, indices: list[int], seeds: list[int | None], captions: list[str],
             controls: list, noisy: torch.Tensor, t: torch.Tensor,
-            starts: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+            starts: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
     """The denoiser's prediction for these rows: their captions' embeddings, sizes, crops,
     control latents (`controls[j]`: row j's, as `ControlSource.readable` gave them) and, for
-    an image-to-video family, start-frame conditions (`starts[j]`: row j's cache entry's)."""
+    an image-to-video family, what it reads of the start frame (`starts[j]`: row j's cache
+    entries by `Conditioning` field)."""
     device = run.policy.device
     images = [run.controls.text_images(i) for i in indices]  # () unless the encoder reads them
     embeds = run.texts.get(captions, images).to(device)
@@ -95,8 +97,9 @@ def predict(run: Run, indices: list[int], seeds: list[int | None], captions: lis
     if controls[0]:  # one (B, C, h, w) tensor per control image: the sampler never mixes sizes
         cond = replace(cond, controls=tuple(torch.stack([c[k] for c in controls]).to(device)
                                             for k in range(len(controls[0]))))
-    if starts and starts[0] is not None:
-        cond = replace(cond, start=torch.stack(starts).to(device))  # type: ignore[arg-type]
+    if starts and starts[0]:
+        cond = replace(cond, **{f: torch.stack([s[f] for s in starts]).to(device)
+                                for f in starts[0]})
     with run.policy.autocast():
         return run.family.predict(run.comps, noisy, embeds, t, cond)
 
@@ -104,7 +107,7 @@ def predict(run: Run, indices: list[int], seeds: list[int | None], captions: lis
 def _preservation_loss(run: Run, pred: torch.Tensor, indices: list[int],
                        seeds: list[int | None], captions: list[str], controls: list,
                        noisy: torch.Tensor, t: torch.Tensor,
-                       starts: list[torch.Tensor | None]) -> torch.Tensor:
+                       starts: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     """`preservation.weight` times the error of the adapter's predictions `pred` on the
     trigger-free captions against the base model's (adapters off, no gradient), on the same
     noisy latents and timesteps; the unweighted error is recorded for metrics.jsonl."""

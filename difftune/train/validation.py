@@ -100,10 +100,9 @@ class Validator:
         draw = run.objective.draw_at(x0, self.noise(index, latent.shape), self.t)
         embeds = run.texts.get([self.captions[index]] * n).to(device)
         with run.policy.autocast():
-            cond = self._conditioning(index, n)
-            if "start" in entry:  # an image-to-video image's own first-frame condition
-                cond = replace(cond, start=entry["start"][None].expand(
-                    n, *entry["start"].shape).to(device))
+            cond = replace(self._conditioning(index, n), **{  # image-to-video: its own start
+                f: v[None].expand(n, *v.shape).to(device) for f, v in entry.items()
+                if f.startswith("start")})
             pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
         err = losses.elementwise(pred, draw.target,
                                  *losses.options(run.cfg.train, run.objective, draw.t))

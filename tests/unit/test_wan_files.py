@@ -137,7 +137,8 @@ def test_an_image_to_video_transformer_is_refused(saved: tuple[dict, Path],
                                    "added_kv_proj_dim": 24})
     path = tmp_path / "wan2.1_i2v_480p_14B_bf16.safetensors"
     save_file({k: v.contiguous() for k, v in i2v.state_dict().items()}, str(path))
-    with pytest.raises(ModelFileError, match="image-to-video transformer.*T2V file"):
+    with pytest.raises(ModelFileError, match='2.1 image-to-video transformer; set '
+                       'model.variant = "2.1-i2v-14b"'):
         load_wan_files(ModelConfig(family="wan", path=folder, transformer=path), FP32)
 
 

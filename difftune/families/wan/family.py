@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
 _BLOCK = r"blocks\.\d+\."
-_ATTENTION = [_BLOCK + r"(?:attn1|attn2)\.(?:to_q|to_k|to_v|to_out\.0)"]
+# (Wan 2.1 I2V's image cross-attention, `k_img`/`v_img`, is in attn2 too: none in the others)
+_ATTENTION = [_BLOCK + r"(?:attn1|attn2)\.(?:to_q|to_k|to_v|to_out\.0)",
+              _BLOCK + r"attn2\.(?:add_k_proj|add_v_proj)"]
 _MLP = [_BLOCK + r"ffn\.net\.(?:0\.proj|2)"]
 # The shared time projection: every block's modulation comes from it (as FLUX.2's shared
 # modulation layers, it belongs with "all_linear").
@@ -89,32 +91,35 @@ class WanFamily(FamilyBase):
         the channel axis, as WanImageToVideoPipeline does, and predicts the noisy channels."""
         dtype, image = noisy.dtype, noisy.dim() == 4  # a clip is (B, C, f, h, w) already
         hidden = noisy.unsqueeze(2) if image else noisy
+        extra = {}
         if cond.start is not None:  # image-to-video: the condition after the noisy channels
             hidden = torch.cat([hidden, cond.start.to(hidden.dtype)], dim=1)
-        out = c.denoiser(hidden_states=hidden, timestep=(t.float() * 1000),
+        if cond.start_image is not None:  # Wan 2.1 I2V: the start image's CLIP features
+            extra["encoder_hidden_states_image"] = cond.start_image.to(dtype)
+        out = c.denoiser(hidden_states=hidden, timestep=(t.float() * 1000), **extra,
                          encoder_hidden_states=padded_prompt(embeds, self._length).to(dtype),
                          return_dict=False)[0]
         return out.squeeze(2) if image else out
 
-    @torch.no_grad()
-    def encode_start(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
-        """An image-to-video sample's condition from its (B, 3, F, H, W) pixels in [-1, 1]:
-        WanImageToVideoPipeline's own prepare_latents (over the VAE alone) on its first frame,
-        one row at a time as the pipeline prepares one start image: the first frame and F - 1
-        zero frames VAE-encoded (mode), normalized, after the 4-channel first-frame mask.
-        (B, 20, f, h, w) in float32, as the pipeline concatenates it to the noisy latents."""
-        from diffusers import WanImageToVideoPipeline
+    def encode_start(self, c: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What an image-to-video model reads of a sample's first frame, made by
+        WanImageToVideoPipeline's own code (`wan.start`)."""
+        from difftune.families.wan import start
 
-        prep = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=c.vae,
-                                       scheduler=None)
-        _, _, frames, height, width = pixels.shape
-        device = next(c.vae.parameters()).device
-        # noise is not drawn: a stand-in for the latents sets only the device and dtype
-        stand_in = torch.zeros(1, device=device)
-        rows = [prep.prepare_latents(row[None, :, 0].to(device, torch.float32), 1,
-                                     c.vae.config.z_dim, height, width, frames, torch.float32,
-                                     device, latents=stand_in)[1] for row in pixels]
-        return torch.cat(rows)
+        return start.encode(c, pixels)
+
+    def components(self, parts: dict[str, Any], cfg: Any, policy: Any) -> Components:
+        """The loaded parts placed and frozen; Wan 2.1 I2V's CLIP vision encoder (and its
+        processor) beside them in `extras`, placed as the text encoders are."""
+        from difftune.families.common.family import freeze, place
+        from difftune.families.wan.start import IMAGE_PARTS
+
+        comps = super().components(parts, cfg, policy)
+        if parts.get("image_encoder") is not None:
+            encoder = place(parts["image_encoder"], policy.device, policy.text_encoders)
+            freeze(encoder)
+            comps.extras.update(zip(IMAGE_PARTS, (encoder, parts["image_processor"])))
+        return comps
 
     def pipeline(self, c: Components) -> "DiffusionPipeline":
         """WanPipeline over the components; the 2.2 low-noise expert as its `transformer_2`,
@@ -122,6 +127,10 @@ class WanFamily(FamilyBase):
         pipe = super().pipeline(c)
         if self.spec.denoiser_part == "transformer_2":
             pipe.register_to_config(boundary_ratio=1.0)
+        if c.extras.get("image_encoder") is not None:  # Wan 2.1 I2V: it encodes the start image
+            from difftune.families.wan.start import IMAGE_PARTS
+
+            pipe.register_modules(**{p: c.extras[p] for p in IMAGE_PARTS})
         return pipe
 
     def load_pipeline_lora(self, pipe: Any, source: Any, name: str,

@@ -26,6 +26,7 @@ from difftune.families.common.folders import check_folder, from_folder
 from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
                                                   missing_error, read_safetensors, strip_prefix)
 from difftune.families.common.transformer_folder import FolderLayout, load_components
+from difftune.families.wan.spec import IMAGE_ENCODED
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -71,15 +72,13 @@ _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 def transformer_config(sd: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
     """WanTransformer3DModel config from a diffusers-layout state dict's shapes (the head
     width is not stored: 128 as released, 12 below 128 wide)."""
-    if "condition_embedder.image_embedder.ff.net.0.proj.weight" in sd:
-        raise ModelFileError(f"{path} is a Wan 2.1 image-to-video transformer (it has the "
-                             "image embedder); difftune trains Wan's text-to-video models and "
-                             "Wan 2.2 I2V A14B: give a T2V file (wan2.1_t2v_*, wan2.2_t2v_*) "
-                             "or a Wan 2.2 I2V one (wan2.2_i2v_*)")
+    image = sd.get("condition_embedder.image_embedder.ff.net.0.proj.weight")
     try:
         dim, channels = sd["patch_embedding.weight"].shape[:2]
         head = HEAD if dim % HEAD == 0 else TINY_HEAD
-        return {**TRANSFORMER_CONFIG, "num_attention_heads": dim // head,
+        # Wan 2.1 I2V: the image embedder (CLIP features' width in) and its cross-attention
+        images = {} if image is None else {"image_dim": image.shape[1], "added_kv_proj_dim": dim}
+        return {**TRANSFORMER_CONFIG, **images, "num_attention_heads": dim // head,
                 "attention_head_dim": head, "in_channels": channels,
                 "out_channels": sd["proj_out.weight"].shape[0] // 4,
                 "text_dim": sd["condition_embedder.text_embedder.linear_1.weight"].shape[1],
@@ -175,22 +174,39 @@ def load_wan_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[s
         _check_expert(folder, cfg.variant)
     parts = load_components(cfg, dtypes, folder, _layout(cfg.variant), load_wan_text_encoders)
     _check_task(parts, cfg)
+    if cfg.variant in IMAGE_ENCODED:  # Wan 2.1 I2V: the CLIP vision encoder, from the folder
+        from transformers import CLIPImageProcessor, CLIPVisionModel
+
+        parts.update(image_encoder=from_folder(CLIPVisionModel, folder, "image_encoder",
+                                               dtypes["text_encoders"], WHAT),
+                     image_processor=from_folder(CLIPImageProcessor, folder, "image_processor",
+                                                 None, WHAT))
     return parts
 
 
 def _check_task(parts: dict[str, Any], cfg: "ModelConfig") -> None:
-    """A transformer of the other task than the variant's refused, naming the variant that
-    trains it: an I2V A14B expert (36 input channels: the noisy latents and the start-frame
-    condition) given to a text-to-video variant, or a T2V one (16) to the I2V variant."""
-    from difftune.families.wan.spec import I2V_A14B, SPEC
+    """A transformer of another kind than the variant's refused, naming the variant that
+    trains it: an image-to-video one (36 input channels: the noisy latents and the start-frame
+    condition) given to a text-to-video variant, a T2V one (16) to an I2V variant, and Wan 2.1
+    I2V's (with the image embedder of its CLIP features) against Wan 2.2 I2V A14B's."""
+    from difftune.families.wan.spec import I2V_14B, I2V_A14B, SPEC
 
     i2v = SPEC.pick(cfg.variant).start_image
     for part in ("transformer", "transformer_2"):
         model = parts.get(part)
-        channels = None if model is None else int(model.config.in_channels)
-        if channels is not None and (channels == 36) != i2v:
-            source = getattr(cfg, part, None) or Path(str(cfg.path)) / part
-            fix = (f'model.variant = "{I2V_A14B.variant}" to train it' if channels == 36 else
+        if model is None:
+            continue
+        source = getattr(cfg, part, None) or Path(str(cfg.path)) / part
+        clip = model.config.image_dim is not None
+        if clip != (cfg.variant in IMAGE_ENCODED):
+            want = I2V_14B if clip else I2V_A14B
+            raise ModelFileError(f"{source} is a Wan {'2.1' if clip else '2.2'} "
+                                 f"image-to-video transformer; set model.variant = "
+                                 f"\"{want.variant}\" to train it, or give that variant's files")
+        channels = int(model.config.in_channels)
+        if (channels == 36) != i2v:
+            which = I2V_14B if clip else I2V_A14B
+            fix = (f'model.variant = "{which.variant}" to train it' if channels == 36 else
                    "a text-to-video variant (model.variant) to train it")
             raise ModelFileError(
                 f"{source} is a Wan {'image' if channels == 36 else 'text'}-to-video "

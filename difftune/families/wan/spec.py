@@ -124,6 +124,24 @@ T2V_14B = replace(
                   singles=(("transformer", "wan2.1_t2v_14B_bf16.safetensors"),
                            *T2V_13B.files.singles[1:])))
 
+# Wan 2.1 I2V 14B: WanImageToVideoPipeline's one transformer, reading the 36 channels of the
+# 2.2 I2V experts (noisy latents, then the first-frame mask and start-frame condition) and,
+# through its image cross-attention (`add_k_proj`/`add_v_proj`, Wan's `k_img`/`v_img`), the
+# penultimate hidden states of its CLIP vision encoder (open-clip ViT-H/14, `image_encoder/`)
+# of the start image as its `image_processor/` prepares it.
+I2V_14B = replace(
+    T2V_14B, variant="2.1-i2v-14b", start_image=True, pipeline_class="WanImageToVideoPipeline",
+    # 14.29 B of T2V 14B + 40 blocks x 2 image projections of 5120 x 5120 + the image embedder
+    sizes=(ModelSize("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", 16.39, UMT5_SIZE, 40, 5120),),
+    files=replace(T2V_14B.files, folder="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+                  singles=(("transformer", "wan2.1_i2v_480p_14B_bf16.safetensors"),
+                           *T2V_13B.files.singles[1:]),
+                  folder_holds="tokenizer/ (UMT5's; no single file holds it), image_encoder/ "
+                               "and image_processor/ (the CLIP vision encoder)",
+                  # its transformer has the image embedder the others lack
+                  markers=(("condition_embedder.time_proj", "condition_embedder.image_embedder"),
+                           ("time_projection.1", "img_emb")), unmarked=()))
+
 # The low-noise expert of Wan 2.2 T2V A14B (the 14B architecture): the pipeline's
 # `transformer_2`, whose LoRA users load into ComfyUI's low-noise branch and into WanPipeline
 # with `load_into_transformer_2=True`.
@@ -183,11 +201,15 @@ I2V_A14B = replace(
                            ("transformer_2", "wan2.2_i2v_low_noise_14B_fp16.safetensors"),
                            *T2V_13B.files.singles[1:])))
 
+# The variants whose pipeline encodes the start image with its CLIP vision encoder too.
+IMAGE_ENCODED = ("2.1-i2v-14b",)
+
 SPEC = replace(T2V_13B, variant=None, variants=(("2.1-t2v-1.3b", T2V_13B),
                                                 ("2.1-t2v-14b", T2V_14B),
                                                 ("2.2-t2v-a14b-low", A14B_LOW),
                                                 ("2.2-t2v-a14b", A14B),
-                                                ("2.2-i2v-a14b", I2V_A14B)))
+                                                ("2.2-i2v-a14b", I2V_A14B),
+                                                ("2.1-i2v-14b", I2V_14B)))
 
 # An I2V LoRA's image cross-attention projections, which no T2V (2.1 or 2.2) model has.
 I2V_MODULES = re.compile(r"(?:cross_attn[._](?:k_img|v_img)|attn2[._]add_[kv]_proj|img_emb)")

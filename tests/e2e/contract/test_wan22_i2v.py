@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from difftune.cli import main
 
 from ...comfy_keymap import unmapped
 from ..conftest import metrics_rows, run_toml
-from .test_wan22 import EXPERTS, _same_updates, recorded_runs
+from .test_wan22 import EXPERTS, _pixels, _same_updates, recorded_runs
 
 I2V = 'flavor = "tiny"\nvariant = "2.2-i2v-a14b"'
 SETS = ("train.expert_switch_every=1", "sample.every_n_steps=100", "sample.at_start=false")
@@ -32,18 +33,27 @@ PROMPT, SEED, SIDE, SAMPLE_STEPS = "a red circle", 7, 16, 4
 WAN_PARTS = ("transformer", "transformer_2", "vae", "text_encoder", "tokenizer", "scheduler")
 
 
+def run_files(root: Path, images: Path, model: str, steps: int, sample_steps: int,
+              more: str = "") -> tuple[list[Path], Path]:
+    """Run files `a` and `b` under `root` training `model` on `images`, sampling the prompt
+    from a start image (one of the images, copied to `root`) and the prompt lines `more`:
+    (the run files, the start image)."""
+    start = root / "start.png"
+    shutil.copy(sorted(images.glob("*.png"))[0], start)
+    prompts = root / "prompts.txt"
+    prompts.write_text(f"{PROMPT} --w {SIDE} --h {SIDE} --s {sample_steps} --d {SEED} "
+                       f"--ci start.png\n{more}", encoding="utf-8")
+    return [run_toml(root / name, images, steps=steps, prompts=prompts, fmt=None,
+                     family="wan", model=model) for name in ("a", "b")], start
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, images: Path) -> dict:
     """Run `a` through and run `b` stopped after step 1 and resumed, recording the timesteps
     and input channels of each training forward of the two experts."""
     root = tmp_path_factory.mktemp("wan22_i2v")
-    start = root / "start.png"
-    shutil.copy(sorted(images.glob("*.png"))[0], start)
-    prompts = root / "prompts.txt"
-    prompts.write_text(f"{PROMPT} --w {SIDE} --h {SIDE} --s {SAMPLE_STEPS} --d {SEED} "
-                       "--ci start.png\nno start image --w 16 --h 16 --s 1\n", encoding="utf-8")
-    cfgs = [run_toml(root / name, images, steps=STEPS, prompts=prompts, fmt=None,
-                     family="wan", model=I2V) for name in ("a", "b")]
+    cfgs, start = run_files(root, images, I2V, STEPS, SAMPLE_STEPS,
+                            "no start image --w 16 --h 16 --s 1\n")
     rows, seen = recorded_runs(cfgs, STOP, *SETS)
     return {"cfg": cfgs[0], "a": root / "a" / "out", "b": root / "b" / "out", "rows": rows,
             "seen": seen, "start": start}
@@ -80,8 +90,25 @@ def _i2v_pipeline(out: Path):  # noqa: ANN202 - a WanImageToVideoPipeline
     return pipe
 
 
-def _pixels(path: Path) -> np.ndarray:
-    return np.asarray(Image.open(path).convert("RGB")).astype(int)
+def start_sampler(pipe: Any, start: Path, guidance: float, steps: int
+                  ) -> Callable[[], np.ndarray]:
+    """A function sampling WanImageToVideoPipeline `pipe` at PROMPT, SEED and SIDE from the
+    start image `start` with CFG `guidance`: the sample's 8-bit values, as a run writes them.
+    The prompt as WanPipeline.encode_prompt encodes it at 512 tokens (the I2V pipeline's is a
+    copy, but diffusers 0.42.1's pipeline_wan_i2v calls ftfy without checking it is
+    installed)."""
+    from diffusers import WanPipeline
+
+    embeds, negative = WanPipeline(**{k: getattr(pipe, k) for k in WAN_PARTS}).encode_prompt(
+        PROMPT, device="cpu", max_sequence_length=512)
+
+    def sample() -> np.ndarray:
+        result = pipe(prompt_embeds=embeds, negative_prompt_embeds=negative,
+                      image=Image.open(start).convert("RGB"), height=SIDE, width=SIDE,
+                      num_frames=1, guidance_scale=guidance, num_inference_steps=steps,
+                      generator=torch.Generator("cpu").manual_seed(SEED), output_type="np")
+        return (np.asarray(result.frames[0][0]) * 255).round().astype(int)
+    return sample
 
 
 def test_the_pair_is_read_by_comfyui_and_samples_as_the_pipeline_does(runs: dict) -> None:
@@ -89,8 +116,6 @@ def test_the_pair_is_read_by_comfyui_and_samples_as_the_pipeline_does(runs: dict
     file gives its expert the update the run trained; the run's final sample from the start
     image is, pixel for pixel, what that pipeline makes from the prompt and the image; the
     prompt without a start image was skipped."""
-    from diffusers import WanPipeline
-
     out = runs["a"]
     trained = load_file(str(out / f"checkpoints/step-{STEPS:06d}/trainable.safetensors"))
     pipe = _i2v_pipeline(out)
@@ -99,17 +124,7 @@ def test_the_pair_is_read_by_comfyui_and_samples_as_the_pipeline_does(runs: dict
         _same_updates(getattr(pipe, part), name, trained, f"transformer.{part}.")
     samples = sorted((out / "samples").glob(f"step-{STEPS:06d}_*.png"))
     assert [p.name.split("_", 2)[1] for p in samples if "grid" not in p.name] == ["00"]
-    # The prompt as WanPipeline.encode_prompt encodes it (the I2V pipeline's is a copy of it,
-    # but diffusers 0.42.1's pipeline_wan_i2v calls ftfy without checking it is installed).
-    embeds, negative = WanPipeline(**{k: getattr(pipe, k) for k in WAN_PARTS}).encode_prompt(
-        PROMPT, device="cpu")
-
-    def sample() -> np.ndarray:
-        result = pipe(prompt_embeds=embeds, negative_prompt_embeds=negative,
-                      image=Image.open(runs["start"]).convert("RGB"), height=SIDE, width=SIDE,
-                      num_frames=1, guidance_scale=3.5, num_inference_steps=SAMPLE_STEPS,
-                      generator=torch.Generator("cpu").manual_seed(SEED), output_type="np")
-        return (np.asarray(result.frames[0][0]) * 255).round().astype(int)
+    sample = start_sampler(pipe, runs["start"], 3.5, SAMPLE_STEPS)
 
     ours, theirs = _pixels(samples[0]), sample()
     # diffusers' converter folds alpha / rank into the down factors (peft scales at run
