@@ -172,3 +172,34 @@ def test_i2v_folder_gives_both_experts_and_each_task_refuses_the_others_files(
     with pytest.raises(ModelFileError, match=r"text-to-video transformer \(16 input channels"):
         load_wan_files(ModelConfig(family="wan", variant="2.2-i2v-a14b", path=folder,
                                    transformer=t2v), FP32)
+
+
+def test_wan21_i2v_folder_and_single_file_give_the_transformer_and_clip_encoder(
+        tmp_path: Path) -> None:
+    """A Wan 2.1 I2V folder gives the transformer (its image embedder and image
+    cross-attention) and the CLIP vision encoder and processor as saved, whose files are part
+    of the fingerprint; ComfyUI's single transformer file (Wan's names) over it is read with
+    its image embedder's width."""
+    import os
+
+    from diffusers import WanImageToVideoPipeline
+
+    tiny = build_tiny_wan("2.1-i2v-14b")
+    _randomized(tiny["transformer"])
+    folder = tmp_path / "Wan2.1-I2V-14B-480P-Diffusers"
+    WanImageToVideoPipeline(**tiny).save_pretrained(str(folder), safe_serialization=True)
+    cfg = ModelConfig(family="wan", variant="2.1-i2v-14b", path=folder)
+    parts = load_wan_files(cfg, FP32)
+    for name in ("transformer", "image_encoder", "vae"):
+        assert_same_weights(parts[name], tiny[name])
+    assert parts["image_processor"].crop_size == {"height": 32, "width": 32}
+    weights = next((folder / "image_encoder").glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert load_wan_files(cfg, FP32)["fingerprint"] != parts["fingerprint"]
+    single = tmp_path / "wan2.1_i2v_480p_14B_bf16.safetensors"
+    write_layout(single, single_file_layout(tiny["transformer"]),
+                 tiny["transformer"].state_dict(), torch.float32)
+    assert "img_emb.proj.1.weight" in load_file(str(single))
+    parts = load_wan_files(ModelConfig(family="wan", variant="2.1-i2v-14b", path=folder,
+                                       transformer=single), FP32)
+    assert_same_weights(parts["transformer"], tiny["transformer"])

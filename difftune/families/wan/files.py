@@ -22,7 +22,7 @@ import torch
 from difftune.errors import ModelFileError
 from difftune.families.common import frame_vae
 from difftune.families.common.components import t5_from_state
-from difftune.families.common.folders import check_folder, from_folder
+from difftune.families.common.folders import check_folder, folder_files, from_folder
 from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
                                                   missing_error, read_safetensors, strip_prefix)
 from difftune.families.common.transformer_folder import FolderLayout, load_components
@@ -64,6 +64,10 @@ TRANSFORMER_CONFIG: dict[str, Any] = {
 OTHER_BLOCK = (("attn1.norm_q", "self_attn.norm_q"), ("attn1.norm_k", "self_attn.norm_k"),
                ("attn2.norm_q", "cross_attn.norm_q"), ("attn2.norm_k", "cross_attn.norm_k"),
                ("attn2.norm_added_k", "cross_attn.norm_k_img"), ("norm2", "norm3"))
+# ... and outside the blocks: Wan 2.1 I2V's image embedder norms (img_emb.proj.1 and .3, its
+# linear layers, are in spec.TOP_NAMES).
+OTHER_TOP = {"condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+             "condition_embedder.image_embedder.norm2": "img_emb.proj.4"}
 HEAD = 128  # every released Wan transformer's head width
 TINY_HEAD = 12  # the tiny flavors' (narrower models than any release)
 _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -172,7 +176,11 @@ def load_wan_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[s
     folder = _folder(cfg)
     if cfg.transformer is None:
         _check_expert(folder, cfg.variant)
-    parts = load_components(cfg, dtypes, folder, _layout(cfg.variant), load_wan_text_encoders)
+    # Wan 2.1 I2V's CLIP vision encoder files (from the folder) are part of its identity
+    images = (folder_files(folder, ["image_encoder", "image_processor"])[1:]
+              if cfg.variant in IMAGE_ENCODED else [])
+    parts = load_components(cfg, dtypes, folder, _layout(cfg.variant), load_wan_text_encoders,
+                            tuple(images))
     _check_task(parts, cfg)
     if cfg.variant in IMAGE_ENCODED:  # Wan 2.1 I2V: the CLIP vision encoder, from the folder
         from transformers import CLIPImageProcessor, CLIPVisionModel
@@ -242,6 +250,8 @@ def single_file_layout(model: torch.nn.Module) -> "Layout":
             wan = "head.modulation"
         elif tensor == "scale_shift_table":  # a block's own table: blocks.N.modulation
             wan = f"{module}.modulation"
+        elif module in OTHER_TOP:
+            wan = f"{OTHER_TOP[module]}.{tensor}"
         elif len(parts) > 2 and parts[0] == "blocks" and ".".join(parts[2:]) in blocks:
             wan = f"blocks.{parts[1]}.{blocks['.'.join(parts[2:])]}.{tensor}"
         else:

@@ -32,7 +32,10 @@ TOP_NAMES = (("condition_embedder.time_proj", "time_projection.1"),
              ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
              ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
              ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-             ("proj_out", "head.head"))
+             ("proj_out", "head.head"),
+             # Wan 2.1 I2V's image embedder (the CLIP features into the transformer's width)
+             ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),
+             ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"))
 # LyCORIS-kind files name every module `lora_unet_<Wan's name, dots as underscores>`: the
 # generic name ComfyUI maps for any model's weights (it has no diffusers-name table for Wan).
 LYCORIS_RENAMES = tuple((f"blocks.{{n}}.{ours}", f"lora_unet_blocks_{{n}}_{wan.replace('.', '_')}")
