@@ -138,10 +138,13 @@ def test_check_refuses_loras_of_the_other_task(runs: dict, images: Path, tmp_pat
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """The run's I2V pair on the T2V A14B model, a T2V-trained pair on the I2V one (their
     modelspec.architecture), and a Wan 2.1 I2V LoRA (k_img / v_img) on the 2.2 I2V model:
-    `check --init-lora` exits 2 naming the reason; the run's own pair passes."""
+    `check --init-lora` exits 2 naming the reason; the run's own pair passes (with a note on
+    its still images)."""
     out = runs["a"]
     cfg = run_toml(tmp_path, images, family="wan", model=I2V, fmt=None)
     assert main(["check", str(cfg), "--init-lora", str(out / "lora_high_noise.safetensors")]) == 0
+    # (the run's images are stills: check says what they teach an image-to-video model)
+    assert "6 still image(s): an image-to-video model" in capsys.readouterr().out
     t2v = tmp_path / "t2v"
     t2v.mkdir()
     for name in ("high", "low"):
