@@ -174,6 +174,7 @@ def test_i2v_folder_gives_both_experts_and_each_task_refuses_the_others_files(
                                    transformer=t2v), FP32)
 
 
+@pytest.mark.full_only  # the I2V A14B folder's case above covers the folder path by default
 def test_wan21_i2v_folder_and_single_file_give_the_transformer_and_clip_encoder(
         tmp_path: Path) -> None:
     """A Wan 2.1 I2V folder gives the transformer (its image embedder and image

@@ -62,8 +62,9 @@ def _transformer_inputs(pipe: Any, family: Any, comps: Any, image: Image.Image,
     return calls
 
 
-@pytest.mark.parametrize(("variant", "frames"), [(VARIANTS[0], 1), (VARIANTS[0], 5),
-                                                 (VARIANTS[1], 5)])
+@pytest.mark.parametrize(("variant", "frames"), [
+    (VARIANTS[0], 1), (VARIANTS[1], 5),
+    pytest.param(VARIANTS[0], 5, marks=pytest.mark.full_only)])  # (2.1's covers a clip)
 def test_start_condition_is_the_pipelines_bit_for_bit(tmp_path: Path, variant: str,
                                                       frames: int) -> None:
     """The training pixels of an image (a one-frame sample) or of a clip whose first frame it
