@@ -219,6 +219,8 @@ I2V_MODULES = re.compile(r"(?:cross_attn[._](?:k_img|v_img)|attn2[._]add_[kv]_pr
 
 # What other trainers call this family (trainer -> their name -> variant, None: difftune picks
 # it), read by `difftune import`. ai-toolkit's `wan21` covers 1.3B and 14B (the folder or
-# model.variant tells); its `wan22_14b` trains both A14B T2V experts in one run.
+# model.variant tells); its `wan22_14b` trains both A14B T2V experts in one run, and
+# `wan22_14b_i2v` both I2V ones; its `wan21_i2v` (`:14b480p`, `:14b`) is Wan 2.1 I2V 14B.
 OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
-    "ai-toolkit": {"wan21": None, "wan22_14b": "2.2-t2v-a14b"}}
+    "ai-toolkit": {"wan21": None, "wan22_14b": "2.2-t2v-a14b", "wan22_14b_i2v": "2.2-i2v-a14b",
+                   "wan21_i2v": "2.1-i2v-14b"}}
