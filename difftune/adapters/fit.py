@@ -51,12 +51,13 @@ def component_modules(family: Family, comps: Components) -> dict[str, torch.nn.M
 
 
 def check_fit(label: str, tensors: dict[str, torch.Tensor], family: Family,
-              comps: Components) -> None:
+              comps: Components, metadata: dict[str, str] | None = None) -> None:
     """Refuse (CheckpointError) a file whose modules' factors do not fit the model's weights;
     `label` names the file in the message (`--lora PATH`). Modules the model lacks are left
     to the reader's own report; a file the family refuses for another kind of its model
-    (`Family.lora_refusal`) is refused with the family's reason."""
-    why = family.lora_refusal(comps, tensors)
+    (`Family.lora_refusal`, from its tensors and header `metadata`) is refused with the
+    family's reason."""
+    why = family.lora_refusal(comps, tensors, metadata)
     if why is not None:
         raise CheckpointError(f"{label}: {why}")
     if needs_lycoris(tensors):

@@ -144,21 +144,33 @@ class LatentSource:
 
     def _encode(self, item: Item, box: tuple[int, int, int, int], flip: bool
                 ) -> dict[str, torch.Tensor]:
-        """The latent on the CPU in the VAE's dtype (bf16 stays bf16 in the cache), and a
-        masked item's mask reduced to the latent's grid (fp32)."""
+        """The latent on the CPU in the VAE's dtype (bf16 stays bf16 in the cache), a masked
+        item's mask reduced to the latent's grid (fp32), and for an image-to-video family what
+        it reads of the first frame ("start", "start_image": `Family.encode_start`)."""
         if item.clip is not None:  # (3, F, H, W) frames, streamed from the video
             clip = read_clip(item.path, item.clip, item.bucket, box, flip)
-            latent = self.family.encode_clips(self.comps, clip[None])[0].cpu()
+            entry = {"latent": self.family.encode_clips(self.comps, clip[None])[0].cpu(),
+                     **self._start(clip)}
             if item.mask is None:
-                return {"latent": latent}
+                return entry
             mask = load_clip_mask(item.mask, item.clip, item.bucket, box, flip)
-            return {"latent": latent, "mask": to_latent_frames(mask, latent.shape[-3:])}
+            return {**entry, "mask": to_latent_frames(mask, entry["latent"].shape[-3:])}
         pixels = load_pixels(item.path, item.bucket, box, flip)
-        latent = self.family.encode_images(self.comps, pixels[None])[0].cpu()
+        entry = {"latent": self.family.encode_images(self.comps, pixels[None])[0].cpu(),
+                 **self._start(pixels[:, None])}
         if not item.masked:
-            return {"latent": latent}
+            return entry
         mask = load_mask(item.path, item.mask, item.size, item.bucket, box, flip)
-        return {"latent": latent, "mask": to_latent_grid(mask, latent.shape[-2:])}
+        return {**entry, "mask": to_latent_grid(mask, entry["latent"].shape[-2:])}
+
+    def _start(self, frames: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What an image-to-video family reads of a sample's (3, F, H, W) frames (its first
+        frame, prepared as its pipeline prepares a start image: "start", "start_image"); {}
+        for other families."""
+        if not self.family.start_image:
+            return {}
+        return {k: v[0].cpu() for k, v in self.family.encode_start(self.comps,
+                                                                    frames[None]).items()}
 
     def wanted(self) -> list[tuple[int, bool]]:
         """Every (item, flip) variant the run can ask for (both flips where flip is on)."""

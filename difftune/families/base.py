@@ -99,6 +99,11 @@ class Conditioning:
     crops: list[tuple[int, int]]
     target_sizes: list[tuple[int, int]]
     controls: tuple[torch.Tensor, ...] = ()
+    # An image-to-video batch's start-frame condition (`Family.encode_start`'s "start"), one
+    # row per sample, and where the model reads the start image through an image encoder,
+    # that encoder's features of it ("start_image"); None for other families.
+    start: torch.Tensor | None = None
+    start_image: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,9 @@ class Family(Protocol):
     # clips are resampled to; None for a family that trains images only.
     frame_rule: tuple[int, int] | None
     fps: float | None
+    # Image-to-video: each sample's own first frame conditions it (`encode_start`), and a
+    # sample prompt's one input image is its start frame.
+    start_image: bool
     # Names the control-size rule and its parameters (part of control-latent cache keys).
     control_rule: str
 
@@ -206,9 +214,11 @@ class Family(Protocol):
         """The control rule as control-latent cache keys name it (see `control_rule`)."""
         ...
 
-    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
-        """Why a LoRA file is made for another kind of this family's model than the loaded
-        one (None: it is not, or the family cannot tell)."""
+    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor],
+                     metadata: dict[str, str] | None = None) -> str | None:
+        """Why a LoRA file (its tensors and header `metadata`) is made for another kind of
+        this family's model than the loaded one (None: it is not, or the family cannot
+        tell)."""
         ...
 
     def text_image_size(self, image_size: tuple[int, int], control_size: tuple[int, int]
@@ -263,6 +273,12 @@ class Family(Protocol):
     def encode_clips(self, c: Components, pixels: torch.Tensor) -> torch.Tensor:
         """Video clips, (B, 3, F, H, W) in [-1, 1] -> normalized latents (B, C, f, h, w), for
         a family with a `frame_rule` (F one of its valid counts)."""
+        ...
+
+    def encode_start(self, c: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """For a `start_image` family only: a sample's (B, 3, F, H, W) pixels in [-1, 1] ->
+        what its denoiser reads of the first frame, prepared as the family's image-to-video
+        pipeline prepares its start image, by `Conditioning` field ("start", "start_image")."""
         ...
 
     def objective(self, c: Components, cfg: "TrainConfig") -> "Objective":

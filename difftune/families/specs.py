@@ -267,6 +267,10 @@ family's files would load, with the reason.
     # resampled to by default; None: the family trains images only (video files are skipped).
     frame_rule: tuple[int, int] | None = None
     fps: float | None = None
+    # Image-to-video: every sample is conditioned on its own first frame (an image on itself),
+    # prepared as the pipeline prepares its start image (`Family.encode_start`), and a sample
+    # prompt gives its start image as its one input image (`--ci`).
+    start_image: bool = False
     variants: tuple[tuple[str, "FamilySpec"], ...] = ()
     variant: str | None = None
     # Other families whose LoRAs this family reads (`LoraSource`); a LoRA difftune trained for

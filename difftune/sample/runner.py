@@ -101,12 +101,24 @@ class SampleRunner:
         """The prompt file as it is now (re-read at every event); prompts with more input
         images than the family takes are skipped with a warning."""
         specs = read_prompts(self.cfg.prompts, self.default) if self.cfg.prompts else []
+        if self.family.start_image:
+            return self._with_start(specs)
         most = self.family.control_images
         for spec in [s for s in specs if len(s.images) > most]:
             log.warning("sample prompt %r skipped: it names %d input image(s), but "
                         "model.family = \"%s\" takes %s", spec.prompt[:40], len(spec.images),
                         self.family.name, f"at most {most}" if most else "none")
         return [s for s in specs if len(s.images) <= most]
+
+    def _with_start(self, specs: list[PromptSpec]) -> list[PromptSpec]:
+        """An image-to-video family's prompts: those giving one input image, their start
+        frame; the others are skipped with a warning naming the option."""
+        for spec in [s for s in specs if len(s.images) != 1]:
+            log.warning("sample prompt %r skipped: this model.family = \"%s\" variant "
+                        "samples from a start image; give exactly one with --ci PATH "
+                        "(\"images\" in a .toml prompt file), not %d", spec.prompt[:40],
+                        self.family.name, len(spec.images))
+        return [s for s in specs if len(s.images) == 1]
 
     def run(self, step: int, specs: list[PromptSpec] | None = None,
             out_dir: Path | None = None, label: str | None = None) -> list[Path]:

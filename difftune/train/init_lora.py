@@ -94,7 +94,7 @@ def _load_one(path: Path, manager: CheckpointManager, part: str | None) -> None:
         file_alpha = None
     a = manager.cfg.adapter
     _refuse_other_kind(path, raw, meta, a.type, a.dora)
-    check_fit(f"--init-lora {path}", raw, manager.family, manager.comps)
+    check_fit(f"--init-lora {path}", raw, manager.family, manager.comps, meta)
     if uses_lycoris_layout(a.type, a.dora):
         layers = adapted_layers(manager.family, manager.modules(), file_clip_roots(manager.family))
         missing = load_into(path, layers, raw)

@@ -112,6 +112,12 @@ def load_data(cfg: RunConfig, family: Family) -> DataSet:
     class_images.make_folders(cfg)
     found = data.build(cfg.datasets, family.bucket_step, family.control_size,
                        clip_rule(family))
+    stills = sum(it.clip is None for it in found.items)
+    if family.start_image and stills:  # (check prints the note with the dataset's lines)
+        found.notes.append(f"{stills} still image(s): an image-to-video model is conditioned "
+                           "on each sample's first frame, so a still image trains it to keep "
+                           "its start frame unchanged; train on video clips")
+        log.warning("%s", found.notes[-1])
     return holdout.split(cfg, found, family.bucket_step, family.control_size)
 
 

@@ -49,6 +49,8 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
         indices, per_sample = [indices[k] for k in keep], [per_sample[k] for k in keep]
     captions = [run.captions.text(i, s, step) for i, s in zip(indices, per_sample)]
     kept = [controls[k] for k in keep]
+    # an image-to-video sample's start-frame entries ("start", "start_image"), by field
+    starts = [{f: v for f, v in entries[k].items() if f.startswith("start")} for k in keep]
     # Output preservation: the trigger-free twins ride in the same forward, on the same draw.
     twins = preservation.rows(captions, run.cfg.preservation)
     at = [r for r, _ in twins]
@@ -57,7 +59,8 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     noisy, t = ((torch.cat([draw.noisy, draw.noisy[at]]), torch.cat([draw.t, draw.t[at]]))
                 if at else (draw.noisy, draw.t))
     pred = predict(run, indices + rows_of(indices), per_sample + rows_of(per_sample),
-                    captions + [c for _, c in twins], kept + rows_of(kept), noisy, t)
+                    captions + [c for _, c in twins], kept + rows_of(kept), noisy, t,
+                    starts + rows_of(starts))
     mask = _masks(run, [entries[k] for k in keep], indices)
     err = losses.elementwise(pred[:n], draw.target,
                              *losses.options(run.cfg.train, run.objective, draw.t))
@@ -66,7 +69,7 @@ def batch_loss(run: Run, indices: list[int], flips: list[bool], generator: torch
     if twins:
         loss = loss + _preservation_loss(run, pred[n:], rows_of(indices), rows_of(per_sample),
                                          [c for _, c in twins], rows_of(kept),
-                                         draw.noisy[at], draw.t[at])
+                                         draw.noisy[at], draw.t[at], rows_of(starts))
     return loss
 
 
@@ -81,9 +84,12 @@ def _masks(run: Run, entries: list[dict[str, torch.Tensor]], indices: list[int]
 
 
 def predict(run: Run, indices: list[int], seeds: list[int | None], captions: list[str],
-             controls: list, noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The denoiser's prediction for these rows: their captions' embeddings, sizes, crops
-    and control latents (`controls[j]`: row j's, as `ControlSource.readable` gave them)."""
+            controls: list, noisy: torch.Tensor, t: torch.Tensor,
+            starts: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
+    """The denoiser's prediction for these rows: their captions' embeddings, sizes, crops,
+    control latents (`controls[j]`: row j's, as `ControlSource.readable` gave them) and, for
+    an image-to-video family, what it reads of the start frame (`starts[j]`: row j's cache
+    entries by `Conditioning` field)."""
     device = run.policy.device
     images = [run.controls.text_images(i) for i in indices]  # () unless the encoder reads them
     embeds = run.texts.get(captions, images).to(device)
@@ -91,19 +97,23 @@ def predict(run: Run, indices: list[int], seeds: list[int | None], captions: lis
     if controls[0]:  # one (B, C, h, w) tensor per control image: the sampler never mixes sizes
         cond = replace(cond, controls=tuple(torch.stack([c[k] for c in controls]).to(device)
                                             for k in range(len(controls[0]))))
+    if starts and starts[0]:
+        cond = replace(cond, **{f: torch.stack([s[f] for s in starts]).to(device)
+                                for f in starts[0]})
     with run.policy.autocast():
         return run.family.predict(run.comps, noisy, embeds, t, cond)
 
 
 def _preservation_loss(run: Run, pred: torch.Tensor, indices: list[int],
                        seeds: list[int | None], captions: list[str], controls: list,
-                       noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                       noisy: torch.Tensor, t: torch.Tensor,
+                       starts: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     """`preservation.weight` times the error of the adapter's predictions `pred` on the
     trigger-free captions against the base model's (adapters off, no gradient), on the same
     noisy latents and timesteps; the unweighted error is recorded for metrics.jsonl."""
     with torch.no_grad(), preservation.adapters_off([run.comps.denoiser,
                                                      *run.trained_encoders.values()]):
-        base = predict(run, indices, seeds, captions, controls, noisy, t)
+        base = predict(run, indices, seeds, captions, controls, noisy, t, starts)
     term = losses.batch_mean(losses.per_sample(losses.elementwise(pred, base)))
     preservation.accumulate(run.extras, term)
     return term * run.cfg.preservation.weight

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -100,8 +100,10 @@ class Validator:
         draw = run.objective.draw_at(x0, self.noise(index, latent.shape), self.t)
         embeds = run.texts.get([self.captions[index]] * n).to(device)
         with run.policy.autocast():
-            pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t,
-                                      self._conditioning(index, n))
+            cond = replace(self._conditioning(index, n), **{  # image-to-video: its own start
+                f: v[None].expand(n, *v.shape).to(device) for f, v in entry.items()
+                if f.startswith("start")})
+            pred = run.family.predict(run.comps, draw.noisy, embeds, draw.t, cond)
         err = losses.elementwise(pred, draw.target,
                                  *losses.options(run.cfg.train, run.objective, draw.t))
         mask = (masks.batch_weights([entry] * n, [self.items[index].unmasked_weight] * n)

@@ -102,8 +102,9 @@ def run_sample(cfg: RunConfig, loras: list[LoraArg], prompts: Path | None,
     lowbit.apply_to_components(comps, family, policy, cfg.precision.quantize)
     across = _read_across(comps, family, sources)
     for lora in loras:
-        tensors = across[lora] if lora in across else load_lora_file(lora.path)[0]
-        check_fit(f"--lora {lora.path}", tensors, family, comps)
+        tensors, metadata = load_lora_file(lora.path)
+        tensors = across.get(lora, tensors)  # another family's file: its translated factors
+        check_fit(f"--lora {lora.path}", tensors, family, comps, metadata)
     options = EncodeOptions(t5_mask=cfg.model.t5_mask, clip_skip=cfg.model.clip_skip)
     texts = TextSource(family, comps, MemoryStore(), options)
     res = max(cfg.datasets[0].resolutions)

@@ -10,6 +10,7 @@ the CPU.
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import diffusers
@@ -19,6 +20,7 @@ from diffusers import (ChromaPipeline, Flux2KleinPipeline, FluxKontextPipeline, 
                        QwenImage21Pipeline, QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline,
                        StableDiffusionXLPipeline, WanPipeline, ZImagePipeline)
 
+from difftune import families
 from difftune.cli import main
 from difftune.verbs.demo import demo_dir
 from difftune.families.anima.sampling import sampling_pipeline
@@ -69,6 +71,9 @@ PIPELINES = {"anima-lora.toml": (lambda t5_embedding, **parts: sampling_pipeline
              # both A14B experts: transformer/ (high noise) and transformer_2/ (low), and
              # the released boundary_ratio
              "wan22-a14b-video-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.2-t2v-a14b")),
+             # both I2V A14B experts, 36 input channels each, and the released boundary_ratio
+             "wan22-i2v-a14b-lora.toml": (diffusers.WanImageToVideoPipeline,
+                                          lambda: build_tiny_wan("2.2-i2v-a14b")),
              "z-image-lora.toml": (ZImagePipeline, build_tiny_z_image)}
 PIPELINES["ernie-image-lora.toml"] = (diffusers.ErnieImagePipeline, build_tiny_ernie_image)
 # Single-file overrides of the folder (the FLUX.1 example's ComfyUI files) are dropped: the
@@ -104,6 +109,9 @@ def _localize(example: Path, tmp_path: Path, images: Path, prompts: Path) -> Pat
             r'"/data/[^"]*"', f'"{(edit / "before").as_posix()}"', m.group(0)), text,
             flags=re.MULTILINE)
         prompts = edit / "prompts.txt"  # with input images (an edit-only pipeline needs one)
+    model = tomllib.loads(text)["model"]
+    if families.spec(model["family"], model.get("variant")).start_image:
+        prompts = demo_dir().parent / "edit" / "prompts.txt"  # image-to-video: a start image
     text = re.sub(r'^path = "/data/[^"]*"', f'path = "{images.as_posix()}"', text,
                   flags=re.MULTILINE)
     text = re.sub(r'^dir = "/runs/[^"]*"', f'dir = "{(tmp_path / "out").as_posix()}"', text,
@@ -143,11 +151,16 @@ def test_check_passes_on_the_tiny_example(capsys: pytest.CaptureFixture[str], tm
     assert "check passed" in capsys.readouterr().out
 
 
+# Examples whose text encoders are another example's, from the same kind of folder (Wan 2.2
+# I2V A14B's UMT5 is wan22-a14b-video-lora's).
+SAME_ENCODERS = {"wan22-i2v-a14b-lora.toml"}
+
+
 def _reload_tier(name: str) -> object:
     """An edit example (it names control_path) or a full fine-tune reloads the same text
     encoders as its family's LoRA example, whose case runs by default: its own runs with --full."""
     text = (EXAMPLES / name).read_text(encoding="utf-8")
-    again = "control_path" in text or 'type = "full"' in text
+    again = "control_path" in text or 'type = "full"' in text or name in SAME_ENCODERS
     return pytest.param(name, marks=pytest.mark.full_only if again else ())
 
 

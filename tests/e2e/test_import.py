@@ -566,7 +566,8 @@ def test_ai_toolkit_wan21_and_wan22_14b_are_wan_runs(
         tmp_path: Path, images: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """ai-toolkit's arch wan21 imports as model.family = "wan"; wan22_14b as both A14B experts
     in one run (variant 2.2-t2v-a14b), its stages (model_kwargs.train_high_noise /
-    train_low_noise) as train.experts and switch_boundary_every as train.expert_switch_every."""
+    train_low_noise) as train.experts and switch_boundary_every as train.expert_switch_every;
+    wan22_14b_i2v and wan21_i2v as the image-to-video variants."""
     (tmp_path / "wan").mkdir()
     job = ("config:\n  process:\n    - type: sd_trainer\n      model: "
            "{arch: ARCH, name_or_path: wan}\n      datasets: [{folder_path: IMAGES}]\n")
@@ -592,3 +593,13 @@ def test_ai_toolkit_wan21_and_wan22_14b_are_wan_runs(
                            tmp_path / "c.toml")
     assert code == 0, err
     assert load_config(tmp_path / "c.toml").train.expert_switch_every == 1
+    # the image-to-video archs: both I2V A14B experts, and Wan 2.1 I2V 14B (its size after ':')
+    for n, (arch, variant) in enumerate((("wan22_14b_i2v", "2.2-i2v-a14b"),
+                                         ("wan21_i2v:14b480p", "2.1-i2v-14b"))):
+        (tmp_path / f"i{n}.yaml").write_text(job.replace("ARCH", arch).replace(
+            "IMAGES", images.as_posix()), encoding="utf-8")
+        code, _, err = _import(capsys, "ai-toolkit", tmp_path / f"i{n}.yaml", "--out",
+                               tmp_path / f"i{n}.toml")
+        assert code == 0, err
+        cfg = load_config(tmp_path / f"i{n}.toml")
+        assert (cfg.model.family, cfg.model.variant) == ("wan", variant)

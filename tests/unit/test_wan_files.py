@@ -137,7 +137,8 @@ def test_an_image_to_video_transformer_is_refused(saved: tuple[dict, Path],
                                    "added_kv_proj_dim": 24})
     path = tmp_path / "wan2.1_i2v_480p_14B_bf16.safetensors"
     save_file({k: v.contiguous() for k, v in i2v.state_dict().items()}, str(path))
-    with pytest.raises(ModelFileError, match="image-to-video transformer.*T2V file"):
+    with pytest.raises(ModelFileError, match='2.1 image-to-video transformer; set '
+                       'model.variant = "2.1-i2v-14b"'):
         load_wan_files(ModelConfig(family="wan", path=folder, transformer=path), FP32)
 
 
@@ -145,3 +146,61 @@ def test_layout_places_every_tensor_once() -> None:
     model = build_tiny_wan()["transformer"]
     layout = single_file_layout(SimpleNamespace(**{"state_dict": model.state_dict}))
     assert sorted(s for p in layout.values() for s in p.sources) == sorted(model.state_dict())
+
+
+def test_i2v_folder_gives_both_experts_and_each_task_refuses_the_others_files(
+        saved: tuple[dict, Path], tmp_path: Path) -> None:
+    """A WanImageToVideoPipeline folder of the I2V A14B pair loads as the "2.2-i2v-a14b"
+    variant; its 36-channel expert file on a text-to-video variant, and a T2V file on the
+    I2V variant, are refused naming the variant."""
+    from diffusers import WanImageToVideoPipeline
+
+    tiny = build_tiny_wan("2.2-i2v-a14b")
+    folder = tmp_path / "Wan2.2-I2V-A14B-Diffusers"
+    WanImageToVideoPipeline(**tiny).save_pretrained(
+        str(folder), safe_serialization=True)
+    parts = load_wan_files(ModelConfig(family="wan", variant="2.2-i2v-a14b", path=folder), FP32)
+    for part in ("transformer", "transformer_2"):
+        assert_same_weights(parts[part], tiny[part])
+    high = tmp_path / "wan2.2_i2v_high_noise_14B_fp16.safetensors"
+    write_layout(high, single_file_layout(tiny["transformer"]),
+                 tiny["transformer"].state_dict(), torch.float32)
+    with pytest.raises(ModelFileError, match=r'image-to-video transformer \(36 input channels'
+                       r'\).*"2.1-t2v-1.3b" is text-to-video; set model.variant = "2.2-i2v'):
+        load_wan_files(ModelConfig(family="wan", path=saved[1], transformer=high), FP32)
+    t2v = saved[1].parent / "wan2.1_t2v_1.3B_bf16.safetensors"
+    with pytest.raises(ModelFileError, match=r"text-to-video transformer \(16 input channels"):
+        load_wan_files(ModelConfig(family="wan", variant="2.2-i2v-a14b", path=folder,
+                                   transformer=t2v), FP32)
+
+
+@pytest.mark.full_only  # the I2V A14B folder's case above covers the folder path by default
+def test_wan21_i2v_folder_and_single_file_give_the_transformer_and_clip_encoder(
+        tmp_path: Path) -> None:
+    """A Wan 2.1 I2V folder gives the transformer (its image embedder and image
+    cross-attention) and the CLIP vision encoder and processor as saved, whose files are part
+    of the fingerprint; ComfyUI's single transformer file (Wan's names) over it is read with
+    its image embedder's width."""
+    import os
+
+    from diffusers import WanImageToVideoPipeline
+
+    tiny = build_tiny_wan("2.1-i2v-14b")
+    _randomized(tiny["transformer"])
+    folder = tmp_path / "Wan2.1-I2V-14B-480P-Diffusers"
+    WanImageToVideoPipeline(**tiny).save_pretrained(str(folder), safe_serialization=True)
+    cfg = ModelConfig(family="wan", variant="2.1-i2v-14b", path=folder)
+    parts = load_wan_files(cfg, FP32)
+    for name in ("transformer", "image_encoder", "vae"):
+        assert_same_weights(parts[name], tiny[name])
+    assert parts["image_processor"].crop_size == {"height": 32, "width": 32}
+    weights = next((folder / "image_encoder").glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert load_wan_files(cfg, FP32)["fingerprint"] != parts["fingerprint"]
+    single = tmp_path / "wan2.1_i2v_480p_14B_bf16.safetensors"
+    write_layout(single, single_file_layout(tiny["transformer"]),
+                 tiny["transformer"].state_dict(), torch.float32)
+    assert "img_emb.proj.1.weight" in load_file(str(single))
+    parts = load_wan_files(ModelConfig(family="wan", variant="2.1-i2v-14b", path=folder,
+                                       transformer=single), FP32)
+    assert_same_weights(parts["transformer"], tiny["transformer"])

@@ -117,7 +117,8 @@ class AnimaFamily(FamilyBase):
         conditioner = c.extras["text_conditioner"].state_dict()
         return {f"llm_adapter.{k}": v for k, v in conditioner.items()}
 
-    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
+    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor],
+                     metadata: dict[str, str] | None = None) -> str | None:
         """A LoRA that also adapts the LLM adapter (`llm_adapter.*` in the original names,
         which sd-scripts can train; `text_conditioner.*` in diffusers'): difftune trains and
         samples Anima's transformer only, so starting from it or sampling with it would drop

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 FACTS = ("name", "text_encoders", "bucket_step", "denoiser_prefix", "default_cfg",
          "text_encoder_prefixes", "keep_high", "swap_blocks", "compile_blocks", "default_format",
          "control_images", "lycoris_prefix", "conv_targets", "lycoris_renames", "lora_unread",
-         "formats", "frame_rule", "fps", "experts", "boundary")
+         "formats", "frame_rule", "fps", "experts", "boundary", "start_image")
 
 
 def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -306,7 +306,8 @@ class FamilyBase:
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor]) -> str | None:
+    def lora_refusal(self, c: Components, tensors: dict[str, torch.Tensor],
+                     metadata: dict[str, str] | None = None) -> str | None:
         """Why a LoRA file (its tensors as stored) is made for another kind of this family's
         model than the loaded one, or None: where a family can tell (Wan's image-to-video
         LoRAs on text-to-video models), `check_fit` refuses the file with the reason rather

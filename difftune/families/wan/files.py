@@ -22,10 +22,11 @@ import torch
 from difftune.errors import ModelFileError
 from difftune.families.common import frame_vae
 from difftune.families.common.components import t5_from_state
-from difftune.families.common.folders import check_folder, from_folder
+from difftune.families.common.folders import check_folder, folder_files, from_folder
 from difftune.families.common.single_file import (assign_state, cast_state, count_blocks,
                                                   missing_error, read_safetensors, strip_prefix)
 from difftune.families.common.transformer_folder import FolderLayout, load_components
+from difftune.families.wan.spec import IMAGE_ENCODED
 
 if TYPE_CHECKING:
     from difftune.config import ModelConfig
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 WHAT = "Wan"
 LOW_NOISE = "2.2-t2v-a14b-low"
 BOTH = "2.2-t2v-a14b"  # both experts: transformer/ (high noise) and transformer_2/ (low)
+PAIRS = (BOTH, "2.2-i2v-a14b")  # the variants of both experts (T2V and I2V)
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (UniPC over flow sigmas,
 # shift 3); the 14B and 2.2 A14B releases use the same.
 SCHEDULER_CONFIG: dict[str, Any] = {
@@ -62,6 +64,10 @@ TRANSFORMER_CONFIG: dict[str, Any] = {
 OTHER_BLOCK = (("attn1.norm_q", "self_attn.norm_q"), ("attn1.norm_k", "self_attn.norm_k"),
                ("attn2.norm_q", "cross_attn.norm_q"), ("attn2.norm_k", "cross_attn.norm_k"),
                ("attn2.norm_added_k", "cross_attn.norm_k_img"), ("norm2", "norm3"))
+# ... and outside the blocks: Wan 2.1 I2V's image embedder norms (img_emb.proj.1 and .3, its
+# linear layers, are in spec.TOP_NAMES).
+OTHER_TOP = {"condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+             "condition_embedder.image_embedder.norm2": "img_emb.proj.4"}
 HEAD = 128  # every released Wan transformer's head width
 TINY_HEAD = 12  # the tiny flavors' (narrower models than any release)
 _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -70,14 +76,13 @@ _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 def transformer_config(sd: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
     """WanTransformer3DModel config from a diffusers-layout state dict's shapes (the head
     width is not stored: 128 as released, 12 below 128 wide)."""
-    if "condition_embedder.image_embedder.ff.net.0.proj.weight" in sd:
-        raise ModelFileError(f"{path} is a Wan image-to-video transformer (it has the image "
-                             "embedder); difftune trains Wan's text-to-video models: give a "
-                             "T2V file (wan2.1_t2v_*, wan2.2_t2v_*)")
+    image = sd.get("condition_embedder.image_embedder.ff.net.0.proj.weight")
     try:
         dim, channels = sd["patch_embedding.weight"].shape[:2]
         head = HEAD if dim % HEAD == 0 else TINY_HEAD
-        return {**TRANSFORMER_CONFIG, "num_attention_heads": dim // head,
+        # Wan 2.1 I2V: the image embedder (CLIP features' width in) and its cross-attention
+        images = {} if image is None else {"image_dim": image.shape[1], "added_kv_proj_dim": dim}
+        return {**TRANSFORMER_CONFIG, **images, "num_attention_heads": dim // head,
                 "attention_head_dim": head, "in_channels": channels,
                 "out_channels": sd["proj_out.weight"].shape[0] // 4,
                 "text_dim": sd["condition_embedder.text_embedder.linear_1.weight"].shape[1],
@@ -141,7 +146,7 @@ def _check_expert(folder: Path, variant: str | None) -> None:
     """A Wan 2.2 A14B folder holds two experts: refuse to read its `transformer/` (the
     high-noise expert) as a Wan 2.1 model, naming the variants that train them."""
     index = folder / "model_index.json"
-    if variant in (LOW_NOISE, BOTH) or not index.is_file():
+    if variant == LOW_NOISE or variant in PAIRS or not index.is_file():
         return
     try:
         experts = json.loads(index.read_text(encoding="utf-8")).get("transformer_2")
@@ -162,7 +167,7 @@ def _layout(variant: str | None) -> FolderLayout:
     return FolderLayout(WHAT, WanTransformer3DModel, AutoencoderKLWan, load_transformer_file,
                         load_vae_file, SCHEDULER_CONFIG, UniPCMultistepScheduler,
                         "transformer_2" if variant == LOW_NOISE else "transformer",
-                        others=("transformer_2",) if variant == BOTH else ())
+                        others=("transformer_2",) if variant in PAIRS else ())
 
 
 def load_wan_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
@@ -171,7 +176,52 @@ def load_wan_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[s
     folder = _folder(cfg)
     if cfg.transformer is None:
         _check_expert(folder, cfg.variant)
-    return load_components(cfg, dtypes, folder, _layout(cfg.variant), load_wan_text_encoders)
+    # Wan 2.1 I2V's CLIP vision encoder files (from the folder) are part of its identity
+    images = (folder_files(folder, ["image_encoder", "image_processor"])[1:]
+              if cfg.variant in IMAGE_ENCODED else [])
+    parts = load_components(cfg, dtypes, folder, _layout(cfg.variant), load_wan_text_encoders,
+                            tuple(images))
+    _check_task(parts, cfg)
+    if cfg.variant in IMAGE_ENCODED:  # Wan 2.1 I2V: the CLIP vision encoder, from the folder
+        from transformers import CLIPImageProcessor, CLIPVisionModel
+
+        parts.update(image_encoder=from_folder(CLIPVisionModel, folder, "image_encoder",
+                                               dtypes["text_encoders"], WHAT),
+                     image_processor=from_folder(CLIPImageProcessor, folder, "image_processor",
+                                                 None, WHAT))
+    return parts
+
+
+def _check_task(parts: dict[str, Any], cfg: "ModelConfig") -> None:
+    """A transformer of another kind than the variant's refused, naming the variant that
+    trains it: an image-to-video one (36 input channels: the noisy latents and the start-frame
+    condition) given to a text-to-video variant, a T2V one (16) to an I2V variant, and Wan 2.1
+    I2V's (with the image embedder of its CLIP features) against Wan 2.2 I2V A14B's."""
+    from difftune.families.wan.spec import I2V_14B, I2V_A14B, SPEC
+
+    i2v = SPEC.pick(cfg.variant).start_image
+    for part in ("transformer", "transformer_2"):
+        model = parts.get(part)
+        if model is None:
+            continue
+        source = getattr(cfg, part, None) or Path(str(cfg.path)) / part
+        clip = model.config.image_dim is not None
+        if clip != (cfg.variant in IMAGE_ENCODED):
+            want = I2V_14B if clip else I2V_A14B
+            raise ModelFileError(f"{source} is a Wan {'2.1' if clip else '2.2'} "
+                                 f"image-to-video transformer; set model.variant = "
+                                 f"\"{want.variant}\" to train it, or give that variant's files")
+        channels = int(model.config.in_channels)
+        if (channels == 36) != i2v:
+            which = I2V_14B if clip else I2V_A14B
+            fix = (f'model.variant = "{which.variant}" to train it' if channels == 36 else
+                   "a text-to-video variant (model.variant) to train it")
+            raise ModelFileError(
+                f"{source} is a Wan {'image' if channels == 36 else 'text'}-to-video "
+                f"transformer ({channels} input channels), but model.variant = "
+                f"\"{SPEC.pick(cfg.variant).variant}\" is "
+                f"{'image' if i2v else 'text'}-to-video; set {fix}, or give that variant's "
+                "files")
 
 
 def load_wan_text_encoders(cfg: "ModelConfig", dtype: torch.dtype) -> dict[str, Any]:
@@ -200,6 +250,8 @@ def single_file_layout(model: torch.nn.Module) -> "Layout":
             wan = "head.modulation"
         elif tensor == "scale_shift_table":  # a block's own table: blocks.N.modulation
             wan = f"{module}.modulation"
+        elif module in OTHER_TOP:
+            wan = f"{OTHER_TOP[module]}.{tensor}"
         elif len(parts) > 2 and parts[0] == "blocks" and ".".join(parts[2:]) in blocks:
             wan = f"blocks.{parts[1]}.{blocks['.'.join(parts[2:])]}.{tensor}"
         else:

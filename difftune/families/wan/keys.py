@@ -31,13 +31,16 @@ from difftune.families.wan.spec import BLOCK_NAMES, TOP_NAMES
 # variant.
 ARCHITECTURE = {"2.1-t2v-1.3b": "wan-2.1-t2v-1.3b", "2.1-t2v-14b": "wan-2.1-t2v-14b",
                 "2.2-t2v-a14b-low": "wan-2.2-t2v-a14b-low-noise",
-                "2.2-t2v-a14b": "wan-2.2-t2v-a14b"}
+                "2.2-t2v-a14b": "wan-2.2-t2v-a14b", "2.2-i2v-a14b": "wan-2.2-i2v-a14b",
+                "2.1-i2v-14b": "wan-2.1-i2v-14b"}
 IMPLEMENTATION = {"2.1-t2v-1.3b": "https://github.com/Wan-Video/Wan2.1",
                   "2.1-t2v-14b": "https://github.com/Wan-Video/Wan2.1",
                   "2.2-t2v-a14b-low": "https://github.com/Wan-Video/Wan2.2",
-                  "2.2-t2v-a14b": "https://github.com/Wan-Video/Wan2.2"}
+                  "2.2-t2v-a14b": "https://github.com/Wan-Video/Wan2.2",
+                  "2.2-i2v-a14b": "https://github.com/Wan-Video/Wan2.2",
+                  "2.1-i2v-14b": "https://github.com/Wan-Video/Wan2.1"}
 BASE_VERSION = {"2.1-t2v-1.3b": "wan21", "2.1-t2v-14b": "wan21", "2.2-t2v-a14b-low": "wan22",
-                "2.2-t2v-a14b": "wan22"}
+                "2.2-t2v-a14b": "wan22", "2.2-i2v-a14b": "wan22", "2.1-i2v-14b": "wan21"}
 NETWORK_MODULE = "networks.lora_wan"
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")

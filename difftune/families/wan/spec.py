@@ -1,12 +1,14 @@
 """Wan's light facts (no torch): its UMT5 text encoder, objective, refusals, defaults, and the
-released kinds it trains from still images.
+released kinds it trains from still images and clips.
 
 Wan 2.1 T2V 1.3B and 14B, and Wan 2.2 A14B's low-noise expert, share the architecture
 (WanTransformer3DModel, AutoencoderKLWan, UMT5-XXL) and WanPipeline; they differ in size, and
 the 2.2 expert sits in the pipeline's `transformer_2` (run alone with `transformer=None,
-boundary_ratio=1.0`, so every step is the low-noise expert's). `model.variant` picks one (a
-folder's model_index.json names WanPipeline for all three, so the variant is the config's).
-Read by config validation before anything heavy is imported, and by `WanFamily`.
+boundary_ratio=1.0`, so every step is the low-noise expert's). Wan 2.2 A14B's two experts train
+in one run (T2V; and I2V, WanImageToVideoPipeline's, each sample conditioned on its own first
+frame). `model.variant` picks one (a folder's model_index.json names WanPipeline for the T2V
+kinds, so the variant is the config's; WanImageToVideoPipeline the I2V one). Read by config
+validation before anything heavy is imported, and by `WanFamily`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ TOP_NAMES = (("condition_embedder.time_proj", "time_projection.1"),
              ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
              ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
              ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-             ("proj_out", "head.head"))
+             ("proj_out", "head.head"),
+             # Wan 2.1 I2V's image embedder (the CLIP features into the transformer's width)
+             ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),
+             ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"))
 # LyCORIS-kind files name every module `lora_unet_<Wan's name, dots as underscores>`: the
 # generic name ComfyUI maps for any model's weights (it has no diffusers-name table for Wan).
 LYCORIS_RENAMES = tuple((f"blocks.{{n}}.{ours}", f"lora_unet_blocks_{{n}}_{wan.replace('.', '_')}")
@@ -122,6 +127,24 @@ T2V_14B = replace(
                   singles=(("transformer", "wan2.1_t2v_14B_bf16.safetensors"),
                            *T2V_13B.files.singles[1:])))
 
+# Wan 2.1 I2V 14B: WanImageToVideoPipeline's one transformer, reading the 36 channels of the
+# 2.2 I2V experts (noisy latents, then the first-frame mask and start-frame condition) and,
+# through its image cross-attention (`add_k_proj`/`add_v_proj`, Wan's `k_img`/`v_img`), the
+# penultimate hidden states of its CLIP vision encoder (open-clip ViT-H/14, `image_encoder/`)
+# of the start image as its `image_processor/` prepares it.
+I2V_14B = replace(
+    T2V_14B, variant="2.1-i2v-14b", start_image=True, pipeline_class="WanImageToVideoPipeline",
+    # 14.29 B of T2V 14B + 40 blocks x 2 image projections of 5120 x 5120 + the image embedder
+    sizes=(ModelSize("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", 16.39, UMT5_SIZE, 40, 5120),),
+    files=replace(T2V_14B.files, folder="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+                  singles=(("transformer", "wan2.1_i2v_480p_14B_bf16.safetensors"),
+                           *T2V_13B.files.singles[1:]),
+                  folder_holds="tokenizer/ (UMT5's; no single file holds it), image_encoder/ "
+                               "and image_processor/ (the CLIP vision encoder)",
+                  # its transformer has the image embedder the others lack
+                  markers=(("condition_embedder.time_proj", "condition_embedder.image_embedder"),
+                           ("time_projection.1", "img_emb")), unmarked=()))
+
 # The low-noise expert of Wan 2.2 T2V A14B (the 14B architecture): the pipeline's
 # `transformer_2`, whose LoRA users load into ComfyUI's low-noise branch and into WanPipeline
 # with `load_into_transformer_2=True`.
@@ -135,8 +158,7 @@ A14B_LOW = replace(
 
 # Wan 2.2's boundary_ratio (the released model_index.json's): WanPipeline runs `transformer`,
 # the high-noise expert, at the timesteps t >= boundary_ratio x num_train_timesteps of its
-# shifted schedule, and `transformer_2`, the low-noise one, below. I2V A14B's is 0.9 (its
-# variant is not trained yet).
+# shifted schedule, and `transformer_2`, the low-noise one, below. I2V A14B's is 0.9.
 BOUNDARY = {"t2v": 0.875, "i2v": 0.9}
 EXPERTS = (ExpertSpec("high", "transformer", "_high_noise", noisy=True),
            ExpertSpec("low", "transformer_2", "_low_noise", noisy=False))
@@ -167,16 +189,38 @@ A14B = replace(
                            ("transformer_2", "wan2.2_t2v_low_noise_14B_fp16.safetensors"),
                            *T2V_13B.files.singles[1:])))
 
+# Both experts of Wan 2.2 I2V A14B: WanImageToVideoPipeline's, each transformer reading 36
+# channels, the 16 noisy latent ones then its prepare_latents' condition (4 of the first-frame
+# mask, 16 of the start image and zero frames after it, VAE-encoded and normalized) and
+# predicting the 16; no CLIP image encoder (image_dim None), switched at 0.9.
+I2V_A14B = replace(
+    A14B, variant="2.2-i2v-a14b", boundary=BOUNDARY["i2v"], start_image=True,
+    pipeline_class="WanImageToVideoPipeline",
+    default_cfg=3.5,  # Wan 2.2 I2V A14B's sample_guide_scale (both experts)
+    sizes=(ModelSize("Wan-AI/Wan2.2-I2V-A14B-Diffusers (one expert at a time)", 14.29,
+                     UMT5_SIZE, 40, 5120),),
+    files=replace(A14B.files, folder="Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+                  singles=(("transformer", "wan2.2_i2v_high_noise_14B_fp16.safetensors"),
+                           ("transformer_2", "wan2.2_i2v_low_noise_14B_fp16.safetensors"),
+                           *T2V_13B.files.singles[1:])))
+
+# The variants whose pipeline encodes the start image with its CLIP vision encoder too.
+IMAGE_ENCODED = ("2.1-i2v-14b",)
+
 SPEC = replace(T2V_13B, variant=None, variants=(("2.1-t2v-1.3b", T2V_13B),
                                                 ("2.1-t2v-14b", T2V_14B),
                                                 ("2.2-t2v-a14b-low", A14B_LOW),
-                                                ("2.2-t2v-a14b", A14B)))
+                                                ("2.2-t2v-a14b", A14B),
+                                                ("2.2-i2v-a14b", I2V_A14B),
+                                                ("2.1-i2v-14b", I2V_14B)))
 
 # An I2V LoRA's image cross-attention projections, which no T2V (2.1 or 2.2) model has.
 I2V_MODULES = re.compile(r"(?:cross_attn[._](?:k_img|v_img)|attn2[._]add_[kv]_proj|img_emb)")
 
 # What other trainers call this family (trainer -> their name -> variant, None: difftune picks
 # it), read by `difftune import`. ai-toolkit's `wan21` covers 1.3B and 14B (the folder or
-# model.variant tells); its `wan22_14b` trains both A14B T2V experts in one run.
+# model.variant tells); its `wan22_14b` trains both A14B T2V experts in one run, and
+# `wan22_14b_i2v` both I2V ones; its `wan21_i2v` (`:14b480p`, `:14b`) is Wan 2.1 I2V 14B.
 OTHER_TRAINERS: dict[str, dict[str, str | None]] = {
-    "ai-toolkit": {"wan21": None, "wan22_14b": "2.2-t2v-a14b"}}
+    "ai-toolkit": {"wan21": None, "wan22_14b": "2.2-t2v-a14b", "wan22_14b_i2v": "2.2-i2v-a14b",
+                   "wan21_i2v": "2.1-i2v-14b"}}

@@ -41,19 +41,27 @@ def runs(tmp_path_factory: pytest.TempPathFactory, images: Path) -> dict:
     prompts.write_text("a red circle --w 16 --h 16 --s 4 --d 7\n", encoding="utf-8")
     cfgs = [run_toml(root / name, images, steps=STEPS, prompts=prompts, fmt=None,
                      family="wan", model=A14B) for name in ("a", "b")]
-    seen: list[torch.Tensor] = []
+    rows, seen = recorded_runs(cfgs, STOP, *SETS)
+    return {"cfg": cfgs[0], "a": root / "a" / "out", "b": root / "b" / "out", "rows": rows,
+            "timesteps": [t for t, _ in seen], "prompts": prompts}
+
+
+def recorded_runs(cfgs: list[Path], stop: int, *sets: str) -> tuple[tuple, list]:
+    """`stopped_and_resumed` over run files `cfgs` (a, b), recording each training forward of
+    the two-expert model: ([a's (step, loss) rows, b's], [(its timesteps, its input
+    channels), ...] of a's steps, then b's)."""
+    seen: list[tuple[torch.Tensor, int]] = []
     real = Experts.forward
 
     def recording(self: Experts, hidden_states: torch.Tensor, timestep: torch.Tensor,
                   *args: object, **kwargs: object) -> tuple[torch.Tensor]:
-        seen.append(timestep.detach().clone())
+        seen.append((timestep.detach().clone(), hidden_states.shape[1]))
         return real(self, hidden_states, timestep, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Experts, "forward", recording)
-        rows = stopped_and_resumed(cfgs[0], cfgs[1], mp, STOP, *SETS)
-    return {"cfg": cfgs[0], "a": root / "a" / "out", "b": root / "b" / "out", "rows": rows,
-            "timesteps": seen, "prompts": prompts}
+        rows = stopped_and_resumed(cfgs[0], cfgs[1], mp, stop, *sets)
+    return rows, seen
 
 
 def _turns(steps: range) -> list[str]:
