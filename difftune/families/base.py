@@ -140,6 +140,14 @@ class Components:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+def start_encoders(c: Components) -> list[torch.nn.Module]:
+    """The modules kept in `c.extras` (an image-to-video model's image encoder): they encode
+    the sample images with the VAE into what the latent cache holds, so they travel with the
+    VAE (off the accelerator once latents are cached, back on it while sampling) and count
+    with the encoders in `check`'s memory estimate."""
+    return [m for m in c.extras.values() if isinstance(m, torch.nn.Module)]
+
+
 def blocks_of(denoiser: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Module]:
     """The blocks under the denoiser's submodules `names` (dotted paths: a two-expert model's
     `transformer.blocks`), in order (a single block counts as a list of one)."""

@@ -139,18 +139,25 @@ class SampleRunner:
 
     @contextlib.contextmanager
     def _sampling_state(self) -> Iterator[None]:
-        """Eval mode for every module, the VAE on the device; all put back afterwards."""
+        """Eval mode for every module, the VAE (and an image encoder) on the device; all put
+        back afterwards."""
+        from difftune.families.base import start_encoders
+
         modules = [m for m in (self.comps.denoiser, self.comps.vae,
                                *self.comps.text_encoders.values()) if m is not None]
         modes = [m.training for m in modules]
-        vae_device = next(self.comps.vae.parameters()).device
+        # offloaded after caching, needed to decode (and to encode a start image)
+        moved = [self.comps.vae, *start_encoders(self.comps)]
+        devices = [next(m.parameters()).device for m in moved]
         for m in modules:
             m.eval()
-        self.comps.vae.to(self.policy.device)  # offloaded after caching, needed to decode
+        for m in moved:
+            m.to(self.policy.device)
         try:
             yield
         finally:
-            self.comps.vae.to(vae_device)
+            for m, device in zip(moved, devices):
+                m.to(device)
             for m, mode in zip(modules, modes):
                 m.train(mode)
 

@@ -32,7 +32,7 @@ from difftune.data import class_images, holdout
 from difftune.data.captions import Captions
 from difftune.data.clips import clip_rule
 from difftune.data.discover import DataSet
-from difftune.families.base import Components, Family, blocks_of
+from difftune.families.base import Components, Family, blocks_of, start_encoders
 from difftune.families.common.experts import Experts
 from difftune.families.common.text import EncodeOptions
 from difftune.memory import savers
@@ -251,15 +251,24 @@ def fill_caches(run: Run, extra_texts: list[str], show_progress: bool = True) ->
                  ", ".join(run.texts.unload()))
         gc.collect()
     if cache.offload and run.policy.device.type != "cpu":
-        if cache.latents != "none":
-            run.comps.vae.to("cpu")
-        if cache.text != "none" and not live:
-            # Trained encoders run every step, so they stay on the accelerator.
-            learning = run.embeddings.encoders() if run.embeddings else set()
-            for name, encoder in run.comps.text_encoders.items():
-                if name not in run.text_targets and name not in learning and encoder is not None:
-                    encoder.to("cpu")
+        for module in offloaded(run, live):
+            module.to("cpu")
         torch.cuda.empty_cache()
+
+
+def offloaded(run: Run, live: bool) -> list[torch.nn.Module]:
+    """What leaves the accelerator once the caches are filled (`cache.offload`): the VAE and
+    the image encoders that encode with it when latents are cached, and the frozen text
+    encoders when every text is (`live`: some are encoded per step). Trained encoders run
+    every step, so they stay."""
+    cache, out = run.cfg.cache, []
+    if cache.latents != "none":
+        out += [run.comps.vae, *start_encoders(run.comps)]
+    if cache.text != "none" and not live:
+        learning = run.embeddings.encoders() if run.embeddings else set()
+        out += [encoder for name, encoder in run.comps.text_encoders.items()
+                if name not in run.text_targets and name not in learning and encoder is not None]
+    return out
 
 
 def text_requests(run: Run, known: list[list[str] | None]) -> tuple[list[str], list]:

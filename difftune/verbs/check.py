@@ -24,7 +24,7 @@ from difftune.errors import ConfigError, DataError
 from difftune.files.names import COMFYUI_DORA
 from difftune.lora_tools.programs import comfyui_loads_nothing
 from difftune.verbs.dataset_report import check_summary
-from difftune.families.base import blocks_of
+from difftune.families.base import blocks_of, start_encoders
 from difftune.families.common.experts import Experts
 from difftune.memory import clips, estimate, savers
 from difftune.train.checkpoint import CheckpointManager
@@ -186,6 +186,8 @@ def _parameter_line(run: Run) -> str:
     parts += [f"text encoder {name} {_amount(base(m))}"
               for name, m in run.comps.text_encoders.items() if m is not None]
     parts.append(f"VAE {_amount(base(run.comps.vae))}")
+    parts += [f"{name.replace('_', ' ')} {_amount(base(m))}"
+              for name, m in run.comps.extras.items() if isinstance(m, torch.nn.Module)]
     trained = sum(p.numel() for m in [run.comps.denoiser, *run.trained_encoders.values()]
                   for p in m.parameters() if p.requires_grad)
     return f"parameters: {', '.join(parts)}; {_amount(trained)} trained"
@@ -197,8 +199,8 @@ def memory_lines(run: Run) -> list[str]:
     parameter counts (memory/estimate.py); for a run of clips, the longest clip's tokens and
     what fits it on each card (memory/clips.py)."""
     spec = run.family.spec
-    counts = [_base_count(m) for m in (_on_device(run), *run.comps.text_encoders.values())
-              if m is not None]
+    counts = [_base_count(m) for m in (_on_device(run), *run.comps.text_encoders.values(),
+                                       *start_encoders(run.comps)) if m is not None]
     layers = len(blocks_of(run.comps.denoiser, spec.swap_blocks)) if spec.swap_blocks else None
     size = estimate.counted(spec, counts[0] / 1e9, sum(counts[1:]) / 1e9, layers)
     trained = sum(p.numel() for g in param_groups(run) for p in g["params"]) / 1e9

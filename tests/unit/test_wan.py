@@ -137,3 +137,19 @@ def test_model_spec_names_the_variant() -> None:
                                 ("2.2-t2v-a14b-low", "wan-2.2-t2v-a14b-low-noise", "wan22")):
         spec = families.get("wan", variant).model_spec(None)
         assert (spec.architecture, spec.base_version) == (arch, base)
+
+
+def test_wan21_i2v_size_counts_its_clip_vision_encoder_with_the_encoders() -> None:
+    """Wan 2.1 I2V's estimate holds its CLIP vision encoder (the published ViT-H/14 config,
+    built on the meta device) beside UMT5: both are on the accelerator while caching."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    from difftune.families.wan.files import CLIP_VISION_CONFIG
+    from difftune.families.wan.spec import UMT5_SIZE
+
+    with torch.device("meta"):
+        clip = CLIPVisionModel(CLIPVisionConfig(**CLIP_VISION_CONFIG))
+    count = sum(p.numel() for p in clip.parameters())
+    assert count == 630_766_080  # ViT-H/14's vision tower (its projection left out)
+    assert families.spec("wan", "2.1-i2v-14b").sizes[0].encoders == pytest.approx(
+        UMT5_SIZE + count / 1e9, abs=0.01)  # UMT5's count: the released configs' test above

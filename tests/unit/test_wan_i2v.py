@@ -112,3 +112,24 @@ def test_predict_gives_each_transformer_what_the_pipeline_gives_it(tmp_path: Pat
             ours = family.predict(comps, kwargs["hidden_states"][:, :16, 0], embeds,
                                   kwargs["timestep"].float() / 1000, cond)
         torch.testing.assert_close(ours, out[:, :, 0], rtol=0, atol=1e-6)
+
+
+def test_clip_vision_encoder_leaves_the_accelerator_with_the_vae_after_caching() -> None:
+    """Wan 2.1 I2V's image encoder fills the latent cache with the VAE (the start image's
+    features): `cache.offload` moves it off with the VAE once latents are cached, and keeps
+    it where latents are encoded per step. (Sampling moves it back with the VAE: its
+    pipeline encodes each sample's start image.)"""
+    from types import SimpleNamespace
+
+    from difftune.config.data import CacheConfig
+    from difftune.train.setup import offloaded
+
+    comps = _pipe_and_family(VARIANTS[1])[2]
+    encoder = comps.extras["image_encoder"]
+
+    def run(latents: str) -> Any:
+        return SimpleNamespace(cfg=SimpleNamespace(cache=CacheConfig(latents=latents)),
+                               comps=comps, text_targets={}, embeddings=None)
+
+    assert any(m is encoder for m in offloaded(run("memory"), live=False))
+    assert not any(m is encoder for m in offloaded(run("none"), live=False))

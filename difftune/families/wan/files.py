@@ -50,6 +50,14 @@ TEXT_ENCODER_CONFIG: dict[str, Any] = {
     "relative_attention_max_distance": 128, "tie_word_embeddings": False,
     "layer_norm_epsilon": 1e-6,
 }
+# Wan 2.1 I2V's CLIP vision encoder (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers image_encoder/, a
+# CLIPVisionModelWithProjection of open-clip's ViT-H/14), written from its published config,
+# not read from a file: what ComfyUI's clip_vision_h.safetensors does not record.
+CLIP_VISION_CONFIG: dict[str, Any] = {
+    "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+    "num_attention_heads": 16, "patch_size": 14, "image_size": 224, "projection_dim": 1024,
+    "hidden_act": "gelu", "layer_norm_eps": 1e-5,
+}
 # Wan 2.1 T2V 1.3B's transformer (30 blocks of 1536); the 14B kinds: 5120 wide, FFN 13824,
 # 40 heads, 40 blocks.
 TRANSFORMER_CONFIG: dict[str, Any] = {

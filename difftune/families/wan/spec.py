@@ -45,6 +45,10 @@ LYCORIS_RENAMES = tuple((f"blocks.{{n}}.{ours}", f"lora_unet_blocks_{{n}}_{wan.r
 # WanPipeline's max_sequence_length: every caption is padded back to 512 positions.
 MAX_TOKENS = 512
 UMT5_SIZE = 5.68  # billions: UMT5-XXL's encoder (24 layers of 4096), shared by all variants
+# billions: Wan 2.1 I2V's CLIP vision encoder (open-clip ViT-H/14's vision tower as transformers'
+# CLIPVisionModel, files.CLIP_VISION_CONFIG: 630,766,080), counted with the encoders: it is
+# on the accelerator while the cache is filled and while sampling, as they are.
+CLIP_VISION_SIZE = 0.63
 
 # The transformer's tensors in the diffusers layout and in Wan's original one (ComfyUI's files);
 # an I2V model adds the image embedder, which a T2V file must not have.
@@ -135,7 +139,8 @@ T2V_14B = replace(
 I2V_14B = replace(
     T2V_14B, variant="2.1-i2v-14b", start_image=True, pipeline_class="WanImageToVideoPipeline",
     # 14.29 B of T2V 14B + 40 blocks x 2 image projections of 5120 x 5120 + the image embedder
-    sizes=(ModelSize("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", 16.39, UMT5_SIZE, 40, 5120),),
+    sizes=(ModelSize("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", 16.39,
+                     UMT5_SIZE + CLIP_VISION_SIZE, 40, 5120),),
     files=replace(T2V_14B.files, folder="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
                   singles=(("transformer", "wan2.1_i2v_480p_14B_bf16.safetensors"),
                            *T2V_13B.files.singles[1:]),
