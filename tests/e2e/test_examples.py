@@ -68,6 +68,9 @@ PIPELINES = {"anima-lora.toml": (lambda t5_embedding, **parts: sampling_pipeline
              "sdxl-pivotal.toml": (StableDiffusionXLPipeline, build_tiny_sdxl),
              "wan21-image-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.1-t2v-14b")),
              "wan21-video-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.1-t2v-14b")),
+             # with the CLIP vision encoder and processor (image_encoder/, image_processor/)
+             "wan21-i2v-lora.toml": (diffusers.WanImageToVideoPipeline,
+                                     lambda: build_tiny_wan("2.1-i2v-14b")),
              # both A14B experts: transformer/ (high noise) and transformer_2/ (low), and
              # the released boundary_ratio
              "wan22-a14b-video-lora.toml": (WanPipeline, lambda: build_tiny_wan("2.2-t2v-a14b")),
@@ -152,8 +155,8 @@ def test_check_passes_on_the_tiny_example(capsys: pytest.CaptureFixture[str], tm
 
 
 # Examples whose text encoders are another example's, from the same kind of folder (Wan 2.2
-# I2V A14B's UMT5 is wan22-a14b-video-lora's).
-SAME_ENCODERS = {"wan22-i2v-a14b-lora.toml"}
+# I2V A14B's UMT5 is wan22-a14b-video-lora's, Wan 2.1 I2V's wan21-video-lora's).
+SAME_ENCODERS = {"wan22-i2v-a14b-lora.toml", "wan21-i2v-lora.toml"}
 
 
 def _reload_tier(name: str) -> object:
