@@ -248,7 +248,7 @@ def model_file_problems(model: ModelConfig) -> list[str]:
         layout = registry.spec(model.family, model.variant).files.folder
         problems.append(f"model.path: {model.path} is not a folder; expected a diffusers-format "
                         f"model folder (with model_index.json) in the {layout} layout")
-    for name in ("transformer", "vae", "clip_l", "t5", "text_encoder"):
+    for name in ("transformer", "vae", "clip_l", "t5", "text_encoder", "image_encoder"):
         path = getattr(model, name)
         if path is None:
             continue

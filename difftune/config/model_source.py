@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from difftune.config.sections import ModelConfig
 
 # Every single-file key of [model]; which of them a family reads is its spec's `files.singles`.
-SINGLE_KEYS = ("transformer", "transformer_2", "vae", "clip_l", "t5", "text_encoder")
+SINGLE_KEYS = ("transformer", "transformer_2", "vae", "clip_l", "t5", "text_encoder",
+               "image_encoder")
 
 
 def _kinds() -> list[tuple[str, FamilySpec]]:

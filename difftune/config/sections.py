@@ -48,6 +48,9 @@ class ModelConfig(_Section):
     text_encoder: Path | None = Field(
         None, description=model_source.single_help("text_encoder", "decoder-LLM text encoder")
         + " Its tokenizer comes from model.path.")
+    image_encoder: Path | None = Field(
+        None, description=model_source.single_help("image_encoder", "CLIP vision encoder")
+        + " Its image processor comes from model.path.")
     name: str | None = Field(
         None, description="Base model name written into LoRA metadata (default: derived)."
     )

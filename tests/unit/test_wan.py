@@ -5,6 +5,7 @@ with the parameter counts the memory estimate reads."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -144,12 +145,14 @@ def test_wan21_i2v_size_counts_its_clip_vision_encoder_with_the_encoders() -> No
     built on the meta device) beside UMT5: both are on the accelerator while caching."""
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
-    from difftune.families.wan.files import CLIP_VISION_CONFIG
+    from difftune.families.wan.clip_vision import CONFIG as CLIP_VISION_CONFIG, config
     from difftune.families.wan.spec import UMT5_SIZE
 
     with torch.device("meta"):
         clip = CLIPVisionModel(CLIPVisionConfig(**CLIP_VISION_CONFIG))
     count = sum(p.numel() for p in clip.parameters())
     assert count == 630_766_080  # ViT-H/14's vision tower (its projection left out)
+    # ComfyUI's clip_vision_h.safetensors, whose shapes give the published config back
+    assert config(clip.state_dict(), Path("clip_vision_h.safetensors")) == CLIP_VISION_CONFIG
     assert families.spec("wan", "2.1-i2v-14b").sizes[0].encoders == pytest.approx(
         UMT5_SIZE + count / 1e9, abs=0.01)  # UMT5's count: the released configs' test above

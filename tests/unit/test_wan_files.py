@@ -201,6 +201,60 @@ def test_wan21_i2v_folder_and_single_file_give_the_transformer_and_clip_encoder(
     write_layout(single, single_file_layout(tiny["transformer"]),
                  tiny["transformer"].state_dict(), torch.float32)
     assert "img_emb.proj.1.weight" in load_file(str(single))
-    parts = load_wan_files(ModelConfig(family="wan", variant="2.1-i2v-14b", path=folder,
-                                       transformer=single), FP32)
-    assert_same_weights(parts["transformer"], tiny["transformer"])
+    clip = tmp_path / "clip_vision_h.safetensors"  # ComfyUI's CLIP vision file over the folder's
+    save_file({k: v.contiguous() for k, v in _comfy_clip_vision(tiny["image_encoder"],
+                                                                "transformers").items()},
+              str(clip))
+    over = load_wan_files(ModelConfig(family="wan", variant="2.1-i2v-14b", path=folder,
+                                      transformer=single, image_encoder=clip), FP32)
+    assert_same_weights(over["transformer"], tiny["transformer"])
+    assert_same_weights(over["image_encoder"], tiny["image_encoder"])
+    assert over["fingerprint"] != parts["fingerprint"]
+
+
+def _comfy_clip_vision(encoder: torch.nn.Module, naming: str) -> dict[str, torch.Tensor]:
+    """The tiny CLIP vision encoder's tensors as ComfyUI's clip_vision_h.safetensors holds
+    them: transformers' names under `vision_model.` with the projection (the file as ComfyUI
+    distributes it), or open_clip's under `visual.` (q, k, v stacked in `attn.in_proj_*`)."""
+    from difftune.families.wan.clip_vision import OPEN_CLIP_BLOCK, OPEN_CLIP_TOP
+
+    sd = {k: v.clone() for k, v in encoder.state_dict().items()}
+    width = sd["embeddings.class_embedding"].shape[0]
+    if naming == "transformers":
+        return {**{f"vision_model.{k}": v for k, v in sd.items()},
+                "visual_projection.weight": torch.randn(32, width)}
+    out = {f"visual.{ours}": sd.pop(theirs) for ours, theirs in OPEN_CLIP_TOP.items()}
+    for n in range(encoder.config.num_hidden_layers):
+        block = f"encoder.layers.{n}."
+        for kind in ("weight", "bias"):
+            out[f"visual.transformer.resblocks.{n}.attn.in_proj_{kind}"] = torch.cat(
+                [sd.pop(f"{block}self_attn.{p}_proj.{kind}") for p in "qkv"])
+            for ours, theirs in OPEN_CLIP_BLOCK.items():
+                out[f"visual.transformer.resblocks.{n}.{ours}.{kind}"] = sd.pop(
+                    f"{block}{theirs}.{kind}")
+    assert not sd, sd  # every tensor written once
+    return {**out, "visual.proj": torch.randn(width, 32)}
+
+
+@pytest.mark.parametrize("naming", ["transformers", "open_clip"])
+def test_comfyui_clip_vision_file_loads_bit_for_bit(tmp_path: Path, naming: str) -> None:
+    """ComfyUI's clip_vision_h.safetensors (either naming its loader reads) gives the tiny
+    CLIP vision encoder it was written from: every weight, and the penultimate hidden states
+    the pipeline reads, equal bit for bit (the projection, which it does not read, left out)."""
+    from difftune.families.wan.clip_vision import load_file
+    from difftune.families.wan.tiny import _image_encoder
+
+    tiny = _randomized(_image_encoder("2.1-i2v-14b")["image_encoder"])
+    path = tmp_path / "clip_vision_h.safetensors"
+    save_file({k: v.contiguous() for k, v in _comfy_clip_vision(tiny, naming).items()},
+              str(path))
+    loaded = load_file(path, torch.float32)
+    assert_same_weights(loaded, tiny)
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "patch_size", "image_size", "hidden_act")
+    assert [getattr(loaded.config, k) for k in sizes] == [getattr(tiny.config, k) for k in sizes]
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = tiny(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
+        got = loaded(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
+    assert torch.equal(got, want)

@@ -1,7 +1,9 @@
 """Load Wan from local files only: a diffusers folder and/or the single files ComfyUI users keep.
 
 `model.path` is a diffusers folder as Wan-AI publishes it (transformer/ (and transformer_2/ for
-Wan 2.2 A14B), vae/, text_encoder/ (UMT5), tokenizer/, scheduler/, model_index.json).
+Wan 2.2 A14B), vae/, text_encoder/ (UMT5), tokenizer/, scheduler/, model_index.json; Wan 2.1
+I2V's image_encoder/ and image_processor/ too, its CLIP vision encoder, which
+`model.image_encoder` = ComfyUI's clip_vision_h.safetensors replaces: wan/clip_vision.py).
 `model.transformer`, `model.vae` and `model.text_encoder` are single .safetensors files as
 ComfyUI keeps them: the transformer in Wan's original names (`blocks.N.self_attn.q`, converted
 with diffusers' own converter) or in diffusers' names, `wan_2.1_vae.safetensors` (Wan's
@@ -49,14 +51,6 @@ TEXT_ENCODER_CONFIG: dict[str, Any] = {
     "num_heads": 64, "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
     "relative_attention_max_distance": 128, "tie_word_embeddings": False,
     "layer_norm_epsilon": 1e-6,
-}
-# Wan 2.1 I2V's CLIP vision encoder (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers image_encoder/, a
-# CLIPVisionModelWithProjection of open-clip's ViT-H/14), written from its published config,
-# not read from a file: what ComfyUI's clip_vision_h.safetensors does not record.
-CLIP_VISION_CONFIG: dict[str, Any] = {
-    "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
-    "num_attention_heads": 16, "patch_size": 14, "image_size": 224, "projection_dim": 1024,
-    "hidden_act": "gelu", "layer_norm_eps": 1e-5,
 }
 # Wan 2.1 T2V 1.3B's transformer (30 blocks of 1536); the 14B kinds: 5120 wide, FFN 13824,
 # 40 heads, 40 blocks.
@@ -184,20 +178,37 @@ def load_wan_files(cfg: "ModelConfig", dtypes: dict[str, torch.dtype]) -> dict[s
     folder = _folder(cfg)
     if cfg.transformer is None:
         _check_expert(folder, cfg.variant)
-    # Wan 2.1 I2V's CLIP vision encoder files (from the folder) are part of its identity
-    images = (folder_files(folder, ["image_encoder", "image_processor"])[1:]
-              if cfg.variant in IMAGE_ENCODED else [])
+    image = cfg.variant in IMAGE_ENCODED
     parts = load_components(cfg, dtypes, folder, _layout(cfg.variant), load_wan_text_encoders,
-                            tuple(images))
+                            tuple(_image_files(cfg, folder)) if image else ())
     _check_task(parts, cfg)
-    if cfg.variant in IMAGE_ENCODED:  # Wan 2.1 I2V: the CLIP vision encoder, from the folder
-        from transformers import CLIPImageProcessor, CLIPVisionModel
-
-        parts.update(image_encoder=from_folder(CLIPVisionModel, folder, "image_encoder",
-                                               dtypes["text_encoders"], WHAT),
-                     image_processor=from_folder(CLIPImageProcessor, folder, "image_processor",
-                                                 None, WHAT))
+    if image:
+        parts.update(_image_parts(cfg, folder, dtypes["text_encoders"]))
     return parts
+
+
+def _image_files(cfg: "ModelConfig", folder: Path) -> list[Path]:
+    """Wan 2.1 I2V's CLIP vision encoder files, part of its identity: `model.image_encoder`
+    (ComfyUI's clip_vision_h.safetensors) or the folder's image_encoder/, and its
+    image_processor/."""
+    if cfg.image_encoder is None:
+        return folder_files(folder, ["image_encoder", "image_processor"])[1:]
+    return folder_files(folder, ["image_processor"])[1:] + [Path(cfg.image_encoder)]
+
+
+def _image_parts(cfg: "ModelConfig", folder: Path, dtype: torch.dtype) -> dict[str, Any]:
+    """Wan 2.1 I2V's CLIP vision encoder (`model.image_encoder`'s file over the folder's) and
+    its image processor (the folder's)."""
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+
+    from difftune.families.wan import clip_vision
+
+    encoder = (from_folder(CLIPVisionModel, folder, "image_encoder", dtype, WHAT)
+               if cfg.image_encoder is None else
+               clip_vision.load_file(Path(cfg.image_encoder), dtype))
+    return {"image_encoder": encoder,
+            "image_processor": from_folder(CLIPImageProcessor, folder, "image_processor", None,
+                                           WHAT)}
 
 
 def _check_task(parts: dict[str, Any], cfg: "ModelConfig") -> None:

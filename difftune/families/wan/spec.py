@@ -46,7 +46,7 @@ LYCORIS_RENAMES = tuple((f"blocks.{{n}}.{ours}", f"lora_unet_blocks_{{n}}_{wan.r
 MAX_TOKENS = 512
 UMT5_SIZE = 5.68  # billions: UMT5-XXL's encoder (24 layers of 4096), shared by all variants
 # billions: Wan 2.1 I2V's CLIP vision encoder (open-clip ViT-H/14's vision tower as transformers'
-# CLIPVisionModel, files.CLIP_VISION_CONFIG: 630,766,080), counted with the encoders: it is
+# CLIPVisionModel, clip_vision.CONFIG: 630,766,080), counted with the encoders: it is
 # on the accelerator while the cache is filled and while sampling, as they are.
 CLIP_VISION_SIZE = 0.63
 
@@ -143,9 +143,10 @@ I2V_14B = replace(
                      UMT5_SIZE + CLIP_VISION_SIZE, 40, 5120),),
     files=replace(T2V_14B.files, folder="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
                   singles=(("transformer", "wan2.1_i2v_480p_14B_bf16.safetensors"),
-                           *T2V_13B.files.singles[1:]),
-                  folder_holds="tokenizer/ (UMT5's; no single file holds it), image_encoder/ "
-                               "and image_processor/ (the CLIP vision encoder)",
+                           *T2V_13B.files.singles[1:],
+                           ("image_encoder", "clip_vision_h.safetensors")),
+                  folder_holds="tokenizer/ (UMT5's; no single file holds it) and "
+                               "image_processor/ (the CLIP vision encoder's)",
                   # its transformer has the image embedder the others lack
                   markers=(("condition_embedder.time_proj", "condition_embedder.image_embedder"),
                            ("time_projection.1", "img_emb")), unmarked=()))

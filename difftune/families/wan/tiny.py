@@ -62,7 +62,8 @@ VARIANT_CONFIGS: dict[str, dict[str, Any]] = {
 # states are read), tiny: 32 wide, 32-pixel images in 8-pixel patches, and its processor.
 TINY_CLIP_VISION: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 37,
                                     "num_hidden_layers": 3, "num_attention_heads": 4,
-                                    "image_size": 32, "patch_size": 8, "projection_dim": 32}
+                                    "image_size": 32, "patch_size": 8, "projection_dim": 32,
+                                    "hidden_act": "gelu"}  # ViT-H/14's, as released
 # The variants of two experts (`transformer` the high-noise one, `transformer_2` the low).
 PAIRS = ("2.2-t2v-a14b", "2.2-i2v-a14b")
 TINY_VAE_CONFIG: dict[str, Any] = {**VAE_CONFIG, "base_dim": 8}  # released depth, 12x narrower

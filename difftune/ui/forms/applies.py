@@ -102,7 +102,7 @@ def _tags(f: Facts) -> bool:
 
 
 _SOURCES = ("model.path", "model.transformer", "model.vae", "model.clip_l", "model.t5",
-            "model.text_encoder")
+            "model.text_encoder", "model.image_encoder")
 _EMA = ("decay", "every_n_steps", "warmup", "cpu", "use_for")
 _SAMPLE = ("every_n_steps", "at_start", "at_end", "width", "height", "steps", "guidance", "cfg",
            "seed")
@@ -122,6 +122,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("model.text_encoder",), lambda f: _known(
         f, lambda s: any(e.kind == "decoder" for e in s.text_encoders)),
         lambda f: f"{_family(f)} has no decoder-LLM text encoder"),
+    Rule(("model.image_encoder",),
+         lambda f: _known(f, lambda s: "image_encoder" in s.files.keys),
+         lambda f: f"{_family(f)} has no image encoder"),
     Rule(("model.clip_skip",), lambda f: _known(f, lambda s: s.clip_hidden),
          lambda f: f"{_family(f)} reads no CLIP hidden state (nothing to skip)"),
     Rule(("adapter.train_blocks",), lambda f: f.adapter == "full",
