@@ -152,13 +152,15 @@ class Measurer:
         self.dino, self.clip = dino, clip
 
     def measure(self, run: Path, cfg: dict[str, Any], samples: list[Path]) -> dict[str, Any]:
-        """The sample metrics of `samples` against the run's training images."""
+        """The sample metrics of `samples` against the run's training images (memorization
+        against their VAE copies where the run listed them, as training measured)."""
         from difftune import families
         from difftune.config import parse_config
         from difftune.config.metrics import MetricsConfig
         from difftune.report.metric_worker import training_images
         from difftune.report.sample_metrics import measure, read_sample, reference
         from difftune.report.scoring import Scorers
+        from difftune.report.vae_copies import read_index
         from difftune.train.setup import load_data
 
         m = cfg.get("metrics", {})
@@ -173,8 +175,9 @@ class Measurer:
         data = load_data(run_cfg, families.get(run_cfg.model.family, run_cfg.model.variant))
         scorers = Scorers.load(MetricsConfig(enabled=True, dino=dino, clip=clip))
         assert run_cfg.cache.dir is not None
-        ref = reference(scorers, training_images(data.items), run_cfg.cache.dir,
-                        m.get("copy_similarity"))
+        training = training_images(data.items)
+        ref = reference(scorers, training, run_cfg.cache.dir, m.get("copy_similarity"),
+                        read_index(run, training))
         return measure(scorers, ref, [read_sample(p) for p in samples])
 
 
