@@ -4,14 +4,15 @@
   per prompt (mean of its samples) and overall (mean of all samples).
 - clip_score: CLIPScore of each sample against its prompt; per prompt and overall.
 - memorization: each sample's nearest training image and that similarity. A sample is flagged
-  as a copy when it is at least as similar to that image as the image's own degraded copies
-  are (`copy_floors`: JPEG at quality 50, Gaussian noise, resampling at half size), measured
-  with the same feature model: a copy of T is, to the features, T after some loss. The floor
-  is per image and needs no other training image, so it holds for a run of one subject, of
-  six unrelated ones (each learned from its one image) or of one image alike; docs/
-  training-signal.md has the figures that retired the earlier reference (the closest pair of
-  distinct training images fired before training on the demo). `metrics.copy_similarity`,
-  where set, replaces every image's floor.
+  as a copy when it is at least as similar to that image's VAE copy (the decode of its own
+  latent, the closest any sample can come; report/vae_copies.py) as the VAE copy's own degraded
+  copies are (`copy_floors`: JPEG at quality 50, Gaussian noise, resampling at half size),
+  measured with the same feature model: a copy of T is, to the features, T after some loss. The
+  floor is per image and needs no other training image, so it holds for a run of one subject,
+  of six unrelated ones (each learned from its one image) or of one image alike; docs/
+  training-signal.md has the figures that retired the earlier references (the closest pair of
+  distinct training images fired before training on the demo; the images themselves are out
+  of reach of a tiny model's VAE). `metrics.copy_similarity`, where set, replaces every floor.
 - diversity: the mean pairwise similarity among one prompt's samples (the same prompt at
   several seeds); overall the mean over such prompts. Collapse shows as it rises.
 
