@@ -77,14 +77,34 @@ def test_short_demo_writes_and_reports_everything(short_demo: tuple[Path, str]) 
     assert demo_config_path().is_file()
 
 
+def _list_vae_copies(out: Path) -> list[Path]:
+    """Make the demo's VAE copies and list them in its folder, as a run with [metrics] does
+    when it starts (the demo runs without metrics)."""
+    from difftune.config import parse_config
+    from difftune.report.metric_worker import training_images
+    from difftune.report.vae_copies import make_copies, write_index
+    from difftune.train.setup import prepare
+
+    cfg = parse_config(json.loads((out / "config.resolved.json").read_text()), out)
+    run = prepare(cfg, show_progress=False)
+    training = training_images(run.data.items)
+    copies = make_copies(run, training)
+    write_index(out, training, copies)
+    return copies
+
+
 def test_the_short_demos_samples_are_not_flagged_as_copies(
         short_demo: tuple[Path, str], scorer_models: tuple,
         capsys: pytest.CaptureFixture[str]) -> None:
     """Its LoRA's samples (six subjects, one image each: learning, not copying) measured by
-    `difftune runs rank` against each training image's copy floor."""
+    `difftune runs rank` against each training image's copy floor: with the run's VAE copies
+    listed (what a run with [metrics] measures against), and without (the images)."""
     out, _ = short_demo
-    assert main(["runs", "rank", str(out), "--json", "--dino", str(scorer_models[0])]) == 0
-    [entry] = json.loads(capsys.readouterr().out)["checkpoints"]
-    assert entry["step"] == SHORT and entry["measured_now"] and len(entry["samples"]) == 6
-    assert 0 < entry["figures"]["nearest_similarity"] < 1
-    assert entry["copying"] is False
+    for listed in (False, True):
+        if listed:
+            assert len(_list_vae_copies(out)) == 6
+        assert main(["runs", "rank", str(out), "--json", "--dino", str(scorer_models[0])]) == 0
+        [entry] = json.loads(capsys.readouterr().out)["checkpoints"]
+        assert entry["step"] == SHORT and entry["measured_now"] and len(entry["samples"]) == 6
+        assert 0 < entry["figures"]["nearest_similarity"] < 1
+        assert entry["copying"] is False

@@ -12,7 +12,7 @@ output projections (the tiny base's transformer is random: it never learned to d
 LoRA on its blocks alone cannot reproduce a picture, and the test's earlier runs did not;
 docs/training-signal.md). Its samples at the end reproduce the circle's latent (0.998 to its VAE
 copy, above the floor), so the default rule must flag them, and not the untrained baseline
-(0.49) nor the half-way samples (0.88); fidelity must rise with training.
+(0.49) nor the half-way samples (0.989); fidelity must rise with training.
 """
 
 from __future__ import annotations
