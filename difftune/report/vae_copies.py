@@ -42,8 +42,8 @@ INDEX = "vae_copies.json"  # in the run's folder: training image -> its VAE copy
 @torch.no_grad()
 def round_trip(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     """Pixels (B, 3, H, W) in [-1, 1] -> the VAE's decode of their encoding's mode, (B, 3,
-    H, W) in [-1, 1] on the CPU in float32. Any diffusers autoencoder: a video one (3D
-    convolutions) gets a one-frame axis, an RGBA one an opaque alpha channel; an fp16 one
+    H, W) in [-1, 1] on the CPU in float32. Any diffusers autoencoder: a video one gets a
+    one-frame axis, an RGBA one an opaque alpha channel; an fp16 one
     runs in float32 (SDXL's overflows in fp16), its weights cast back afterwards."""
     param = next(vae.parameters())
     half = param.dtype == torch.float16
@@ -54,7 +54,7 @@ def round_trip(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         x = pixels.to(param.device, dtype)
         if getattr(vae.config, "in_channels", 3) == 4:
             x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-        frames = any(isinstance(m, torch.nn.Conv3d) for m in vae.modules())
+        frames = _has_frame_axis(vae)
         if frames:
             x = x.unsqueeze(2)
         z = vae.encode(x).latent_dist.mode()
@@ -64,6 +64,14 @@ def round_trip(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
             vae.half()
     y = y[:, :, 0] if frames else y
     return y[:, :3].float().clamp(-1, 1).cpu()
+
+
+def _has_frame_axis(vae: torch.nn.Module) -> bool:
+    """A video autoencoder (Wan's, Qwen-Image's): 3D convolutions or a temporal scale in its
+    config; it encodes (B, C, F, H, W)."""
+    config = getattr(vae, "config", {})
+    return (any(k in config for k in ("temperal_downsample", "scale_factor_temporal"))
+            or any(isinstance(m, torch.nn.Conv3d) for m in vae.modules()))
 
 
 def to_image(pixels: torch.Tensor) -> Image.Image:
