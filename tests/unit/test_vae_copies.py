@@ -31,8 +31,9 @@ def _pixels(path: Path) -> torch.Tensor:
 
 
 def test_the_round_trip_is_the_vaes_decode_of_its_encoding() -> None:
-    """An image VAE (the tiny FLUX.1 one) and a video VAE (one frame through Qwen-Image's
-    3D autoencoder, as its family encodes and decodes) give what their own calls give."""
+    """An image VAE (the tiny FLUX.1 one) and video VAEs (one frame through Qwen-Image's
+    3D autoencoder and Qwen-Image 2.1's RGBA one, as their families encode and decode) give
+    what their own calls give."""
     from diffusers import AutoencoderKLQwenImage
 
     from difftune.families.anima.tiny import TINY_VAE_CONFIG
@@ -50,6 +51,17 @@ def test_the_round_trip_is_the_vaes_decode_of_its_encoding() -> None:
     expected = frame_vae.decode(video, frame_vae.encode(video, x)).clamp(-1, 1)
     got = round_trip(video, x)
     assert got.shape == x.shape and torch.allclose(got, expected, atol=1e-4)
+    # Qwen-Image 2.1's: RGBA, and its causal convolutions are no torch Conv3d.
+    from diffusers import AutoencoderKLQwenImage21
+
+    from difftune.families.qwen_image_21.tiny import TINY_VAE_CONFIG as RGBA_CONFIG
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        rgba = AutoencoderKLQwenImage21(**RGBA_CONFIG).eval()
+    opaque = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+    expected = frame_vae.decode(rgba, frame_vae.encode(rgba, opaque))[:, :3].clamp(-1, 1)
+    assert torch.allclose(round_trip(rgba, x), expected, atol=1e-4)
 
 
 def test_a_copy_through_the_vae_is_flagged_against_its_vae_copy(
