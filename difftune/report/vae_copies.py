@@ -120,6 +120,21 @@ def make_copies(run: "Run", training: list[Path]) -> list[Path]:
     return copies
 
 
+def run_copies(run: "Run", training: list[Path]) -> list[Path] | None:
+    """A training run's VAE copies (`make_copies`), listed in its folder; None, with a
+    warning, when they cannot be made (the VAE failing on an image, a full disk): memorization
+    then compares with the images themselves, and the run goes on."""
+    try:
+        copies = make_copies(run, training)
+        write_index(run.cfg.save.dir, training, copies)
+    except (OSError, RuntimeError, ValueError) as err:
+        log.warning("metrics: the training images' VAE copies could not be made (%s: %s); "
+                    "memorization compares samples with the images themselves",
+                    type(err).__name__, err)
+        return None
+    return copies
+
+
 def write_index(run_dir: Path, training: list[Path], copies: list[Path]) -> None:
     """List each training image's VAE copy in the run folder (for `difftune runs rank`)."""
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from difftune.config import RunConfig
 from difftune.config.keep_best import Measure
 from difftune.report.logs import attach_run_log
 from difftune.report.metric_worker import MetricWorker, training_images
-from difftune.report.vae_copies import make_copies, write_index
+from difftune.report.vae_copies import run_copies
 from difftune.report.metrics import Reporter, SilentReporter
 from difftune.train import experts
 from difftune.train.best import BestKeeper
@@ -133,8 +133,7 @@ def metric_worker(run: Run, reporter: Reporter, best: BestKeeper | None) -> Metr
             best.record(step, figures)
 
     training = training_images(run.data.items)
-    copies = make_copies(run, training)
-    write_index(run.cfg.save.dir, training, copies)
+    copies = run_copies(run, training)
     return MetricWorker(m, training, run.cfg.cache.dir, measured,
                         on_skip=best.skipped if best is not None else None, copies=copies)
 
