@@ -43,8 +43,8 @@ INDEX = "vae_copies.json"  # in the run's folder: training image -> its VAE copy
 def round_trip(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     """Pixels (B, 3, H, W) in [-1, 1] -> the VAE's decode of their encoding's mode, (B, 3,
     H, W) in [-1, 1] on the CPU in float32. Any diffusers autoencoder: a video one gets a
-    one-frame axis, an RGBA one an opaque alpha channel; an fp16 one
-    runs in float32 (SDXL's overflows in fp16), its weights cast back afterwards."""
+    one-frame axis, an RGBA one an opaque alpha channel; an fp16 one runs in float32 (SDXL's
+    overflows in fp16), its weights cast back afterwards."""
     param = next(vae.parameters())
     half = param.dtype == torch.float16
     if half:
@@ -103,7 +103,7 @@ def make_copies(run: "Run", training: list[Path]) -> list[Path]:
     video clip is its own reference), stored under `cache.dir/vae_copies` (`write_index`
     lists them in the run folder). The VAE is on the run's device meanwhile."""
     assert run.cfg.cache.dir is not None  # set when the config loads
-    first = {}
+    first: dict[Path, int] = {}
     for i, it in enumerate(run.data.items):
         if not it.regularization and it.clip is None:
             first.setdefault(it.path, i)
