@@ -7,12 +7,16 @@ circle under the tiny random DINOv2). The demo (six subjects, one image each) is
 (tests/e2e/test_demo.py; docs/training-signal.md has the 800-step demo's figures).
 
 The copy run overtrains as a user who wants one picture back would: the red circle alone, a
-batch of four of it, timesteps drawn uniformly, rank 32, every linear layer of the denoiser including its input and
-output projections (the tiny base's transformer is random: it never learned to denoise, so a
-LoRA on its blocks alone cannot reproduce a picture, and the test's earlier runs did not;
-docs/training-signal.md). Its samples at the end reproduce the circle's latent (0.998 to its VAE
-copy, above the floor), so the default rule must flag them, and not the untrained baseline
-(0.49) nor the half-way samples (0.99); fidelity must rise with training.
+batch of four of it, rank 32, every linear layer of the denoiser including its input and output
+projections (the tiny base's transformer is random: it never learned to denoise, so a LoRA on
+its blocks alone cannot reproduce a picture; docs/training-signal.md). Its samples are drawn in
+one step (the denoiser's prediction from pure noise), so the run draws its timesteps near pure
+noise (shift 10) and takes AdamW's steps unclipped, without weight decay, with beta2 0.99 and a
+cosine decay: that copies in 240 steps where uniform timesteps and 8-step samples took 360 by a
+thinner margin. At the end the samples reproduce the circle's latent (0.9992 to its VAE copy,
+0.0017 above the floor, three of the four seeds past it by 0.0015), so the default rule must
+flag them, and not the untrained baseline (0.56); fidelity must rise with training. The
+half-way event is not asserted: it is past the floor by only 0.0011.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from difftune.report.scoring import Scorers
 from difftune.report.vae_copies import read_index
 from tests.e2e.conftest import run_toml
 
-STEPS, HALF = 360, 180  # the run's length; it samples and saves at 0, HALF and STEPS
+STEPS, HALF = 240, 120  # the run's length; it samples and saves at 0, HALF and STEPS
+SEEDS = 4  # samples per event (one prompt): diversity needs two; the rule reads the closest
 # Every linear layer of the tiny FLUX.1 denoiser, its input and output projections included.
 EVERY_LINEAR = ["x_embedder", "context_embedder", "proj_out", "norm_out.linear", "to_q", "to_k",
                 "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -42,24 +47,27 @@ EVERY_LINEAR = ["x_embedder", "context_embedder", "proj_out", "norm_out.linear",
 @pytest.fixture(scope="module")
 def copy_run(tmp_path_factory: pytest.TempPathFactory, images: Path,
              scorer_models: tuple) -> Path:
-    """A run on the red circle alone that copies it, sampled at 0, HALF and STEPS at two
-    seeds, with the default copy rule."""
+    """A run on the red circle alone that copies it, sampled in one step at 0, HALF and STEPS
+    at SEEDS seeds, with the default copy rule."""
     folder = tmp_path_factory.mktemp("copy")
     data = folder / "data"
     data.mkdir()
     for name in ("red_circle.png", "red_circle.txt"):
         shutil.copy(images / name, data / name)
     prompts = folder / "prompts.txt"
-    prompts.write_text("a red circle on a blue background --w 64 --h 64 --s 8 --d 1\n"
-                       "a red circle on a blue background --w 64 --h 64 --s 8 --d 2\n",
-                       encoding="utf-8")
+    prompts.write_text("".join(f"a red circle on a blue background --w 64 --h 64 --s 1 --d {d}\n"
+                               for d in range(1, SEEDS + 1)), encoding="utf-8")
     dino, clip = scorer_models
     extra = (f'\n[metrics]\nenabled = true\ndino = "{dino.as_posix()}"\n'
              f'clip = "{clip.as_posix()}"\n')
     cfg = run_toml(folder, data, extra, steps=STEPS, prompts=prompts)
     sets = ["datasets.0.repeats=4", "train.batch_size=4", "train.lr=3e-3", "adapter.rank=32",
             "adapter.alpha=32", f"adapter.target_modules={json.dumps(EVERY_LINEAR)}",
-            "train.timesteps=uniform", "sample.guidance=1.0", f"sample.every_n_steps={HALF}",
+            # max_grad_norm 1e6: unclipped (0, which turns clipping off, is written to
+            # config.resolved.json as null, which `runs rank` cannot load back)
+            "train.timesteps=shift", "train.shift=10", "train.max_grad_norm=1e6",
+            "train.weight_decay=0", "train.betas=[0.9, 0.99]", "train.scheduler=cosine",
+            "sample.guidance=1.0", f"sample.every_n_steps={HALF}",
             f"save.every_n_steps={HALF}", "save.keep_best=0.7*fidelity + 0.3*clip_score/100"]
     assert main(["train", str(cfg), "--no-progress", *[a for s in sets for a in ("--set", s)]]
                 ) == 0
@@ -75,7 +83,7 @@ def test_fidelity_rises_and_the_copy_is_flagged(copy_run: Path) -> None:
     events = _events(copy_run)
     assert sorted(events) == [0, HALF, STEPS]
     assert events[STEPS]["fidelity"] > events[0]["fidelity"] + 0.3
-    assert [events[s]["copying"] for s in sorted(events)] == [False, False, True]
+    assert not events[0]["copying"] and events[STEPS]["copying"]  # HALF: too close to call
     assert events[STEPS]["copy_reference"] > 0.99  # the VAE copy's own floor, no override
     last = events[STEPS]["sample_metrics"]["samples"]
     assert {s["nearest"] for s in last} == {"red_circle.png"}
@@ -96,7 +104,7 @@ def test_rows_equal_the_metrics_of_the_saved_samples(copy_run: Path,
     ref = reference(scorers, training, copy_run / "cache", copies=[copy])
     files = sorted((copy_run / "samples").glob(f"step-{STEPS:06d}_0*.png"))
     samples = [read_sample(p) for p in files]
-    assert [s.prompt for s in samples] == ["a red circle on a blue background"] * 2
+    assert [s.prompt for s in samples] == ["a red circle on a blue background"] * SEEDS
     again = measure(scorers, ref, samples)
     row = _events(copy_run)[STEPS]
     for key in ("fidelity", "clip_score", "diversity", "nearest_similarity", "copying",
