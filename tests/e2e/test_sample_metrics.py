@@ -14,7 +14,7 @@ one step (the denoiser's prediction from pure noise), so the run draws its times
 noise (shift 10) and takes AdamW's steps unclipped, without weight decay, with beta2 0.99 and a
 cosine decay: that copies in 240 steps where uniform timesteps and 8-step samples took 360 by a
 thinner margin. At the end the samples reproduce the circle's latent (0.9992 to its VAE copy,
-0.0017 above the floor, three of the four seeds past it by 0.0015), so the default rule must
+0.0016 above the floor, three of the four seeds past it by 0.0015), so the default rule must
 flag them, and not the untrained baseline (0.56); fidelity must rise with training. The
 half-way event is not asserted: it is past the floor by only 0.0011.
 """
