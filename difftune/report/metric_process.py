@@ -67,13 +67,14 @@ def _lower_priority() -> None:
 
 
 def serve(cfg: MetricsConfig, training: list[Path], cache_dir: Path, threads: int,
-          jobs: Any, results: Any) -> None:
-    """The child's main: measure each (step, paths) from `jobs` until None arrives."""
+          jobs: Any, results: Any, copies: list[Path] | None = None) -> None:
+    """The child's main: measure each (step, paths) from `jobs` until None arrives (against
+    the training images' VAE `copies` where given; report/vae_copies.py)."""
     started = time.perf_counter()
     _settle(results, threads)
     try:
         scorers = Scorers.load(cfg)
-        ref = reference(scorers, training, cache_dir, cfg.copy_similarity)
+        ref = reference(scorers, training, cache_dir, cfg.copy_similarity, copies)
     except Exception as err:  # models that cannot load: the parent turns metrics off
         log.debug("metrics failed:\n%s", traceback.format_exc())
         results.put(("off", f"{type(err).__name__}: {err}"))

@@ -48,8 +48,11 @@ class MetricWorker:
 
     def __init__(self, cfg: MetricsConfig, training: list[Path], cache_dir: Path,
                  on_result: Result, on_skip: Callable[[int], None] | None = None,
-                 backlog: int = BACKLOG) -> None:
+                 backlog: int = BACKLOG, copies: list[Path] | None = None) -> None:
+        """`copies`: each training image's VAE copy (report/vae_copies.py), what a sample's
+        likeness to a copy is measured on (None: the training images themselves)."""
         self.cfg, self.training, self.cache_dir = cfg, training, cache_dir
+        self.copies = copies
         self.on_result, self.on_skip, self.backlog = on_result, on_skip, backlog
         # When the child started up and when it measured (perf_counter times; benches).
         self.startup: tuple[float, float] | None = None
@@ -117,7 +120,8 @@ class MetricWorker:
         self._jobs, self._results = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(target=metric_process.serve, name="difftune-metrics",
                                  args=(self.cfg, self.training, self.cache_dir,
-                                       self.cfg.threads, self._jobs, self._results),
+                                       self.cfg.threads, self._jobs, self._results,
+                                       self.copies),
                                  daemon=True)
         self._proc.start()
         self._thread = threading.Thread(target=self._serve, name="difftune-metrics",
@@ -214,15 +218,17 @@ def training_images(items: list[Any]) -> list[Path]:
     return list(dict.fromkeys(it.path for it in items if not it.regularization))
 
 
-def describe(cfg: MetricsConfig, training: list[Path], cache_dir: Path) -> list[str]:
+def describe(cfg: MetricsConfig, training: list[Path], cache_dir: Path,
+             copies: list[Path] | None = None) -> list[str]:
     """`check`'s line: the metric models loaded (a model that cannot load is a
     ModelFileError now, not a warning mid-run) and the training images' features computed
-    (and cached), with the copy floors they give and the time it took."""
+    (and cached), with the copy floors they give (of their VAE `copies`, as training
+    measures) and the time it took."""
     if not cfg.enabled:
         return ["metrics: off"]
     started = time.perf_counter()
     scorers = Scorers.load(cfg)
-    ref = reference(scorers, training, cache_dir, cfg.copy_similarity)
+    ref = reference(scorers, training, cache_dir, cfg.copy_similarity, copies)
     clip = f"CLIP {cfg.clip}" if cfg.clip is not None else "no CLIP score (metrics.clip unset)"
     return [f"metrics: on: DINOv2 {cfg.dino}, {clip}; {len(training)} training images, "
             f"{floors_line(ref)}; models and features ready in "

@@ -4,14 +4,15 @@
   per prompt (mean of its samples) and overall (mean of all samples).
 - clip_score: CLIPScore of each sample against its prompt; per prompt and overall.
 - memorization: each sample's nearest training image and that similarity. A sample is flagged
-  as a copy when it is at least as similar to that image as the image's own degraded copies
-  are (`copy_floors`: JPEG at quality 50, Gaussian noise, resampling at half size), measured
-  with the same feature model: a copy of T is, to the features, T after some loss. The floor
-  is per image and needs no other training image, so it holds for a run of one subject, of
-  six unrelated ones (each learned from its one image) or of one image alike; docs/
-  training-signal.md has the figures that retired the earlier reference (the closest pair of
-  distinct training images fired before training on the demo). `metrics.copy_similarity`,
-  where set, replaces every image's floor.
+  as a copy when it is at least as similar to that image's VAE copy (the decode of its own
+  latent, the closest any sample can come; report/vae_copies.py) as the VAE copy's own degraded
+  copies are (`copy_floors`: JPEG at quality 50, Gaussian noise, resampling at half size),
+  measured with the same feature model: a copy of T is, to the features, T after some loss. The
+  floor is per image and needs no other training image, so it holds for a run of one subject,
+  of six unrelated ones (each learned from its one image) or of one image alike; docs/
+  training-signal.md has the figures that retired the earlier references (the closest pair of
+  distinct training images fired before training on the demo; the images themselves are out
+  of reach of a tiny model's VAE). `metrics.copy_similarity`, where set, replaces every floor.
 - diversity: the mean pairwise similarity among one prompt's samples (the same prompt at
   several seeds); overall the mean over such prompts. Collapse shows as it rises.
 
@@ -52,11 +53,13 @@ NOISE_SEED = 0
 
 @dataclass
 class Reference:
-    """The training images' features and, per image, the similarity a copy reaches."""
+    """The training images' features and, per image, what a copy is compared with (its VAE
+    copy's features) and the similarity a copy reaches."""
 
     names: list[str]
-    features: torch.Tensor  # M x D, unit length
-    floors: torch.Tensor  # M: the least similarity of each image's degraded copies to it
+    features: torch.Tensor  # M x D, unit length (fidelity)
+    floors: torch.Tensor  # M: the least similarity of each copy target's degraded copies to it
+    copies: torch.Tensor  # M x D: the features a sample's likeness to a copy is measured on
 
 
 @dataclass
@@ -132,16 +135,20 @@ def training_features(scorers: Scorers, paths: list[Path], cache_dir: Path) -> t
 
 
 def reference(scorers: Scorers, paths: list[Path], cache_dir: Path,
-              copy_similarity: float | None = None) -> Reference:
-    """The training images' features and copy floors (both cached by content); a set
-    `copy_similarity` is every image's floor instead."""
+              copy_similarity: float | None = None,
+              copies: list[Path] | None = None) -> Reference:
+    """The training images' features, and the copy targets' (`copies`, each training image's
+    VAE copy (report/vae_copies.py); the images themselves where None) features and floors,
+    all cached by content; a set `copy_similarity` is every image's floor instead."""
     feats = training_features(scorers, paths, cache_dir)
+    targets = paths if copies is None else copies
+    near = feats if copies is None else training_features(scorers, targets, cache_dir)
     if copy_similarity is not None:
         floors = torch.full((len(paths),), float(copy_similarity))
     else:
-        floors = _cached(scorers, paths, cache_dir, "dino_copy_floor", "floor",
+        floors = _cached(scorers, targets, cache_dir, "dino_copy_floor", "floor",
                          lambda todo: _floors(scorers, todo)).reshape(-1)
-    return Reference([p.name for p in paths], feats, floors)
+    return Reference([p.name for p in paths], feats, floors, near)
 
 
 def floors_line(ref: Reference) -> str:
@@ -167,16 +174,17 @@ def measure(scorers: Scorers, ref: Reference, samples: list[Sample]) -> dict[str
     """The metrics of one event's samples: overall figures at the top level (what keep_best
     and charts read), per prompt under `prompts`, per sample under `samples`."""
     feats = _batched_features(scorers, [s.path for s in samples])
-    sims = feats @ ref.features.T  # N x M
+    sims = feats @ ref.features.T  # N x M: fidelity
+    likeness = feats @ ref.copies.T  # N x M: to each image's copy target (memorization)
     clip = [scorers.clip_scores([read_image(s.path) for s in samples[i:i + BATCH]],
                                 [s.prompt for s in samples[i:i + BATCH]])
             for i in range(0, len(samples), BATCH)]
     clip_t = None if scorers.clip is None else torch.cat([c for c in clip if c is not None])
     rows = []
     for i, s in enumerate(samples):
-        near = int(sims[i].argmax())
+        near = int(likeness[i].argmax())
         rows.append({"file": s.path.name, "prompt": s.prompt, "fidelity": float(sims[i].mean()),
-                     "nearest": ref.names[near], "nearest_similarity": float(sims[i, near]),
+                     "nearest": ref.names[near], "nearest_similarity": float(likeness[i, near]),
                      "copy_floor": float(ref.floors[near]),
                      **({"clip_score": float(clip_t[i])} if clip_t is not None else {})})
     prompts = {}

@@ -36,6 +36,7 @@ from difftune.train.rundir import RunLock, refuse_overwrite
 from difftune.train.setup import Run, load_data, prepare, set_training
 from difftune.report import metric_worker
 from difftune.report.metric_worker import training_images
+from difftune.report.vae_copies import make_copies
 from difftune.train import validation
 from difftune.train.step import batch_loss
 from difftune.verbs.common import sampler_for
@@ -160,7 +161,9 @@ def run_check(cfg: RunConfig, init_lora: Path | None = None) -> list[str]:
                      "uses no placeholder)"))
     report += validation.describe(run)
     assert cfg.cache.dir is not None  # set when the config loads
-    report += metric_worker.describe(cfg.metrics, training_images(data.items), cfg.cache.dir)
+    training = training_images(data.items)
+    copies = make_copies(run, training) if cfg.metrics.enabled else None
+    report += metric_worker.describe(cfg.metrics, training, cfg.cache.dir, copies)
     report += _placeholder_report(run)
     report += describe_captions(run)
     report += _check_sample(run)

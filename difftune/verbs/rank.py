@@ -166,9 +166,10 @@ class Measurer:
         self.dino, self.clip, self.check = dino, clip, check
 
     def measure(self, run: Path, cfg: dict[str, Any], samples: list[Path]) -> dict[str, Any]:
-        """The sample metrics of `samples` against the run's training images. `check` (the
-        web app's roots) sees the run's config first: measuring reads the model files, the
-        training images and the metric models it names, and writes its cache."""
+        """The sample metrics of `samples` against the run's training images (memorization
+        against their VAE copies where the run listed them, as training measured). `check`
+        (the web app's roots) sees the run's config first: measuring reads the model files,
+        the training images and the metric models it names, and writes its cache."""
         if self.check is not None:
             self.check(run, cfg)
         from difftune import families
@@ -177,6 +178,7 @@ class Measurer:
         from difftune.report.metric_worker import training_images
         from difftune.report.sample_metrics import measure, read_sample, reference
         from difftune.report.scoring import Scorers
+        from difftune.report.vae_copies import read_index
         from difftune.train.setup import load_data
 
         m = cfg.get("metrics", {})
@@ -191,8 +193,9 @@ class Measurer:
         data = load_data(run_cfg, families.get(run_cfg.model.family, run_cfg.model.variant))
         scorers = Scorers.load(MetricsConfig(enabled=True, dino=dino, clip=clip))
         assert run_cfg.cache.dir is not None
-        ref = reference(scorers, training_images(data.items), run_cfg.cache.dir,
-                        m.get("copy_similarity"))
+        training = training_images(data.items)
+        ref = reference(scorers, training, run_cfg.cache.dir, m.get("copy_similarity"),
+                        read_index(run, training))
         return measure(scorers, ref, [read_sample(p) for p in samples])
 
 

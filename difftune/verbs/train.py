@@ -17,6 +17,7 @@ from difftune.config import RunConfig
 from difftune.config.keep_best import Measure
 from difftune.report.logs import attach_run_log
 from difftune.report.metric_worker import MetricWorker, training_images
+from difftune.report.vae_copies import run_copies
 from difftune.report.metrics import Reporter, SilentReporter
 from difftune.train import experts
 from difftune.train.best import BestKeeper
@@ -119,7 +120,8 @@ def _run_locked(cfg: RunConfig, dist: Dist, checkpoint: Checkpoint | None,
 
 def metric_worker(run: Run, reporter: Reporter, best: BestKeeper | None) -> MetricWorker | None:
     """The run's sample-metrics thread ([metrics] enabled), reporting to `reporter` and to
-    the keep_best rule."""
+    the keep_best rule; the training images' VAE copies (what memorization compares samples
+    with) are made first, here where the VAE is."""
     m = run.cfg.metrics
     if not m.enabled:
         return None
@@ -130,8 +132,10 @@ def metric_worker(run: Run, reporter: Reporter, best: BestKeeper | None) -> Metr
         if best is not None:
             best.record(step, figures)
 
-    return MetricWorker(m, training_images(run.data.items), run.cfg.cache.dir, measured,
-                        on_skip=best.skipped if best is not None else None)
+    training = training_images(run.data.items)
+    copies = run_copies(run, training)
+    return MetricWorker(m, training, run.cfg.cache.dir, measured,
+                        on_skip=best.skipped if best is not None else None, copies=copies)
 
 
 def best_keeper(cfg: RunConfig, checkpoint: Checkpoint | None,

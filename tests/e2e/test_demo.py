@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,14 +78,54 @@ def test_short_demo_writes_and_reports_everything(short_demo: tuple[Path, str]) 
     assert demo_config_path().is_file()
 
 
+@pytest.fixture(scope="module")
+def demo_run(short_demo: tuple[Path, str]) -> Any:
+    """The short demo's run loaded again from its resolved config (model, data, caches)."""
+    from difftune.config import parse_config
+    from difftune.train.setup import prepare
+
+    out = short_demo[0]
+    return prepare(parse_config(json.loads((out / "config.resolved.json").read_text()), out),
+                   show_progress=False)
+
+
 def test_the_short_demos_samples_are_not_flagged_as_copies(
-        short_demo: tuple[Path, str], scorer_models: tuple,
+        short_demo: tuple[Path, str], demo_run: Any, scorer_models: tuple,
         capsys: pytest.CaptureFixture[str]) -> None:
     """Its LoRA's samples (six subjects, one image each: learning, not copying) measured by
-    `difftune runs rank` against each training image's copy floor."""
+    `difftune runs rank` against each training image's copy floor: with the run's VAE copies
+    listed (what a run with [metrics] measures against), and without (the images)."""
+    from difftune.report.metric_worker import training_images
+    from difftune.report.vae_copies import run_copies
+
     out, _ = short_demo
-    assert main(["runs", "rank", str(out), "--json", "--dino", str(scorer_models[0])]) == 0
-    [entry] = json.loads(capsys.readouterr().out)["checkpoints"]
-    assert entry["step"] == SHORT and entry["measured_now"] and len(entry["samples"]) == 6
-    assert 0 < entry["figures"]["nearest_similarity"] < 1
-    assert entry["copying"] is False
+    for listed in (False, True):
+        if listed:  # as a run with [metrics] lists them when it starts
+            copies = run_copies(demo_run, training_images(demo_run.data.items))
+            assert copies is not None and len(copies) == 6
+            assert json.loads((out / "vae_copies.json").read_text()) == {
+                str(t): str(c) for t, c in zip(training_images(demo_run.data.items), copies)}
+        assert main(["runs", "rank", str(out), "--json", "--dino", str(scorer_models[0])]) == 0
+        [entry] = json.loads(capsys.readouterr().out)["checkpoints"]
+        assert entry["step"] == SHORT and entry["measured_now"] and len(entry["samples"]) == 6
+        assert 0 < entry["figures"]["nearest_similarity"] < 1
+        assert entry["copying"] is False
+
+
+def test_vae_copies_that_cannot_be_made_leave_the_run_going(
+        demo_run: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A cache folder that cannot be written: a warning, and memorization falls back to the
+    training images themselves (None), rather than the run stopping."""
+    from dataclasses import replace
+
+    from difftune.report.metric_worker import training_images
+    from difftune.report.vae_copies import run_copies
+
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache folder would be")
+    cfg = demo_run.cfg
+    cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update={"dir": blocked}),
+                                 "save": cfg.save.model_copy(update={"dir": tmp_path})})
+    assert run_copies(replace(demo_run, cfg=cfg), training_images(demo_run.data.items)) is None
+    assert "VAE copies could not be made" in caplog.text
+    assert not (tmp_path / "vae_copies.json").exists()
