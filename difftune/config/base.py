@@ -20,10 +20,11 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 def _no_bool(value: Any) -> Any:
-    """Refuse true/false where a number is meant (pydantic would read true as 1.0)."""
+    """Refuse true/false where a number is meant (pydantic would read true as 1.0); None (off,
+    as config.resolved.json writes it) is read as 0 for the bound check."""
     if isinstance(value, bool):
         raise ValueError("write a number: a positive norm to clip to, or 0 to turn clipping off")
-    return value
+    return 0.0 if value is None else value
 
 
 def _zero_is_off(value: float | None) -> float | None:

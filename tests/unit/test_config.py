@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from difftune.config import load_config
+from difftune.config import load_config, parse_config
 from difftune.errors import ConfigError
 
 GOOD = """
@@ -185,6 +186,14 @@ def test_max_grad_norm_zero_turns_clipping_off(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, GOOD), ["train.max_grad_norm=0"])
     assert cfg.train.max_grad_norm is None
     assert load_config(write(tmp_path, GOOD)).train.max_grad_norm == 1.0
+
+
+def test_clipping_off_survives_config_resolved_json(tmp_path: Path) -> None:
+    """config.resolved.json writes clipping off as null; reading it back (resume, `runs rank`,
+    the web app) must give off again, not pydantic's TypeError on a bound applied to None."""
+    cfg = load_config(write(tmp_path, GOOD), ["train.max_grad_norm=0"])
+    again = parse_config(json.loads(json.dumps(cfg.model_dump(mode="json"))), tmp_path)
+    assert again.train.max_grad_norm is None
     msg = problems(tmp_path, GOOD, ["train.max_grad_norm=true"])
     assert "train.max_grad_norm" in msg and "0" in msg
     assert "train.max_grad_norm" in problems(tmp_path, GOOD, ["train.max_grad_norm=-1"])
