@@ -73,14 +73,36 @@ def test_fused_backward_run_resumes_exactly(tmp_path: Path, images: Path) -> Non
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.full_only  # inductor's CPU compile alone is ~30 s; the GPU suite runs it on CUDA
 def test_compiled_blocks_train_like_eager_ones(tmp_path: Path, images: Path,
                                               finished: Path) -> None:
+    """Compiled blocks give the eager run's losses and LoRA (the wiring, which blocks get
+    compiled, is in the default run: test_compile_wraps_the_spec_blocks_without_running_them)."""
     eager = finished.parent / "out"  # the shared 4-step eager run (its checkpoints change nothing)
     compiled = train(tmp_path / "compiled", images, "train.compile=true")
     (le, we), (lc, wc) = result(eager), result(compiled)
     assert lc == pytest.approx(le, rel=1e-4)
     assert max(float((we[k] - wc[k]).abs().max()) for k in we) <= 1e-3  # 0.1 x lr
     assert "torch.compile: 4 denoiser blocks" in (compiled / "difftune.log").read_text()
+
+
+def test_compile_wraps_the_spec_blocks_without_running_them(tmp_path: Path,
+                                                           images: Path) -> None:
+    """`train.compile` compiles each of the family's `compile_blocks` (lazily: nothing runs)."""
+    from difftune import families
+    from difftune.config import load_config
+    from difftune.families.base import blocks_of
+    from difftune.memory import savers
+    from tests.unit.test_blockswap import build
+
+    cfg = load_config(run_toml(tmp_path, images), ["train.compile=true"])
+    family = families.get(cfg.model.family, cfg.model.variant)
+    denoiser = build()  # the tiny FLUX.1 transformer, the run's family
+    savers.apply(cfg, family, denoiser, torch.device("cpu"))
+    blocks = blocks_of(denoiser, family.compile_blocks)
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    others = [m for m in denoiser.modules() if m not in blocks and m is not denoiser]
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in others)
 
 
 @pytest.mark.parametrize("sets, message", [
