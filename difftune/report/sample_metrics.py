@@ -220,6 +220,7 @@ def copy_warning(step: int, m: dict[str, Any]) -> str | None:
         return None
     worst = max(m["samples"], key=_copy_margin)
     return (f"samples at step {step} look copied from the training data: {worst['file']} has "
-            f"similarity {worst['nearest_similarity']:.4f} to {worst['nearest']}, as close as "
-            f"that image's own degraded copies ({worst['copy_floor']:.4f}); earlier "
+            f"similarity {worst['nearest_similarity']:.4f} to {worst['nearest']} (as the "
+            "model's VAE reproduces it, where the run made VAE copies), as close as a JPEG, "
+            f"noised or resampled copy of it ({worst['copy_floor']:.4f}); earlier "
             "checkpoints may generalize better (lower lr or fewer steps)")
