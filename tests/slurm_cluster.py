@@ -3,7 +3,7 @@ temporary folder, started once per test session and stopped at its end.
 
 The configuration is the smallest that runs here (a container): one node (this host, its
 CPUs), one partition `debug`, `auth/none` and `cred/none` instead of munge (no key to make),
-`proctrack/linuxproc` and `task/none` (no cgroup plugins), credentials that expire after 10 s
+`proctrack/linuxproc` and `task/none` (no cgroup plugins), credentials that expire after 5 s
 instead of 120 (a requeued job waits that long before it starts again), a scheduler that looks
 at pending jobs every second (not 60), no accounting (a job's state is read
 with `scontrol` while SLURM remembers it). Its own ports, so a SLURM already on the machine is
@@ -42,7 +42,7 @@ SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/none
 CredType=cred/none
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 SlurmUser={user}
 SlurmdUser={user}
 StateSaveLocation={root / 'state'}
